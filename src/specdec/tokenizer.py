@@ -1,0 +1,81 @@
+"""A thin wrapper over a Hugging Face tokenizer: text <-> ids, chat templates, end tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# End-of-generation tokens of the chat formats we know; added to the eos set when present.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>", "<|end|>")
+
+Messages = list[dict[str, str]]
+
+
+class TokenizerMismatchError(ValueError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, hf: Any, eos_ids: frozenset[int]) -> None:
+        self.hf = hf
+        self.eos_ids = eos_ids
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        path = Path(path)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path))
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        eos: set[int] = set()
+        if hf.eos_token_id is not None:
+            eos.add(int(hf.eos_token_id))
+        config = path / "config.json"
+        if config.exists():
+            cfg_eos = json.loads(config.read_text()).get("eos_token_id")
+            eos.update(int(i) for i in (cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]) if i is not None)
+        vocab = hf.get_vocab()
+        special = set(hf.all_special_tokens) | {t.content for t in hf.added_tokens_decoder.values() if t.special}
+        eos.update(vocab[t] for t in _END_TOKENS if t in vocab and t in special)
+        return cls(hf, frozenset(eos))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text)["input_ids"])
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        if not self.has_chat_template:
+            raise ValueError("this tokenizer has no chat template; pass chat=False to use the prompt as raw text")
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return [int(i) for i in out]
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, *, names: tuple[str, str] = ("target", "draft")) -> None:
+    """Speculative decoding compares token ids, so both models must share one vocabulary."""
+    tv, dv = target.hf.get_vocab(), draft.hf.get_vocab()
+    if tv == dv:
+        return
+    diff = [t for t in tv.keys() ^ dv.keys()][:3] or [t for t in tv if tv[t] != dv.get(t)][:3]
+    raise TokenizerMismatchError(
+        f"the {names[0]} and {names[1]} tokenizers differ ({len(tv)} vs {len(dv)} tokens; e.g. {diff!r}). "
+        "A draft model must use the same tokenizer as the target (for example qwen2.5-coder-0.5b "
+        "with qwen2.5-coder-1.5b); otherwise use a drafter that needs no second model."
+    )

@@ -1,0 +1,71 @@
+"""Verification rules: pure functions of target/draft distributions and the draft tokens.
+
+Vocabulary (as in vLLM): of the K drafted tokens, the first `num_accepted` are *accepted*;
+then the target adds one token: the *recovered* token (drawn after a rejection) or, when all
+K pass, the *bonus* token (drawn from the target's distribution after the last draft).
+Every step therefore yields between 1 and K + 1 tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_accepted: torch.Tensor  # [B] int64, in [0, K]
+    next_token: torch.Tensor  # [B] int64: recovered or bonus token
+
+
+def greedy_verify(
+    target_logits: torch.Tensor,  # [B, K+1, V]: logits after the last committed token and each draft
+    draft_tokens: torch.Tensor,  # [B, K]
+) -> Verdict:
+    """Accept the longest prefix on which the draft equals the target's argmax, then add the
+    target's own argmax at the first mismatch (or after the last draft)."""
+    target_choice = target_logits.argmax(-1)  # [B, K+1]
+    K = draft_tokens.shape[1]
+    match = (draft_tokens == target_choice[:, :K]).long()  # [B, K]
+    num_accepted = match.cumprod(-1).sum(-1)  # [B]
+    next_token = target_choice.gather(1, num_accepted[:, None]).squeeze(1)
+    return Verdict(num_accepted, next_token)
+
+
+def rejection_sample(
+    p: torch.Tensor,  # [B, K+1, V] target probabilities (temperature/top-k/top-p applied)
+    q: torch.Tensor,  # [B, K, V] draft probabilities the drafts were sampled from (same processing)
+    draft_tokens: torch.Tensor,  # [B, K]
+    generator: torch.Generator,
+) -> Verdict:
+    """Exact speculative sampling (Leviathan et al. 2022, Alg. 1; Chen et al. 2023).
+
+    Draft x̃_i is accepted with probability min(1, p_i(x̃_i) / q_i(x̃_i)); at the first rejection
+    the recovered token is drawn from norm(max(0, p_i - q_i)); if all K pass, the bonus token
+    is drawn from p_{K+1}. The output is distributed exactly as p, whatever q is.
+    A point-mass q (one-hot, for deterministic drafters) reduces to: accept with p(x̃), else
+    draw from p with x̃ removed.
+    """
+    B, K = draft_tokens.shape
+    V = p.shape[-1]
+    p = p.float()
+    q = q[..., :V].float()  # a draft with extra (padded) ids: p is 0 there, so they never pass
+    if q.shape[-1] < V:
+        q = torch.nn.functional.pad(q, (0, V - q.shape[-1]))
+    u = torch.rand(B, K, generator=generator, device=p.device)  # [B, K]
+    p_x = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    # u < p/q without dividing: q = 0 < p accepts (ratio infinite), p = 0 always rejects.
+    accept = (u * q_x < p_x).long()
+    num_accepted = accept.cumprod(-1).sum(-1)  # [B]
+    # Residual max(0, p - q) at the first rejected position; with q padded by a zero row at
+    # position K it is simply p_{K+1} for the bonus token.
+    q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)  # [B, K+1, V]
+    idx = num_accepted[:, None, None].expand(B, 1, V)
+    residual = (p.gather(1, idx) - q_pad.gather(1, idx)).clamp_min(0).squeeze(1)  # [B, V]
+    mass = residual.sum(-1, keepdim=True)
+    # A rejection implies p(x̃) < q(x̃), hence some y with p(y) > q(y): mass > 0. Guard rounding.
+    residual = torch.where(mass > 0, residual, p.gather(1, idx).squeeze(1))
+    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return Verdict(num_accepted, next_token)
