@@ -9,6 +9,8 @@ from typing import Any
 # End-of-generation tokens of the chat formats we know; added to the eos set when present.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>", "<|end|>")
 
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
 Messages = list[dict[str, str]]
 
 
@@ -23,14 +25,21 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
         from transformers.utils import logging as hf_logging
 
         path = Path(path)
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
+        tok_cfg = path / "tokenizer_config.json"
+        cls_name = json.loads(tok_cfg.read_text()).get("tokenizer_class") if tok_cfg.exists() else None
         try:
-            hf = AutoTokenizer.from_pretrained(str(path))
+            if cls_name in _GENERIC_CLASSES:
+                # A plain tokenizer.json: load it as is. AutoTokenizer would pick a class from the
+                # model type (e.g. Qwen2Tokenizer) and add that family's special tokens to it.
+                hf = PreTrainedTokenizerFast.from_pretrained(str(path))
+            else:
+                hf = AutoTokenizer.from_pretrained(str(path))
         finally:
             hf_logging.set_verbosity(verbosity)
         eos: set[int] = set()

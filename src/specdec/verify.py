@@ -49,13 +49,15 @@ def rejection_sample(
     """
     B, K = draft_tokens.shape
     V = p.shape[-1]
-    p = p.float()
-    q = q[..., :V].float()  # a draft with extra (padded) ids: p is 0 there, so they never pass
+    p, q = p.float(), q.float()
+    u = torch.rand(B, K, generator=generator, device=p.device)  # [B, K]
+    q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    # A draft vocabulary may be larger than the target's (padding rows): p is 0 there.
+    in_vocab = draft_tokens < V
+    p_x = p[:, :K].gather(-1, draft_tokens.clamp_max(V - 1)[..., None]).squeeze(-1) * in_vocab  # [B, K]
+    q = q[..., :V]
     if q.shape[-1] < V:
         q = torch.nn.functional.pad(q, (0, V - q.shape[-1]))
-    u = torch.rand(B, K, generator=generator, device=p.device)  # [B, K]
-    p_x = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
-    q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
     # u < p/q without dividing: q = 0 < p accepts (ratio infinite), p = 0 always rejects.
     accept = (u * q_x < p_x).long()
     num_accepted = accept.cumprod(-1).sum(-1)  # [B]
