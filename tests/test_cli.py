@@ -1,0 +1,47 @@
+"""The commands the issues write out must work as written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def specdec_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True)
+
+
+@pytest.mark.real
+def test_generate_compare_json_as_written():
+    res = specdec_cli("generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "-k", "4",
+                      "--temperature", "0", "--max-new-tokens", "40", "--compare", "--json",
+                      "--prompt", "Name three planets of the solar system.")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    for key in ("identical", "speedup", "acceptance_rate", "mean_accepted_tokens", "tokens_per_second"):
+        assert key in out, key
+    assert out["identical"] is True
+    assert out["acceptance_rate"] == 1.0  # the draft is the target itself
+    assert 1.0 < out["mean_accepted_tokens"] <= 5.0
+    assert out["speedup"] > 0 and out["tokens_per_second"] > 0
+
+
+@pytest.mark.real
+def test_sampled_generation_reports_seed_and_reproduces():
+    args = ("generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--temperature", "0.8",
+            "--top-p", "0.9", "--seed", "7", "--max-new-tokens", "16", "--json", "--prompt", "Once upon a time")  # fmt: skip
+    a, b = specdec_cli(*args), specdec_cli(*args)
+    assert a.returncode == 0, a.stderr
+    ja, jb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ja["seed"] == 7 and ja["token_ids"] == jb["token_ids"]
+
+
+def test_models_list():
+    res = specdec_cli("models", "list")
+    assert res.returncode == 0
+    for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"):
+        assert name in res.stdout
