@@ -1,0 +1,70 @@
+"""Speedup of the draft-model method over plain decoding on a few prompts of different kinds.
+
+Loads the models once, then for each prompt and temperature runs plain and speculative
+decoding side by side (`specdec.compare`), repeated; prints a table and writes JSON.
+
+    python benchmarks/qwen_pair.py --out bench-out/qwen_pair.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+import specdec
+
+PROMPTS = {
+    "code": "Write a Python function that checks whether a string is a palindrome, with a docstring.",
+    "code-edit": "Rewrite this function to use a list comprehension:\n\ndef squares(xs):\n    out = []\n"
+    "    for x in xs:\n        out.append(x * x)\n    return out\n",
+    "explain": "Explain what a hash table is and when to use one.",
+    "math": "A train travels 120 km in 1.5 hours. What is its average speed? Show your steps.",
+    "chat": "Give me three tips for writing readable code.",
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--out", type=Path, default=Path("bench-out/qwen_pair.json"))
+    a = ap.parse_args()
+    target = specdec.load(a.target, dtype=a.dtype)
+    draft = specdec.load(a.draft, dtype=a.dtype)
+    rows = []
+    print(f"{'prompt':10s} {'T':>4s} {'speedup':>8s} {'alpha':>6s} {'tau':>5s} {'spec tok/s':>10s} "
+          f"{'plain tok/s':>11s} identical", flush=True)  # fmt: skip
+    for temp in a.temperatures:
+        for kind, prompt in PROMPTS.items():
+            runs = [specdec.compare(target, prompt, assistant_model=draft, k=a.k, max_new_tokens=a.max_new_tokens,
+                                    temperature=temp, seed=i) for i in range(a.repeats)]  # fmt: skip
+            row = {
+                "prompt": kind, "temperature": temp, "k": a.k, "dtype": a.dtype,
+                "speedup": statistics.median(r.speedup for r in runs),
+                "acceptance_rate": statistics.median(r.speculative.metrics.acceptance_rate for r in runs),
+                "mean_accepted_tokens": statistics.median(r.speculative.metrics.mean_accepted_tokens for r in runs),
+                "tokens_per_second": statistics.median(r.speculative.metrics.tokens_per_second for r in runs),
+                "plain_tokens_per_second": statistics.median(r.plain.metrics.tokens_per_second for r in runs),
+                "identical": [r.identical for r in runs],
+                "new_tokens": [r.speculative.metrics.new_tokens for r in runs],
+            }  # fmt: skip
+            rows.append(row)
+            print(f"{kind:10s} {temp:4.1f} {row['speedup']:8.2f} {row['acceptance_rate']:6.2f} "
+                  f"{row['mean_accepted_tokens']:5.2f} {row['tokens_per_second']:10.2f} "
+                  f"{row['plain_tokens_per_second']:11.2f} {row['identical']}", flush=True)  # fmt: skip
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
