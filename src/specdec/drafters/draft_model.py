@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.cache import KVCache
 from ..model.transformer import Transformer
 from ..sampling import probs, sample
 from .base import Draft, DraftSession, register
@@ -20,6 +21,8 @@ class DraftModelDrafter:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.forwards = 0
+        self.session: DraftSession | None = None  # set by `begin`
+        self.cache: KVCache | None = None
         self._tokens: list[int] = []  # committed sequence
         self._proposal: list[int] = []
 
@@ -31,29 +34,33 @@ class DraftModelDrafter:
                 f"the draft model's context ({self.model.args.max_seq_len}) is shorter than the "
                 f"generation needs ({session.capacity}); lower max_new_tokens or pick another draft"
             )
-        self.s = session
+        self.session = session
         self.cache = self.model.new_cache(session.capacity)
         self._tokens = session.context[0].tolist()
         self._proposal = []
-        self._feed(self._tokens[:-1], last_only=True)
+        self._feed(self._tokens[:-1])
 
-    def _feed(self, tokens: list[int], *, last_only: bool) -> torch.Tensor:
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Run the draft over `tokens`; logits after the last one, [1, V]."""
+        assert self.cache is not None, "begin() first"
         x = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
         self.forwards += 1
-        return self.model(x, self.cache, last_only=last_only).logits[:, -1]  # [1, V]
+        return self.model(x, self.cache, last_only=True).logits[:, -1]
 
     def propose(self, k: int) -> Draft:
-        sampling = self.s.sampling
+        if self.session is None or self.cache is None:
+            raise RuntimeError("DraftModelDrafter.propose() called before begin()")
+        sampling = self.session.sampling
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         pending = self._tokens[self.cache.length :]
-        for i in range(k):
-            logits = self._feed(pending, last_only=True)
+        for _ in range(k):
+            logits = self._feed(pending)
             if sampling.greedy:
                 tok = int(logits.argmax(-1))
             else:
                 q = probs(logits, sampling)  # [1, V]
-                tok = int(sample(q, self.s.generator))
+                tok = int(sample(q, self.session.generator))
                 qs.append(q)
             tokens.append(tok)
             pending = [tok]
