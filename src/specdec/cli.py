@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from . import registry, store
 from .config import GenerationConfig, SamplingParams, add_arguments, from_namespace
-from .model.load import DTYPES
+from .model.kernels import MODES
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +27,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="wrap the prompt in the model's chat template (default: when it has one)")  # fmt: skip
     add_arguments(p, GenerationConfig)
     add_arguments(p, SamplingParams)
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weight precision")
+    p.add_argument("--dtype", default="fp32", choices=list(MODES), help="precision/kernel mode")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -131,11 +133,41 @@ def _cmd_install(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (speed measured side by side in one run)")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    fwd = bsub.add_parser("forward", help="ms per target forward for k new tokens, per precision/kernel mode",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    fwd.add_argument("--model", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
+    fwd.add_argument("--modes", nargs="+", choices=list(MODES), help="modes to time (default: all for the device)")
+    fwd.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
+    fwd.add_argument("--repeats", type=int, default=5, help="timed repeats per k (median reported)")
+    fwd.add_argument("--device", default=None)
+    fwd.add_argument("--json", action="store_true", help="print one JSON object")
+    fwd.set_defaults(func=_cmd_bench_forward)
+
+
+def _cmd_bench_forward(ns: argparse.Namespace) -> int:
+    from .bench import forward
+    from .model.load import default_device
+
+    if ns.context < 1 or ns.repeats < 1:
+        raise ValueError("--context and --repeats must be >= 1")
+    path = store.resolve(ns.model)
+    modes = ns.modes or forward.default_modes(torch.device(ns.device) if ns.device else default_device())
+    result = forward.run(str(path), modes=modes, context=ns.context, repeats=ns.repeats, device=ns.device,
+                         progress=lambda s: print(s, file=sys.stderr))  # fmt: skip
+    result["model"] = ns.model
+    print(json.dumps(result) if ns.json else forward.table(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _models_parser(sub)
+    _bench_parser(sub)
     return parser
 
 

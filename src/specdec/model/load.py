@@ -11,23 +11,15 @@ from pathlib import Path
 import torch
 
 from .config import ModelArgs
+from .kernels import apply_mode, get_mode
 from .transformer import Transformer
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
-
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None) -> Transformer:
+    """`dtype` names a precision/kernel mode (see `specdec.model.kernels.MODES`)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -51,12 +43,16 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
             f"{path}: weights do not match a {args.model_type} decoder "
             f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
         )
-    target_dtype = resolve_dtype(dtype)
+    mode = get_mode(dtype)
     dev = torch.device(device) if device is not None else default_device()
-    state = {k: v.to(device=dev, dtype=target_dtype) for k, v in state.items()}
+    state = {k: v.to(device=dev, dtype=mode.storage) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.eval()
-    return model.finalize()
+    model.finalize()
+    apply_mode(model, mode)
+    model.mode = mode.name
+    model.row_invariant_attention = mode.batch_invariant
+    return model
 
 
 def _strip_prefix(key: str) -> str:

@@ -19,6 +19,11 @@ from .config import ModelArgs
 from .linear import Linear
 
 
+# Longer runs of new tokens (prompt prefill) attend in one batched call: prefill is the same
+# call in plain and speculative decoding, so it needs no row-by-row treatment.
+ROW_ATTENTION_MAX = 64
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [B, T, V] float32 ([B, 1, V] with last_only)
@@ -79,6 +84,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         start: int,  # slot of the first new token
         mask: torch.Tensor | None,  # [B, 1, T, start+T] bool, True = may attend
+        row_masks: list[torch.Tensor | None] | None = None,  # row-by-row attention (see Transformer)
     ) -> torch.Tensor:
         a = self.a
         B, T, _ = x.shape
@@ -91,14 +97,21 @@ class Attention(nn.Module):
         end = start + T
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
-        out = F.scaled_dot_product_attention(
-            q,
-            k_cache[:, :, :end],
-            v_cache[:, :, :end],
-            attn_mask=mask,
-            scale=a.attn_scale,
-            enable_gqa=a.n_rep > 1,
-        )  # [B, H, T, Dh]
+        if row_masks is None:
+            out = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, scale=a.attn_scale,
+                enable_gqa=a.n_rep > 1,
+            )  # [B, H, T, Dh]
+        else:
+            # Each row attends exactly as a one-token decoding step at its position would:
+            # same key range, same mask, same kernel shape -> bitwise the same result.
+            out = torch.cat([
+                F.scaled_dot_product_attention(
+                    q[:, :, i : i + 1], k_cache[:, :, : start + i + 1], v_cache[:, :, : start + i + 1],
+                    attn_mask=row_masks[i], scale=a.attn_scale, enable_gqa=a.n_rep > 1,
+                )
+                for i in range(T)
+            ], dim=2)  # fmt: skip
         return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
 
 
@@ -130,8 +143,8 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
             self.post_feedforward_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, start, mask) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, start, mask)
+    def forward(self, x, positions, rotary, k_cache, v_cache, start, mask, row_masks=None) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, start, mask, row_masks)
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -156,6 +169,10 @@ class Transformer(nn.Module):
         self.model = Decoder(args)
         self.lm_head = Linear(args.dim, args.vocab_size)
         self._rotary: dict[bool, Rotary] = {}
+        # Set by batch-invariant modes: short chains of new tokens attend row by row, so a
+        # k-token verification pass computes bitwise what one-token decoding computes.
+        self.row_invariant_attention = False
+        self.mode = "fp32"
 
     # -- set-up ---------------------------------------------------------------------------
     def finalize(self) -> "Transformer":
@@ -192,20 +209,35 @@ class Transformer(nn.Module):
         end = start + T
         window = self.args.sliding_window
         need_sliding = window is not None and True in self.args.layer_sliding
-        if tree_mask is None and T == 1 and not need_sliding:
-            return {False: None}  # one new token sees the whole cache
+        if tree_mask is None and T == 1:
+            # One new token sees the whole cache: no mask on full-attention layers.
+            masks: dict[bool, torch.Tensor | None] = {False: None}
+            if need_sliding:
+                masks[True] = self._window(cache, positions, end).unsqueeze(1)
+            return masks
         dev = positions.device
         full = torch.ones(B, T, end, dtype=torch.bool, device=dev)
         if tree_mask is None:
             full[:, :, start:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         else:
             full[:, :, start:] = tree_mask.expand(B, T, T)
-        masks: dict[bool, torch.Tensor | None] = {False: full.unsqueeze(1)}
+        masks = {False: full.unsqueeze(1)}
         if need_sliding:
-            kpos = cache.pos[:, :end]  # [B, S]
-            near = kpos[:, None, :] > positions[:, :, None] - window  # [B, T, S]
-            masks[True] = (full & near).unsqueeze(1)
+            masks[True] = (full & self._window(cache, positions, end)).unsqueeze(1)
         return masks
+
+    def _window(self, cache: KVCache, positions: torch.Tensor, end: int) -> torch.Tensor:
+        """[B, T, end] True where a key lies inside the query's sliding window."""
+        assert self.args.sliding_window is not None
+        return cache.pos[:, None, :end] > positions[:, :, None] - self.args.sliding_window
+
+    def _row_masks(self, masks: dict[bool, torch.Tensor | None], start: int, T: int) -> dict[bool, list]:
+        """Per-row masks for row-by-row attention: exactly what one-token decoding at each
+        position would pass (None on full layers, the window row on sliding layers)."""
+        rows: dict[bool, list] = {False: [None] * T}
+        if True in masks and masks[True] is not None:
+            rows[True] = [masks[True][:, :, i : i + 1, : start + i + 1] for i in range(T)]
+        return rows
 
     @torch.inference_mode()
     def forward(
@@ -230,6 +262,9 @@ class Transformer(nn.Module):
             )
         cache.pos[:, start : start + T] = positions
         masks = self._masks(cache, positions, start, tree_mask)
+        row_masks = None
+        if self.row_invariant_attention and tree_mask is None and 1 < T <= ROW_ATTENTION_MAX:
+            row_masks = self._row_masks(masks, start, T)
         x = self.model.embed_tokens(tokens)  # [B, T, D]
         if a.embed_scale != 1.0:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
@@ -237,7 +272,8 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.model.layers):
             rotary = self._rotary.get(block.sliding, self._rotary[False])
             mask = masks.get(block.sliding, masks[False])
-            x = block(x, positions, rotary, cache.k[i], cache.v[i], start, mask)
+            rows = None if row_masks is None else row_masks.get(block.sliding, row_masks[False])
+            x = block(x, positions, rotary, cache.k[i], cache.v[i], start, mask, rows)
             if i in output_layers:
                 layers[i] = x
         cache.length = start + T

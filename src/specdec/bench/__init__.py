@@ -1,0 +1,1 @@
+"""Benchmarks (never timed tests): speed belongs here, measured side by side in one run."""

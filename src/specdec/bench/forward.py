@@ -1,0 +1,101 @@
+"""`specdec bench forward`: milliseconds per target forward for k new tokens, per mode.
+
+For each precision/kernel mode the model is loaded, a prompt of `context` tokens is
+prefilled, and a pass over k new tokens (k = 1, 2, 4, 8, 16) is timed repeatedly on top of
+it (the cache is rolled back between repeats, as a rejected draft would be). Each mode is
+also checked for batch invariance: are the logits of one k-token pass bitwise equal to those
+of k one-token passes?
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..model.kernels import MODES
+from ..model.load import load_transformer
+from ..model.transformer import Transformer
+
+KS = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    ms: dict[int, float] = field(default_factory=dict)  # k -> median ms per pass
+    batch_invariant: bool = False
+    max_abs_diff: float = 0.0  # k-token pass vs one-token passes, logits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ms": {str(k): v for k, v in self.ms.items()}, "batch_invariant": self.batch_invariant,
+                "max_abs_diff": self.max_abs_diff,
+                "ratio_k8_k1": self.ms[8] / self.ms[1] if 8 in self.ms and 1 in self.ms else None}  # fmt: skip
+
+
+def _tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, min(vocab, 30000), (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats: int) -> ModeResult:
+    dev = model.device
+    prompt = _tokens(context, model.args.vocab_size, 0).to(dev)
+    new = _tokens(max(ks), model.args.vocab_size, 1).to(dev)
+    cache = model.new_cache(context + max(ks))
+    model(prompt, cache, last_only=True)
+    result = ModeResult(model.mode)
+    for k in ks:
+        times = []
+        for r in range(repeats + 1):  # the first run warms up this shape
+            cache.truncate(context)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(new[:, :k], cache)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                times.append((time.perf_counter() - t0) * 1e3)
+        result.ms[k] = statistics.median(times)
+    # Batch invariance: one 8-token pass vs eight 1-token passes over the same prefix.
+    cache.truncate(context)
+    together = model(new[:, :8], cache).logits
+    cache.truncate(context)
+    alone = torch.cat([model(new[:, i : i + 1], cache).logits for i in range(8)], dim=1)
+    result.batch_invariant = bool(torch.equal(together, alone))
+    result.max_abs_diff = float((together - alone).abs().max())
+    return result
+
+
+def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] = KS, repeats: int = 5,
+        device: str | None = None, progress=print) -> dict[str, Any]:  # fmt: skip
+    out: dict[str, Any] = {"context": context, "ks": list(ks), "repeats": repeats,
+                           "threads": torch.get_num_threads(), "torch": torch.__version__, "modes": {}}  # fmt: skip
+    for mode in modes:
+        model = load_transformer(path, dtype=mode, device=device)
+        progress(f"timing {mode} ...")
+        out["modes"][mode] = time_mode(model, context=context, ks=ks, repeats=repeats).to_dict()
+        out["device"] = str(model.device)
+        del model
+        gc.collect()
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    ks = result["ks"]
+    head = f"{'mode':8s}" + "".join(f"{'k=' + str(k):>10s}" for k in ks) + f"{'k8/k1':>8s}  batch-invariant"
+    lines = [head]
+    for mode, r in result["modes"].items():
+        ratio = r["ratio_k8_k1"]
+        lines.append(f"{mode:8s}" + "".join(f"{r['ms'][str(k)]:10.1f}" for k in ks)
+                     + (f"{ratio:8.2f}" if ratio else f"{'':8s}")
+                     + f"  {'yes' if r['batch_invariant'] else 'no (max diff %.1e)' % r['max_abs_diff']}")  # fmt: skip
+    return "\n".join(lines) + "\n(ms per target forward, median)"
+
+
+def default_modes(device: torch.device) -> list[str]:
+    return [m for m in MODES if device.type == "cuda" or m != "fp16"]

@@ -1,0 +1,99 @@
+"""Precision/kernel modes for the native model's linear layers.
+
+A mode decides the weight storage and the kernel every `Linear` runs. Modes differ in speed
+and in whether they are *batch-invariant*: whether the result for one row (one token) is
+bitwise independent of how many other rows share the call. Speculative decoding scores k
+drafted tokens in one pass; only a batch-invariant forward makes that pass compute exactly
+what one-token plain decoding computes, and with it guarantees greedy identity.
+
+| mode | weights | activations | batch-invariant |
+|------|---------|-------------|-----------------|
+| fp32 | fp32    | fp32 GEMM (BLAS picks kernels by shape) | no (last-bit differences) |
+| bf16 | bf16    | bf16 GEMM  | no |
+| fp16 | fp16    | fp16 GEMM (for CUDA) | no |
+| int8 | int8, one scale per output channel | int8, one scale per row | yes: exact int32 accumulation |
+
+int8 is W8A8 with *per-row* activation scales: ``y = (x_q @ W_q^T) * s_x * s_w``. The integer
+product is exact whatever the blocking, and every float operation after it is elementwise,
+so a row's output depends on that row alone. (fbgemm's dynamic quantization uses one scale
+per tensor, which makes rows depend on each other.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .linear import Linear
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    storage: torch.dtype  # dtype of embeddings, norms, activations and the KV cache
+    batch_invariant: bool
+    description: str
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("fp32", torch.float32, False, "float32 weights and math"),
+        Mode("bf16", torch.bfloat16, False, "bfloat16 weights and math"),
+        Mode("fp16", torch.float16, False, "float16 weights and math (GPU)"),
+        Mode("int8", torch.float32, True, "int8 weights and per-row int8 activations, exact int32 sums"),
+    )
+}
+
+
+def get_mode(name: str) -> Mode:
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown mode {name!r}; choose one of {', '.join(MODES)}") from None
+
+
+class Int8Kernel:
+    """W8A8 linear: per-output-channel symmetric weights, per-row symmetric activations."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.float()  # [N, K]
+        self.w_scale = w.abs().amax(1).clamp_min(1e-12) / 127.0  # [N]
+        self.wq_t = torch.round(w / self.w_scale[:, None]).to(torch.int8).t().contiguous()  # [K, N]
+        self.bias = None if bias is None else bias.float()  # [N]
+        self.out_features = w.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
+        x_scale = x2.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [M, 1]
+        xq = torch.round(x2 / x_scale).to(torch.int8)
+        if xq.shape[0] == 1:
+            # The 1-row call takes a slow path in the int8 GEMM; a zero second row is free and,
+            # since the sums are exact, changes nothing in row 0.
+            acc = torch._int_mm(torch.cat([xq, torch.zeros_like(xq)]), self.wq_t)[:1]
+        else:
+            acc = torch._int_mm(xq, self.wq_t)  # [M, N] int32, exact
+        y = acc.float() * x_scale * self.w_scale  # elementwise: row-local
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+
+def apply_mode(model: torch.nn.Module, mode: Mode) -> None:
+    """Install `mode`'s kernel in every `Linear` (weights are already in `mode.storage`)."""
+    if mode.name != "int8":
+        return
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.set_kernel(Int8Kernel(module.weight, module.bias))
+            if not _shares_storage(module, model):
+                # The float weight is no longer read; keep memory at int8 size.
+                module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def _shares_storage(linear: Linear, model: torch.nn.Module) -> bool:
+    """A tied LM head shares its weight with the embedding, which still needs it."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return embed is not None and linear.weight is embed.weight

@@ -1,0 +1,111 @@
+"""Precision/kernel modes: batch invariance as a tested property, and the int8 kernel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import specdec
+from specdec.bench import forward as bench_forward
+from specdec.drafters import DraftModelDrafter
+from specdec.model import load_transformer
+from specdec.model.kernels import MODES, Int8Kernel, get_mode
+
+INVARIANT_MODES = [m for m in MODES.values() if m.batch_invariant]
+
+
+def test_int8_kernel_is_accurate_and_row_local():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(7, 64, generator=g) * torch.linspace(0.1, 10, 7)[:, None]
+    kern = Int8Kernel(w, b)
+    y = kern(x)
+    ref = torch.nn.functional.linear(x, w, b)
+    assert ((y - ref).norm() / ref.norm()) < 0.02
+    for i in range(7):  # each row is bitwise what it would be alone
+        assert torch.equal(kern(x[i : i + 1]), y[i : i + 1])
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="unknown mode 'int3'"):
+        get_mode("int3")
+
+
+def verify_vs_decode(model, prompt_len: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, min(model.args.vocab_size, 250), (1, prompt_len + k),
+                        generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    cache = model.new_cache(prompt_len + k)
+    model(ids[:, :prompt_len], cache)
+    together = model(ids[:, prompt_len:], cache).logits
+    cache.truncate(prompt_len)
+    alone = torch.cat([model(ids[:, i : i + 1], cache).logits for i in range(prompt_len, prompt_len + k)], 1)
+    return together, alone
+
+
+@pytest.mark.parametrize("mode", INVARIANT_MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_batch_invariant_modes_are_bitwise_invariant_tiny(tiny_dir, arch, mode):
+    model = load_transformer(tiny_dir(arch), dtype=mode.name, device="cpu")
+    for k in (1, 2, 4, 8, 16):
+        together, alone = verify_vs_decode(model, prompt_len=13, k=k, seed=k)  # 13 + k > Gemma's window
+        assert torch.equal(together, alone), (arch, k)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("mode", INVARIANT_MODES, ids=lambda m: m.name)
+def test_batch_invariant_modes_are_bitwise_invariant_smollm2(smollm2, mode):
+    model = load_transformer(smollm2.path, dtype=mode.name, device="cpu")
+    for k in (2, 5, 9):
+        together, alone = verify_vs_decode(model, prompt_len=40, k=k)
+        assert torch.equal(together, alone), k
+
+
+@pytest.mark.parametrize("mode", INVARIANT_MODES, ids=lambda m: m.name)
+def test_greedy_identity_in_invariant_modes_tiny(tiny_dir, mode):
+    target = specdec.load(tiny_dir("qwen2"), dtype=mode.name, device="cpu")
+    draft = specdec.load(tiny_dir("qwen2", "close"), dtype=mode.name, device="cpu")
+    for prompt in ("abcabcabc", "def f(x):\n", "Hello, world. Hello"):
+        for k in (1, 4, 7):
+            plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
+            spec = specdec.generate(target, prompt, assistant_model=draft, k=k, max_new_tokens=24, ignore_eos=True)
+            assert spec.token_ids == plain.token_ids
+
+
+@pytest.mark.real
+def test_greedy_identity_int8_smollm2(smollm2):
+    target = specdec.load("smollm2-135m", dtype="int8", device="cpu")
+    noisy = load_transformer(smollm2.path, dtype="int8", device="cpu")
+    g = torch.Generator().manual_seed(0)
+    emb = noisy.model.embed_tokens.weight
+    emb.add_(0.15 * emb.std() * torch.randn(emb.shape, generator=g))  # a draft that is sometimes wrong
+    rejected = 0
+    for prompt in ("What is the capital of France?", "Write a haiku about the sea.", "Count from 1 to 10."):
+        plain = specdec.generate(target, prompt, max_new_tokens=32)
+        spec = specdec.generate(target, prompt, drafter=DraftModelDrafter(noisy), k=5, max_new_tokens=32)
+        assert spec.token_ids == plain.token_ids, prompt
+        rejected += spec.metrics.proposed - spec.metrics.accepted
+    assert rejected > 0
+
+
+def test_bench_forward_harness_on_tiny(tiny_dir):
+    """Harness check only (speed is never asserted): well-formed output, invariance flags."""
+    out = bench_forward.run(str(tiny_dir("llama")), modes=["fp32", "int8"], context=16, ks=(1, 2, 8), repeats=1,
+                            device="cpu", progress=lambda s: None)  # fmt: skip
+    assert set(out["modes"]) == {"fp32", "int8"}
+    for r in out["modes"].values():
+        assert set(r["ms"]) == {"1", "2", "8"} and all(v > 0 for v in r["ms"].values())
+    assert out["modes"]["int8"]["batch_invariant"] is True
+    assert "k=8" in bench_forward.table(out)
+
+
+def test_bench_forward_cli_json(tiny_dir):
+    res = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "forward", "--model", str(tiny_dir("qwen2")),
+                          "--modes", "int8", "--context", "8", "--repeats", "1", "--json"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["modes"]["int8"]["batch_invariant"] is True and set(out["modes"]["int8"]["ms"]) == {"1", "2", "4", "8", "16"}
