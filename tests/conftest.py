@@ -40,10 +40,10 @@ def tiny_dir(tmp_path_factory):
 def tiny(tiny_dir):
     loaded: dict[str, specdec.LoadedModel] = {}
 
-    def get(arch: str = "llama", kind: str = "target") -> specdec.LoadedModel:
-        key = f"{arch}-{kind}"
+    def get(arch: str = "llama", kind: str = "target", dtype: str = "fp32") -> specdec.LoadedModel:
+        key = f"{arch}-{kind}-{dtype}"
         if key not in loaded:
-            loaded[key] = specdec.load(tiny_dir(arch, kind), device="cpu")
+            loaded[key] = specdec.load(tiny_dir(arch, kind), dtype=dtype, device="cpu")
         return loaded[key]
 
     return get
@@ -51,5 +51,6 @@ def tiny(tiny_dir):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real SmolLM2-135M. Not installed -> the error names `specdec models install smollm2-135m`."""
-    return specdec.load("smollm2-135m", device="cpu")
+    """The real SmolLM2-135M in fp32, the reference precision (transformers is the oracle).
+    Not installed -> the error names `specdec models install smollm2-135m`."""
+    return specdec.load("smollm2-135m", dtype="fp32", device="cpu")

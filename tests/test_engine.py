@@ -27,10 +27,11 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("draft_kind", ["close", "independent"])
-def test_greedy_identity_tiny(tiny, arch, draft_kind):
-    target, draft = tiny(arch), tiny(arch, draft_kind)
+def test_greedy_identity_tiny(tiny, arch, draft_kind, dtype):
+    target, draft = tiny(arch, dtype=dtype), tiny(arch, draft_kind, dtype=dtype)
     accepted = rejected = 0
     for prompt, k in itertools.product(PROMPTS, (1, 2, 3, 5, 8)):
         kw = dict(max_new_tokens=24, ignore_eos=True, chat=False)

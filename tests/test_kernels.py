@@ -109,3 +109,8 @@ def test_bench_forward_cli_json(tiny_dir):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["modes"]["int8"]["batch_invariant"] is True and set(out["modes"]["int8"]["ms"]) == {"1", "2", "4", "8", "16"}
+
+
+def test_auto_mode_is_the_exact_fast_one_on_cpu(tiny_dir):
+    lm = specdec.load(tiny_dir("llama"), device="cpu")
+    assert lm.model.mode == "int8" and get_mode("auto").batch_invariant

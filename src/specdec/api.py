@@ -35,11 +35,14 @@ class LoadedModel:
 
     def __repr__(self) -> str:
         a = self.model.args
-        return f"LoadedModel({self.name!r}, {a.model_type}, {a.n_layers} layers, {self.model.dtype})"
+        return f"LoadedModel({self.name!r}, {a.model_type}, {a.n_layers} layers, mode={self.model.mode})"
 
 
-def load(name_or_path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None) -> LoadedModel:
-    """Load a registered model name, a Hugging Face directory or a GGUF file."""
+def load(name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.device | None = None) -> LoadedModel:
+    """Load a registered model name, a Hugging Face directory or a GGUF file.
+
+    `dtype` is a precision/kernel mode: "auto" (the fastest mode that keeps greedy identity
+    exact: int8 on the CPU), "fp32", "bf16", "fp16" or "int8"."""
     path = store.resolve(name_or_path)
     return LoadedModel(str(name_or_path), path, load_transformer(path, dtype=dtype, device=device),
                        Tokenizer.from_dir(path))  # fmt: skip

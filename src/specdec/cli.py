@@ -12,7 +12,7 @@ import torch
 
 from . import registry, store
 from .config import GenerationConfig, SamplingParams, add_arguments, from_namespace
-from .model.kernels import MODES
+from .model.kernels import AUTO, MODES
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +27,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="wrap the prompt in the model's chat template (default: when it has one)")  # fmt: skip
     add_arguments(p, GenerationConfig)
     add_arguments(p, SamplingParams)
-    p.add_argument("--dtype", default="fp32", choices=list(MODES), help="precision/kernel mode")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],
+                   help="precision/kernel mode; auto = fastest exact mode for the device (int8 on CPU)")  # fmt: skip
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -61,7 +62,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
     )  # fmt: skip
     encode_prompt(target.tokenizer, prompt, ns.chat)  # validate before any long run
-    header = {"target": ns.target, "draft": ns.draft, "k": cfg.k, "dtype": ns.dtype,
+    header = {"target": ns.target, "draft": ns.draft, "k": cfg.k, "dtype": target.model.mode,
               "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}  # fmt: skip
     if ns.compare:
         cmp = compare(target, prompt, **kwargs)

@@ -47,11 +47,26 @@ MODES: dict[str, Mode] = {
 }
 
 
-def get_mode(name: str) -> Mode:
+AUTO = "auto"
+
+
+def default_mode_name(device: torch.device) -> str:
+    """The fastest mode that keeps greedy identity exact, where one exists for the device.
+
+    On the CPU that is int8 (measured on Qwen2.5-Coder-1.5B, 2 cores: ~2.7x faster than fp32
+    per token, and a k=8 pass costs ~1.1x a k=1 pass). The int8 kernel is CPU-only for now,
+    so CUDA gets bf16, which is fast there but not batch-invariant.
+    """
+    return "int8" if device.type == "cpu" else "bf16"
+
+
+def get_mode(name: str, device: torch.device | None = None) -> Mode:
+    if name == AUTO:
+        name = default_mode_name(device or torch.device("cpu"))
     try:
         return MODES[name]
     except KeyError:
-        raise ValueError(f"unknown mode {name!r}; choose one of {', '.join(MODES)}") from None
+        raise ValueError(f"unknown mode {name!r}; choose one of {AUTO}, {', '.join(MODES)}") from None
 
 
 class Int8Kernel:
@@ -85,6 +100,9 @@ def apply_mode(model: torch.nn.Module, mode: Mode) -> None:
     """Install `mode`'s kernel in every `Linear` (weights are already in `mode.storage`)."""
     if mode.name != "int8":
         return
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(f"the int8 mode runs on the CPU only for now (model is on {device}); use bf16 or fp16")
     for module in model.modules():
         if isinstance(module, Linear):
             module.set_kernel(Int8Kernel(module.weight, module.bias))

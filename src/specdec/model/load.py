@@ -19,7 +19,8 @@ def default_device() -> torch.device:
 
 
 def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None) -> Transformer:
-    """`dtype` names a precision/kernel mode (see `specdec.model.kernels.MODES`)."""
+    """`dtype` names a precision/kernel mode (see `specdec.model.kernels.MODES`), or "auto"
+    for the fastest exact mode on the device. The default, fp32, is the reference precision."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -43,8 +44,8 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
             f"{path}: weights do not match a {args.model_type} decoder "
             f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
         )
-    mode = get_mode(dtype)
     dev = torch.device(device) if device is not None else default_device()
+    mode = get_mode(dtype, dev)
     state = {k: v.to(device=dev, dtype=mode.storage) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.eval()
