@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--out", type=Path, default=Path("bench-out/qwen_pair.json"))
+    ap.add_argument("--peers", action="store_true",
+                    help="also run transformers generate (plain and assistant_model, bf16, greedy) on the same prompts")
     a = ap.parse_args()
     target = specdec.load(a.target, dtype=a.dtype)
     draft = specdec.load(a.draft, dtype=a.dtype)
@@ -61,9 +63,36 @@ def main() -> None:
             print(f"{kind:10s} {temp:4.1f} {row['speedup']:8.2f} {row['acceptance_rate']:6.2f} "
                   f"{row['mean_accepted_tokens']:5.2f} {row['tokens_per_second']:10.2f} "
                   f"{row['plain_tokens_per_second']:11.2f} {row['identical']}", flush=True)  # fmt: skip
+    peers = run_transformers_peers(target, draft, a.max_new_tokens) if a.peers else []
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}, indent=1))
+    a.out.write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows,
+                                 "peers": peers}, indent=1))  # fmt: skip
     print(f"wrote {a.out}")
+
+
+def run_transformers_peers(target: specdec.LoadedModel, draft: specdec.LoadedModel, max_new_tokens: int) -> list:
+    """transformers' own greedy decoding and assisted generation (the same draft), bf16."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    hf_t = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.bfloat16)
+    hf_d = AutoModelForCausalLM.from_pretrained(draft.path, dtype=torch.bfloat16)
+    out = []
+    print(f"{'peer':28s} {'prompt':10s} {'tok/s':>6s}", flush=True)
+    for kind, prompt in PROMPTS.items():
+        ids = torch.tensor([specdec.encode_prompt(target.tokenizer, prompt)])
+        results = {}
+        for name, extra in (("transformers bf16", {}), ("transformers bf16 assisted", {"assistant_model": hf_d})):
+            t0 = time.perf_counter()
+            gen = hf_t.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **extra)
+            dt = time.perf_counter() - t0
+            new = gen[0, ids.shape[1]:].tolist()
+            results[name] = new
+            out.append({"peer": name, "prompt": kind, "tokens_per_second": len(new) / dt, "new_tokens": len(new)})
+            print(f"{name:28s} {kind:10s} {len(new) / dt:6.2f}", flush=True)
+        out[-1]["identical_to_its_plain"] = results["transformers bf16"] == results["transformers bf16 assisted"]
+    return out
 
 
 if __name__ == "__main__":

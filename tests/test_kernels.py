@@ -114,3 +114,13 @@ def test_bench_forward_cli_json(tiny_dir):
 def test_auto_mode_is_the_exact_fast_one_on_cpu(tiny_dir):
     lm = specdec.load(tiny_dir("llama"), device="cpu")
     assert lm.model.mode == "int8" and get_mode("auto").batch_invariant
+
+
+@pytest.mark.real
+def test_bench_forward_reports_llama_cpp_when_installed(smollm2):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional peer")
+    from specdec import registry, store
+
+    gguf = store.gguf_path(registry.MODELS["smollm2-135m"])
+    peer = bench_forward.time_llama_cpp(gguf, context=16, ks=(1, 4), repeats=1)
+    assert peer is not None and set(peer["ms"]) == {"1", "4"} and all(v > 0 for v in peer["ms"].values())

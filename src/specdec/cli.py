@@ -156,8 +156,10 @@ def _cmd_bench_forward(ns: argparse.Namespace) -> int:
         raise ValueError("--context and --repeats must be >= 1")
     path = store.resolve(ns.model)
     modes = ns.modes or forward.default_modes(torch.device(ns.device) if ns.device else default_device())
+    gguf = store.gguf_path(registry.MODELS[ns.model]) if ns.model in registry.MODELS else Path(ns.model)
     result = forward.run(str(path), modes=modes, context=ns.context, repeats=ns.repeats, device=ns.device,
-                         progress=lambda s: print(s, file=sys.stderr))  # fmt: skip
+                         progress=lambda s: print(s, file=sys.stderr),
+                         gguf=gguf if gguf.suffix == ".gguf" else None)  # fmt: skip
     result["model"] = ns.model
     print(json.dumps(result) if ns.json else forward.table(result))
     return 0

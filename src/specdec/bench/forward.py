@@ -13,6 +13,7 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,8 +72,37 @@ def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats:
     return result
 
 
+def time_llama_cpp(gguf: Path, *, context: int, ks: tuple[int, ...], repeats: int) -> dict[str, Any] | None:
+    """The same measurement through llama.cpp (llama-cpp-python) on the GGUF file, when that
+    package is installed: a peer, reported beside our modes. None when it is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(gguf), n_ctx=context + max(ks) + 8, n_threads=torch.get_num_threads(),
+                n_threads_batch=torch.get_num_threads(), logits_all=True, verbose=False)  # fmt: skip
+    vocab = llm.n_vocab()
+    prompt = _tokens(context, vocab, 0)[0].tolist()
+    new = _tokens(max(ks), vocab, 1)[0].tolist()
+    llm.eval(prompt)
+    ms: dict[str, float] = {}
+    for k in ks:
+        times = []
+        for r in range(repeats + 1):
+            llm.n_tokens = context  # roll back: eval() drops cache entries past n_tokens
+            t0 = time.perf_counter()
+            llm.eval(new[:k])
+            if r:
+                times.append((time.perf_counter() - t0) * 1e3)
+        ms[str(k)] = statistics.median(times)
+    import llama_cpp
+
+    return {"ms": ms, "ratio_k8_k1": ms["8"] / ms["1"] if "8" in ms and "1" in ms else None,
+            "version": llama_cpp.__version__, "gguf": gguf.name}  # fmt: skip
+
+
 def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] = KS, repeats: int = 5,
-        device: str | None = None, progress=print) -> dict[str, Any]:  # fmt: skip
+        device: str | None = None, progress=print, gguf: Path | None = None) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {"context": context, "ks": list(ks), "repeats": repeats,
                            "threads": torch.get_num_threads(), "torch": torch.__version__, "modes": {}}  # fmt: skip
     for mode in modes:
@@ -82,6 +112,9 @@ def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] 
         out["device"] = str(model.device)
         del model
         gc.collect()
+    if gguf is not None and gguf.exists():
+        progress("timing llama.cpp ...")
+        out["llama_cpp"] = time_llama_cpp(gguf, context=context, ks=ks, repeats=repeats)
     return out
 
 
@@ -94,6 +127,10 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{mode:8s}" + "".join(f"{r['ms'][str(k)]:10.1f}" for k in ks)
                      + (f"{ratio:8.2f}" if ratio else f"{'':8s}")
                      + f"  {'yes' if r['batch_invariant'] else 'no (max diff %.1e)' % r['max_abs_diff']}")  # fmt: skip
+    peer = result.get("llama_cpp")
+    if peer:
+        lines.append(f"{'llama.cpp':8s}" + "".join(f"{peer['ms'][str(k)]:10.1f}" for k in ks)
+                     + (f"{peer['ratio_k8_k1']:8.2f}" if peer["ratio_k8_k1"] else "") + f"  (peer, {peer['gguf']})")  # fmt: skip
     return "\n".join(lines) + "\n(ms per target forward, median)"
 
 
