@@ -13,21 +13,29 @@ import specdec
 from specdec.bench import forward as bench_forward
 from specdec.drafters import DraftModelDrafter
 from specdec.model import load_transformer
+from specdec.model import kernels
 from specdec.model.kernels import MODES, Int8Kernel, get_mode
 
 INVARIANT_MODES = [m for m in MODES.values() if m.batch_invariant]
 
 
-def test_int8_kernel_is_accurate_and_row_local():
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "int_mm"])
+def test_int8_kernel_is_accurate_and_row_local(monkeypatch, onednn):
+    if onednn and not kernels._onednn_int8_available():
+        pytest.skip("this torch build has no oneDNN int8 ops")
+    monkeypatch.setattr(kernels, "_onednn_int8_available", lambda: onednn)
     g = torch.Generator().manual_seed(0)
-    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    x = torch.randn(7, 64, generator=g) * torch.linspace(0.1, 10, 7)[:, None]
+    w, b = torch.randn(96, 640, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(33, 640, generator=g) * torch.linspace(0.1, 10, 33)[:, None]
     kern = Int8Kernel(w, b)
+    assert (kern.packed is not None) == onednn
     y = kern(x)
     ref = torch.nn.functional.linear(x, w, b)
     assert ((y - ref).norm() / ref.norm()) < 0.02
-    for i in range(7):  # each row is bitwise what it would be alone
-        assert torch.equal(kern(x[i : i + 1]), y[i : i + 1])
+    for m in (1, 2, 5, 9, 16, 33):  # any row is bitwise what it is in a call of any size
+        part = kern(x[:m])
+        assert torch.equal(part, y[:m])
+        assert torch.equal(kern(x[m - 1 : m]), y[m - 1 : m])
 
 
 def test_unknown_mode_is_refused():

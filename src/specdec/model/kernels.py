@@ -15,7 +15,7 @@ what one-token plain decoding computes, and with it guarantees greedy identity.
 
 int8 is W8A8 with *per-row* activation scales: ``y = (x_q @ W_q^T) * s_x * s_w``. The integer
 product is exact whatever the blocking, and every float operation after it is elementwise,
-so a row's output depends on that row alone. (fbgemm's dynamic quantization uses one scale
+so a row's output depends on that row alone (tested bitwise for every row count we use). (fbgemm's dynamic quantization uses one scale
 per tensor, which makes rows depend on each other.)
 """
 
@@ -69,25 +69,51 @@ def get_mode(name: str, device: torch.device | None = None) -> Mode:
         raise ValueError(f"unknown mode {name!r}; choose one of {AUTO}, {', '.join(MODES)}") from None
 
 
+def _onednn_int8_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
 class Int8Kernel:
-    """W8A8 linear: per-output-channel symmetric weights, per-row symmetric activations."""
+    """W8A8 linear: per-output-channel symmetric weights, per-row symmetric activations.
+
+    With oneDNN (PyTorch's x86 CPU builds) the weight is prepacked once and the integer GEMM
+    runs with unit scales, so it returns float(Σ u·w) of the exact int32 sum; activations go
+    in as unsigned bytes (x_q + 128) because that is oneDNN's fast path, and the constant
+    128·Σ_k w_q[n, k] is subtracted afterwards. Measured on Qwen 1.5B shapes (2 cores): ~1.8x
+    faster than `torch._int_mm` for 5-9 rows, the same for one row. Without oneDNN,
+    `torch._int_mm` computes the same exact sums.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         w = weight.float()  # [N, K]
+        n_out = w.shape[0]
+        self.out_features = n_out
         self.w_scale = w.abs().amax(1).clamp_min(1e-12) / 127.0  # [N]
-        # Stored [N, K] and passed transposed: measured ~25% faster than a contiguous [K, N]
-        # copy when the weights stream from memory (Qwen 1.5B shapes, 2 cores).
-        self.wq = torch.round(w / self.w_scale[:, None]).to(torch.int8)  # [N, K]
+        wq = torch.round(w / self.w_scale[:, None]).to(torch.int8)  # [N, K]
         self.bias = None if bias is None else bias.float()  # [N]
-        self.out_features = w.shape[0]
+        self.packed: torch.Tensor | None = None
+        self.wq: torch.Tensor | None = None
+        if _onednn_int8_available() and w.device.type == "cpu":
+            self.packed = torch.ops.onednn.qlinear_prepack(wq, None)
+            self.offset = (128 * wq.sum(1, dtype=torch.int64)).float()  # [N]
+            self.unit_scale = torch.ones(n_out)
+            self.zero_point = torch.zeros(n_out, dtype=torch.long)
+        else:
+            self.wq = wq  # stored [N, K], passed transposed: faster than a [K, N] copy
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
         x_scale = x2.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [M, 1]
-        xq = torch.round(x2 / x_scale).to(torch.int8)
-        acc = torch._int_mm(xq, self.wq.t())  # [M, N] int32, exact whatever kernel runs
-        y = acc.float() * x_scale * self.w_scale  # elementwise: row-local
+        xq = torch.round(x2 / x_scale)  # integers in [-127, 127]
+        if self.packed is not None:
+            acc = torch.ops.onednn.qlinear_pointwise(
+                (xq + 128).to(torch.uint8), 1.0, 0, self.packed, self.unit_scale, self.zero_point,
+                None, 1.0, 0, torch.float32, "none", [], "",
+            ) - self.offset  # [M, N]
+        else:
+            acc = torch._int_mm(xq.to(torch.int8), self.wq.t()).float()  # [M, N], exact sums
+        y = acc * x_scale * self.w_scale  # elementwise: row-local
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features).to(x.dtype)
