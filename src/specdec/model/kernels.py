@@ -95,7 +95,8 @@ class Int8Kernel:
         self.wq: torch.Tensor | None = None
         if _onednn_int8_available() and w.device.type == "cpu":
             self.packed = torch.ops.onednn.qlinear_prepack(wq, None)
-            self.offset = (128 * wq.sum(1, dtype=torch.int64)).float()  # [N]
+            # Passed as the GEMM's bias so the offset is removed in the same pass.
+            self.neg_offset = -(128 * wq.sum(1, dtype=torch.int64)).float()  # [N]
             self.unit_scale = torch.ones(n_out)
             self.zero_point = torch.zeros(n_out, dtype=torch.long)
         else:
@@ -105,17 +106,20 @@ class Int8Kernel:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
         x_scale = x2.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [M, 1]
-        xq = torch.round(x2 / x_scale)  # integers in [-127, 127]
+        # x_q + 128 in one pass: x / s lies in [-127, 127], so adding 128.5 and truncating
+        # rounds half up into [1, 255].
+        xu = (x2 / x_scale).add_(128.5).to(torch.uint8)  # [M, K]
         if self.packed is not None:
             acc = torch.ops.onednn.qlinear_pointwise(
-                (xq + 128).to(torch.uint8), 1.0, 0, self.packed, self.unit_scale, self.zero_point,
-                None, 1.0, 0, torch.float32, "none", [], "",
-            ) - self.offset  # [M, N]
+                xu, 1.0, 0, self.packed, self.unit_scale, self.zero_point, self.neg_offset,
+                1.0, 0, torch.float32, "none", [], "",
+            )  # [M, N] = float(Σ u·w) - 128·Σw
         else:
-            acc = torch._int_mm(xq.to(torch.int8), self.wq.t()).float()  # [M, N], exact sums
-        y = acc * x_scale * self.w_scale  # elementwise: row-local
+            xq = (xu.to(torch.int16) - 128).to(torch.int8)
+            acc = torch._int_mm(xq, self.wq.t()).float()  # [M, N], exact sums
+        y = acc.mul_(x_scale).mul_(self.w_scale)  # elementwise: row-local
         if self.bias is not None:
-            y = y + self.bias
+            y = y.add_(self.bias)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
 
