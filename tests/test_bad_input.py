@@ -86,6 +86,7 @@ def test_tokenizer_mismatch_is_refused(tiny, tmp_path):
         ({"top_k": -1}, "top_k must be an integer >= 0"),
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"context_overflow": "wrap"}, "context_overflow must be one of"),
+        ({"seed": -1}, "seed must be an integer"),
     ],
 )
 def test_bad_generation_settings(tiny, kwargs, message):

@@ -254,3 +254,45 @@ def test_smollm2_stops_at_eos_and_stop_string(smollm2):
     assert "Paris" in out.text
     cut = specdec.generate(smollm2, REAL_PROMPTS[0], assistant_model=smollm2, max_new_tokens=60, stop=["Paris"])
     assert cut.finish_reason == "stop" and "Paris" not in cut.text and cut.text == out.text[: out.text.index("Paris")]
+
+
+class RepeatLastDrafter:
+    """A model-free drafter with no probabilities (q is a point mass): guesses that the last
+    committed token repeats, and offers at most two tokens whatever k is."""
+
+    def __init__(self, limit: int = 2):
+        self.limit, self.forwards = limit, 0
+
+    name = "repeat-last"
+
+    def begin(self, session: DraftSession) -> None:
+        self.last = int(session.context[0, -1])
+
+    def propose(self, k: int):
+        from specdec.drafters import Draft
+
+        n = min(k, self.limit)
+        return Draft(torch.full((1, n), self.last, dtype=torch.long), None)
+
+    def accepted(self, num_accepted: int, next_token: int) -> None:
+        self.last = next_token
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_deterministic_drafter_offering_fewer_than_k(tiny, temperature):
+    target = tiny("llama")
+    kw = dict(max_new_tokens=30, ignore_eos=True, temperature=temperature, seed=3)
+    out = specdec.generate(target, PROMPTS[2], drafter=RepeatLastDrafter(), k=5, **kw)
+    assert len(out.metrics.proposed_per_position) == 2
+    assert out.metrics.proposed <= 2 * out.metrics.steps and len(out.token_ids) == 30
+    if temperature == 0.0:
+        assert out.token_ids == specdec.generate(target, PROMPTS[2], **kw).token_ids
+
+
+def test_drafter_offering_more_than_k_is_refused(tiny):
+    class Overeager(RepeatLastDrafter):
+        def propose(self, k: int):
+            return super().propose(self.limit)
+
+    with pytest.raises(RuntimeError, match="proposed 3 tokens, more than k=1"):
+        specdec.generate(tiny("llama"), "abc", drafter=Overeager(limit=3), k=1, max_new_tokens=5)

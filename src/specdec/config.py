@@ -32,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63 - 1):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

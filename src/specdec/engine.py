@@ -143,9 +143,9 @@ def speculative_generate(
     sampling: SamplingParams,
     tokenizer: Tokenizer | None = None,
 ) -> GenerationResult:
-    """Speculative decoding. Lossless: greedy output equals `plain_generate`'s token for
-    token (up to the kernels' batch invariance), and sampled output follows the same
-    distribution."""
+    """Speculative decoding. Lossless: sampled output follows the target's distribution, and
+    greedy output equals `plain_generate`'s token for token (guaranteed bitwise in
+    batch-invariant modes such as int8; see `specdec.model.kernels`)."""
     seed = _seed(sampling)
     dev = target.device
     gen = make_generator(seed, dev)  # target sampling and verification
@@ -175,6 +175,8 @@ def speculative_generate(
         with timer(dev) as t:
             draft = drafter.propose(k)
         m.draft_time += t[0]
+        if draft.tokens.shape[1] > k:
+            raise RuntimeError(f"drafter {drafter.name!r} proposed {draft.tokens.shape[1]} tokens, more than k={k}")
         start = cache.length
         with timer(dev) as t:
             inputs = torch.cat([_as_batch([last], dev), draft.tokens], dim=1)  # [1, K+1]
@@ -190,7 +192,7 @@ def speculative_generate(
         m.target_forwards += 1
         m.target_time += t[0]
         cache.truncate(start + 1 + n_acc)  # keep `last` and the accepted drafts; drop the rest
-        m.record_step(k, n_acc)
+        m.record_step(draft.tokens.shape[1], n_acc)  # a drafter may offer fewer than k
         for token in draft.tokens[0, :n_acc].tolist() + [nxt]:
             if done := stopper.push(token):
                 break
