@@ -53,9 +53,9 @@ AUTO = "auto"
 def default_mode_name(device: torch.device) -> str:
     """The fastest mode that keeps greedy identity exact, where one exists for the device.
 
-    On the CPU that is int8 (measured on Qwen2.5-Coder-1.5B, 2 cores: ~2.7x faster than fp32
-    per token, and a k=8 pass costs ~1.1x a k=1 pass). The int8 kernel is CPU-only for now,
-    so CUDA gets bf16, which is fast there but not batch-invariant.
+    On the CPU that is int8 (measured on Qwen2.5-Coder-1.5B, 2 cores: ~4.4x faster than fp32
+    per token, and a k=8 pass costs ~1.1-1.4x a k=1 pass). The int8 kernel is CPU-only for
+    now, so CUDA gets bf16, which is fast there but not batch-invariant.
     """
     return "int8" if device.type == "cpu" else "bf16"
 
@@ -78,10 +78,10 @@ class Int8Kernel:
 
     With oneDNN (PyTorch's x86 CPU builds) the weight is prepacked once and the integer GEMM
     runs with unit scales, so it returns float(Σ u·w) of the exact int32 sum; activations go
-    in as unsigned bytes (x_q + 128) because that is oneDNN's fast path, and the constant
-    128·Σ_k w_q[n, k] is subtracted afterwards. Measured on Qwen 1.5B shapes (2 cores): ~1.8x
-    faster than `torch._int_mm` for 5-9 rows, the same for one row. Without oneDNN,
-    `torch._int_mm` computes the same exact sums.
+    in as unsigned bytes (x_q + 128) because that is oneDNN's fast path (signed bytes fall to
+    a path >100x slower), and the constant 128·Σ_k w_q[n, k] is removed through the GEMM's
+    bias. Measured on Qwen 1.5B shapes (2 cores): ~1.8x faster than `torch._int_mm` for 5-9
+    rows, the same for one row. Without oneDNN, `torch._int_mm` computes the same exact sums.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
