@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         flags = meta.get("flags") or ()
         names = [*flags] if any(fl.startswith("--") for fl in flags) else [*flags, "--" + f.name.replace("_", "-")]
         default = f.default if f.default is not MISSING else None
-        kwargs: dict[str, Any] = {"dest": f.name, "help": f"{meta.get('help', '')} (default: {default})"}
+        kwargs: dict[str, Any] = {"dest": f.name, "help": meta.get("help", "")}  # the formatter adds defaults
         if f.type in ("bool", bool):
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["default"] = default
