@@ -24,7 +24,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap the prompt in the model's chat template (default: when it has one)")  # fmt: skip
+                   help="wrap the prompt in the model's chat template (unset: when the model has one)")  # fmt: skip
     add_arguments(p, GenerationConfig)
     add_arguments(p, SamplingParams)
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],

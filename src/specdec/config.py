@@ -21,7 +21,7 @@ class SamplingParams:
     temperature: float = field(default=0.0, metadata=_opt("0 = greedy; > 0 samples from softmax(logits / T)"))
     top_k: int = field(default=0, metadata=_opt("keep the k most likely tokens (0 = off)"))
     top_p: float = field(default=1.0, metadata=_opt("nucleus sampling mass in (0, 1] (1 = off)"))
-    seed: int | None = field(default=None, metadata=_opt("random seed (default: a fresh one, reported)"))
+    seed: int | None = field(default=None, metadata=_opt("random seed (unset: a fresh one, reported in the output)"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
