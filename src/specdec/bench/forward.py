@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..metrics import timer
 from ..model.kernels import MODES
 from ..model.load import load_transformer
 from ..model.transformer import Transformer
@@ -33,9 +34,13 @@ class ModeResult:
     max_abs_diff: float = 0.0  # k-token pass vs one-token passes, logits
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ms": {str(k): v for k, v in self.ms.items()}, "batch_invariant": self.batch_invariant,
-                "max_abs_diff": self.max_abs_diff,
-                "ratio_k8_k1": self.ms[8] / self.ms[1] if 8 in self.ms and 1 in self.ms else None}  # fmt: skip
+        ms = {str(k): v for k, v in self.ms.items()}
+        return {"ms": ms, "batch_invariant": self.batch_invariant, "max_abs_diff": self.max_abs_diff,
+                "ratio_k8_k1": _ratio_k8_k1(ms)}  # fmt: skip
+
+
+def _ratio_k8_k1(ms: dict[str, float]) -> float | None:
+    return ms["8"] / ms["1"] if "8" in ms and "1" in ms else None
 
 
 def _tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
@@ -53,14 +58,10 @@ def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats:
         times = []
         for r in range(repeats + 1):  # the first run warms up this shape
             cache.truncate(context)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model(new[:, :k], cache)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
+            with timer(dev) as t:
+                model(new[:, :k], cache)
             if r:
-                times.append((time.perf_counter() - t0) * 1e3)
+                times.append(t[0] * 1e3)
         result.ms[k] = statistics.median(times)
     # Batch invariance: one 8-token pass vs eight 1-token passes over the same prefix.
     cache.truncate(context)
@@ -76,10 +77,10 @@ def time_llama_cpp(gguf: Path, *, context: int, ks: tuple[int, ...], repeats: in
     """The same measurement through llama.cpp (llama-cpp-python) on the GGUF file, when that
     package is installed: a peer, reported beside our modes. None when it is not installed."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp
     except ImportError:
         return None
-    llm = Llama(model_path=str(gguf), n_ctx=context + max(ks) + 8, n_threads=torch.get_num_threads(),
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context + max(ks) + 8, n_threads=torch.get_num_threads(),
                 n_threads_batch=torch.get_num_threads(), logits_all=True, verbose=False)  # fmt: skip
     vocab = llm.n_vocab()
     prompt = _tokens(context, vocab, 0)[0].tolist()
@@ -95,10 +96,7 @@ def time_llama_cpp(gguf: Path, *, context: int, ks: tuple[int, ...], repeats: in
             if r:
                 times.append((time.perf_counter() - t0) * 1e3)
         ms[str(k)] = statistics.median(times)
-    import llama_cpp
-
-    return {"ms": ms, "ratio_k8_k1": ms["8"] / ms["1"] if "8" in ms and "1" in ms else None,
-            "version": llama_cpp.__version__, "gguf": gguf.name}  # fmt: skip
+    return {"ms": ms, "ratio_k8_k1": _ratio_k8_k1(ms), "version": llama_cpp.__version__, "gguf": gguf.name}
 
 
 def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] = KS, repeats: int = 5,

@@ -52,7 +52,6 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
     model.finalize()
     apply_mode(model, mode)
     model.mode = mode.name
-    model.row_invariant_attention = mode.batch_invariant
     return model
 
 

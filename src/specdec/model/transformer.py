@@ -16,6 +16,7 @@ from torch import nn
 
 from .cache import ContextOverflowError, KVCache
 from .config import ModelArgs
+from .kernels import MODES
 from .linear import Linear
 
 
@@ -169,10 +170,7 @@ class Transformer(nn.Module):
         self.model = Decoder(args)
         self.lm_head = Linear(args.dim, args.vocab_size)
         self._rotary: dict[bool, Rotary] = {}
-        # Set by batch-invariant modes: short chains of new tokens attend row by row, so a
-        # k-token verification pass computes bitwise what one-token decoding computes.
-        self.row_invariant_attention = False
-        self.mode = "fp32"
+        self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
 
     # -- set-up ---------------------------------------------------------------------------
     def finalize(self) -> "Transformer":
@@ -185,6 +183,12 @@ class Transformer(nn.Module):
         if a.rope_theta_local is not None:
             self._rotary[True] = Rotary(a.head_dim, a.rope_theta_local, a.max_seq_len, dev)
         return self
+
+    @property
+    def row_invariant_attention(self) -> bool:
+        """In batch-invariant modes short chains of new tokens attend row by row, so a k-token
+        verification pass computes bitwise what one-token decoding computes."""
+        return MODES[self.mode].batch_invariant
 
     @property
     def device(self) -> torch.device:
@@ -235,7 +239,7 @@ class Transformer(nn.Module):
         """Per-row masks for row-by-row attention: exactly what one-token decoding at each
         position would pass (None on full layers, the window row on sliding layers)."""
         rows: dict[bool, list] = {False: [None] * T}
-        if True in masks and masks[True] is not None:
+        if masks.get(True) is not None:
             rows[True] = [masks[True][:, :, i : i + 1, : start + i + 1] for i in range(T)]
         return rows
 
