@@ -45,7 +45,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, expected_architecture: str |
                   metadata={"format": "pt", "source_gguf": gguf_file.name})
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "specdec.json").write_text(json.dumps({"source": gguf_file.name, "architecture": arch}))
+        (tmp / "specdec.json").write_text(json.dumps({"source": gguf_file.name, "source_path": str(gguf_file.resolve()), "architecture": arch}))
         del model, state
         if out_dir.exists():
             shutil.rmtree(out_dir)

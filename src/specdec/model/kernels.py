@@ -12,20 +12,27 @@ what one-token plain decoding computes, and with it guarantees greedy identity.
 | bf16 | bf16    | bf16 GEMM  | no |
 | fp16 | fp16    | fp16 GEMM (for CUDA) | no |
 | int8 | int8, one scale per output channel | int8, one scale per row | yes: exact int32 accumulation |
+| q4k  | GGUF Q4_K/Q6_K blocks (4.75/6.6 bits) | int8, one scale per row and 256 inputs | yes: exact integer sums per block, blocks added in a fixed order |
 
 int8 is W8A8 with *per-row* activation scales: ``y = (x_q @ W_q^T) * s_x * s_w``. The integer
 product is exact whatever the blocking, and every float operation after it is elementwise,
-so a row's output depends on that row alone (tested bitwise for every row count we use). (fbgemm's dynamic quantization uses one scale
-per tensor, which makes rows depend on each other.)
+so a row's output depends on that row alone (tested bitwise for every row count we use).
+(fbgemm's dynamic quantization uses one scale per tensor, which makes rows depend on each
+other.) q4k keeps the GGUF file's own K-quant blocks and runs its own kernel
+(`specdec.model.kquant`); it reads about half the bytes per token that int8 does.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
-from .linear import Linear
+from .linear import Linear, LinearKernel
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,9 @@ MODES: dict[str, Mode] = {
         Mode("bf16", torch.bfloat16, False, "bfloat16 weights and math"),
         Mode("fp16", torch.float16, False, "float16 weights and math (GPU)"),
         Mode("int8", torch.float32, True, "int8 weights and per-row int8 activations, exact int32 sums"),
-    )
+        Mode("q4k", torch.float32, True,
+             "GGUF K-quant weights (Q4_K/Q6_K blocks), int8 activations per 256-block, exact integer sums"),
+    )  # fmt: skip
 }
 
 
@@ -53,11 +62,17 @@ AUTO = "auto"
 def default_mode_name(device: torch.device) -> str:
     """The fastest mode that keeps greedy identity exact, where one exists for the device.
 
-    On the CPU that is int8 (measured on Qwen2.5-Coder-1.5B, 2 cores: ~4.4x faster than fp32
-    per token, and a k=8 pass costs ~1.1-1.4x a k=1 pass). The int8 kernel is CPU-only for
-    now, so CUDA gets bf16, which is fast there but not batch-invariant.
+    On the CPU that is q4k when its kernel can be built here (AVX2 and a C compiler), else
+    int8. Measured on Qwen2.5-Coder-1.5B, 2 cores: one token costs ~40 ms in q4k, ~80 ms in
+    int8, ~360 ms in fp32; k=8 tokens cost ~95 ms in q4k and ~105 ms in int8 (bench forward).
+    The integer kernels are CPU-only for now, so CUDA gets bf16, which is fast there but not
+    batch-invariant.
     """
-    return "int8" if device.type == "cpu" else "bf16"
+    if device.type != "cpu":
+        return "bf16"
+    from . import kquant
+
+    return "q4k" if kquant.available() else "int8"
 
 
 def get_mode(name: str, device: torch.device | None = None) -> Mode:
@@ -123,19 +138,75 @@ class Int8Kernel:
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
 
-def apply_mode(model: torch.nn.Module, mode: Mode) -> None:
-    """Install `mode`'s kernel in every `Linear` (weights are already in `mode.storage`)."""
-    if mode.name != "int8":
+def apply_mode(model: torch.nn.Module, mode: Mode, *, gguf: Path | None = None, packed: Path | None = None) -> None:
+    """Install `mode`'s kernel in every `Linear` (weights are already in `mode.storage`).
+
+    `gguf`: the file the weights were converted from, if any; the q4k mode then runs the
+    file's own Q4_K/Q6_K blocks instead of re-quantizing the float weights.
+    `packed`: a file where the q4k mode keeps its repacked weights between loads.
+    """
+    if mode.name not in ("int8", "q4k"):
         return
     device = next(model.parameters()).device
     if device.type != "cpu":
-        raise ValueError(f"the int8 mode runs on the CPU only for now (model is on {device}); use bf16 or fp16")
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.set_kernel(Int8Kernel(module.weight, module.bias))
-            if not _shares_storage(module, model):
-                # The float weight is no longer read; keep memory at int8 size.
-                module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        raise ValueError(f"the {mode.name} mode runs on the CPU only for now (model is on {device}); use bf16 or fp16")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    kernels = _kquant_kernels(model, linears, gguf, packed) if mode.name == "q4k" else {}
+    for name, module in linears.items():
+        module.set_kernel(kernels.get(name) or Int8Kernel(module.weight, module.bias))
+        if not _shares_storage(module, model):
+            # The float weight is no longer read; keep memory at the quantized size.
+            module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def _kquant_kernels(
+    model: torch.nn.Module, linears: dict[str, Linear], gguf: Path | None, packed: Path | None
+) -> dict[str, LinearKernel]:
+    """q4k kernels: the GGUF's Q4_K/Q6_K blocks where it has them (checked against the float
+    weights), the rest quantized here to `kquant.REQUANTIZE` (at least as precise as the GGUF's
+    Q5_0/Q8_0/Q4_1 types). Repacking takes seconds to tens of seconds, so the result is kept in
+    `packed` (one uint8 tensor per layer, its kind in the metadata) and later loads read it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from . import kquant
+
+    kquant.library()  # fail early, with the reason, if the kernel cannot be built here
+
+    def kernel(name: str, kind: int, tiles: torch.Tensor) -> LinearKernel:
+        m = linears[name]
+        return kquant.KQuantKernel(kind, tiles, m.out_features, m.in_features, m.bias)
+
+    if packed is not None and packed.exists():
+        with safe_open(str(packed), framework="pt") as f:
+            kinds = f.metadata() or {}
+            if set(f.keys()) == set(linears) and set(kinds) == set(linears):
+                return {name: kernel(name, int(kinds[name]), f.get_tensor(name)) for name in linears}
+    args = model.args
+    blocks: dict[str, kquant.Blocks] = {}
+    if gguf is not None:
+        shapes = {name: m.out_features for name, m in linears.items()}
+        blocks = kquant.gguf_blocks(
+            gguf, shapes, tied=args.tie_embeddings, model_type=args.model_type,
+            n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+        )  # fmt: skip
+    kernels: dict[str, LinearKernel] = {}
+    tiles: dict[str, torch.Tensor] = {}
+    for name, m in linears.items():
+        b = blocks.get(name)
+        if b is not None and not kquant.matches(b, m.weight):
+            warnings.warn(f"{gguf}: {name} does not match the converted weights; quantizing it again", stacklevel=3)
+            b = None
+        if b is None:
+            b = kquant.quantize(m.weight.detach().float().numpy(), kquant.REQUANTIZE)
+        tiles[name] = torch.from_numpy(kquant.tiles(b).view(np.uint8))
+        kernels[name] = kernel(name, b.kind, tiles[name])
+    if packed is not None:
+        packed.parent.mkdir(parents=True, exist_ok=True)
+        tmp = packed.with_suffix(f".{os.getpid()}.tmp")
+        save_file(tiles, str(tmp), metadata={name: str(k.kind) for name, k in kernels.items()})
+        os.replace(tmp, packed)  # atomic: a concurrent load never reads half a file
+    return kernels
 
 
 def _shares_storage(linear: Linear, model: torch.nn.Module) -> bool:

@@ -50,9 +50,41 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
     model.load_state_dict(state, strict=False, assign=True)
     model.eval()
     model.finalize()
-    apply_mode(model, mode)
+    gguf = gguf_source(path)
+    apply_mode(model, mode, gguf=gguf, packed=packed_path(path, files, gguf) if mode.name == "q4k" else None)
     model.mode = mode.name
     return model
+
+
+def packed_path(path: Path, files: list[Path], gguf: Path | None) -> Path:
+    """Where the q4k mode keeps this model's repacked weights: keyed by the weight files (and
+    GGUF) it was made from and by the kernel's source, so any change repacks."""
+    import hashlib
+
+    from ..store import cache_root
+    from .kquant import layout_version
+
+    h = hashlib.sha256(layout_version().encode())
+    for f in [*files, *([gguf] if gguf else [])]:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return cache_root() / "packed" / f"{h.hexdigest()[:20]}.safetensors"
+
+
+def gguf_source(path: Path) -> Path | None:
+    """The GGUF file a converted directory came from, if it is still there."""
+    import json
+
+    from ..store import cache_root
+
+    meta = path / "specdec.json"
+    if not meta.exists():
+        return None
+    info = json.loads(meta.read_text())
+    for candidate in (info.get("source_path"), cache_root() / "gguf" / info.get("source", "")):
+        if candidate and Path(candidate).is_file() and Path(candidate).suffix == ".gguf":
+            return Path(candidate)
+    return None
 
 
 def _strip_prefix(key: str) -> str:

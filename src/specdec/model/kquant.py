@@ -1,0 +1,373 @@
+"""K-quant weight blocks (Q4_K, Q6_K) with int8 activations: the `q4k` mode's kernel.
+
+The weights keep the GGUF file's own 4- and 6-bit super-blocks (256 weights each, scales
+unpacked for the kernel), so a model installed from a Q4_K_M GGUF runs on exactly the
+numbers llama.cpp runs on, at ~4.75/6.6 bits per weight instead of int8's 8. Tensors stored in
+other GGUF types (Q5_0, Q8_0, Q4_1, float...) are quantized here to Q6_K, which is at least as
+precise as those types.
+
+The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX512-VNNI variant), compiled
+once per machine into the specdec cache with the system C compiler and called through
+ctypes. Activations are quantized per row and per 256-block to int8; inside a block all sums
+are exact integers, and blocks are added to a per-row float accumulator in a fixed order, so
+the kernel is batch-invariant: one row's result does not depend on the other rows in the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+QK = 256  # weights per super-block
+Q4K = 4
+Q6K = 6
+
+# The C structs, field for field (see csrc/kquant.c).
+Q4K_DTYPE = np.dtype([("d", "<f4"), ("dmin", "<f4"), ("sc", "u1", 8), ("mn", "u1", 8), ("qs", "u1", 128)])
+Q6K_DTYPE = np.dtype([("d", "<f4"), ("sc", "i1", 16), ("ql", "u1", 128), ("qh", "u1", 64)])
+BLOCK_DTYPES = {Q4K: Q4K_DTYPE, Q6K: Q6K_DTYPE}
+# Layers not stored as Q4_K/Q6_K are quantized to this: 6.6 bits, per-16 scales.
+REQUANTIZE = Q6K
+TILE = 8  # outputs per kernel tile
+# The kernel's repacked tiles (8 outputs x 256 inputs), field for field as in csrc/kquant.c.
+TILE_DTYPES = {
+    Q4K: np.dtype([("d", "<f4", 8), ("dmin", "<f4", 8), ("sc", "u1", (8, 8)), ("mn", "u1", (4, 8, 2)), ("qs", "u1", (8, 4, 32))]),
+    Q6K: np.dtype([("d", "<f4", 8), ("sc", "i1", (16, 8)), ("sub", [("ql", "u1", (2, 32)), ("qh", "u1", 32)], 16)]),
+}
+
+_SOURCE = Path(__file__).with_name("csrc") / "kquant.c"
+_BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
+_VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDEC_VNNI"]
+
+
+class KQuantUnavailableError(RuntimeError):
+    """The q4k kernel cannot run here (CPU without AVX2, no C compiler...)."""
+
+
+# -- the compiled kernel ------------------------------------------------------------------
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """Compile (once per machine and source version) and load the kernel library."""
+    from ..store import cache_root
+
+    flags = _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - flags
+    if missing:
+        raise KQuantUnavailableError(
+            f"the q4k kernel needs a CPU with AVX2/FMA/F16C (missing: {', '.join(sorted(missing))}); "
+            "use --dtype int8"
+        )
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise KQuantUnavailableError("the q4k kernel is compiled at first use and needs gcc; install it or use --dtype int8")
+    cmd = [cc, *_BASE_FLAGS]
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        cmd += _VNNI_FLAGS
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + " ".join(cmd).encode() + version.encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / key / "libspecdec_kquant.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            proc = subprocess.run([*cmd, "-o", str(tmp_out), str(_SOURCE)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KQuantUnavailableError(
+                    f"compiling the q4k kernel failed ({' '.join(cmd)}):\n{proc.stderr.strip()[-2000:]}\n"
+                    "use --dtype int8 meanwhile"
+                )
+            os.replace(tmp_out, out)  # atomic: concurrent first uses never see half a file
+    # torch already loaded its libgomp.so.1; the kernel links the same soname, so both share
+    # one OpenMP runtime and thread pool.
+    lib = ctypes.CDLL(str(out))
+    lib.specdec_kquant_linear.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.specdec_kquant_linear.restype = ctypes.c_int
+    lib.specdec_tile_bytes.argtypes = [ctypes.c_int]
+    lib.specdec_tile_bytes.restype = ctypes.c_int
+    for kind, dt in TILE_DTYPES.items():
+        if lib.specdec_tile_bytes(kind) != dt.itemsize:
+            raise KQuantUnavailableError("the compiled q4k kernel's block layout does not match specdec's")
+    return lib
+
+
+@cache
+def layout_version() -> str:
+    """Changes whenever the kernel source or the packing code does (keys the packed-weight cache)."""
+    return hashlib.sha256(_SOURCE.read_bytes() + Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def available() -> bool:
+    try:
+        library()
+    except KQuantUnavailableError:
+        return False
+    return True
+
+
+# -- blocks -------------------------------------------------------------------------------
+
+
+@dataclass
+class Blocks:
+    """One weight matrix [N, K] as K-quant super-blocks: `data` is [N, K/256] of the kind's dtype."""
+
+    kind: int  # Q4K or Q6K
+    data: np.ndarray  # [N, K // QK] structured
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.data.shape[1] * QK
+
+    def permute_rows(self, order: np.ndarray) -> "Blocks":
+        return Blocks(self.kind, np.ascontiguousarray(self.data[order]))
+
+
+def from_gguf_q4_k(raw: np.ndarray, n: int, k: int) -> Blocks:
+    """GGUF Q4_K bytes (144 per block: d, dmin f16, 12 bytes of 6-bit scales/mins, 128 of
+    nibbles) into the kernel's layout. The nibble order is already the kernel's."""
+    b = np.ascontiguousarray(raw).reshape(n, k // QK, 144)
+    q = b[..., 4:16].astype(np.uint8)  # packed scales
+    sc = np.empty(b.shape[:2] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = q[..., 0:4] & 63
+    mn[..., :4] = q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    out = np.empty(b.shape[:2], Q4K_DTYPE)
+    out["d"] = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    out["dmin"] = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    out["sc"], out["mn"], out["qs"] = sc, mn, b[..., 16:144]
+    return Blocks(Q4K, out)
+
+
+def from_gguf_q6_k(raw: np.ndarray, n: int, k: int) -> Blocks:
+    """GGUF Q6_K bytes (210 per block: 128 low nibbles, 64 bytes of high bit pairs, 16 int8
+    scales, d f16) into the kernel's layout (the same bit layout, d as float32)."""
+    b = np.ascontiguousarray(raw).reshape(n, k // QK, 210)
+    out = np.empty(b.shape[:2], Q6K_DTYPE)
+    out["ql"], out["qh"] = b[..., 0:128], b[..., 128:192]
+    out["sc"] = b[..., 192:208].view(np.int8)
+    out["d"] = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    return Blocks(Q6K, out)
+
+
+def _codes_q4k(data: np.ndarray) -> np.ndarray:
+    """[..., 256] codes 0..15 in weight order."""
+    qs = data["qs"].reshape(*data.shape, 4, 32)
+    q = np.stack([qs & 0xF, qs >> 4], axis=-2)  # [..., 4, 2, 32]: element 64p + 32h + i
+    return q.reshape(*data.shape, QK)
+
+
+def _codes_q6k(data: np.ndarray) -> np.ndarray:
+    """[..., 256] codes 0..63 in weight order."""
+    ql = data["ql"].reshape(*data.shape, 2, 2, 32)  # [half, l0/l1, 32]
+    qh = data["qh"].reshape(*data.shape, 2, 1, 32)
+    lo = np.stack([ql[..., 0, :] & 0xF, ql[..., 1, :] & 0xF, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], axis=-2)
+    hi = np.concatenate([(qh >> (2 * g)) & 3 for g in range(4)], axis=-2)
+    return (lo | (hi << 4)).reshape(*data.shape, QK)
+
+
+def dequantize(blocks: Blocks) -> np.ndarray:
+    """[N, K] float32 weights the blocks stand for (the reference for tests and checks)."""
+    d = blocks.data
+    if blocks.kind == Q4K:
+        q = _codes_q4k(d).reshape(*d.shape, 8, 32).astype(np.float32)
+        w = (d["d"][..., None] * d["sc"])[..., None] * q - (d["dmin"][..., None] * d["mn"])[..., None]
+    else:
+        q = _codes_q6k(d).reshape(*d.shape, 16, 16).astype(np.float32) - 32
+        w = (d["d"][..., None] * d["sc"])[..., None] * q
+    return w.reshape(blocks.shape).astype(np.float32)
+
+
+def quantize(weight: np.ndarray, kind: int) -> Blocks:
+    """Round float weights [N, K] to blocks: plain round-to-nearest with per-group ranges, for
+    weights that do not come as K-quant blocks already. K is zero-padded to whole blocks."""
+    w = np.asarray(weight, np.float32)
+    if w.shape[1] % QK:
+        w = np.pad(w, ((0, 0), (0, -w.shape[1] % QK)))
+    n, k = w.shape
+    nb = k // QK
+    if kind == Q6K:
+        g = w.reshape(n, nb, 16, 16)
+        s = np.abs(g).max(-1) / 31.0  # [n, nb, 16] per-group step
+        d = s.max(-1) / 127.0  # [n, nb]
+        sc = np.where(d[..., None] > 0, np.round(s / np.where(d > 0, d, 1)[..., None]), 0).clip(0, 127)
+        step = d[..., None] * sc
+        q = np.where(step[..., None] > 0, np.round(g / np.where(step > 0, step, 1)[..., None]), 0)
+        q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(n, nb, 2, 4, 32)  # [half, group, l]
+        out = np.empty((n, nb), Q6K_DTYPE)
+        out["d"], out["sc"] = d, sc.astype(np.int8)
+        lo, hi = q & 0xF, q >> 4
+        out["ql"] = np.concatenate([lo[:, :, :, 0] | (lo[:, :, :, 2] << 4), lo[:, :, :, 1] | (lo[:, :, :, 3] << 4)], -1).reshape(n, nb, 128)
+        out["qh"] = (hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)).reshape(n, nb, 64)
+        return Blocks(Q6K, out)
+    g = w.reshape(n, nb, 8, 32)
+    lo = np.minimum(g.min(-1), 0.0)  # the format subtracts a non-negative min
+    s = (g.max(-1) - lo) / 15.0
+    d, dmin = s.max(-1) / 63.0, (-lo).max(-1) / 63.0
+    sc = np.round(s / np.where(d > 0, d, 1)[..., None]).clip(0, 63)
+    mn = np.round(-lo / np.where(dmin > 0, dmin, 1)[..., None]).clip(0, 63)
+    step = d[..., None] * sc
+    q = np.round((g + (dmin[..., None] * mn)[..., None]) / np.where(step > 0, step, 1)[..., None])
+    q = np.where(step[..., None] > 0, q, 0).clip(0, 15).astype(np.uint8).reshape(n, nb, 4, 2, 32)
+    out = np.empty((n, nb), Q4K_DTYPE)
+    out["d"], out["dmin"] = d, dmin
+    out["sc"], out["mn"] = sc.astype(np.uint8), mn.astype(np.uint8)
+    out["qs"] = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n, nb, 128)
+    return Blocks(Q4K, out)
+
+
+def tiles(blocks: Blocks) -> np.ndarray:
+    """Repack [N, nb] blocks into the kernel's [ceil(N/8), nb] tiles: each 32-byte code vector
+    holds 4 consecutive inputs of 8 outputs (see csrc/kquant.c). Padded outputs have zero scales."""
+    d = blocks.data
+    n, nb = d.shape
+    pad = -n % TILE
+    if pad:
+        d = np.concatenate([d, np.zeros((pad, nb), d.dtype)])
+    t = d.shape[0] // TILE
+
+    def per_output(field: np.ndarray) -> np.ndarray:  # [N, nb, *rest] -> [T, nb, *rest, 8]
+        f = field.reshape(t, TILE, nb, *field.shape[2:])
+        return np.moveaxis(f, 1, -1)
+
+    out = np.zeros((t, nb), TILE_DTYPES[blocks.kind])
+    out["d"] = per_output(d["d"])
+    if blocks.kind == Q4K:
+        out["dmin"] = per_output(d["dmin"])
+        out["sc"] = per_output(d["sc"])  # [T, nb, group, output]
+        out["mn"] = np.swapaxes(per_output(d["mn"]).reshape(t, nb, 4, 2, TILE), -1, -2)  # [.., pair, output, 2]
+        q = _codes_q4k(d).reshape(t, TILE, nb, 8, 2, 4, 4)  # [T, o, nb, group, h, v, e]: chunk 4h + v
+        q = q.transpose(0, 2, 3, 5, 1, 6, 4)  # [T, nb, group, v, o, e, h]
+        out["qs"] = (q[..., 0] | (q[..., 1] << 4)).reshape(t, nb, 8, 4, 32)
+    else:
+        out["sc"] = per_output(d["sc"])  # [T, nb, sub-block, output]
+        q = _codes_q6k(d).reshape(t, TILE, nb, 16, 4, 4)  # [T, o, nb, sub-block, chunk, e]
+        q = q.transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 16, 4, 32)  # [T, nb, s, chunk, o*4 + e]
+        lo, hi = q & 0xF, q >> 4
+        out["sub"]["ql"] = np.stack([lo[:, :, :, 0] | (lo[:, :, :, 1] << 4), lo[:, :, :, 2] | (lo[:, :, :, 3] << 4)], axis=3)
+        out["sub"]["qh"] = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+    return out
+
+
+# -- the linear kernel --------------------------------------------------------------------
+
+
+class KQuantKernel:
+    """y = x @ W^T (+ bias) over K-quant blocks; see the module docstring."""
+
+    def __init__(self, kind: int, packed: torch.Tensor, out_features: int, in_features: int,
+                 bias: torch.Tensor | None) -> None:
+        """`packed`: uint8 [ceil(N/8), nb * tile bytes], the output of `tiles`."""
+        self.lib = library()
+        self.kind, self.out_features, self.in_features = kind, out_features, in_features
+        nb = -(-in_features // QK)
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-out_features // TILE), nb * TILE_DTYPES[kind].itemsize):
+            raise ValueError(f"packed q4k weights of shape {tuple(packed.shape)} do not fit a {in_features}->{out_features} layer")
+        self.weight = packed.contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()  # [N]
+
+    @classmethod
+    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None) -> "KQuantKernel":
+        """`in_features`: the layer's input size when the blocks are zero-padded past it."""
+        n, padded = blocks.shape
+        k = padded if in_features is None else in_features
+        if not padded - QK < k <= padded:
+            raise ValueError(f"{padded // QK} blocks per row cannot hold {k} inputs")
+        return cls(blocks.kind, torch.from_numpy(tiles(blocks).view(np.uint8)), n, k, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
+        m = x2.shape[0]
+        y = torch.empty(m, self.out_features)  # [M, N]
+        rc = self.lib.specdec_kquant_linear(
+            self.kind, self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
+            self.out_features, self.in_features, x2.data_ptr(), m, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("the q4k kernel could not allocate its activation buffers")
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+
+# -- weights from a GGUF file -------------------------------------------------------------
+
+_GGUF_LINEARS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def gguf_tensor_name(module: str, tied: bool) -> str | None:
+    """The GGUF tensor behind a linear layer, by its Hugging Face module name."""
+    if module == "lm_head":
+        return "token_embd.weight" if tied else "output.weight"
+    parts = module.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
+    if len(parts) == 5 and parts[:2] == ["model", "layers"]:
+        kind = _GGUF_LINEARS.get(".".join(parts[3:]))
+        return None if kind is None else f"blk.{parts[2]}.{kind}.weight"
+    return None
+
+
+def _llama_rows(n: int, heads: int) -> np.ndarray:
+    """The row order transformers gives llama's q/k weights when it reads a GGUF (it undoes
+    llama.cpp's rotary interleaving): HF row (h, t, i) is GGUF row (h, i, t)."""
+    return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)
+
+
+def gguf_blocks(path: Path, modules: dict[str, int], *, tied: bool, model_type: str,
+                n_heads: int, n_kv_heads: int) -> dict[str, Blocks]:
+    """K-quant blocks for the linear layers (module name -> output rows) whose GGUF tensors are
+    stored as Q4_K or Q6_K; other layers are left out (the caller quantizes them)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    readers = {GGMLQuantizationType.Q4_K: from_gguf_q4_k, GGMLQuantizationType.Q6_K: from_gguf_q6_k}
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    out: dict[str, Blocks] = {}
+    for module, n in modules.items():
+        t = tensors.get(gguf_tensor_name(module, tied) or "")
+        if t is None or t.tensor_type not in readers or len(t.shape) != 2 or int(t.shape[1]) != n:
+            continue
+        blocks = readers[t.tensor_type](t.data, n, int(t.shape[0]))
+        if model_type == "llama" and module.endswith(("q_proj", "k_proj")):
+            heads = n_heads if module.endswith("q_proj") else n_kv_heads
+            blocks = blocks.permute_rows(_llama_rows(n, heads))
+        out[module] = blocks
+    return out
+
+
+def matches(blocks: Blocks, weight: torch.Tensor, rows: int = 4) -> bool:
+    """Whether the blocks stand for `weight` [N, K] (checked on a spread of rows): guards
+    against a GGUF file that is not the one the weights were converted from."""
+    n, k = weight.shape
+    idx = np.unique(np.linspace(0, n - 1, rows).astype(np.int64))
+    ref = weight[torch.from_numpy(idx)].float().numpy()
+    got = dequantize(Blocks(blocks.kind, blocks.data[idx]))[:, :k]
+    return got.shape == ref.shape and bool(np.allclose(got, ref, rtol=1e-6, atol=1e-7 * float(np.abs(ref).max())))
