@@ -50,9 +50,8 @@ MODES: dict[str, Mode] = {
         Mode("bf16", torch.bfloat16, False, "bfloat16 weights and math"),
         Mode("fp16", torch.float16, False, "float16 weights and math (GPU)"),
         Mode("int8", torch.float32, True, "int8 weights and per-row int8 activations, exact int32 sums"),
-        Mode("q4k", torch.float32, True,
-             "GGUF K-quant weights (Q4_K/Q6_K blocks), int8 activations per 256-block, exact integer sums"),
-    )  # fmt: skip
+        Mode("q4k", torch.float32, True, "GGUF Q4_K/Q6_K weight blocks, int8 activations, exact integer sums"),
+    )
 }
 
 

@@ -86,14 +86,14 @@ def library() -> ctypes.CDLL:
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         cmd += _VNNI_FLAGS
     source = _SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(source + " ".join(cmd).encode() + version.encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / key / "libspecdec_kquant.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            proc = subprocess.run([*cmd, "-o", str(tmp_out), str(_SOURCE)], capture_output=True, text=True)
+            proc = subprocess.run([*cmd, "-o", str(tmp_out), str(_SOURCE)], capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 raise KQuantUnavailableError(
                     f"compiling the q4k kernel failed ({' '.join(cmd)}):\n{proc.stderr.strip()[-2000:]}\n"
@@ -144,7 +144,7 @@ class Blocks:
     def shape(self) -> tuple[int, int]:
         return self.data.shape[0], self.data.shape[1] * QK
 
-    def permute_rows(self, order: np.ndarray) -> "Blocks":
+    def permute_rows(self, order: np.ndarray) -> Blocks:
         return Blocks(self.kind, np.ascontiguousarray(self.data[order]))
 
 
@@ -294,7 +294,7 @@ class KQuantKernel:
         self.bias = None if bias is None else bias.detach().float().contiguous()  # [N]
 
     @classmethod
-    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None) -> "KQuantKernel":
+    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None) -> KQuantKernel:
         """`in_features`: the layer's input size when the blocks are zero-padded past it."""
         n, padded = blocks.shape
         k = padded if in_features is None else in_features

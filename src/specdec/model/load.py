@@ -14,6 +14,7 @@ from .config import ModelArgs
 from .kernels import apply_mode, get_mode
 from .transformer import Transformer
 
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -62,9 +63,9 @@ def packed_path(path: Path, files: list[Path], gguf: Path | None) -> Path:
     import hashlib
 
     from ..store import cache_root
-    from .kquant import layout_version
+    from . import kquant
 
-    h = hashlib.sha256(layout_version().encode())
+    h = hashlib.sha256(f"{kquant.layout_version()}:{kquant.REQUANTIZE}".encode())
     for f in [*files, *([gguf] if gguf else [])]:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())

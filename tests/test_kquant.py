@@ -1,0 +1,127 @@
+"""The q4k kernel: K-quant blocks, their repacking, the integer kernel and its batch invariance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.model import kquant as kq
+
+pytestmark = pytest.mark.skipif(not kq.available(), reason="the q4k kernel cannot be built on this machine")
+
+KINDS = [kq.Q4K, kq.Q6K]
+
+
+def reference(blocks: kq.Blocks, x: torch.Tensor, k: int) -> torch.Tensor:
+    """What the kernel computes, in float64 and in the plainest form: activations rounded per
+    row and 256-block to int8 (half to even), times the dequantized weights."""
+    w = torch.from_numpy(kq.dequantize(blocks)).double()  # [N, Kpad]
+    xp = torch.nn.functional.pad(x.double(), (0, w.shape[1] - k)).view(x.shape[0], -1, kq.QK)
+    amax = xp.abs().amax(-1, keepdim=True).float().double()
+    scale = (amax.float() / 127.0).double()
+    inv = torch.where(amax > 0, (127.0 / amax.float()).double(), torch.zeros_like(amax))
+    xq = torch.round((xp.float() * inv.float()).double()) * scale  # [M, nb, 256]
+    return xq.reshape(x.shape[0], -1) @ w.T
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(40, 512), (13, 896), (9, 100), (24, 256)])
+def test_kernel_matches_its_reference(kind, n, k):
+    rng = np.random.default_rng(n * k + kind)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    blocks = kq.quantize(w, kind)
+    kernel = kq.KQuantKernel.from_blocks(blocks, None, in_features=k)
+    x = torch.from_numpy(rng.standard_normal((6, k)).astype(np.float32))
+    y = kernel(x).double()
+    ref = reference(blocks, x, k)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    # The dequantized weights are a faithful rounding of the originals.
+    step = np.abs(w).max() / (15 if kind == kq.Q4K else 31)
+    assert np.abs(kq.dequantize(blocks)[:, :k] - w).max() <= step
+
+
+def test_reference_check_catches_a_wrong_layout():
+    """Negative control: the same check fails for tiles packed with the nibbles swapped."""
+    rng = np.random.default_rng(0)
+    blocks = kq.quantize(rng.standard_normal((16, 512)).astype(np.float32), kq.Q4K)
+    tiles = kq.tiles(blocks)
+    tiles["qs"] = ((tiles["qs"] & 0xF) << 4) | (tiles["qs"] >> 4)
+    kernel = kq.KQuantKernel(kq.Q4K, torch.from_numpy(tiles.view(np.uint8)), 16, 512, None)
+    x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))
+    ref = reference(blocks, x, 512)
+    assert not torch.allclose(kernel(x).double(), ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_is_bitwise_batch_invariant(kind):
+    """Row i's output is bitwise the same alone and among 1..20 rows (crossing the kernel's
+    row-chunk sizes), with a bias, an output count off the tile size and a padded input."""
+    rng = np.random.default_rng(kind)
+    n, k = 37, 1100
+    blocks = kq.quantize(rng.standard_normal((n, k)).astype(np.float32), kind)
+    kernel = kq.KQuantKernel.from_blocks(blocks, torch.from_numpy(rng.standard_normal(n).astype(np.float32)), in_features=k)
+    x = torch.from_numpy(rng.standard_normal((20, k)).astype(np.float32) * 3)
+    x[5] = 0.0  # an all-zero row (zero scales)
+    together = kernel(x)
+    alone = torch.cat([kernel(x[i : i + 1]) for i in range(20)])
+    assert torch.equal(together, alone)
+    for m in range(1, 20):
+        assert torch.equal(kernel(x[:m]), together[:m])
+    assert torch.equal(kernel(x.view(4, 5, k)), together.view(4, 5, n))
+
+
+def test_packed_shape_is_checked():
+    with pytest.raises(ValueError, match="do not fit"):
+        kq.KQuantKernel(kq.Q4K, torch.zeros(2, 10, dtype=torch.uint8), 16, 512, None)
+
+
+@pytest.mark.real
+def test_gguf_blocks_are_the_files_numbers():
+    """Blocks read from the Qwen 1.5B GGUF dequantize to exactly what gguf's own reader gives,
+    for a Q4_K and a Q6_K tensor, and `matches` tells them from other weights."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from specdec import registry, store
+
+    path = store.gguf_path(registry.MODELS["qwen2.5-coder-1.5b"])
+    if not path.exists():
+        pytest.skip("qwen2.5-coder-1.5b is not installed")
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    for name, read in (("blk.0.attn_q.weight", kq.from_gguf_q4_k), ("blk.0.ffn_down.weight", kq.from_gguf_q6_k)):
+        t = tensors[name]
+        k, n = int(t.shape[0]), int(t.shape[1])
+        want = dequantize(t.data, t.tensor_type).reshape(n, k)
+        blocks = read(t.data, n, k)
+        assert blocks.kind == (kq.Q4K if t.tensor_type == GGMLQuantizationType.Q4_K else kq.Q6K)
+        assert np.array_equal(kq.dequantize(blocks), want)
+        assert kq.matches(blocks, torch.from_numpy(want))
+        assert not kq.matches(blocks, torch.from_numpy(want[::-1].copy()))
+
+
+def test_llama_row_order_undoes_the_rotary_interleave():
+    # 2 heads of 4 rows: GGUF rows (h, i, t) -> HF rows (h, t, i)
+    assert kq._llama_rows(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_tiny_model_on_4bit_blocks_is_invariant_and_exact(tiny_dir, monkeypatch):
+    """The model path with Q4_K blocks (tiny float models get Q6_K by default): a k-token pass
+    equals one-token decoding bitwise, and speculative greedy output equals plain decoding."""
+    import specdec
+    from specdec.model import load_transformer
+
+    from test_kernels import verify_vs_decode
+
+    monkeypatch.setattr(kq, "REQUANTIZE", kq.Q4K)
+    model = load_transformer(tiny_dir("llama"), dtype="q4k", device="cpu")
+    assert {m.kernel.kind for m in model.modules() if getattr(m, "kernel", None) is not None} == {kq.Q4K}
+    for k in (2, 5, 9, 16):
+        together, alone = verify_vs_decode(model, prompt_len=11, k=k, seed=k)
+        assert torch.equal(together, alone), k
+    target = specdec.load(tiny_dir("llama"), dtype="q4k", device="cpu")
+    draft = specdec.load(tiny_dir("llama", "close"), dtype="q4k", device="cpu")
+    for prompt in ("abcabcabc", "def f(x):\n"):
+        plain = specdec.generate(target, prompt, max_new_tokens=20, ignore_eos=True)
+        spec = specdec.generate(target, prompt, assistant_model=draft, k=4, max_new_tokens=20, ignore_eos=True)
+        assert spec.token_ids == plain.token_ids
