@@ -108,10 +108,10 @@ def test_llama_row_order_undoes_the_rotary_interleave():
 def test_tiny_model_on_4bit_blocks_is_invariant_and_exact(tiny_dir, monkeypatch):
     """The model path with Q4_K blocks (tiny float models get Q6_K by default): a k-token pass
     equals one-token decoding bitwise, and speculative greedy output equals plain decoding."""
+    from test_kernels import verify_vs_decode
+
     import specdec
     from specdec.model import load_transformer
-
-    from test_kernels import verify_vs_decode
 
     monkeypatch.setattr(kq, "REQUANTIZE", kq.Q4K)
     model = load_transformer(tiny_dir("llama"), dtype="q4k", device="cpu")
@@ -125,3 +125,31 @@ def test_tiny_model_on_4bit_blocks_is_invariant_and_exact(tiny_dir, monkeypatch)
         plain = specdec.generate(target, prompt, max_new_tokens=20, ignore_eos=True)
         spec = specdec.generate(target, prompt, assistant_model=draft, k=4, max_new_tokens=20, ignore_eos=True)
         assert spec.token_ids == plain.token_ids
+
+
+def test_avx2_and_avx512_builds_agree_bitwise(monkeypatch):
+    """Both builds do the same integer sums and float operations; where the CPU runs both,
+    their outputs must be bitwise equal (so results do not depend on the machine's build)."""
+    if kq.best_variant() != kq.AVX512:
+        pytest.skip("this CPU runs only the AVX2 build")
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((11, 700)).astype(np.float32))
+    for kind in KINDS:
+        blocks = kq.quantize(rng.standard_normal((45, 700)).astype(np.float32), kind)
+        out = {}
+        for variant in (kq.AVX2, kq.AVX512):
+            monkeypatch.setattr(kq, "library", lambda v=variant: kq.__dict__["_library"](v))
+            out[variant] = kq.KQuantKernel.from_blocks(blocks, None, in_features=700)(x)
+        assert torch.equal(out[kq.AVX2], out[kq.AVX512])
+
+
+def test_grouped_layers_equal_separate_calls():
+    rng = np.random.default_rng(4)
+    kernels = tuple(
+        kq.KQuantKernel.from_blocks(kq.quantize(rng.standard_normal((n, 512)).astype(np.float32), kind),
+                                    torch.randn(n, generator=torch.Generator().manual_seed(n)))
+        for n, kind in ((48, kq.Q4K), (16, kq.Q6K), (20, kq.Q4K))
+    )  # fmt: skip
+    x = torch.from_numpy(rng.standard_normal((2, 3, 512)).astype(np.float32))
+    for together, alone in zip(kq.KQuantKernel.group(kernels, x), [k(x) for k in kernels], strict=True):
+        assert torch.equal(together, alone)

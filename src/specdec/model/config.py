@@ -47,7 +47,7 @@ class ModelArgs:
         return self.n_heads // self.n_kv_heads
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelArgs:
         if "text_config" in cfg and cfg.get("model_type") == "gemma3":
             cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
         mtype = cfg.get("model_type")
@@ -118,7 +118,7 @@ class ModelArgs:
         )
 
     @classmethod
-    def from_dir(cls, path: Path) -> "ModelArgs":
+    def from_dir(cls, path: Path) -> ModelArgs:
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
 
 

@@ -6,7 +6,7 @@ numbers llama.cpp runs on, at ~4.75/6.6 bits per weight instead of int8's 8. Ten
 other GGUF types (Q5_0, Q8_0, Q4_1, float...) are quantized here to Q6_K, which is at least as
 precise as those types.
 
-The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX512-VNNI variant), compiled
+The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX-512 VNNI variant), compiled
 once per machine into the specdec cache with the system C compiler and called through
 ctypes. Activations are quantized per row and per 256-block to int8; inside a block all sums
 are exact integers, and blocks are added to a per-row float accumulator in a fixed order, so
@@ -38,16 +38,19 @@ Q6K_DTYPE = np.dtype([("d", "<f4"), ("sc", "i1", 16), ("ql", "u1", 128), ("qh", 
 BLOCK_DTYPES = {Q4K: Q4K_DTYPE, Q6K: Q6K_DTYPE}
 # Layers not stored as Q4_K/Q6_K are quantized to this: 6.6 bits, per-16 scales.
 REQUANTIZE = Q6K
-TILE = 8  # outputs per kernel tile
-# The kernel's repacked tiles (8 outputs x 256 inputs), field for field as in csrc/kquant.c.
+TILE = 16  # outputs per kernel tile
+# The kernel's repacked tiles (16 outputs x 256 inputs), field for field as in csrc/kquant.c.
 TILE_DTYPES = {
-    Q4K: np.dtype([("d", "<f4", 8), ("dmin", "<f4", 8), ("sc", "u1", (8, 8)), ("mn", "u1", (4, 8, 2)), ("qs", "u1", (8, 4, 32))]),
-    Q6K: np.dtype([("d", "<f4", 8), ("sc", "i1", (16, 8)), ("sub", [("ql", "u1", (2, 32)), ("qh", "u1", 32)], 16)]),
+    Q4K: np.dtype([("d", "<f4", TILE), ("dmin", "<f4", TILE), ("sc", "u1", (8, TILE)), ("mn", "u1", (4, TILE, 2)),
+                   ("qs", "u1", (8, 4, 4 * TILE))]),
+    Q6K: np.dtype([("d", "<f4", TILE), ("sc", "i1", (16, TILE)),
+                   ("sub", [("ql", "u1", (2, 4 * TILE)), ("qh", "u1", 4 * TILE)], 16)]),
 }
 
 _SOURCE = Path(__file__).with_name("csrc") / "kquant.c"
 _BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
-_VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDEC_VNNI"]
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDEC_AVX512"]
+AVX2, AVX512 = "avx2", "avx512"
 
 
 class KQuantUnavailableError(RuntimeError):
@@ -67,11 +70,8 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@cache
-def library() -> ctypes.CDLL:
-    """Compile (once per machine and source version) and load the kernel library."""
-    from ..store import cache_root
-
+def best_variant() -> str:
+    """The kernel build for this CPU: AVX-512 (VNNI) where present, else AVX2."""
     flags = _cpu_flags()
     missing = {"avx2", "fma", "f16c"} - flags
     if missing:
@@ -79,12 +79,23 @@ def library() -> ctypes.CDLL:
             f"the q4k kernel needs a CPU with AVX2/FMA/F16C (missing: {', '.join(sorted(missing))}); "
             "use --dtype int8"
         )
+    return AVX512 if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else AVX2
+
+
+def library(variant: str | None = None) -> ctypes.CDLL:
+    """Compile (once per machine, variant and source version) and load the kernel library.
+    Both variants compute bitwise the same results; AVX-512 is faster over several rows."""
+    return _library(variant or best_variant())
+
+
+@cache
+def _library(variant: str) -> ctypes.CDLL:
+    from ..store import cache_root
+
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise KQuantUnavailableError("the q4k kernel is compiled at first use and needs gcc; install it or use --dtype int8")
-    cmd = [cc, *_BASE_FLAGS]
-    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        cmd += _VNNI_FLAGS
+    cmd = [cc, *_BASE_FLAGS, *(_AVX512_FLAGS if variant == AVX512 else [])]
     source = _SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(source + " ".join(cmd).encode() + version.encode()).hexdigest()[:16]
@@ -103,16 +114,16 @@ def library() -> ctypes.CDLL:
     # torch already loaded its libgomp.so.1; the kernel links the same soname, so both share
     # one OpenMP runtime and thread pool.
     lib = ctypes.CDLL(str(out))
-    lib.specdec_kquant_linear.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+    lib.specdec_kquant_linears.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
     ]  # fmt: skip
-    lib.specdec_kquant_linear.restype = ctypes.c_int
+    lib.specdec_kquant_linears.restype = ctypes.c_int
     lib.specdec_tile_bytes.argtypes = [ctypes.c_int]
     lib.specdec_tile_bytes.restype = ctypes.c_int
-    for kind, dt in TILE_DTYPES.items():
-        if lib.specdec_tile_bytes(kind) != dt.itemsize:
-            raise KQuantUnavailableError("the compiled q4k kernel's block layout does not match specdec's")
+    lib.specdec_tile_outputs.restype = ctypes.c_int
+    if lib.specdec_tile_outputs() != TILE or any(lib.specdec_tile_bytes(k) != dt.itemsize for k, dt in TILE_DTYPES.items()):
+        raise KQuantUnavailableError("the compiled q4k kernel's tile layout does not match specdec's")
     return lib
 
 
@@ -244,8 +255,8 @@ def quantize(weight: np.ndarray, kind: int) -> Blocks:
 
 
 def tiles(blocks: Blocks) -> np.ndarray:
-    """Repack [N, nb] blocks into the kernel's [ceil(N/8), nb] tiles: each 32-byte code vector
-    holds 4 consecutive inputs of 8 outputs (see csrc/kquant.c). Padded outputs have zero scales."""
+    """Repack [N, nb] blocks into the kernel's [ceil(N/16), nb] tiles: each 64-byte code vector
+    holds 4 consecutive inputs of 16 outputs (see csrc/kquant.c). Padded outputs have zero scales."""
     d = blocks.data
     n, nb = d.shape
     pad = -n % TILE
@@ -253,7 +264,7 @@ def tiles(blocks: Blocks) -> np.ndarray:
         d = np.concatenate([d, np.zeros((pad, nb), d.dtype)])
     t = d.shape[0] // TILE
 
-    def per_output(field: np.ndarray) -> np.ndarray:  # [N, nb, *rest] -> [T, nb, *rest, 8]
+    def per_output(field: np.ndarray) -> np.ndarray:  # [N, nb, *rest] -> [T, nb, *rest, TILE]
         f = field.reshape(t, TILE, nb, *field.shape[2:])
         return np.moveaxis(f, 1, -1)
 
@@ -265,11 +276,11 @@ def tiles(blocks: Blocks) -> np.ndarray:
         out["mn"] = np.swapaxes(per_output(d["mn"]).reshape(t, nb, 4, 2, TILE), -1, -2)  # [.., pair, output, 2]
         q = _codes_q4k(d).reshape(t, TILE, nb, 8, 2, 4, 4)  # [T, o, nb, group, h, v, e]: chunk 4h + v
         q = q.transpose(0, 2, 3, 5, 1, 6, 4)  # [T, nb, group, v, o, e, h]
-        out["qs"] = (q[..., 0] | (q[..., 1] << 4)).reshape(t, nb, 8, 4, 32)
+        out["qs"] = (q[..., 0] | (q[..., 1] << 4)).reshape(t, nb, 8, 4, 4 * TILE)
     else:
         out["sc"] = per_output(d["sc"])  # [T, nb, sub-block, output]
         q = _codes_q6k(d).reshape(t, TILE, nb, 16, 4, 4)  # [T, o, nb, sub-block, chunk, e]
-        q = q.transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 16, 4, 32)  # [T, nb, s, chunk, o*4 + e]
+        q = q.transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 16, 4, 4 * TILE)  # [T, nb, s, chunk, o*4 + e]
         lo, hi = q & 0xF, q >> 4
         out["sub"]["ql"] = np.stack([lo[:, :, :, 0] | (lo[:, :, :, 1] << 4), lo[:, :, :, 2] | (lo[:, :, :, 3] << 4)], axis=3)
         out["sub"]["qh"] = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
@@ -284,7 +295,7 @@ class KQuantKernel:
 
     def __init__(self, kind: int, packed: torch.Tensor, out_features: int, in_features: int,
                  bias: torch.Tensor | None) -> None:
-        """`packed`: uint8 [ceil(N/8), nb * tile bytes], the output of `tiles`."""
+        """`packed`: uint8 [ceil(N/16), nb * tile bytes], the output of `tiles`."""
         self.lib = library()
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
         nb = -(-in_features // QK)
@@ -292,6 +303,7 @@ class KQuantKernel:
             raise ValueError(f"packed q4k weights of shape {tuple(packed.shape)} do not fit a {in_features}->{out_features} layer")
         self.weight = packed.contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()  # [N]
+        self._calls: dict[tuple[int, ...], _GroupCall] = {}  # see `group`
 
     @classmethod
     def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None) -> KQuantKernel:
@@ -303,17 +315,48 @@ class KQuantKernel:
         return cls(blocks.kind, torch.from_numpy(tiles(blocks).view(np.uint8)), n, k, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group((self,), x)[0]
+
+    @staticmethod
+    def group(kernels: tuple[KQuantKernel, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """Several layers over the same input (q/k/v, gate/up) in one call: the activations
+        are quantized once and one parallel loop covers all the layers' tiles."""
+        first = kernels[0]
+        call = first._calls.get(tuple(map(id, kernels)))
+        if call is None:
+            call = first._calls[tuple(map(id, kernels))] = _GroupCall(kernels)
+        return call(x)
+
+
+class _GroupCall:
+    """The ctypes arguments of one group of kernels, built once."""
+
+    def __init__(self, kernels: tuple[KQuantKernel, ...]) -> None:
+        k = kernels[0].in_features
+        if any(kern.in_features != k for kern in kernels) or len(kernels) > 16:
+            raise ValueError("grouped q4k layers must share their input size (and be at most 16)")
+        n = len(kernels)
+        self.kernels, self.in_features, self.lib = kernels, k, kernels[0].lib
+        self.kinds = (ctypes.c_int * n)(*(kern.kind for kern in kernels))
+        self.weights = (ctypes.c_void_p * n)(*(kern.weight.data_ptr() for kern in kernels))
+        self.biases = (ctypes.c_void_p * n)(*(None if kern.bias is None else kern.bias.data_ptr() for kern in kernels))
+        self.outs = (ctypes.c_int * n)(*(kern.out_features for kern in kernels))
+        self.ys = (ctypes.c_void_p * n)()
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
         m = x2.shape[0]
-        y = torch.empty(m, self.out_features)  # [M, N]
-        rc = self.lib.specdec_kquant_linear(
-            self.kind, self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
-            self.out_features, self.in_features, x2.data_ptr(), m, y.data_ptr(), torch.get_num_threads(),
+        ys = [torch.empty(m, kern.out_features) for kern in self.kernels]  # [M, N_i]
+        for i, y in enumerate(ys):
+            self.ys[i] = y.data_ptr()
+        rc = self.lib.specdec_kquant_linears(
+            len(ys), self.kinds, self.weights, self.biases, self.outs, self.in_features,
+            x2.data_ptr(), m, self.ys, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("the q4k kernel could not allocate its activation buffers")
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+        return [y.reshape(*lead, y.shape[-1]).to(x.dtype) for y in ys]
 
 
 # -- weights from a GGUF file -------------------------------------------------------------

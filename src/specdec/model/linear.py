@@ -36,3 +36,14 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+def linear_group(layers: tuple[Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """Apply several layers to the same input. Kernels that can share the work (quantizing the
+    input once, one parallel loop) expose ``group(kernels, x)``; otherwise one call each."""
+    kernels = [layer.kernel for layer in layers]
+    kind = type(kernels[0])
+    group = getattr(kind, "group", None)
+    if group is not None and all(type(k) is kind for k in kernels) and len({layer.in_features for layer in layers}) == 1:
+        return group(tuple(kernels), x)
+    return [layer(x) for layer in layers]

@@ -17,8 +17,7 @@ from torch import nn
 from .cache import ContextOverflowError, KVCache
 from .config import ModelArgs
 from .kernels import MODES
-from .linear import Linear
-
+from .linear import Linear, linear_group
 
 # Longer runs of new tokens (prompt prefill) attend in one batched call: prefill is the same
 # call in plain and speculative decoding, so it needs no row-by-row treatment.
@@ -89,9 +88,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         a = self.a
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # [B, H, T, Dh]
-        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
-        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k, v = linear_group((self.q_proj, self.k_proj, self.v_proj), x)
+        q = q.view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # [B, H, T, Dh]
+        k = k.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
+        v = v.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply(q, positions), rotary.apply(k, positions)
@@ -125,9 +125,9 @@ class MLP(nn.Module):
         self.gelu = a.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate_proj(x)
+        g, u = linear_group((self.gate_proj, self.up_proj), x)
         g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return self.down_proj(g * self.up_proj(x))
+        return self.down_proj(g * u)
 
 
 class Block(nn.Module):
@@ -173,7 +173,7 @@ class Transformer(nn.Module):
         self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
 
     # -- set-up ---------------------------------------------------------------------------
-    def finalize(self) -> "Transformer":
+    def finalize(self) -> Transformer:
         """Tie embeddings and build RoPE tables; call after weights are loaded/moved."""
         if self.args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -3,11 +3,11 @@
  * Weight values are those of the GGUF K-quants, in 256-element super-blocks:
  *   q4k: w = d * sc[j] * q - dmin * mn[j],  q in 0..15, j = 32-element group (8 per block)
  *   q6k: w = d * sc[s] * (q - 32),          q in 0..63, s = 16-element group (16 per block)
- * They are repacked for this kernel in tiles of 8 output features: each 32-byte vector holds
- * 4 consecutive inputs of 8 outputs, so one dot-product instruction (VNNI vpdpbusd, or
- * maddubs+madd on AVX2) adds 4 products into each of 8 output lanes for a broadcast group of
- * 4 activations. The lanes are outputs, so no horizontal sums are needed, and the decoded
- * weights are reused for up to MAXRB activation rows.
+ * They are repacked for this kernel in tiles of 16 output features (see tile_q4k): each code
+ * vector holds 4 consecutive inputs of every output, so one dot-product instruction adds 4
+ * products into each output's lane for a broadcast group of 4 activations. The lanes are
+ * outputs, so no horizontal sums are needed, and the decoded weights are reused for up to
+ * MAXRB activation rows.
  *
  * Activations are quantized per row and per 256-block to int8 (x ~ a * xq). Inside a block
  * every product and sum is an exact integer; each block then adds d * a * isum to a per-row,
@@ -16,8 +16,8 @@
  * a k-token verification pass compute exactly what one-token decoding computes.
  *
  * Built at first use by specdec.model.kquant (gcc -O3 -mavx2 -mfma -fopenmp
- * -ffp-contract=off), with -DSPECDEC_VNNI where the CPU has AVX512-VNNI: the integer sums, and
- * so the results, are the same either way. -ffp-contract=off keeps the compiler from fusing
+ * -ffp-contract=off), with -DSPECDEC_AVX512 where the CPU has AVX512-BW/VL/VNNI. Both builds
+ * give bitwise the same results (tested). -ffp-contract=off keeps the compiler from fusing
  * float operations differently in the specialised copies of the row loop.
  */
 #include <immintrin.h>
@@ -26,41 +26,48 @@
 #include <string.h>
 
 #define QK 256
-#define TILE 8
+#define TILE 16
+
 /* Rows that share one decoding of the weights: as many as the vector registers hold (AVX-512
  * has 32, AVX2 16). */
-#ifdef SPECDEC_VNNI
+#ifdef SPECDEC_AVX512
 #define MAXRB 8
 #else
 #define MAXRB 4
 #endif
 
+/* A tile-block: 16 outputs x 256 inputs. A "chunk" is 4 consecutive inputs; a code vector
+ * holds one chunk for all 16 outputs (64 bytes: output o's 4 codes at 4o..4o+3), so a 512-bit
+ * vpdpbusd adds 4 products into each of 16 output lanes, and AVX2 does the same per 8-output
+ * half. */
 typedef struct {
     float d[TILE], dmin[TILE];
     uint8_t sc[8][TILE];      /* [group][output] */
     uint8_t mn[4][TILE][2];   /* [group pair][output][2] */
-    uint8_t qs[8][4][32];     /* [group][v][output*4 + e]: chunk v low nibble, chunk v+4 high */
+    uint8_t qs[8][4][64];     /* [group][v]: chunk v in the low nibbles, chunk v+4 in the high */
 } tile_q4k;
 
 typedef struct {
     float d[TILE];
     int8_t sc[16][TILE];      /* [sub-block][output] */
     struct {
-        uint8_t ql[2][32];    /* [w][output*4 + e]: chunk 2w in the low nibble, 2w+1 in the high */
-        uint8_t qh[32];       /* [output*4 + e]: bits 2c..2c+1 = chunk c's top two bits */
+        uint8_t ql[2][64];    /* [w]: chunk 2w in the low nibbles, chunk 2w+1 in the high */
+        uint8_t qh[64];       /* bits 2c..2c+1 = chunk c's top two bits */
     } sub[16];                /* one sub-block's codes together: a single forward stream */
 } tile_q6k;
 
-_Static_assert(sizeof(tile_q4k) == 1216, "q4k tile layout");
-_Static_assert(sizeof(tile_q6k) == 1696, "q6k tile layout");
+_Static_assert(sizeof(tile_q4k) == 2432, "q4k tile layout");
+_Static_assert(sizeof(tile_q6k) == 3392, "q6k tile layout");
 
 int specdec_tile_bytes(int kind) { return kind == 4 ? (int)sizeof(tile_q4k) : (int)sizeof(tile_q6k); }
+int specdec_tile_outputs(void) { return TILE; }
 
-#ifdef SPECDEC_VNNI
+/* 256-bit integer dot products; with AVX512-VNNI one instruction each, else exact AVX2
+ * equivalents (u <= 63 and |s| <= 127, so the int16 pair sums of maddubs never saturate). */
+#ifdef SPECDEC_AVX512
 #define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define DPWSSD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
 #else
-/* exact here: u <= 63 and |s| <= 127, so the int16 pair sums of maddubs never saturate */
 #define DPBUSD(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
 #define DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
 #endif
@@ -73,73 +80,74 @@ typedef struct {
     int K, nb;
 } xquant;
 
-/* x: [M, K] floats; K need not be a multiple of 256: the last block is padded with zeros
- * (the weights' padding is zero too). */
-static void quantize_rows(const float *x, int M, int K, xquant *xq) {
+/* Row r of the activations, x: [K] floats. K need not be a multiple of 256: the last block is
+ * padded with zeros (the weights' padding is zero too). */
+static void quantize_row(const float *x, int r, int K, xquant *xq) {
     const int nb = xq->nb;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     float tail[QK];
-    for (int r = 0; r < M; r++) {
-        for (int b = 0; b < nb; b++) {
-            const float *xp = x + (size_t)r * K + (size_t)b * QK;
-            if ((b + 1) * QK > K) {
-                memset(tail, 0, sizeof(tail));
-                memcpy(tail, xp, sizeof(float) * (size_t)(K - b * QK));
-                xp = tail;
-            }
-            __m256 m = _mm256_setzero_ps();
-            for (int i = 0; i < QK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xp + i)));
-            float lanes[8];
-            _mm256_storeu_ps(lanes, m);
-            float amax = 0.0f;
-            for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const size_t rb = (size_t)r * nb + b;
-            xq->a[rb] = amax / 127.0f;
-            int8_t *qp = xq->q + (size_t)r * xq->K + (size_t)b * QK;
-            const __m256 vinv = _mm256_set1_ps(inv);
-            for (int i = 0; i < QK; i += 32) {
-                /* cvtps rounds to nearest even; |x * inv| <= 127 so the packs never saturate */
-                __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp + i), vinv));
-                __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp + i + 8), vinv));
-                __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp + i + 16), vinv));
-                __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp + i + 24), vinv));
-                __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-                /* undo the packs' per-128-bit-lane interleaving */
-                bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-                _mm256_storeu_si256((__m256i *)(qp + i), bytes);
-            }
-            for (int g = 0; g < 16; g++) {
-                int s = 0;
-                for (int i = 0; i < 16; i++) s += qp[16 * g + i];
-                xq->o16[rb * 16 + g] = -32 * s;
-            }
-            for (int g = 0; g < 8; g++) {
-                int s = 0;
-                for (int i = 0; i < 32; i++) s += qp[32 * g + i];
-                xq->s32[rb * 8 + g] = (int16_t)s;
-            }
+    for (int b = 0; b < nb; b++) {
+        const float *xp = x + (size_t)b * QK;
+        if ((b + 1) * QK > K) {
+            memset(tail, 0, sizeof(tail));
+            memcpy(tail, xp, sizeof(float) * (size_t)(K - b * QK));
+            xp = tail;
+        }
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < QK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xp + i)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        float amax = 0.0f;
+        for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const size_t rb = (size_t)r * nb + b;
+        xq->a[rb] = amax / 127.0f;
+        int8_t *qp = xq->q + (size_t)r * xq->K + (size_t)b * QK;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (int i = 0; i < QK; i += 32) {
+            /* cvtps rounds to nearest even; |x * inv| <= 127 so the packs never saturate */
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp + i), vinv));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp + i + 8), vinv));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp + i + 16), vinv));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp + i + 24), vinv));
+            __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            /* undo the packs' per-128-bit-lane interleaving */
+            bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qp + i), bytes);
+        }
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += qp[16 * g + i];
+            xq->o16[rb * 16 + g] = -32 * s;
+        }
+        for (int g = 0; g < 8; g++) {
+            int s = 0;
+            for (int i = 0; i < 32; i++) s += qp[32 * g + i];
+            xq->s32[rb * 8 + g] = (int16_t)s;
         }
     }
 }
 
-static inline __m256i bcast4(const int8_t *p) {
+static inline int32_t load4(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
+    return v;
 }
 
-/* The hardware prefetchers alone leave DRAM bandwidth unused on the 6-bit tiles' three
- * interleaved streams; asking for the tile-block after next keeps them ahead. (Prefetches of
- * addresses past the end of the weights are harmless: they never fault.) */
+/* The hardware prefetchers alone leave DRAM bandwidth unused here; asking for the tile-block
+ * after next keeps them ahead. (Prefetches past the end of the weights never fault.) */
 static inline void prefetch_ahead(const void *t, size_t bytes) {
     const char *p = (const char *)t + 2 * bytes;
     for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
-/* One tile of 8 outputs for rows r0..r0+rb-1: out[r][o]. */
-static inline __attribute__((always_inline)) void tile_dot_q4k(
-    const tile_q4k *w, const xquant *xq, int r0, int rb, __m256 *out) {
+/* Per row and output, both builds do the same integer sums and then the same float operations
+ * in the same order (one fmadd per block, a final subtraction and bias add), so the AVX2 and
+ * AVX-512 builds give bitwise identical results. */
+
+/* One half (8 outputs, h = 0 or 1) of a tile, rows r0..r0+rb-1, with 256-bit vectors. */
+static inline __attribute__((always_inline)) void half_dot_q4k(
+    const tile_q4k *w, const xquant *xq, int r0, int rb, int h, float out[][TILE]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 facc[MAXRB], fmin[MAXRB];
     for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm256_setzero_ps();
@@ -149,41 +157,46 @@ static inline __attribute__((always_inline)) void tile_dot_q4k(
         __m256i iacc[MAXRB], imin[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
-            const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)t->mn[p]));
+            const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)t->mn[p][8 * h]));
             for (int r = 0; r < rb; r++) {
-                int32_t pair;
-                memcpy(&pair, xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p, 4);
-                imin[r] = DPWSSD(imin[r], mn, _mm256_set1_epi32(pair));
+                const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
+                imin[r] = DPWSSD(imin[r], mn, _mm256_set1_epi32(load4(s32)));
             }
         }
         for (int j = 0; j < 8; j++) {
-            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)t->sc[j]));
+            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[j][8 * h]));
             __m256i c[8];
             for (int v = 0; v < 4; v++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)t->qs[j][v]);
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)&t->qs[j][v][32 * h]);
                 c[v] = _mm256_and_si256(raw, m4);
                 c[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
             }
             for (int r = 0; r < rb; r++) {
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
                 __m256i g = _mm256_setzero_si256();
-                for (int v = 0; v < 8; v++) g = DPBUSD(g, c[v], bcast4(xp + 4 * v));
+                for (int v = 0; v < 8; v++) g = DPBUSD(g, c[v], _mm256_set1_epi32(load4(xp + 4 * v)));
                 iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(g, sc));
             }
         }
-        const __m256 d = _mm256_loadu_ps(t->d), dmin = _mm256_loadu_ps(t->dmin);
+        const __m256 d = _mm256_loadu_ps(t->d + 8 * h), dmin = _mm256_loadu_ps(t->dmin + 8 * h);
         for (int r = 0; r < rb; r++) {
             const __m256 a = _mm256_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
             facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_mul_ps(d, a), facc[r]);
             fmin[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dmin, a), fmin[r]);
         }
     }
-    for (int r = 0; r < rb; r++) out[r] = _mm256_sub_ps(facc[r], fmin[r]);
+    for (int r = 0; r < rb; r++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_sub_ps(facc[r], fmin[r]));
 }
 
-static inline __attribute__((always_inline)) void tile_dot_q6k(
-    const tile_q6k *w, const xquant *xq, int r0, int rb, __m256 *out) {
+static inline __m256i q6_codes(__m256i lo_src, int lo_shift, __m256i hb, int c) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+    const __m256i lo = _mm256_and_si256(lo_shift ? _mm256_srli_epi16(lo_src, 4) : lo_src, m4);
+    const __m256i hi = _mm256_and_si256(c ? _mm256_srli_epi16(hb, 2 * c) : hb, m3);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+}
+
+static inline __attribute__((always_inline)) void half_dot_q6k(
+    const tile_q6k *w, const xquant *xq, int r0, int rb, int h, float out[][TILE]) {
     __m256 facc[MAXRB];
     for (int r = 0; r < rb; r++) facc[r] = _mm256_setzero_ps();
     for (int b = 0; b < xq->nb; b++) {
@@ -192,54 +205,150 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
         __m256i iacc[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = _mm256_setzero_si256();
         for (int s = 0; s < 16; s++) {
-            const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)t->sc[s]));
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)t->sub[s].ql[0]);
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)t->sub[s].ql[1]);
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)t->sub[s].qh);
-            __m256i c[4];
-            c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
-            c[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
-            c[2] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
-            c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+            const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[s][8 * h]));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)&t->sub[s].ql[0][32 * h]);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)&t->sub[s].ql[1][32 * h]);
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)&t->sub[s].qh[32 * h]);
+            const __m256i c0 = q6_codes(l0, 0, hb, 0), c1 = q6_codes(l0, 1, hb, 1);
+            const __m256i c2 = q6_codes(l1, 0, hb, 2), c3 = q6_codes(l1, 1, hb, 3);
             for (int r = 0; r < rb; r++) {
                 const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 16 * s;
-                /* two independent chains: the dot-product latency, not its throughput, bounds one row */
-                __m256i g0 = DPBUSD(_mm256_set1_epi32(xq->o16[rbk * 16 + s]), c[0], bcast4(xp));
-                __m256i g1 = DPBUSD(_mm256_setzero_si256(), c[1], bcast4(xp + 4));
-                g0 = DPBUSD(g0, c[2], bcast4(xp + 8));
-                g1 = DPBUSD(g1, c[3], bcast4(xp + 12));
+                /* two chains: the dot-product latency, not its throughput, bounds one row */
+                __m256i g0 = DPBUSD(_mm256_set1_epi32(xq->o16[rbk * 16 + s]), c0, _mm256_set1_epi32(load4(xp)));
+                __m256i g1 = DPBUSD(_mm256_setzero_si256(), c1, _mm256_set1_epi32(load4(xp + 4)));
+                g0 = DPBUSD(g0, c2, _mm256_set1_epi32(load4(xp + 8)));
+                g1 = DPBUSD(g1, c3, _mm256_set1_epi32(load4(xp + 12)));
                 iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(_mm256_add_epi32(g0, g1), sc));
             }
         }
-        const __m256 d = _mm256_loadu_ps(t->d);
+        const __m256 d = _mm256_loadu_ps(t->d + 8 * h);
         for (int r = 0; r < rb; r++) {
             const __m256 a = _mm256_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
             facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_mul_ps(d, a), facc[r]);
         }
     }
-    for (int r = 0; r < rb; r++) out[r] = facc[r];
+    for (int r = 0; r < rb; r++) _mm256_storeu_ps(out[r] + 8 * h, facc[r]);
 }
 
-#define DISPATCH(fn, w, xq, r0, rb, out)               \
-    switch (rb) {                                      \
-    case 1: fn(w, xq, r0, 1, out); break;              \
-    case 2: fn(w, xq, r0, 2, out); break;              \
-    case 3: fn(w, xq, r0, 3, out); break;              \
-    case 4: fn(w, xq, r0, 4, out); break;              \
+#ifdef SPECDEC_AVX512
+/* The same computation on whole tiles with 512-bit vectors: twice the products per
+ * instruction, which is what bounds a pass over several rows. */
+static inline __attribute__((always_inline)) void tile_dot_q4k(
+    const tile_q4k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 facc[MAXRB], fmin[MAXRB];
+    for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm512_setzero_ps();
+    for (int b = 0; b < xq->nb; b++) {
+        const tile_q4k *t = w + b;
+        prefetch_ahead(t, sizeof(tile_q4k));
+        __m512i iacc[MAXRB], imin[MAXRB];
+        for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) {
+            const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)t->mn[p]));
+            for (int r = 0; r < rb; r++) {
+                const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
+                imin[r] = _mm512_dpwssd_epi32(imin[r], mn, _mm512_set1_epi32(load4(s32)));
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
+            __m512i c[8];
+            for (int v = 0; v < 4; v++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)t->qs[j][v]);
+                c[v] = _mm512_and_si512(raw, m4);
+                c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            }
+            for (int r = 0; r < rb; r++) {
+                const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
+                __m512i g = _mm512_setzero_si512();
+                for (int v = 0; v < 8; v++) g = _mm512_dpbusd_epi32(g, c[v], _mm512_set1_epi32(load4(xp + 4 * v)));
+                iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(g, sc));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(t->d), dmin = _mm512_loadu_ps(t->dmin);
+        for (int r = 0; r < rb; r++) {
+            const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(d, a), facc[r]);
+            fmin[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(dmin, a), fmin[r]);
+        }
+    }
+    for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], _mm512_sub_ps(facc[r], fmin[r]));
+}
+
+static inline __m512i q6_codes512(__m512i lo_src, int lo_shift, __m512i hb, int c) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    const __m512i lo = _mm512_and_si512(lo_shift ? _mm512_srli_epi16(lo_src, 4) : lo_src, m4);
+    const __m512i hi = _mm512_and_si512(c ? _mm512_srli_epi16(hb, 2 * c) : hb, m3);
+    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+}
+
+static inline __attribute__((always_inline)) void tile_dot_q6k(
+    const tile_q6k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    __m512 facc[MAXRB];
+    for (int r = 0; r < rb; r++) facc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < xq->nb; b++) {
+        const tile_q6k *t = w + b;
+        prefetch_ahead(t, sizeof(tile_q6k));
+        __m512i iacc[MAXRB];
+        for (int r = 0; r < rb; r++) iacc[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 16; s++) {
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)t->sc[s]));
+            const __m512i l0 = _mm512_loadu_si512((const void *)t->sub[s].ql[0]);
+            const __m512i l1 = _mm512_loadu_si512((const void *)t->sub[s].ql[1]);
+            const __m512i hb = _mm512_loadu_si512((const void *)t->sub[s].qh);
+            const __m512i c0 = q6_codes512(l0, 0, hb, 0), c1 = q6_codes512(l0, 1, hb, 1);
+            const __m512i c2 = q6_codes512(l1, 0, hb, 2), c3 = q6_codes512(l1, 1, hb, 3);
+            for (int r = 0; r < rb; r++) {
+                const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
+                const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 16 * s;
+                __m512i g0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(xq->o16[rbk * 16 + s]), c0, _mm512_set1_epi32(load4(xp)));
+                __m512i g1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1, _mm512_set1_epi32(load4(xp + 4)));
+                g0 = _mm512_dpbusd_epi32(g0, c2, _mm512_set1_epi32(load4(xp + 8)));
+                g1 = _mm512_dpbusd_epi32(g1, c3, _mm512_set1_epi32(load4(xp + 12)));
+                iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(_mm512_add_epi32(g0, g1), sc));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(t->d);
+        for (int r = 0; r < rb; r++) {
+            const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(d, a), facc[r]);
+        }
+    }
+    for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], facc[r]);
+}
+#else
+static inline __attribute__((always_inline)) void tile_dot_q4k(
+    const tile_q4k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    half_dot_q4k(w, xq, r0, rb, 0, out);
+    half_dot_q4k(w, xq, r0, rb, 1, out);
+}
+
+static inline __attribute__((always_inline)) void tile_dot_q6k(
+    const tile_q6k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    half_dot_q6k(w, xq, r0, rb, 0, out);
+    half_dot_q6k(w, xq, r0, rb, 1, out);
+}
+#endif
+
+#define DISPATCH(fn, w, xq, r0, rb, out)                  \
+    switch (rb) {                                         \
+    case 1: fn(w, xq, r0, 1, out); break;                 \
+    case 2: fn(w, xq, r0, 2, out); break;                 \
+    case 3: fn(w, xq, r0, 3, out); break;                 \
+    case 4: fn(w, xq, r0, 4, out); break;                 \
     case 5: fn(w, xq, r0, MAXRB > 4 ? 5 : 4, out); break; \
     case 6: fn(w, xq, r0, MAXRB > 4 ? 6 : 4, out); break; \
     case 7: fn(w, xq, r0, MAXRB > 4 ? 7 : 4, out); break; \
-    default: fn(w, xq, r0, MAXRB, out); break;         \
+    default: fn(w, xq, r0, MAXRB, out); break;            \
     }
 
-/* y[M, N] = x[M, K] @ W^T (+ bias). kind: 4 = q4k, 6 = q6k; w: ceil(N/8) tiles of
- * ceil(K/256) tile-blocks. Returns 0, or -1 if scratch memory could not be allocated. */
-int specdec_kquant_linear(int kind, const void *w, const float *bias, int N, int K,
-                          const float *x, int M, float *y, int nthreads) {
+/* Several linear layers over the same input x[M, K] (q/k/v, gate/up): the activations are
+ * quantized once, and one parallel loop runs over the tiles of all of them.
+ * Layer i: kinds[i] (4 = q4k, 6 = q6k), w[i] = ceil(N[i]/16) tiles of ceil(K/256) tile-blocks,
+ * bias[i] (or NULL), y[i] = [M, N[i]]. Returns 0, or -1 if scratch memory ran out. */
+int specdec_kquant_linears(int n_layers, const int *kinds, const void *const *w, const float *const *bias,
+                           const int *N, int K, const float *x, int M, float *const *y, int nthreads) {
     xquant xq;
     xq.nb = (K + QK - 1) / QK;
     xq.K = xq.nb * QK;
@@ -247,32 +356,38 @@ int specdec_kquant_linear(int kind, const void *w, const float *bias, int N, int
     xq.a = malloc(sizeof(float) * (size_t)M * xq.nb);
     xq.o16 = malloc(sizeof(int32_t) * (size_t)M * xq.nb * 16);
     xq.s32 = malloc(sizeof(int16_t) * (size_t)M * xq.nb * 8);
-    if (!xq.q || !xq.a || !xq.o16 || !xq.s32) {
+    int first[17];  /* first tile of each layer in the joint tile numbering */
+    if (n_layers > 16 || !xq.q || !xq.a || !xq.o16 || !xq.s32) {
         free(xq.q); free(xq.a); free(xq.o16); free(xq.s32);
         return -1;
     }
-    quantize_rows(x, M, K, &xq);
-    const int tiles = (N + TILE - 1) / TILE;
-    const size_t tile_bytes = (size_t)xq.nb * (kind == 4 ? sizeof(tile_q4k) : sizeof(tile_q6k));
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int t = 0; t < tiles; t++) {
-        const void *wt = (const char *)w + (size_t)t * tile_bytes;
-        const int n0 = t * TILE, nv = N - n0 < TILE ? N - n0 : TILE;
-        float bt[TILE] = {0};
-        if (bias) memcpy(bt, bias + n0, sizeof(float) * nv);
-        const __m256 bv = _mm256_loadu_ps(bt);
-        for (int r0 = 0; r0 < M; r0 += MAXRB) {
-            const int rb = M - r0 < MAXRB ? M - r0 : MAXRB;
-            __m256 out[MAXRB];
-            if (kind == 4) {
-                DISPATCH(tile_dot_q4k, (const tile_q4k *)wt, &xq, r0, rb, out);
-            } else {
-                DISPATCH(tile_dot_q6k, (const tile_q6k *)wt, &xq, r0, rb, out);
-            }
-            for (int r = 0; r < rb; r++) {
-                float o[TILE];
-                _mm256_storeu_ps(o, _mm256_add_ps(out[r], bv));
-                memcpy(y + (size_t)(r0 + r) * N + n0, o, sizeof(float) * nv);
+    first[0] = 0;
+    for (int i = 0; i < n_layers; i++) first[i + 1] = first[i] + (N[i] + TILE - 1) / TILE;
+    const int tiles = first[n_layers];
+    #pragma omp parallel num_threads(nthreads)
+    {
+        /* rows are quantized independently, so splitting them among threads changes nothing */
+        #pragma omp for schedule(static)
+        for (int r = 0; r < M; r++) quantize_row(x + (size_t)r * K, r, K, &xq);
+        #pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            int i = 0;
+            while (t >= first[i + 1]) i++;
+            const size_t tile_bytes = (size_t)xq.nb * (kinds[i] == 4 ? sizeof(tile_q4k) : sizeof(tile_q6k));
+            const void *wt = (const char *)w[i] + (size_t)(t - first[i]) * tile_bytes;
+            const int n0 = (t - first[i]) * TILE, nv = N[i] - n0 < TILE ? N[i] - n0 : TILE;
+            for (int r0 = 0; r0 < M; r0 += MAXRB) {
+                const int rb = M - r0 < MAXRB ? M - r0 : MAXRB;
+                float out[MAXRB][TILE];
+                if (kinds[i] == 4) {
+                    DISPATCH(tile_dot_q4k, (const tile_q4k *)wt, &xq, r0, rb, out);
+                } else {
+                    DISPATCH(tile_dot_q6k, (const tile_q6k *)wt, &xq, r0, rb, out);
+                }
+                for (int r = 0; r < rb; r++) {
+                    float *yr = y[i] + (size_t)(r0 + r) * N[i] + n0;
+                    for (int o = 0; o < nv; o++) yr[o] = bias[i] ? out[r][o] + bias[i][n0 + o] : out[r][o];
+                }
             }
         }
     }
