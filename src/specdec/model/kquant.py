@@ -344,10 +344,13 @@ class _GroupCall:
         self.ys = (ctypes.c_void_p * n)()
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        # (Called ~100 times per forward: kept to the few operations it needs.)
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
         m = x2.shape[0]
-        ys = [torch.empty(m, kern.out_features) for kern in self.kernels]  # [M, N_i]
+        ys = [torch.empty(*lead, kern.out_features) for kern in self.kernels]  # [.., N_i]
         for i, y in enumerate(ys):
             self.ys[i] = y.data_ptr()
         rc = self.lib.specdec_kquant_linears(
@@ -356,7 +359,7 @@ class _GroupCall:
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("the q4k kernel could not allocate its activation buffers")
-        return [y.reshape(*lead, y.shape[-1]).to(x.dtype) for y in ys]
+        return ys if x.dtype == torch.float32 else [y.to(x.dtype) for y in ys]
 
 
 # -- weights from a GGUF file -------------------------------------------------------------
