@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec.model import kquant as kq
+from specdec.model import native
 
 pytestmark = pytest.mark.skipif(not kq.available(), reason="the q4k kernel cannot be built on this machine")
 
@@ -138,7 +139,7 @@ def test_avx2_and_avx512_builds_agree_bitwise(monkeypatch):
         blocks = kq.quantize(rng.standard_normal((45, 700)).astype(np.float32), kind)
         out = {}
         for variant in (kq.AVX2, kq.AVX512):
-            monkeypatch.setattr(kq, "library", lambda v=variant: kq.__dict__["_library"](v))
+            monkeypatch.setattr(kq, "library", lambda v=variant: native._library(v))
             out[variant] = kq.KQuantKernel.from_blocks(blocks, None, in_features=700)(x)
         assert torch.equal(out[kq.AVX2], out[kq.AVX512])
 
@@ -153,3 +154,26 @@ def test_grouped_layers_equal_separate_calls():
     x = torch.from_numpy(rng.standard_normal((2, 3, 512)).astype(np.float32))
     for together, alone in zip(kq.KQuantKernel.group(kernels, x), [k(x) for k in kernels], strict=True):
         assert torch.equal(together, alone)
+
+
+def test_native_attention_matches_sdpa_and_is_row_invariant():
+    """Rows of one call equal separate one-row calls bitwise, and match the framework's
+    attention (GQA, causal, with and without a sliding-window mask) to float32 accuracy."""
+    g = torch.Generator().manual_seed(5)
+    B, T, H, Hkv, D, start, cap = 2, 6, 6, 2, 32, 9, 20
+    q = torch.randn(B, T, H, D, generator=g)
+    k_cache, v_cache = torch.randn(B, Hkv, cap, D, generator=g), torch.randn(B, Hkv, cap, D, generator=g)
+    end = start + T
+    causal = torch.ones(T, end, dtype=torch.bool).tril(start)
+    window = causal & (torch.arange(end)[None, :] > torch.arange(start, end)[:, None] - 4)
+    for mask in (None, window.expand(B, T, end)):
+        got = native.attend_rows(q, k_cache, v_cache, start, mask, None)
+        attn_mask = (causal if mask is None else mask[0])[None, None]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=attn_mask, enable_gqa=True
+        ).transpose(1, 2)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+        for t in range(T):  # row t alone, as a one-token step at slot start + t
+            m = None if mask is None else mask[:, t : t + 1, : start + t + 1]
+            alone = native.attend_rows(q[:, t : t + 1], k_cache, v_cache, start + t, m, None)
+            assert torch.equal(alone[:, 0], got[:, t])

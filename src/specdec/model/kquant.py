@@ -6,9 +6,8 @@ numbers llama.cpp runs on, at ~4.75/6.6 bits per weight instead of int8's 8. Ten
 other GGUF types (Q5_0, Q8_0, Q4_1, float...) are quantized here to Q6_K, which is at least as
 precise as those types.
 
-The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX-512 VNNI variant), compiled
-once per machine into the specdec cache with the system C compiler and called through
-ctypes. Activations are quantized per row and per 256-block to int8; inside a block all sums
+The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX-512 VNNI build), compiled
+once per machine with the rest of specdec's native kernels (see `native`). Activations are quantized per row and per 256-block to int8; inside a block all sums
 are exact integers, and blocks are added to a per-row float accumulator in a fixed order, so
 the kernel is batch-invariant: one row's result does not depend on the other rows in the call.
 """
@@ -17,16 +16,21 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .native import (  # noqa: F401
+    AVX2,
+    AVX512,
+    NativeUnavailableError,
+    available,
+    best_variant,
+    library,
+)
 
 QK = 256  # weights per super-block
 Q4K = 4
@@ -48,97 +52,12 @@ TILE_DTYPES = {
 }
 
 _SOURCE = Path(__file__).with_name("csrc") / "kquant.c"
-_BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
-_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDEC_AVX512"]
-AVX2, AVX512 = "avx2", "avx512"
-
-
-class KQuantUnavailableError(RuntimeError):
-    """The q4k kernel cannot run here (CPU without AVX2, no C compiler...)."""
-
-
-# -- the compiled kernel ------------------------------------------------------------------
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def best_variant() -> str:
-    """The kernel build for this CPU: AVX-512 (VNNI) where present, else AVX2."""
-    flags = _cpu_flags()
-    missing = {"avx2", "fma", "f16c"} - flags
-    if missing:
-        raise KQuantUnavailableError(
-            f"the q4k kernel needs a CPU with AVX2/FMA/F16C (missing: {', '.join(sorted(missing))}); "
-            "use --dtype int8"
-        )
-    return AVX512 if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else AVX2
-
-
-def library(variant: str | None = None) -> ctypes.CDLL:
-    """Compile (once per machine, variant and source version) and load the kernel library.
-    Both variants compute bitwise the same results; AVX-512 is faster over several rows."""
-    return _library(variant or best_variant())
-
-
-@cache
-def _library(variant: str) -> ctypes.CDLL:
-    from ..store import cache_root
-
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise KQuantUnavailableError("the q4k kernel is compiled at first use and needs gcc; install it or use --dtype int8")
-    cmd = [cc, *_BASE_FLAGS, *(_AVX512_FLAGS if variant == AVX512 else [])]
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(source + " ".join(cmd).encode() + version.encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / key / "libspecdec_kquant.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_out = Path(tmp) / out.name
-            proc = subprocess.run([*cmd, "-o", str(tmp_out), str(_SOURCE)], capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                raise KQuantUnavailableError(
-                    f"compiling the q4k kernel failed ({' '.join(cmd)}):\n{proc.stderr.strip()[-2000:]}\n"
-                    "use --dtype int8 meanwhile"
-                )
-            os.replace(tmp_out, out)  # atomic: concurrent first uses never see half a file
-    # torch already loaded its libgomp.so.1; the kernel links the same soname, so both share
-    # one OpenMP runtime and thread pool.
-    lib = ctypes.CDLL(str(out))
-    lib.specdec_kquant_linears.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-    ]  # fmt: skip
-    lib.specdec_kquant_linears.restype = ctypes.c_int
-    lib.specdec_tile_bytes.argtypes = [ctypes.c_int]
-    lib.specdec_tile_bytes.restype = ctypes.c_int
-    lib.specdec_tile_outputs.restype = ctypes.c_int
-    if lib.specdec_tile_outputs() != TILE or any(lib.specdec_tile_bytes(k) != dt.itemsize for k, dt in TILE_DTYPES.items()):
-        raise KQuantUnavailableError("the compiled q4k kernel's tile layout does not match specdec's")
-    return lib
 
 
 @cache
 def layout_version() -> str:
     """Changes whenever the kernel source or the packing code does (keys the packed-weight cache)."""
     return hashlib.sha256(_SOURCE.read_bytes() + Path(__file__).read_bytes()).hexdigest()[:16]
-
-
-def available() -> bool:
-    try:
-        library()
-    except KQuantUnavailableError:
-        return False
-    return True
 
 
 # -- blocks -------------------------------------------------------------------------------
@@ -297,6 +216,10 @@ class KQuantKernel:
                  bias: torch.Tensor | None) -> None:
         """`packed`: uint8 [ceil(N/16), nb * tile bytes], the output of `tiles`."""
         self.lib = library()
+        if self.lib.specdec_tile_outputs() != TILE or any(
+            self.lib.specdec_tile_bytes(k) != dt.itemsize for k, dt in TILE_DTYPES.items()
+        ):
+            raise NativeUnavailableError("the compiled q4k kernel's tile layout does not match specdec's")
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
         nb = -(-in_features // QK)
         if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-out_features // TILE), nb * TILE_DTYPES[kind].itemsize):

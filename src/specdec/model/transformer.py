@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .cache import ContextOverflowError, KVCache
 from .config import ModelArgs
 from .kernels import MODES
@@ -22,6 +23,17 @@ from .linear import Linear, linear_group
 # Longer runs of new tokens (prompt prefill) attend in one batched call: prefill is the same
 # call in plain and speculative decoding, so it needs no row-by-row treatment.
 ROW_ATTENTION_MAX = 64
+
+
+@dataclass
+class RowAttention:
+    """How a layer attends row by row (batch-invariant modes, chains of new tokens): with the
+    native kernel (`mask`: [B, T, end] bool or None for all earlier keys), or one framework
+    call per row (`rows`: the per-row masks a one-token step would pass)."""
+
+    native: bool
+    mask: torch.Tensor | None = None
+    rows: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -94,7 +106,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         start: int,  # slot of the first new token
         mask: torch.Tensor | None,  # [B, 1, T, start+T] bool, True = may attend
-        row_masks: list[torch.Tensor | None] | None = None,  # row-by-row attention (see Transformer)
+        row_masks: RowAttention | None = None,  # row-by-row attention (see Transformer)
     ) -> torch.Tensor:
         a = self.a
         B, T, _ = x.shape
@@ -108,6 +120,11 @@ class Attention(nn.Module):
         end = start + T
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
+        if row_masks is not None and row_masks.native:
+            # one native call for every row and head; row i sees exactly what one-token
+            # decoding at its position sees
+            out = native.attend_rows(q.transpose(1, 2), k_cache, v_cache, start, row_masks.mask, a.attn_scale)
+            return self.o_proj(out.view(B, T, a.n_heads * a.head_dim))  # fmt: skip
         if row_masks is None:
             out = F.scaled_dot_product_attention(
                 q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, scale=a.attn_scale,
@@ -119,7 +136,7 @@ class Attention(nn.Module):
             out = torch.cat([
                 F.scaled_dot_product_attention(
                     q[:, :, i : i + 1], k_cache[:, :, : start + i + 1], v_cache[:, :, : start + i + 1],
-                    attn_mask=row_masks[i], scale=a.attn_scale, enable_gqa=a.n_rep > 1,
+                    attn_mask=row_masks.rows[i], scale=a.attn_scale, enable_gqa=a.n_rep > 1,
                 )
                 for i in range(T)
             ], dim=2)  # fmt: skip
@@ -201,6 +218,14 @@ class Transformer(nn.Module):
         return MODES[self.mode].batch_invariant
 
     @property
+    def _native_attention(self) -> bool:
+        """Row-by-row attention runs in specdec's native kernel where it can (CPU, float32)."""
+        return (
+            self.row_invariant_attention and self.device.type == "cpu" and self.dtype == torch.float32
+            and self.args.head_dim % 8 == 0 and native.available()
+        )  # fmt: skip
+
+    @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
@@ -245,12 +270,18 @@ class Transformer(nn.Module):
         assert self.args.sliding_window is not None
         return cache.pos[:, None, :end] > positions[:, :, None] - self.args.sliding_window
 
-    def _row_masks(self, masks: dict[bool, torch.Tensor | None], start: int, T: int) -> dict[bool, list]:
-        """Per-row masks for row-by-row attention: exactly what one-token decoding at each
-        position would pass (None on full layers, the window row on sliding layers)."""
-        rows: dict[bool, list] = {False: [None] * T}
+    def _row_attention(self, masks: dict[bool, torch.Tensor | None], start: int, T: int) -> dict[bool, RowAttention]:
+        """Row-by-row attention per layer kind: exactly what one-token decoding at each position
+        would do (no mask on full layers, the window row on sliding layers)."""
+        if self._native_attention:
+            # the kernel already limits row i to keys 0..start+i; only windows need a mask
+            rows_native = {False: RowAttention(True, None)}
+            if masks.get(True) is not None:
+                rows_native[True] = RowAttention(True, masks[True][:, 0])  # [B, T, end]
+            return rows_native
+        rows: dict[bool, RowAttention] = {False: RowAttention(False, rows=[None] * T)}
         if masks.get(True) is not None:
-            rows[True] = [masks[True][:, :, i : i + 1, : start + i + 1] for i in range(T)]
+            rows[True] = RowAttention(False, rows=[masks[True][:, :, i : i + 1, : start + i + 1] for i in range(T)])
         return rows
 
     @torch.inference_mode()
@@ -277,8 +308,11 @@ class Transformer(nn.Module):
         cache.pos[:, start : start + T] = positions
         masks = self._masks(cache, positions, start, tree_mask)
         row_masks = None
-        if self.row_invariant_attention and tree_mask is None and 1 < T <= ROW_ATTENTION_MAX:
-            row_masks = self._row_masks(masks, start, T)
+        if self.row_invariant_attention and tree_mask is None and T <= ROW_ATTENTION_MAX:
+            # (one-token steps too, when the native kernel runs the rows: decoding and
+            # verification must go through the same code)
+            if T > 1 or self._native_attention:
+                row_masks = self._row_attention(masks, start, T)
         x = self.model.embed_tokens(tokens)  # [B, T, D]
         if a.embed_scale != 1.0:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)

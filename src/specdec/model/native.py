@@ -1,0 +1,137 @@
+"""specdec's native CPU kernels (``csrc/*.c``): built once per machine, called through ctypes.
+
+- ``kquant.c``: linear layers over K-quant weight blocks (the q4k mode, see `kquant`).
+- ``attention.c``: attention for chains of up to 64 new tokens, row by row in one call (the
+  batch-invariant modes' decoding and verification path, see `attend_rows`).
+
+The library is compiled at first use with the system C compiler (gcc, ~2 s) into the specdec
+cache, in an AVX2 build or, where the CPU has AVX512-BW/VL/VNNI, an AVX-512 build; both give
+bitwise the same results. Where neither can be built (no compiler, no AVX2) the q4k mode is
+unavailable and the other modes fall back to framework attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("kquant.c", "attention.c")
+_BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDEC_AVX512"]
+AVX2, AVX512 = "avx2", "avx512"
+
+
+class NativeUnavailableError(RuntimeError):
+    """The native kernels cannot run here (CPU without AVX2, no C compiler...)."""
+
+
+@cache
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_variant() -> str:
+    """The build for this CPU: AVX-512 (VNNI) where present, else AVX2."""
+    flags = _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - flags
+    if missing:
+        raise NativeUnavailableError(
+            f"specdec's CPU kernels need AVX2/FMA/F16C (missing: {', '.join(sorted(missing))}); "
+            "use --dtype int8 or fp32"
+        )
+    return AVX512 if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else AVX2
+
+
+def library(variant: str | None = None) -> ctypes.CDLL:
+    """Compile (once per machine, variant and source version) and load the kernel library.
+    Both variants compute bitwise the same results; AVX-512 is faster over several rows."""
+    return _library(variant or best_variant())
+
+
+@cache
+def available() -> bool:
+    try:
+        library()
+    except NativeUnavailableError:
+        return False
+    return True
+
+
+@cache
+def _library(variant: str) -> ctypes.CDLL:
+    from ..store import cache_root
+
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise NativeUnavailableError("specdec's CPU kernels are compiled at first use and need gcc; install it or use --dtype int8")
+    cmd = [cc, *_BASE_FLAGS, *(_AVX512_FLAGS if variant == AVX512 else [])]
+    sources = [_CSRC / name for name in _SOURCES]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(cmd).encode() + version.encode())
+    out = cache_root() / "kernels" / key.hexdigest()[:16] / "libspecdec_cpu.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            proc = subprocess.run([*cmd, "-o", str(tmp_out), *map(str, sources)], capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise NativeUnavailableError(
+                    f"compiling specdec's CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr.strip()[-2000:]}\n"
+                    "use --dtype int8 or fp32 meanwhile"
+                )
+            os.replace(tmp_out, out)  # atomic: concurrent first uses never see half a file
+    # torch already loaded its libgomp.so.1; the library links the same soname, so both share
+    # one OpenMP runtime and thread pool.
+    lib = ctypes.CDLL(str(out))
+    c_int, c_ptr, c_float = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    lib.specdec_kquant_linears.argtypes = [c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_int, c_ptr, c_int]
+    lib.specdec_kquant_linears.restype = c_int
+    lib.specdec_tile_bytes.argtypes = [c_int]
+    lib.specdec_tile_bytes.restype = c_int
+    lib.specdec_tile_outputs.restype = c_int
+    lib.specdec_attend_rows.argtypes = [
+        c_ptr, c_int, c_int, c_int, c_int, c_ptr, c_ptr, c_int, c_int, c_int, c_ptr, c_float, c_ptr, c_int,
+    ]  # fmt: skip
+    lib.specdec_attend_rows.restype = c_int
+    return lib
+
+
+def attend_rows(
+    q: torch.Tensor,  # [B, T, H, D] float32, rotated
+    k_cache: torch.Tensor,  # [B, H_kv, S_cap, D] float32, this layer's slice (new keys written)
+    v_cache: torch.Tensor,
+    start: int,  # slot of the first new token
+    mask: torch.Tensor | None,  # [B, T, start+T] bool (True = may attend), or None: all earlier keys
+    scale: float | None,  # None: 1/sqrt(D), as in scaled_dot_product_attention
+) -> torch.Tensor:  # [B, T, H, D]
+    """Causal attention of T new tokens over the cache, each row exactly as one-token decoding
+    at its position computes it (see csrc/attention.c)."""
+    B, T, H, D = q.shape
+    if D % 8 or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        raise ValueError("native attention needs float32 tensors and a head size that is a multiple of 8")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    scale = D**-0.5 if scale is None else float(scale)
+    m = None if mask is None else mask.to(torch.uint8).contiguous()
+    rc = library().specdec_attend_rows(
+        q.data_ptr(), B, T, H, D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
+        start, None if m is None else m.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("native attention could not allocate its score buffers")
+    return out
