@@ -45,3 +45,30 @@ def test_models_list():
     assert res.returncode == 0
     for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"):
         assert name in res.stdout
+
+
+@pytest.mark.real
+def test_prompt_lookup_compare_json_as_written():
+    """`specdec generate --target NAME --drafter prompt-lookup --compare --json ...` with the
+    same JSON fields as the draft-model path."""
+    res = specdec_cli("generate", "--target", "smollm2-135m", "--drafter", "prompt-lookup", "--ngram-max", "3",
+                      "-k", "5", "--max-new-tokens", "40", "--compare", "--json", "--no-chat",
+                      "--prompt", "one two three four five. one two three four five. one two")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip())
+    for key in ("identical", "speedup", "acceptance_rate", "mean_accepted_tokens", "tokens_per_second"):
+        assert key in out, key
+    assert out["identical"] is True and out["drafter"] == "prompt-lookup" and out["draft"] is None
+    assert out["mean_accepted_tokens"] > 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--drafter", "draft-model"], "--drafter draft-model needs --draft MODEL"),
+    (["--drafter", "prompt-lookup", "--draft", "x"], "--draft is only used by the draft-model drafter"),
+    (["--drafter", "prompt-lookup", "--ngram-min", "3", "--ngram-max", "2"], "min_ngram <= max_ngram"),
+    (["--compare"], "--compare needs --draft or --drafter"),
+])  # fmt: skip
+def test_drafter_option_errors_are_one_line(tiny_dir, args, message):
+    res = specdec_cli("generate", "--target", str(tiny_dir("llama")), "--max-new-tokens", "4", "--prompt", "ab", *args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

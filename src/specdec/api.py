@@ -18,7 +18,7 @@ import torch
 
 from . import store
 from .config import GenerationConfig, OverflowPolicy, SamplingParams
-from .drafters.base import Drafter
+from .drafters.base import DRAFTERS, Drafter
 from .drafters.draft_model import DraftModelDrafter
 from .engine import GenerationResult, plain_generate, speculative_generate
 from .model.load import load_transformer
@@ -67,9 +67,19 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Messages | list[int], chat
     return ids
 
 
-def make_drafter(target: LoadedModel, assistant_model: LoadedModel | None, drafter: Drafter | None) -> Drafter | None:
+def make_drafter(
+    target: LoadedModel, assistant_model: LoadedModel | None, drafter: Drafter | str | None
+) -> Drafter | None:
+    """`drafter` may be a drafter object or the name of a model-free one ("prompt-lookup",
+    with its default options)."""
     if assistant_model is not None and drafter is not None:
         raise ValueError("pass either assistant_model or drafter, not both")
+    if isinstance(drafter, str):
+        model_free = {name: cls for name, cls in DRAFTERS.items() if name != "draft-model"}
+        if drafter not in model_free:
+            hint = "; the draft-model drafter is chosen by passing assistant_model=" if drafter == "draft-model" else ""
+            raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(sorted(model_free))}{hint}")
+        return model_free[drafter]()
     if assistant_model is None:
         return drafter
     check_same_tokenizer(target.tokenizer, assistant_model.tokenizer, names=(target.name, assistant_model.name))
@@ -81,7 +91,7 @@ def generate(
     prompt: str | Messages | list[int],
     *,
     assistant_model: LoadedModel | None = None,
-    drafter: Drafter | None = None,
+    drafter: Drafter | str | None = None,
     k: int = 4,
     max_new_tokens: int = 128,
     temperature: float = 0.0,

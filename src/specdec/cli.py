@@ -12,6 +12,7 @@ import torch
 
 from . import registry, store
 from .config import GenerationConfig, SamplingParams, add_arguments, from_namespace
+from .drafters import PromptLookupDrafter
 from .model.kernels import AUTO, MODES
 
 
@@ -20,6 +21,10 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
+    p.add_argument("--drafter", choices=["draft-model", "prompt-lookup"],
+                   help="drafting method (unset: draft-model when --draft is given, else plain decoding)")  # fmt: skip
+    p.add_argument("--ngram-max", type=int, default=3, help="prompt-lookup: longest n-gram to match")
+    p.add_argument("--ngram-min", type=int, default=1, help="prompt-lookup: shortest n-gram to match")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' for stdin)")
@@ -28,7 +33,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     add_arguments(p, GenerationConfig)
     add_arguments(p, SamplingParams)
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],
-                   help="precision/kernel mode; auto = fastest exact mode for the device (int8 on CPU)")  # fmt: skip
+                   help="precision/kernel mode; auto = fastest exact mode for the device (q4k on CPU)")  # fmt: skip
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -52,17 +57,23 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     cfg = from_namespace(GenerationConfig, ns)
     sampling = from_namespace(SamplingParams, ns)
     prompt = _read_prompt(ns)
-    if ns.compare and not ns.draft:
-        raise ValueError("--compare needs --draft (it compares speculative decoding with plain decoding)")
+    method = ns.drafter or ("draft-model" if ns.draft else None)
+    if method == "draft-model" and not ns.draft:
+        raise ValueError("--drafter draft-model needs --draft MODEL")
+    if method not in (None, "draft-model") and ns.draft:
+        raise ValueError(f"--draft is only used by the draft-model drafter; drop it or drop --drafter {method}")
+    if ns.compare and method is None:
+        raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
+    drafter = PromptLookupDrafter(ns.ngram_max, ns.ngram_min) if method == "prompt-lookup" else None
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
     draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
     kwargs: dict[str, Any] = dict(
-        assistant_model=draft, k=cfg.k, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
+        assistant_model=draft, drafter=drafter, k=cfg.k, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
         ignore_eos=cfg.ignore_eos, context_overflow=cfg.context_overflow, chat=ns.chat,
         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
     )  # fmt: skip
     encode_prompt(target.tokenizer, prompt, ns.chat)  # validate before any long run
-    header = {"target": ns.target, "draft": ns.draft, "k": cfg.k, "dtype": target.model.mode,
+    header = {"target": ns.target, "drafter": method, "draft": ns.draft, "k": cfg.k, "dtype": target.model.mode,
               "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}  # fmt: skip
     if ns.compare:
         cmp = compare(target, prompt, **kwargs)

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from .config import GenerationConfig, SamplingParams
-from .drafters.base import Drafter, DraftSession, point_mass
+from .drafters.base import Drafter, DraftSession
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError
 from .model.transformer import Transformer
 from .sampling import make_generator, pick, probs
 from .tokenizer import Tokenizer
-from .verify import greedy_verify, rejection_sample
+from .verify import greedy_verify, point_mass_sample, rejection_sample
 
 
 @dataclass
@@ -183,11 +183,10 @@ def speculative_generate(
             target_logits = target(inputs, cache).logits  # [1, K+1, V]
             if sampling.greedy:
                 verdict = greedy_verify(target_logits, draft.tokens)
+            elif draft.probs is None:  # deterministic drafter: q is a point mass on each draft
+                verdict = point_mass_sample(probs(target_logits, sampling), draft.tokens, gen)
             else:
-                q = draft.probs
-                if q is None:  # deterministic drafter: q is a point mass on each draft
-                    q = point_mass(draft.tokens, target_logits.shape[-1])
-                verdict = rejection_sample(probs(target_logits, sampling), q, draft.tokens, gen)
+                verdict = rejection_sample(probs(target_logits, sampling), draft.probs, draft.tokens, gen)
             n_acc, nxt = int(verdict.num_accepted[0]), int(verdict.next_token[0])
         m.target_forwards += 1
         m.target_time += t[0]

@@ -24,7 +24,7 @@ class Tokenizer:
         self.eos_ids = eos_ids
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
         from transformers.utils import logging as hf_logging
 

@@ -71,3 +71,40 @@ def rejection_sample(
     residual = torch.where(mass > 0, residual, p.gather(1, idx).squeeze(1))
     next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
     return Verdict(num_accepted, next_token)
+
+
+def point_mass_sample(
+    p: torch.Tensor,  # [B, K+1, V] target probabilities (temperature/top-k/top-p applied)
+    draft_tokens: torch.Tensor,  # [B, K] from a deterministic drafter (n-gram lookup, lookahead)
+    generator: torch.Generator,
+) -> Verdict:
+    """Exact speculative sampling for drafts without probabilities: q is a point mass on x̃.
+
+    The general rule with q = δ(x̃) reduces to: accept x̃_i with probability p_i(x̃_i); at the
+    first rejection draw the recovered token from p_i with x̃_i removed and renormalised
+    (= norm(max(0, p_i - δ(x̃_i)))); if all K pass, draw the bonus token from p_{K+1}. The
+    output is distributed exactly as p. Same random draws, in the same order, as
+    `rejection_sample` with a one-hot q, without building the [B, K, V] one-hot tensor.
+    """
+    B, K = draft_tokens.shape
+    V = p.shape[-1]
+    p = p.float()
+    u = torch.rand(B, K, generator=generator, device=p.device)  # [B, K]
+    in_vocab = draft_tokens < V
+    x = draft_tokens.clamp_max(V - 1)
+    p_x = p[:, :K].gather(-1, x[..., None]).squeeze(-1) * in_vocab  # [B, K]
+    accept = (u < p_x).long()
+    num_accepted = accept.cumprod(-1).sum(-1)  # [B]
+    p_next = p.gather(1, num_accepted[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V]
+    residual = p_next
+    if K:
+        # remove the rejected draft token (after all K pass, the bonus comes from p itself)
+        pos = num_accepted.clamp_max(K - 1)[:, None]  # [B, 1]
+        tok = x.gather(1, pos)  # [B, 1]
+        remove = (num_accepted < K)[:, None] & in_vocab.gather(1, pos)
+        residual = p_next.scatter(1, tok, torch.where(remove, 0.0, p_next.gather(1, tok)))
+    mass = residual.sum(-1, keepdim=True)
+    # A rejection implies p(x̃) < 1, hence mass elsewhere. Guard rounding.
+    residual = torch.where(mass > 0, residual, p_next)
+    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return Verdict(num_accepted, next_token)

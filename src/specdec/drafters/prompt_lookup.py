@@ -1,0 +1,86 @@
+"""Prompt lookup: draft by copying what followed an earlier occurrence of the last n tokens.
+
+Input-grounded tasks (summarise, answer from a passage, edit given code) repeat long spans of
+the prompt; when the last n generated tokens occurred before, the tokens that followed are a
+good guess for what comes next (Saxena 2023, "prompt lookup decoding"; transformers'
+`prompt_lookup_num_tokens`). No model, no probabilities: q is a point mass, and the engine
+verifies with `verify.point_mass_sample` (exact) or greedy matching.
+
+The index maps every n-gram (min_ngram <= n <= max_ngram) of the committed sequence to the
+positions right after its occurrences, and grows as tokens are committed, so a lookup costs
+O(max_ngram) whatever the prompt length (no rescans).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .base import Draft, DraftSession, register
+
+
+@register("prompt-lookup")
+class PromptLookupDrafter:
+    """Proposes the continuation of the most recent earlier occurrence of the longest
+    matching suffix (n from `max_ngram` down to `min_ngram`); no proposal when nothing matches."""
+
+    name: str
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(
+                f"prompt lookup needs 1 <= min_ngram <= max_ngram (got min {min_ngram}, max {max_ngram})"
+            )
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.forwards = 0  # no model
+        self._tokens: list[int] = []
+        self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)  # n-gram -> positions after it
+        self._proposal: list[int] = []
+        self._device = torch.device("cpu")
+
+    def begin(self, session: DraftSession) -> None:
+        if session.context.shape[0] != 1:
+            raise NotImplementedError("the prompt-lookup drafter runs one sequence at a time")
+        self._device = session.context.device
+        self._tokens, self._proposal = [], []
+        self._index = defaultdict(list)
+        self._extend(session.context[0].tolist())
+
+    def _extend(self, new: list[int]) -> None:
+        """Commit tokens and index the n-grams that end at each of them."""
+        toks = self._tokens
+        for t in new:
+            toks.append(t)
+            end = len(toks)  # the position right after this n-gram
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._index[tuple(toks[end - n : end])].append(end)
+
+    def candidates(self, k: int, limit: int = 4) -> list[list[int]]:
+        """Up to `limit` distinct continuations (at most k tokens each), best first: longer
+        matches first, then more recent occurrences. The first is what `propose` drafts; the
+        others are alternatives for token trees."""
+        toks, out = self._tokens, []
+        if k <= 0:
+            return out
+        for n in range(min(self.max_ngram, len(toks)), self.min_ngram - 1, -1):
+            positions = self._index.get(tuple(toks[len(toks) - n :]), [])
+            # the newest entry is the suffix itself (nothing follows it yet): skip it
+            for pos in reversed(positions):
+                if pos >= len(toks):
+                    continue
+                cont = toks[pos : pos + k]
+                if cont not in out:
+                    out.append(cont)
+                    if len(out) == limit:
+                        return out
+        return out
+
+    def propose(self, k: int) -> Draft:
+        found = self.candidates(k, limit=1)
+        tokens = self._proposal = found[0] if found else []
+        return Draft(torch.tensor([tokens], dtype=torch.long, device=self._device).reshape(1, len(tokens)), None)
+
+    def accepted(self, num_accepted: int, next_token: int) -> None:
+        self._extend([*self._proposal[:num_accepted], next_token])
+        self._proposal = []

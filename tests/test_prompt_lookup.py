@@ -1,0 +1,167 @@
+"""The prompt-lookup drafter: lookup rules, incremental index, greedy identity with plain
+decoding (tiny models, SmolLM2), exact sampling (with a negative control), edge cases."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+from helpers import ALPHA, chi2_pvalue
+from test_engine import PROMPT_IDS, PROMPTS, exact_joint, small_vocab  # noqa: F401 (fixture)
+
+import specdec
+from specdec import engine
+from specdec.config import GenerationConfig, SamplingParams
+from specdec.drafters import DraftSession, PromptLookupDrafter
+from specdec.verify import Verdict
+
+
+def started(tokens: list[int], **kw) -> PromptLookupDrafter:
+    d = PromptLookupDrafter(**kw)
+    d.begin(DraftSession(torch.tensor([tokens]), 1000, SamplingParams(), torch.Generator().manual_seed(0)))
+    return d
+
+
+def test_longest_match_wins_then_the_most_recent():
+    # suffix (7, 8): the 2-gram occurred once (followed by 1 2); the 1-gram 8 more recently (by 5)
+    d = started([7, 8, 1, 2, 3, 8, 5, 6, 7, 8], max_ngram=2)
+    assert d.propose(3).tokens.tolist() == [[1, 2, 3]]
+    # with only 1-grams, the most recent earlier 8 is followed by 5 6
+    d = started([7, 8, 1, 2, 3, 8, 5, 6, 7, 8], max_ngram=1)
+    assert d.propose(2).tokens.tolist() == [[5, 6]]
+
+
+def test_candidates_are_distinct_and_ranked():
+    d = started([1, 2, 9, 1, 2, 9, 4, 2, 5, 1, 2], max_ngram=2)
+    # (1, 2) is followed by 9 (twice, the same continuation) ; then 2 alone by 5 and 9
+    assert d.candidates(1, limit=4) == [[9], [5]]
+    assert d.candidates(2, limit=1) == [[9, 4]]
+
+
+def test_no_match_proposes_nothing_and_short_contexts_are_fine():
+    assert started([1, 2, 3, 4]).propose(4).tokens.shape == (1, 0)
+    d = started([5], max_ngram=8)  # n-gram longer than the context
+    assert d.propose(3).tokens.shape == (1, 0)
+    d = started([5, 6, 5], max_ngram=8)  # the match runs into the end of the context
+    assert d.propose(4).tokens.tolist() == [[6, 5]]
+
+
+def test_incremental_index_equals_a_fresh_one():
+    d = started([3, 1, 4, 1, 5, 9, 2, 6], max_ngram=3)
+    committed = [3, 1, 4, 1, 5, 9, 2, 6]
+    for step in range(12):
+        prop = d.propose(3).tokens[0].tolist()
+        n_acc = step % (len(prop) + 1)
+        nxt = (step * 7) % 10
+        d.accepted(n_acc, nxt)
+        committed += prop[:n_acc] + [nxt]
+        fresh = started(committed, max_ngram=3)
+        assert d._tokens == committed and dict(d._index) == dict(fresh._index)
+
+
+def test_bad_ngram_sizes_are_refused():
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        PromptLookupDrafter(max_ngram=2, min_ngram=3)
+    with pytest.raises(ValueError, match="1 <= min_ngram"):
+        PromptLookupDrafter(max_ngram=2, min_ngram=0)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "q4k"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_greedy_identity_tiny(tiny, arch, dtype):
+    target = tiny(arch, dtype=dtype)
+    proposed = 0
+    for prompt in PROMPTS:
+        plain = specdec.generate(target, prompt, max_new_tokens=40, ignore_eos=True)
+        for k in (1, 3, 6):
+            out = specdec.generate(target, prompt, drafter=PromptLookupDrafter(), k=k, max_new_tokens=40, ignore_eos=True)
+            assert out.token_ids == plain.token_ids, (arch, prompt, k)
+            proposed += out.metrics.proposed
+    assert proposed > 0
+
+
+@pytest.mark.real
+def test_greedy_identity_smollm2(smollm2):
+    prompts = [
+        "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
+        "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and then again 1, 2, 3,",
+        "What is the capital of France?",  # little to copy
+    ]
+    accepted = 0
+    for prompt in prompts:
+        plain = specdec.generate(smollm2, prompt, max_new_tokens=48)
+        for k, n in ((3, 3), (6, 2)):
+            out = specdec.generate(smollm2, prompt, drafter=PromptLookupDrafter(max_ngram=n), k=k, max_new_tokens=48)
+            assert out.token_ids == plain.token_ids, (prompt, k)
+            accepted += out.metrics.accepted
+    assert accepted > 0
+
+
+class Recording(PromptLookupDrafter):
+    def begin(self, session):
+        self.proposals: list[list[int]] = []
+        super().begin(session)
+
+    def propose(self, k):
+        d = super().propose(k)
+        self.proposals.append(d.tokens[0].tolist())
+        return d
+
+
+def test_proposal_copies_eos_like_any_token():
+    d = started([4, 5, 0, 9, 4, 5], max_ngram=2)
+    assert d.propose(3).tokens.tolist() == [[0, 9, 4]]
+
+
+@pytest.mark.real
+def test_match_running_into_eos(smollm2):
+    """A copied span that contains the end-of-sequence token: output and finish reason equal
+    plain decoding's and nothing after the EOS is emitted. (" yellow" is declared the EOS, so
+    the span the lookup copies from the prompt contains it.)"""
+    eos = smollm2.tokenizer.encode(" yellow")[0]
+    tok = copy.copy(smollm2.tokenizer)
+    tok.eos_ids = frozenset({eos})
+    model = dataclasses.replace(smollm2, tokenizer=tok)
+    prompt = "red, green, blue, yellow. red, green, blue, yellow. red, green,"
+    plain = specdec.generate(model, prompt, max_new_tokens=30, chat=False)
+    drafter = Recording(max_ngram=3)
+    out = specdec.generate(model, prompt, drafter=drafter, k=5, max_new_tokens=30, chat=False)
+    assert out.token_ids == plain.token_ids and out.finish_reason == plain.finish_reason == "eos"
+    assert out.token_ids[-1] == eos and any(eos in p[:-1] for p in drafter.proposals)  # EOS mid-draft
+
+
+def sample_joint_lookup(target, sampling: SamplingParams, runs: int, expect_mixed: bool = True) -> Counter:
+    cfg = GenerationConfig(max_new_tokens=4, k=3, ignore_eos=True)
+    counts: Counter = Counter()
+    accepted = proposed = 0
+    for seed in range(runs):
+        s = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+        out = engine.speculative_generate(target, PromptLookupDrafter(max_ngram=2), PROMPT_IDS, cfg, s)
+        counts[tuple(out.token_ids)] += 1
+        accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
+    if expect_mixed:  # drafts were offered, and both accepted and rejected
+        assert proposed > runs // 2 and 0.05 < accepted / proposed < 0.95
+    return counts
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+                         ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+def test_sampling_matches_target_distribution(small_vocab, sampling):  # noqa: F811
+    target, _ = small_vocab
+    counts = sample_joint_lookup(target, sampling, runs=3000)
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
+
+
+def test_wrong_rule_fails_end_to_end(small_vocab, monkeypatch):  # noqa: F811
+    def always_accept(p, draft_tokens, generator) -> Verdict:
+        B, K = draft_tokens.shape
+        return Verdict(torch.full((B,), K), torch.multinomial(p[:, K], 1, generator=generator).squeeze(-1))
+
+    monkeypatch.setattr(engine, "point_mass_sample", always_accept)
+    target, _ = small_vocab
+    sampling = SamplingParams(temperature=1.0)
+    counts = sample_joint_lookup(target, sampling, runs=3000, expect_mixed=False)
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
