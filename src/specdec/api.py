@@ -42,7 +42,8 @@ def load(name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.d
     """Load a registered model name, a Hugging Face directory or a GGUF file.
 
     `dtype` is a precision/kernel mode: "auto" (the fastest mode that keeps greedy identity
-    exact: int8 on the CPU), "fp32", "bf16", "fp16" or "int8"."""
+    exact: q4k on the CPU, int8 where q4k's kernel cannot be built), "fp32", "bf16", "fp16",
+    "int8" or "q4k"."""
     path = store.resolve(name_or_path)
     return LoadedModel(str(name_or_path), path, load_transformer(path, dtype=dtype, device=device),
                        Tokenizer.from_dir(path))  # fmt: skip
