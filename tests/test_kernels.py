@@ -12,8 +12,7 @@ import torch
 import specdec
 from specdec.bench import forward as bench_forward
 from specdec.drafters import DraftModelDrafter
-from specdec.model import load_transformer
-from specdec.model import kernels, native
+from specdec.model import kernels, load_transformer, native
 from specdec.model.kernels import MODES, Int8Kernel, get_mode
 
 # q4k needs specdec's native kernels (gcc and AVX2 on the machine); where they cannot be built,

@@ -177,3 +177,25 @@ def test_native_attention_matches_sdpa_and_is_row_invariant():
             m = None if mask is None else mask[:, t : t + 1, : start + t + 1]
             alone = native.attend_rows(q[:, t : t + 1], k_cache, v_cache, start + t, m, None)
             assert torch.equal(alone[:, 0], got[:, t])
+
+
+def test_packed_weights_are_cached_and_stale_packings_pruned(tmp_path):
+    """The first q4k load writes the repacked weights, later loads reuse them; when the model's
+    files change, the new packing replaces the old one."""
+    import os
+
+    from specdec.model import load_transformer
+    from specdec.model.load import q4k_cache_file
+    from specdec.testing import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", "qwen2", seed=4)
+    first = load_transformer(path, dtype="q4k", device="cpu")
+    old = q4k_cache_file(path)
+    assert old.exists()
+    again = load_transformer(path, dtype="q4k", device="cpu")
+    ids = torch.tensor([[3, 5, 7]])
+    assert torch.equal(first(ids, first.new_cache(8)).logits, again(ids, again.new_cache(8)).logits)
+    weights = next(path.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000_000))
+    load_transformer(path, dtype="q4k", device="cpu")
+    assert q4k_cache_file(path).exists() and q4k_cache_file(path) != old and not old.exists()

@@ -134,14 +134,23 @@ def _cmd_list(ns: argparse.Namespace) -> int:
 
 
 def _cmd_remove(ns: argparse.Namespace) -> int:
+    from .model.load import q4k_cache_file
+
     for name in ns.names:
+        if store.is_installed(name):
+            q4k_cache_file(store.resolve(name)).unlink(missing_ok=True)
         store.remove(name)
     return 0
 
 
 def _cmd_install(ns: argparse.Namespace) -> int:
+    from .model.load import prepare_q4k
+
     for name in ns.names:
-        store.install(name, keep_downloads=ns.keep_downloads, log=lambda s: print(s, file=sys.stderr))
+        path = store.install(name, keep_downloads=ns.keep_downloads, log=lambda s: print(s, file=sys.stderr))
+        print(f"{name}: preparing the weights of the default (q4k) mode", file=sys.stderr)
+        if not prepare_q4k(path):
+            print(f"{name}: the q4k kernel cannot be built here; the default mode will be int8", file=sys.stderr)
     return 0
 
 

@@ -56,6 +56,7 @@ MODES: dict[str, Mode] = {
 
 
 AUTO = "auto"
+PACKED_SOURCE_KEY = "specdec.source"  # metadata of a q4k packed-weight file: the model directory
 
 
 def default_mode_name(device: torch.device) -> str:
@@ -137,12 +138,15 @@ class Int8Kernel:
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
 
-def apply_mode(model: torch.nn.Module, mode: Mode, *, gguf: Path | None = None, packed: Path | None = None) -> None:
+def apply_mode(
+    model: torch.nn.Module, mode: Mode, *, gguf: Path | None = None, packed: Path | None = None, source: str = ""
+) -> None:
     """Install `mode`'s kernel in every `Linear` (weights are already in `mode.storage`).
 
     `gguf`: the file the weights were converted from, if any; the q4k mode then runs the
     file's own Q4_K/Q6_K blocks instead of re-quantizing the float weights.
-    `packed`: a file where the q4k mode keeps its repacked weights between loads.
+    `packed`: a file where the q4k mode keeps its repacked weights between loads, recording
+    `source` (the model directory) so stale files can be found.
     """
     if mode.name not in ("int8", "q4k"):
         return
@@ -150,7 +154,7 @@ def apply_mode(model: torch.nn.Module, mode: Mode, *, gguf: Path | None = None, 
     if device.type != "cpu":
         raise ValueError(f"the {mode.name} mode runs on the CPU only for now (model is on {device}); use bf16 or fp16")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    kernels = _kquant_kernels(model, linears, gguf, packed) if mode.name == "q4k" else {}
+    kernels = _kquant_kernels(model, linears, gguf, packed, source) if mode.name == "q4k" else {}
     for name, module in linears.items():
         module.set_kernel(kernels.get(name) or Int8Kernel(module.weight, module.bias))
         if not _shares_storage(module, model):
@@ -159,7 +163,7 @@ def apply_mode(model: torch.nn.Module, mode: Mode, *, gguf: Path | None = None, 
 
 
 def _kquant_kernels(
-    model: torch.nn.Module, linears: dict[str, Linear], gguf: Path | None, packed: Path | None
+    model: torch.nn.Module, linears: dict[str, Linear], gguf: Path | None, packed: Path | None, source: str
 ) -> dict[str, LinearKernel]:
     """q4k kernels: the GGUF's Q4_K/Q6_K blocks where it has them (checked against the float
     weights), the rest quantized here to `kquant.REQUANTIZE` (at least as precise as the GGUF's
@@ -179,7 +183,7 @@ def _kquant_kernels(
     if packed is not None and packed.exists():
         with safe_open(str(packed), framework="pt") as f:
             kinds = f.metadata() or {}
-            if set(f.keys()) == set(linears) and set(kinds) == set(linears):
+            if set(f.keys()) == set(linears) and set(linears) <= set(kinds):
                 return {name: kernel(name, int(kinds[name]), f.get_tensor(name)) for name in linears}
     args = model.args
     blocks: dict[str, kquant.Blocks] = {}
@@ -203,7 +207,8 @@ def _kquant_kernels(
     if packed is not None:
         packed.parent.mkdir(parents=True, exist_ok=True)
         tmp = packed.with_suffix(f".{os.getpid()}.tmp")
-        save_file(tiles, str(tmp), metadata={name: str(k.kind) for name, k in kernels.items()})
+        meta = {name: str(k.kind) for name, k in kernels.items()} | {PACKED_SOURCE_KEY: source}
+        save_file(tiles, str(tmp), metadata=meta)
         os.replace(tmp, packed)  # atomic: a concurrent load never reads half a file
     return kernels
 

@@ -264,7 +264,7 @@ class _GroupCall:
         self.weights = (ctypes.c_void_p * n)(*(kern.weight.data_ptr() for kern in kernels))
         self.biases = (ctypes.c_void_p * n)(*(None if kern.bias is None else kern.bias.data_ptr() for kern in kernels))
         self.outs = (ctypes.c_int * n)(*(kern.out_features for kern in kernels))
-        self.ys = (ctypes.c_void_p * n)()
+        self.out_ptrs = ctypes.c_void_p * n
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         # (Called ~100 times per forward: kept to the few operations it needs.)
@@ -274,11 +274,11 @@ class _GroupCall:
             x2 = x2.float().contiguous()
         m = x2.shape[0]
         ys = [torch.empty(*lead, kern.out_features) for kern in self.kernels]  # [.., N_i]
-        for i, y in enumerate(ys):
-            self.ys[i] = y.data_ptr()
+        if m == 0:
+            return ys
         rc = self.lib.specdec_kquant_linears(
             len(ys), self.kinds, self.weights, self.biases, self.outs, self.in_features,
-            x2.data_ptr(), m, self.ys, torch.get_num_threads(),
+            x2.data_ptr(), m, self.out_ptrs(*(y.data_ptr() for y in ys)), torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("the q4k kernel could not allocate its activation buffers")

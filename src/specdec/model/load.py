@@ -52,7 +52,10 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
     model.eval()
     model.finalize()
     gguf = gguf_source(path)
-    apply_mode(model, mode, gguf=gguf, packed=packed_path(path, files, gguf) if mode.name == "q4k" else None)
+    packed = packed_path(path, files, gguf) if mode.name == "q4k" else None
+    apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()))
+    if packed is not None:
+        _prune_packed(keep=packed)
     model.mode = mode.name
     return model
 
@@ -70,6 +73,45 @@ def packed_path(path: Path, files: list[Path], gguf: Path | None) -> Path:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     return cache_root() / "packed" / f"{h.hexdigest()[:20]}.safetensors"
+
+
+def _prune_packed(keep: Path) -> None:
+    """Delete packed-weight files that can no longer be used: older packings of the same model
+    (its weights or the kernel changed) and those of model directories that are gone."""
+    from safetensors import safe_open
+
+    from .kernels import PACKED_SOURCE_KEY
+
+    with safe_open(str(keep), framework="pt") as f:
+        mine = (f.metadata() or {}).get(PACKED_SOURCE_KEY, "")
+    for other in keep.parent.glob("*.safetensors"):
+        if other == keep:
+            continue
+        try:
+            with safe_open(str(other), framework="pt") as f:
+                source = (f.metadata() or {}).get(PACKED_SOURCE_KEY, "")
+        except Exception:  # noqa: BLE001 - unreadable (e.g. half-written by a crashed run): stale
+            source = ""
+        if not source or source == mine or not Path(source).exists():
+            other.unlink(missing_ok=True)
+
+
+def q4k_cache_file(path: str | Path) -> Path:
+    """The q4k mode's repacked-weight file for a model directory (may not exist yet)."""
+    path = Path(path)
+    return packed_path(path, sorted(path.glob("*.safetensors")), gguf_source(path))
+
+
+def prepare_q4k(path: str | Path) -> bool:
+    """Repack a model's weights for the q4k kernel now (the first q4k load does it otherwise,
+    ~20 s for the 1.5B). Returns False where the kernel cannot be built here."""
+    from . import native
+
+    if not native.available():
+        return False
+    if not q4k_cache_file(path).exists():
+        load_transformer(path, dtype="q4k", device="cpu")
+    return True
 
 
 def gguf_source(path: Path) -> Path | None:
