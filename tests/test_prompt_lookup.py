@@ -32,20 +32,32 @@ def test_longest_match_wins_then_the_most_recent():
     # with only 1-grams, the most recent earlier 8 is followed by 5 6
     d = started([7, 8, 1, 2, 3, 8, 5, 6, 7, 8], max_ngram=1)
     assert d.propose(2).tokens.tolist() == [[5, 6]]
+    assert d.propose(4).tokens.tolist() == [[5, 6]]  # a single-token match proposes at most 2
 
 
 def test_candidates_are_distinct_and_ranked():
     d = started([1, 2, 9, 1, 2, 9, 4, 2, 5, 1, 2], max_ngram=2)
     # (1, 2) is followed by 9 (twice, the same continuation) ; then 2 alone by 5 and 9
-    assert d.candidates(1, limit=4) == [[9], [5]]
-    assert d.candidates(2, limit=1) == [[9, 4]]
+    assert d.candidates(1, limit=4) == [(2, [9]), (1, [5])]
+    assert d.candidates(2, limit=1) == [(2, [9, 4])]
+
+
+def test_single_token_matches_propose_fewer_tokens():
+    d = started([5, 1, 2, 3, 4, 6, 7, 5], max_ngram=3)  # only "5" matches
+    assert d.propose(4).tokens.tolist() == [[1, 2]]
+    d = started([5, 1, 2, 3, 4, 6, 7, 5], max_ngram=3, single_token_match_limit=4)
+    assert d.propose(4).tokens.tolist() == [[1, 2, 3, 4]]
+    d = started([8, 5, 1, 2, 3, 4, 6, 8, 5], max_ngram=3)  # "8 5" matches: no limit
+    assert d.propose(4).tokens.tolist() == [[1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="single_token_match_limit"):
+        PromptLookupDrafter(single_token_match_limit=0)
 
 
 def test_no_match_proposes_nothing_and_short_contexts_are_fine():
     assert started([1, 2, 3, 4]).propose(4).tokens.shape == (1, 0)
     d = started([5], max_ngram=8)  # n-gram longer than the context
     assert d.propose(3).tokens.shape == (1, 0)
-    d = started([5, 6, 5], max_ngram=8)  # the match runs into the end of the context
+    d = started([5, 6, 5], max_ngram=8, single_token_match_limit=4)  # the match runs into the end
     assert d.propose(4).tokens.tolist() == [[6, 5]]
 
 
