@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=Path("bench-out/qwen_pair.json"))
     ap.add_argument("--peers", action="store_true",
                     help="also run transformers generate (plain and assistant_model, bf16, greedy) on the same prompts")
@@ -50,7 +50,7 @@ def main() -> None:
             runs = [specdec.compare(target, prompt, assistant_model=draft, k=a.k, max_new_tokens=a.max_new_tokens,
                                     temperature=temp, seed=i) for i in range(a.repeats)]  # fmt: skip
             row = {
-                "prompt": kind, "temperature": temp, "k": a.k, "dtype": a.dtype,
+                "prompt": kind, "temperature": temp, "k": a.k, "dtype": target.model.mode,
                 "speedup": statistics.median(r.speedup for r in runs),
                 "acceptance_rate": statistics.median(r.speculative.metrics.acceptance_rate for r in runs),
                 "mean_accepted_tokens": statistics.median(r.speculative.metrics.mean_accepted_tokens for r in runs),
