@@ -199,3 +199,49 @@ def test_packed_weights_are_cached_and_stale_packings_pruned(tmp_path):
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000_000))
     load_transformer(path, dtype="q4k", device="cpu")
     assert q4k_cache_file(path).exists() and q4k_cache_file(path) != old and not old.exists()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_token_tree_rows_equal_decoding_along_their_paths(tiny_dir, arch):
+    """In the batch-invariant modes a token tree scored in one pass gives each node bitwise the
+    logits that one-token decoding along its root path gives (the basis of exact tree
+    verification). Tree: r -> (a -> c, b -> d), listed r, a, b, c, d."""
+    from specdec.model import load_transformer
+
+    model = load_transformer(tiny_dir(arch), dtype="q4k", device="cpu")
+    g = torch.Generator().manual_seed(6)
+    prefix = torch.randint(3, 200, (1, 14), generator=g)  # longer than Gemma's test window
+    nodes = torch.tensor([[11, 22, 33, 44, 55]])
+    parent = [-1, 0, 0, 1, 2]
+    depth = [0, 1, 1, 2, 2]
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    for i in range(5):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+    cache = model.new_cache(32)
+    model(prefix, cache)
+    positions = torch.tensor([[14 + d for d in depth]])
+    tree = model(nodes, cache, positions, tree_mask=mask).logits  # [1, 5, V]
+    for i in range(5):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, int(nodes[0, j]))
+            j = parent[j]
+        c = model.new_cache(32)
+        model(prefix, c)
+        for tok in path[:-1]:
+            model(torch.tensor([[tok]]), c)
+        alone = model(torch.tensor([[path[-1]]]), c).logits[:, 0]
+        assert torch.equal(tree[:, i], alone), i
+
+
+def test_tree_mask_must_be_topological(tiny_dir):
+    from specdec.model import load_transformer
+
+    model = load_transformer(tiny_dir("llama"), dtype="q4k", device="cpu")
+    cache = model.new_cache(16)
+    model(torch.tensor([[1, 2, 3]]), cache)
+    with pytest.raises(ValueError, match="topological order"):
+        model(torch.tensor([[4, 5]]), cache, tree_mask=torch.ones(2, 2, dtype=torch.bool))

@@ -270,12 +270,16 @@ class Transformer(nn.Module):
         assert self.args.sliding_window is not None
         return cache.pos[:, None, :end] > positions[:, :, None] - self.args.sliding_window
 
-    def _row_attention(self, masks: dict[bool, torch.Tensor | None], start: int, T: int) -> dict[bool, RowAttention]:
+    def _row_attention(
+        self, masks: dict[bool, torch.Tensor | None], start: int, T: int, tree: bool = False
+    ) -> dict[bool, RowAttention]:
         """Row-by-row attention per layer kind: exactly what one-token decoding at each position
-        would do (no mask on full layers, the window row on sliding layers)."""
+        would do (no mask on full layers, the window row on sliding layers; with `tree`, the
+        tree mask: masked keys add exactly nothing in the native kernel)."""
         if self._native_attention:
-            # the kernel already limits row i to keys 0..start+i; only windows need a mask
-            rows_native = {False: RowAttention(True, None)}
+            # the kernel already limits row i to keys 0..start+i; only windows and trees need a mask
+            full = masks[False]
+            rows_native = {False: RowAttention(True, full[:, 0] if tree and full is not None else None)}
             if masks.get(True) is not None:
                 rows_native[True] = RowAttention(True, masks[True][:, 0])  # [B, T, end]
             return rows_native
@@ -305,13 +309,20 @@ class Transformer(nn.Module):
             raise ContextOverflowError(
                 f"position {int(positions.max())} is beyond the model's context of {a.max_seq_len}"
             )
+        if tree_mask is not None and torch.triu(tree_mask, 1).any():
+            raise ValueError("tree_mask must list tokens in topological order: a token may attend only to earlier ones")
         cache.pos[:, start : start + T] = positions
         masks = self._masks(cache, positions, start, tree_mask)
         row_masks = None
-        if self.row_invariant_attention and tree_mask is None and T <= ROW_ATTENTION_MAX:
-            # (one-token steps too, when the native kernel runs the rows: decoding and
-            # verification must go through the same code)
-            if T > 1 or self._native_attention:
+        if self.row_invariant_attention and T <= ROW_ATTENTION_MAX:
+            if tree_mask is not None:
+                # token trees: each row attends to the cache and its ancestors only, in the
+                # native kernel bitwise as one-token decoding along its path would
+                if self._native_attention:
+                    row_masks = self._row_attention(masks, start, T, tree=True)
+            elif T > 1 or self._native_attention:
+                # (one-token steps too, when the native kernel runs the rows: decoding and
+                # verification must go through the same code)
                 row_masks = self._row_attention(masks, start, T)
         x = self.model.embed_tokens(tokens)  # [B, T, D]
         if a.embed_scale != 1.0:
