@@ -121,13 +121,11 @@ def test_bench_forward_cli_json(tiny_dir):
 
 
 def test_auto_mode_is_the_exact_fast_one_on_cpu(tiny_dir, monkeypatch):
-    from specdec.model import kquant
-
     lm = specdec.load(tiny_dir("llama"), device="cpu")
-    expected = "q4k" if kquant.available() else "int8"
+    expected = "q4k" if native.available() else "int8"
     assert lm.model.mode == expected and get_mode("auto").batch_invariant
     # Where the q4k kernel cannot be built (no compiler, no AVX2), auto falls back to int8.
-    monkeypatch.setattr(kquant, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda: False)
     assert get_mode("auto").name == "int8"
 
 

@@ -9,7 +9,7 @@ import torch
 from specdec.model import kquant as kq
 from specdec.model import native
 
-pytestmark = pytest.mark.skipif(not kq.available(), reason="the q4k kernel cannot be built on this machine")
+pytestmark = pytest.mark.skipif(not native.available(), reason="the q4k kernel cannot be built on this machine")
 
 KINDS = [kq.Q4K, kq.Q6K]
 
@@ -131,17 +131,17 @@ def test_tiny_model_on_4bit_blocks_is_invariant_and_exact(tiny_dir, monkeypatch)
 def test_avx2_and_avx512_builds_agree_bitwise(monkeypatch):
     """Both builds do the same integer sums and float operations; where the CPU runs both,
     their outputs must be bitwise equal (so results do not depend on the machine's build)."""
-    if kq.best_variant() != kq.AVX512:
+    if native.best_variant() != native.AVX512:
         pytest.skip("this CPU runs only the AVX2 build")
     rng = np.random.default_rng(3)
     x = torch.from_numpy(rng.standard_normal((11, 700)).astype(np.float32))
     for kind in KINDS:
         blocks = kq.quantize(rng.standard_normal((45, 700)).astype(np.float32), kind)
         out = {}
-        for variant in (kq.AVX2, kq.AVX512):
+        for variant in (native.AVX2, native.AVX512):
             monkeypatch.setattr(kq, "library", lambda v=variant: native._library(v))
             out[variant] = kq.KQuantKernel.from_blocks(blocks, None, in_features=700)(x)
-        assert torch.equal(out[kq.AVX2], out[kq.AVX512])
+        assert torch.equal(out[native.AVX2], out[native.AVX512])
 
 
 def test_grouped_layers_equal_separate_calls():

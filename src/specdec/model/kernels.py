@@ -63,16 +63,16 @@ def default_mode_name(device: torch.device) -> str:
     """The fastest mode that keeps greedy identity exact, where one exists for the device.
 
     On the CPU that is q4k when its kernel can be built here (AVX2 and a C compiler), else
-    int8. Measured on Qwen2.5-Coder-1.5B, 2 cores: one token costs ~40 ms in q4k, ~80 ms in
-    int8, ~360 ms in fp32; k=8 tokens cost ~95 ms in q4k and ~105 ms in int8 (bench forward).
+    int8. Measured on Qwen2.5-Coder-1.5B, 2 cores (bench forward, one run): one token costs
+    37 ms in q4k, 84 ms in int8, 366 ms in fp32; k=8 tokens cost 84 ms in q4k, 97 ms in int8.
     The integer kernels are CPU-only for now, so CUDA gets bf16, which is fast there but not
     batch-invariant.
     """
     if device.type != "cpu":
         return "bf16"
-    from . import kquant
+    from . import native
 
-    return "q4k" if kquant.available() else "int8"
+    return "q4k" if native.available() else "int8"
 
 
 def get_mode(name: str, device: torch.device | None = None) -> Mode:

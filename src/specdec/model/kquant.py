@@ -23,14 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .native import (  # noqa: F401
-    AVX2,
-    AVX512,
-    NativeUnavailableError,
-    available,
-    best_variant,
-    library,
-)
+from .native import NativeUnavailableError, library
 
 QK = 256  # weights per super-block
 Q4K = 4

@@ -116,7 +116,7 @@ def attend_rows(
     k_cache: torch.Tensor,  # [B, H_kv, S_cap, D] float32, this layer's slice (new keys written)
     v_cache: torch.Tensor,
     start: int,  # slot of the first new token
-    mask: torch.Tensor | None,  # [B, T, start+T] bool (True = may attend), or None: all earlier keys
+    mask: torch.Tensor | None,  # [B, T, start+T] bool or uint8 (nonzero = may attend), or None: all earlier keys
     scale: float | None,  # None: 1/sqrt(D), as in scaled_dot_product_attention
 ) -> torch.Tensor:  # [B, T, H, D]
     """Causal attention of T new tokens over the cache, each row exactly as one-token decoding
@@ -127,7 +127,7 @@ def attend_rows(
     q = q.contiguous()
     out = torch.empty_like(q)
     scale = D**-0.5 if scale is None else float(scale)
-    m = None if mask is None else mask.to(torch.uint8).contiguous()
+    m = None if mask is None else mask.to(torch.uint8).contiguous()  # no copy when already so
     rc = library().specdec_attend_rows(
         q.data_ptr(), B, T, H, D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
         start, None if m is None else m.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),

@@ -28,12 +28,17 @@ ROW_ATTENTION_MAX = 64
 @dataclass
 class RowAttention:
     """How a layer attends row by row (batch-invariant modes, chains of new tokens): with the
-    native kernel (`mask`: [B, T, end] bool or None for all earlier keys), or one framework
-    call per row (`rows`: the per-row masks a one-token step would pass)."""
+    native kernel (`mask`: [B, T, end] uint8, nonzero = may attend, or None for all earlier
+    keys), or one framework call per row (`rows`: the per-row masks a one-token step would pass)."""
 
     native: bool
     mask: torch.Tensor | None = None
     rows: list[torch.Tensor | None] | None = None
+
+
+def _kernel_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, end] bool -> the native attention's [B, T, end] uint8."""
+    return mask[:, 0].to(torch.uint8).contiguous()
 
 
 @dataclass
@@ -278,10 +283,11 @@ class Transformer(nn.Module):
         tree mask: masked keys add exactly nothing in the native kernel)."""
         if self._native_attention:
             # the kernel already limits row i to keys 0..start+i; only windows and trees need a mask
+            # (as the kernel's bytes, converted once per forward rather than once per layer)
             full = masks[False]
-            rows_native = {False: RowAttention(True, full[:, 0] if tree and full is not None else None)}
+            rows_native = {False: RowAttention(True, _kernel_mask(full) if tree and full is not None else None)}
             if masks.get(True) is not None:
-                rows_native[True] = RowAttention(True, masks[True][:, 0])  # [B, T, end]
+                rows_native[True] = RowAttention(True, _kernel_mask(masks[True]))
             return rows_native
         rows: dict[bool, RowAttention] = {False: RowAttention(False, rows=[None] * T)}
         if masks.get(True) is not None:
