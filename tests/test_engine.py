@@ -294,5 +294,5 @@ def test_drafter_offering_more_than_k_is_refused(tiny):
         def propose(self, k: int):
             return super().propose(self.limit)
 
-    with pytest.raises(RuntimeError, match="proposed 3 tokens, more than k=1"):
+    with pytest.raises(RuntimeError, match="proposed 3 tokens in a row, more than k=1"):
         specdec.generate(tiny("llama"), "abc", drafter=Overeager(limit=3), k=1, max_new_tokens=5)

@@ -20,6 +20,7 @@ from . import store
 from .config import GenerationConfig, OverflowPolicy, SamplingParams
 from .drafters.base import DRAFTERS, Drafter
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.early_exit import EarlyExitDrafter
 from .engine import GenerationResult, plain_generate, speculative_generate
 from .model.load import load_transformer
 from .model.transformer import Transformer
@@ -71,8 +72,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Messages | list[int], chat
 def make_drafter(
     target: LoadedModel, assistant_model: LoadedModel | None, drafter: Drafter | str | None
 ) -> Drafter | None:
-    """`drafter` may be a drafter object or the name of a model-free one ("prompt-lookup",
-    with its default options)."""
+    """`drafter` may be a drafter object or the name of one that needs no second model
+    ("prompt-lookup", "early-exit", "lookahead"), with its default options."""
     if assistant_model is not None and drafter is not None:
         raise ValueError("pass either assistant_model or drafter, not both")
     if isinstance(drafter, str):
@@ -80,7 +81,7 @@ def make_drafter(
         if drafter not in model_free:
             hint = "; the draft-model drafter is chosen by passing assistant_model=" if drafter == "draft-model" else ""
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(sorted(model_free))}{hint}")
-        return model_free[drafter]()
+        return EarlyExitDrafter(target.model) if drafter == "early-exit" else model_free[drafter]()
     if assistant_model is None:
         return drafter
     check_same_tokenizer(target.tokenizer, assistant_model.tokenizer, names=(target.name, assistant_model.name))

@@ -12,7 +12,7 @@ import torch
 
 from . import registry, store
 from .config import GenerationConfig, SamplingParams, add_arguments, from_namespace
-from .drafters import PromptLookupDrafter
+from .drafters import EarlyExitDrafter, LookaheadDrafter, PromptLookupDrafter
 from .model.kernels import AUTO, MODES
 
 
@@ -21,10 +21,15 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
-    p.add_argument("--drafter", choices=["draft-model", "prompt-lookup"],
+    p.add_argument("--drafter", choices=["draft-model", "prompt-lookup", "early-exit", "lookahead"],
                    help="drafting method (unset: draft-model when --draft is given, else plain decoding)")  # fmt: skip
     p.add_argument("--ngram-max", type=int, default=3, help="prompt-lookup: longest n-gram to match")
     p.add_argument("--ngram-min", type=int, default=1, help="prompt-lookup: shortest n-gram to match")
+    p.add_argument("--exit-layer", type=int, default=None,
+                   help="early-exit: draft with the target's first L layers (unset: calibrated, and reported)")  # fmt: skip
+    p.add_argument("--window", type=int, default=2, help="lookahead: window size W (Jacobi columns)")
+    p.add_argument("--ngram", type=int, default=3, help="lookahead: n-gram size N (the window has N-1 levels)")
+    p.add_argument("--guesses", type=int, default=2, help="lookahead: most pool n-grams verified per step (G)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' for stdin)")
@@ -64,8 +69,14 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         raise ValueError(f"--draft is only used by the draft-model drafter; drop it or drop --drafter {method}")
     if ns.compare and method is None:
         raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
-    drafter = PromptLookupDrafter(ns.ngram_max, ns.ngram_min) if method == "prompt-lookup" else None
+    drafter: Any = None
+    if method == "prompt-lookup":
+        drafter = PromptLookupDrafter(ns.ngram_max, ns.ngram_min)
+    elif method == "lookahead":
+        drafter = LookaheadDrafter(window=ns.window, ngram=ns.ngram, guesses=ns.guesses)
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
+    if method == "early-exit":
+        drafter = EarlyExitDrafter(target.model, layer=ns.exit_layer)
     draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
     kwargs: dict[str, Any] = dict(
         assistant_model=draft, drafter=drafter, k=cfg.k, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
@@ -102,6 +113,12 @@ def _print_text(text: str, m: Any, extra: Any = None) -> None:
         line += f"; plain {extra.plain.metrics.tokens_per_second:.2f} tok/s, speedup {extra.speedup:.2f}x"
         if extra.identical is not None:
             line += f", identical to plain: {extra.identical}"
+    info = m.drafter_info
+    if "layer" in info:
+        how = "calibrated" if info.get("calibrated") else "set"
+        line += f"; early exit after layer {info['layer']} of {info['n_layers']} ({how})"
+        if info.get("calibrated"):
+            line += f", predicted speedup {info['candidates'][info['layer']]['predicted_speedup']:.2f}x"
     print(line + "]", file=sys.stderr)
 
 

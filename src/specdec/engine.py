@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from .config import GenerationConfig, SamplingParams
-from .drafters.base import Drafter, DraftSession
+from .drafters.base import Draft, Drafter, DraftSession
 from .metrics import Metrics, timer
-from .model.cache import ContextOverflowError
+from .model.cache import ContextOverflowError, KVCache
 from .model.transformer import Transformer
 from .sampling import make_generator, pick, probs
 from .tokenizer import Tokenizer
-from .verify import greedy_verify, point_mass_sample, rejection_sample
+from .verify import greedy_verify, point_mass_sample, rejection_sample, tree_greedy_verify, tree_point_mass_sample
 
 
 @dataclass
@@ -154,8 +154,9 @@ def speculative_generate(
     m = Metrics(prompt_tokens=len(prompt_ids))
     forwards_before = drafter.forwards
     t0 = time.perf_counter()
-    capacity = len(prompt_ids) + n_new  # drafts never run past the token budget (k_eff below)
-    cache = target.new_cache(capacity)
+    capacity = len(prompt_ids) + n_new  # chains never run past the token budget (k_eff below)
+    # tree branches and extra rows need scratch slots beyond it (a drafter says how many)
+    cache = target.new_cache(capacity + getattr(drafter, "scratch_rows", 0))
 
     # Prefill: the first token comes from the target alone, exactly as in plain decoding.
     with timer(dev) as t:
@@ -166,7 +167,7 @@ def speculative_generate(
     if not done:
         with timer(dev) as t:
             session = DraftSession(_as_batch(prompt_ids + [last], dev), capacity, sampling,
-                                   make_generator(seed + 1, dev))  # fmt: skip
+                                   make_generator(seed + 1, dev), target=target, target_cache=cache)  # fmt: skip
             drafter.begin(session)
         m.prefill_time += t[0]
         m.draft_time += t[0]
@@ -175,30 +176,94 @@ def speculative_generate(
         with timer(dev) as t:
             draft = drafter.propose(k)
         m.draft_time += t[0]
-        if draft.tokens.shape[1] > k:
-            raise RuntimeError(f"drafter {drafter.name!r} proposed {draft.tokens.shape[1]} tokens, more than k={k}")
+        if draft.depth() > k:
+            raise RuntimeError(f"drafter {drafter.name!r} proposed {draft.depth()} tokens in a row, more than k={k}")
         start = cache.length
         with timer(dev) as t:
-            inputs = torch.cat([_as_batch([last], dev), draft.tokens], dim=1)  # [1, K+1]
-            target_logits = target(inputs, cache).logits  # [1, K+1, V]
-            if sampling.greedy:
-                verdict = greedy_verify(target_logits, draft.tokens)
-            elif draft.probs is None:  # deterministic drafter: q is a point mass on each draft
-                verdict = point_mass_sample(probs(target_logits, sampling), draft.tokens, gen)
-            else:
-                verdict = rejection_sample(probs(target_logits, sampling), draft.probs, draft.tokens, gen)
-            n_acc, nxt = int(verdict.num_accepted[0]), int(verdict.next_token[0])
+            logits, extra_logits = _target_pass(target, last, draft, cache)  # [1, K+1, V], [1, R, V] | None
+            path, nxt = _verify(logits, draft, sampling, gen)
         m.target_forwards += 1
         m.target_time += t[0]
-        cache.truncate(start + 1 + n_acc)  # keep `last` and the accepted drafts; drop the rest
-        m.record_step(draft.tokens.shape[1], n_acc)  # a drafter may offer fewer than k
-        for token in draft.tokens[0, :n_acc].tolist() + [nxt]:
+        m.scored_rows += logits.shape[1] + (0 if extra_logits is None else extra_logits.shape[1])
+        n_acc = len(path)
+        if draft.parents is None:
+            cache.truncate(start + 1 + n_acc)  # keep `last` and the accepted drafts; drop the rest
+        else:  # keep `last` and the accepted path's slots, moved to follow it
+            cache.keep(start + 1, torch.tensor([start + 1 + j for j in path], dtype=torch.long, device=dev))
+        m.record_step(draft.depth(), n_acc)  # a drafter may offer fewer than k
+        accepted = draft.tokens[0].tolist()
+        for token in [accepted[j] for j in path] + [nxt]:
             if done := stopper.push(token):
                 break
         last = nxt
+        if extra_logits is not None:
+            drafter.scored_extra(extra_logits)  # type: ignore[attr-defined]
         if not done:
-            drafter.accepted(n_acc, nxt)
+            if draft.parents is None:
+                drafter.accepted(n_acc, nxt)
+            else:
+                drafter.accepted(n_acc, nxt, path=path)  # type: ignore[call-arg]
     m.draft_forwards = drafter.forwards - forwards_before
+    m.drafter_info = dict(getattr(drafter, "info", {}))
     m.wall_time = time.perf_counter() - t0
     m.new_tokens = len(stopper.tokens)
     return GenerationResult(stopper.tokens, stopper.text(), stopper.finish_reason or "length", seed, m)
+
+
+def _target_pass(target: Transformer, last: int, draft: Draft, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target forward over the last committed token, the draft and any extra rows.
+    Returns logits [1, K+1, V] (row 0 after `last`, row j+1 after draft node j) and the
+    extra rows' logits [1, R, V] (None without extra rows)."""
+    dev = target.device
+    K = draft.tokens.shape[1]
+    inputs = torch.cat([_as_batch([last], dev), draft.tokens], dim=1)  # [1, K+1]
+    if draft.hidden is not None:
+        # self-speculation: the drafter ran blocks [0, from_layer) for these rows already
+        if draft.parents is not None or draft.extra is not None:
+            raise ValueError("a draft with precomputed hidden states must be a plain chain")
+        blocks = (draft.from_layer, target.args.n_layers)
+        return target(inputs, cache, blocks=blocks, hidden_in=draft.hidden).logits, None
+    if draft.parents is None and draft.extra is None:
+        return target(inputs, cache).logits, None
+    # token tree and/or extra rows: explicit positions and mask among the new rows
+    parents = draft.parents if draft.parents is not None else list(range(-1, K - 1))
+    if len(parents) != K:
+        raise ValueError(f"the draft has {K} tokens but {len(parents)} parents")
+    R = 0 if draft.extra is None else draft.extra.tokens.shape[1]
+    mask = torch.zeros(K + 1 + R, K + 1 + R, dtype=torch.bool)
+    mask[0, 0] = True
+    depth = [0]
+    for j, par in enumerate(parents):
+        if not -1 <= par < j:
+            raise ValueError(f"tree node {j} has parent {par}; parents must come before their children (or be -1)")
+        mask[j + 1] = mask[par + 1]  # a node sees its parent's ancestors...
+        mask[j + 1, j + 1] = True  # ...its parent and itself
+        depth.append(depth[par + 1] + 1)
+    if draft.extra is not None:
+        inputs = torch.cat([inputs, draft.extra.tokens], dim=1)
+        mask[K + 1 :, 0] = True
+        mask[K + 1 :, K + 1 :] = draft.extra.mask
+        depth += draft.extra.offsets.tolist()
+    positions = (cache.length + torch.tensor(depth, dtype=torch.long, device=dev))[None]  # [1, K+1+R]
+    logits = target(inputs, cache, positions, tree_mask=mask.to(dev)).logits
+    return logits[:, : K + 1], (logits[:, K + 1 :] if R else None)
+
+
+def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: torch.Generator) -> tuple[list[int], int]:
+    """The accepted draft nodes (a chain's first n, or a tree path) and the next token."""
+    if draft.parents is not None:
+        tokens = draft.tokens[0].tolist()
+        if sampling.greedy:
+            tv = tree_greedy_verify(logits[0], tokens, draft.parents)
+        elif draft.probs is None:
+            tv = tree_point_mass_sample(probs(logits, sampling)[0], tokens, draft.parents, gen)
+        else:
+            raise NotImplementedError("token trees are verified for deterministic drafts (probs=None) only")
+        return tv.path, tv.next_token
+    if sampling.greedy:
+        verdict = greedy_verify(logits, draft.tokens)
+    elif draft.probs is None:  # deterministic drafter: q is a point mass on each draft
+        verdict = point_mass_sample(probs(logits, sampling), draft.tokens, gen)
+    else:
+        verdict = rejection_sample(probs(logits, sampling), draft.probs, draft.tokens, gen)
+    return list(range(int(verdict.num_accepted[0]))), int(verdict.next_token[0])

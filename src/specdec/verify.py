@@ -108,3 +108,81 @@ def point_mass_sample(
     residual = torch.where(mass > 0, residual, p_next)
     next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
     return Verdict(num_accepted, next_token)
+
+
+# -- token trees (batch of one) ----------------------------------------------------------
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # accepted draft nodes, root first (each the child of the one before)
+    next_token: int  # recovered or bonus token after the last accepted node
+
+
+def _children(parents: list[int], tokens: list[int]) -> dict[int, list[int]]:
+    """Row -> child nodes in the order given (row 0 is the last committed token, row j + 1 is
+    draft node j). Checks the tree: parents before children, distinct sibling tokens."""
+    kids: dict[int, list[int]] = {}
+    for j, par in enumerate(parents):
+        if not -1 <= par < j:
+            raise ValueError(f"tree node {j} has parent {par}; parents must come before their children (or be -1)")
+        siblings = kids.setdefault(par + 1, [])
+        if any(tokens[c] == tokens[j] for c in siblings):
+            raise ValueError(f"tree node {j} repeats a sibling's token {tokens[j]}; merge equal siblings")
+        siblings.append(j)
+    return kids
+
+
+def tree_greedy_verify(
+    target_logits: torch.Tensor,  # [K+1, V]: row 0 after the last committed token, row j+1 after node j
+    tokens: list[int],  # [K] draft node tokens
+    parents: list[int],  # [K] parent node index, -1 = the last committed token
+) -> TreeVerdict:
+    """Walk down the tree while some child equals the target's argmax; the argmax at the node
+    where the walk stops is the next token. Same output as greedy decoding."""
+    kids = _children(parents, tokens)
+    choice = target_logits.argmax(-1).tolist()  # [K+1]
+    path: list[int] = []
+    row = 0
+    while True:
+        nxt = next((c for c in kids.get(row, []) if tokens[c] == choice[row]), None)
+        if nxt is None:
+            return TreeVerdict(path, int(choice[row]))
+        path.append(nxt)
+        row = nxt + 1
+
+
+def tree_point_mass_sample(
+    p: torch.Tensor,  # [K+1, V] target probabilities (temperature/top-k/top-p applied)
+    tokens: list[int],  # [K] deterministic draft node tokens
+    parents: list[int],  # [K]
+    generator: torch.Generator,
+) -> TreeVerdict:
+    """Exact sampling over a tree of deterministic drafts (point masses; SpecInfer-style
+    recursive rejection). At a node, its children x_1, x_2, ... are tried in order: x_i is
+    accepted with probability r(x_i), where r is the target's p there with the already
+    rejected siblings removed and renormalised; each rejection removes x_i from r. Accepting
+    moves down to x_i; if every child is rejected the next token is drawn from r. Each step
+    draws exactly from p: P(x_1) = p(x_1), P(x_2) = (1 - p(x_1)) p(x_2) / (1 - p(x_1)), ...
+    With one child per node this is `point_mass_sample`."""
+    kids = _children(parents, tokens)
+    p = p.float()
+    V = p.shape[-1]
+    path: list[int] = []
+    row = 0
+    while True:
+        r = p[row].clone()
+        moved = False
+        for c in kids.get(row, []):
+            x = tokens[c]
+            mass = float(r.sum())
+            u = float(torch.rand(1, generator=generator, device=p.device))
+            p_x = float(r[x]) if x < V else 0.0
+            if mass > 0 and u * mass < p_x:  # u < r(x) / sum(r), without dividing
+                path.append(c)
+                row, moved = c + 1, True
+                break
+            if x < V:
+                r[x] = 0.0
+        if not moved:
+            if float(r.sum()) <= 0:  # rounding: every token was tried and removed
+                r = p[row]
+            return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))

@@ -1,5 +1,7 @@
-from .base import DRAFTERS, Draft, Drafter, DraftSession, point_mass, register
+from .base import DRAFTERS, Draft, Drafter, DraftSession, ExtraRows, point_mass, register
 from .draft_model import DraftModelDrafter
+from .early_exit import EarlyExitDrafter
+from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 __all__ = [
@@ -8,6 +10,9 @@ __all__ = [
     "DraftModelDrafter",
     "DraftSession",
     "Drafter",
+    "EarlyExitDrafter",
+    "ExtraRows",
+    "LookaheadDrafter",
     "PromptLookupDrafter",
     "point_mass",
     "register",

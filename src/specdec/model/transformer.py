@@ -46,6 +46,7 @@ class ForwardOutput:
     logits: torch.Tensor  # [B, T, V] float32 ([B, 1, V] with last_only)
     hidden: torch.Tensor | None = None  # [B, T, D] final-normed hidden (the LM head's input)
     layers: dict[int, torch.Tensor] = field(default_factory=dict)  # residual after layer i, [B, T, D]
+    residual: torch.Tensor | None = None  # [B, T, D] residual after the last block run (before the final norm)
 
 
 class RMSNorm(nn.Module):
@@ -305,9 +306,20 @@ class Transformer(nn.Module):
         last_only: bool = False,  # logits for the last position only (prefill)
         return_hidden: bool = False,
         output_layers: tuple[int, ...] = (),
+        blocks: tuple[int, int] | None = None,  # run only blocks [lo, hi) (self-speculation); default all
+        hidden_in: torch.Tensor | None = None,  # [B, T, D] residual entering block lo; required iff lo > 0
+        head: bool = True,  # False: no final norm / LM head (logits is then an empty [B, T, 0] tensor)
     ) -> ForwardOutput:
+        """Score `tokens` against the cache: their KV go to the next free slots of every block
+        that runs, and the cache length grows by T (also for a partial run of `blocks`: the
+        caller that drafts from early blocks truncates it back)."""
         a = self.args
         B, T = tokens.shape
+        lo, hi = blocks if blocks is not None else (0, a.n_layers)
+        if not 0 <= lo < hi <= a.n_layers:
+            raise ValueError(f"blocks must satisfy 0 <= lo < hi <= {a.n_layers} (got {blocks})")
+        if (lo > 0) != (hidden_in is not None):
+            raise ValueError("hidden_in (the residual entering block lo) is required exactly when blocks starts above 0")
         start = cache.reserve(T)
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
@@ -330,12 +342,18 @@ class Transformer(nn.Module):
                 # (one-token steps too, when the native kernel runs the rows: decoding and
                 # verification must go through the same code)
                 row_masks = self._row_attention(masks, start, T)
-        x = self.model.embed_tokens(tokens)  # [B, T, D]
-        if a.embed_scale != 1.0:
-            x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
+        if hidden_in is not None:
+            if hidden_in.shape != (B, T, a.dim):
+                raise ValueError(f"hidden_in has shape {tuple(hidden_in.shape)}, expected {(B, T, a.dim)}")
+            x = hidden_in
+        else:
+            x = self.model.embed_tokens(tokens)  # [B, T, D]
+            if a.embed_scale != 1.0:
+                x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
         layers: dict[int, torch.Tensor] = {}
         ropes = {kind: r.tables(positions, x.dtype) for kind, r in self._rotary.items()}
-        for i, block in enumerate(self.model.layers):
+        for i in range(lo, hi):
+            block = self.model.layers[i]
             rope = ropes.get(block.sliding, ropes[False])
             mask = masks.get(block.sliding, masks[False])
             rows = None if row_masks is None else row_masks.get(block.sliding, row_masks[False])
@@ -345,8 +363,14 @@ class Transformer(nn.Module):
         cache.length = start + T
         if last_only:
             x = x[:, -1:]
+        if not head:
+            return ForwardOutput(logits=x.new_empty(B, x.shape[1], 0), layers=layers, residual=x)
         h = self.model.norm(x)
+        return ForwardOutput(logits=self.head_logits(h), hidden=h if return_hidden else None, layers=layers, residual=x)
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [B, T, D] -> float32 logits [B, T, V] (softcap applied)."""
         logits = self.lm_head(h).float()
-        if a.final_logit_softcap:
-            logits = torch.tanh(logits / a.final_logit_softcap) * a.final_logit_softcap
-        return ForwardOutput(logits=logits, hidden=h if return_hidden else None, layers=layers)
+        if self.args.final_logit_softcap:
+            logits = torch.tanh(logits / self.args.final_logit_softcap) * self.args.final_logit_softcap
+        return logits

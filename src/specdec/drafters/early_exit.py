@@ -1,0 +1,158 @@
+"""Self-speculation: the target's own first L blocks, its final norm and its LM head draft.
+
+No second model, no training (the early-exit drafts of LayerSkip, Elhoushi et al. 2024,
+without its training recipe). What makes it pay is reuse: the drafter writes the early
+blocks' KV for the last committed token and for every draft token straight into the target's
+cache and hands their residual stream to the verification pass, which then runs only blocks
+[L, N) for the new rows — the early blocks are never recomputed. In the batch-invariant modes
+(q4k, int8) a block computes bitwise the same for a row whether it runs alone or in a batch,
+so the reused values are exactly what the target would compute itself, and greedy output
+equals plain decoding token for token.
+
+L is chosen by a short measured calibration unless given: how often the exit at each
+candidate L agrees with the full model (teacher-forced on the end of the prompt), what a
+draft step and the remaining verification cost there (timed), and the expected-tokens
+formula of Leviathan et al. (E = (1 - a^(k+1)) / (1 - a)) give a predicted speedup; the best
+L wins. The choice and the figures are in `info` (and in the generation's metrics).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from ..model.cache import KVCache
+from ..model.transformer import Transformer
+from ..sampling import probs, sample
+from .base import Draft, DraftSession, register
+
+CALIBRATION_TOKENS = 32  # prompt tail used to measure agreement
+CALIBRATION_REPEATS = 3  # timed repeats per measurement (median)
+
+
+@register("early-exit")
+class EarlyExitDrafter:
+    """Drafts with blocks [0, layer) of `target`, sharing its KV cache. `layer=None`:
+    calibrated on the first proposal (for its k) and kept for later generations."""
+
+    name: str
+
+    def __init__(self, target: Transformer, layer: int | None = None, candidates: tuple[int, ...] | None = None) -> None:
+        n = target.args.n_layers
+        if n < 2:
+            raise ValueError("early-exit self-speculation needs a target with at least 2 layers")
+        for value in ([layer] if layer is not None else []) + list(candidates or ()):
+            if not 1 <= value < n:
+                raise ValueError(
+                    f"early-exit layer {value} is out of range: this target has {n} layers, so choose L in [1, {n - 1}]"
+                )
+        self.model = target
+        self.layer = layer
+        # default candidates: the upper half, where a plain exit starts agreeing with the model
+        self.candidates = tuple(sorted(set(candidates))) if candidates else tuple(range(max(1, n // 2), n))
+        self.forwards = 0
+        self.info: dict[str, Any] = {"layer": layer, "n_layers": n, "calibrated": False}
+        self.session: DraftSession | None = None
+        self.cache: KVCache | None = None
+        self._last = 0  # the last committed token (not yet in the cache)
+
+    def begin(self, session: DraftSession) -> None:
+        if session.target is not self.model or session.target_cache is None:
+            raise ValueError("this early-exit drafter was built for a different target model; build it from the target")
+        if session.context.shape[0] != 1:
+            raise NotImplementedError("the early-exit drafter runs one sequence at a time")
+        self.session, self.cache = session, session.target_cache
+        self._last = int(session.context[0, -1])
+        self._context_tail = session.context[0, -CALIBRATION_TOKENS - 1 :].tolist()
+
+    def propose(self, k: int) -> Draft:
+        if self.session is None or self.cache is None:
+            raise RuntimeError("EarlyExitDrafter.propose() called before begin()")
+        if self.layer is None:
+            self.layer = self.calibrate(self._context_tail, max(k, 1))
+        L, cache, sampling = self.layer, self.cache, self.session.sampling
+        dev = self.model.device
+        base = cache.length  # slot of the last committed token
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []  # residual entering block L, one [1, 1, D] per row
+        x = self._last
+        for _ in range(k):
+            out = self.model(torch.tensor([[x]], device=dev), cache, blocks=(0, L))
+            self.forwards += 1
+            hidden.append(out.residual)
+            logits = out.logits[:, -1]  # [1, V] the early exit
+            if sampling.greedy:
+                x = int(logits.argmax(-1))
+            else:
+                q = probs(logits, sampling)  # [1, V]
+                x = int(sample(q, self.session.generator))
+                qs.append(q)
+            tokens.append(x)
+        # the last draft's early blocks too: verification needs every row's residual
+        out = self.model(torch.tensor([[x]], device=dev), cache, blocks=(0, L), head=False)
+        self.forwards += 1
+        hidden.append(out.residual)
+        cache.truncate(base)  # the early KV stays in the slots; the verification pass owns the length
+        q_all = None
+        if not sampling.greedy:
+            V = self.model.args.vocab_size
+            q_all = torch.stack(qs, dim=1) if qs else torch.zeros(1, 0, V, device=dev)
+        toks = torch.tensor([tokens], dtype=torch.long, device=dev).reshape(1, k)
+        return Draft(toks, q_all, hidden=torch.cat(hidden, dim=1), from_layer=L)
+
+    def accepted(self, num_accepted: int, next_token: int) -> None:
+        self._last = next_token
+
+    # -- calibration ----------------------------------------------------------------------
+    def calibrate(self, context: list[int], k: int) -> int:
+        """Pick L with the best predicted speedup for drafts of k tokens; fills `info`."""
+        model, N = self.model, self.model.args.n_layers
+        dev = model.device
+        ids = torch.tensor([context], device=dev)
+        scratch = model.new_cache(len(context) + k + 2)
+        out = model(ids, scratch, output_layers=tuple(c - 1 for c in self.candidates))
+        final = out.logits[0, :-1]  # [T-1, V] teacher-forced predictions of the full model
+        sampling = self.session.sampling if self.session is not None else None
+        alphas = {}
+        for L in self.candidates:
+            early = model.head_logits(model.model.norm(out.layers[L - 1][:, :-1]))[0]  # [T-1, V]
+            if sampling is None or sampling.greedy:
+                alphas[L] = float((early.argmax(-1) == final.argmax(-1)).float().mean())
+            else:  # expected acceptance of speculative sampling: sum_x min(p, q)
+                alphas[L] = float(torch.minimum(probs(final, sampling), probs(early, sampling)).sum(-1).mean())
+        prefix = len(context) - 1
+        scratch.truncate(prefix)
+        one = torch.tensor([[context[-1]]], device=dev)
+        rows = torch.tensor([context[-1:] * (k + 1)], device=dev)
+
+        def timed(fn) -> float:
+            times = []
+            for _ in range(CALIBRATION_REPEATS):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+                scratch.truncate(prefix)
+            return statistics.median(times)
+
+        t_plain = timed(lambda: model(one, scratch))
+        D = model.args.dim
+        table: dict[int, dict[str, float]] = {}
+        for L in self.candidates:
+            t_draft = timed(lambda: model(one, scratch, blocks=(0, L)))
+            t_early = timed(lambda: model(one, scratch, blocks=(0, L), head=False))
+            h = torch.zeros(1, k + 1, D, dtype=model.dtype, device=dev)
+            t_late = timed(lambda: model(rows, scratch, blocks=(L, N), hidden_in=h))
+            a = min(alphas[L], 0.999)
+            expected = (1 - a ** (k + 1)) / (1 - a)  # tokens per step, i.i.d. acceptance
+            step = k * t_draft + t_early + t_late
+            table[L] = {"alpha": round(alphas[L], 3), "draft_ms": round(1e3 * t_draft, 2),
+                        "verify_ms": round(1e3 * (t_early + t_late), 2),
+                        "predicted_speedup": round(expected * t_plain / step, 3)}  # fmt: skip
+        best = max(table, key=lambda L: table[L]["predicted_speedup"])
+        self.info = {"layer": best, "n_layers": N, "calibrated": True, "k": k,
+                     "plain_ms": round(1e3 * t_plain, 2), "candidates": table}  # fmt: skip
+        return best
