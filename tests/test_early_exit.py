@@ -1,0 +1,153 @@
+"""Early-exit self-speculation: greedy identity with plain decoding (tiny models of 4 layers,
+SmolLM2), the early blocks are not recomputed by verification, calibration, exact sampling
+(with a negative control), bad input."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from helpers import ALPHA, chi2_pvalue
+from test_engine import PROMPT_IDS, PROMPTS, exact_joint, small_vocab  # noqa: F401 (fixture)
+
+import specdec
+from specdec import engine
+from specdec.config import GenerationConfig, SamplingParams
+from specdec.drafters import DraftSession, EarlyExitDrafter
+from specdec.testing import make_tiny_model
+from specdec.verify import Verdict
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ee")
+    loaded: dict = {}
+
+    def get(arch: str, dtype: str) -> specdec.LoadedModel:
+        if (arch, dtype) not in loaded:
+            path = root / arch
+            if not path.exists():
+                make_tiny_model(path, arch, seed=5, layers=4)
+            loaded[(arch, dtype)] = specdec.load(path, dtype=dtype, device="cpu")
+        return loaded[(arch, dtype)]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "auto"])  # auto: q4k, or int8 where q4k cannot be built
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_greedy_identity_tiny(four_layers, arch, dtype):
+    target = four_layers(arch, dtype)
+    accepted = rejected = 0
+    for prompt in PROMPTS:
+        plain = specdec.generate(target, prompt, max_new_tokens=30, ignore_eos=True)
+        for layer, k in ((1, 3), (2, 1), (3, 4), (None, 2)):
+            drafter = EarlyExitDrafter(target.model, layer=layer)
+            out = specdec.generate(target, prompt, drafter=drafter, k=k, max_new_tokens=30, ignore_eos=True)
+            assert out.token_ids == plain.token_ids, (arch, prompt, layer, k)
+            accepted += out.metrics.accepted
+            rejected += out.metrics.proposed - out.metrics.accepted
+    assert accepted > 0 and rejected > 0
+
+
+def test_verification_does_not_recompute_early_blocks(four_layers):
+    """After the prefill every call of the early blocks is a one-row drafter call; only the
+    blocks from the exit layer on see the multi-row verification pass."""
+    target = four_layers("llama", "fp32")
+    layers = target.model.model.layers
+    rows: dict[int, list[int]] = {0: [], 1: [], 2: [], 3: []}
+    hooks = [layers[i].register_forward_hook(lambda mod, args, out, i=i: rows[i].append(args[0].shape[1]))
+             for i in range(4)]  # fmt: skip
+    try:
+        out = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model, layer=2), k=3,
+                               max_new_tokens=20, ignore_eos=True)  # fmt: skip
+    finally:
+        for h in hooks:
+            h.remove()
+    steps = out.metrics.steps
+    assert all(t == 1 for t in rows[0][1:] + rows[1][1:])  # [0] is the prefill
+    assert len(rows[0]) - 1 == out.metrics.draft_forwards  # k drafts + 1 per step, all drafter calls
+    assert len(rows[2]) - 1 == len(rows[3]) - 1 == steps and max(rows[3][1:]) == 4  # one k+1-row pass per step
+
+
+def test_calibration_picks_and_reports_a_layer(four_layers):
+    target = four_layers("qwen2", "auto")
+    drafter = EarlyExitDrafter(target.model)
+    out = specdec.generate(target, PROMPTS[1], drafter=drafter, k=3, max_new_tokens=12, ignore_eos=True)
+    info = out.metrics.drafter_info
+    assert info["calibrated"] and info["k"] == 3 and set(info["candidates"]) == {2, 3}
+    best = max(info["candidates"], key=lambda L: info["candidates"][L]["predicted_speedup"])
+    assert info["layer"] == best == drafter.layer
+    for row in info["candidates"].values():
+        assert 0 <= row["alpha"] <= 1 and row["draft_ms"] > 0 and row["verify_ms"] > 0
+    # kept for the next generation: no second calibration
+    specdec.generate(target, PROMPTS[2], drafter=drafter, k=3, max_new_tokens=5, ignore_eos=True)
+    assert drafter.info is not info and drafter.info["layer"] == best
+
+
+def test_bad_layers_and_targets_are_refused(four_layers):
+    target = four_layers("llama", "fp32")
+    for bad in (0, 4, -1):
+        with pytest.raises(ValueError, match=r"choose L in \[1, 3\]"):
+            EarlyExitDrafter(target.model, layer=bad)
+    with pytest.raises(ValueError, match=r"choose L in \[1, 3\]"):
+        EarlyExitDrafter(target.model, candidates=(1, 7))
+    other = four_layers("qwen2", "fp32")
+    with pytest.raises(ValueError, match="different target"):
+        specdec.generate(target, "abc", drafter=EarlyExitDrafter(other.model, layer=1), max_new_tokens=4)
+    with pytest.raises(ValueError, match="different target"):
+        EarlyExitDrafter(target.model, layer=1).begin(
+            DraftSession(torch.tensor([[1, 2]]), 8, SamplingParams(), torch.Generator()))
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("dtype", ["fp32", "auto"])
+def test_greedy_identity_smollm2(smollm2, dtype):
+    model = smollm2 if dtype == "fp32" else specdec.load("smollm2-135m", dtype=dtype, device="cpu")
+    prompts = ["What is the capital of France?", "Write a short poem about the sea.",
+               "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and then again 1, 2, 3,"]  # fmt: skip
+    accepted = 0
+    drafter = EarlyExitDrafter(model.model)  # calibrated once, reused
+    for prompt in prompts:
+        plain = specdec.generate(model, prompt, max_new_tokens=40)
+        for d, k in ((drafter, 3), (EarlyExitDrafter(model.model, layer=20), 2)):
+            out = specdec.generate(model, prompt, drafter=d, k=k, max_new_tokens=40)
+            assert out.token_ids == plain.token_ids, (prompt, k)
+            accepted += out.metrics.accepted
+    assert accepted > 0 and 15 <= drafter.layer <= 29
+
+
+def sample_joint_ee(target, sampling: SamplingParams, runs: int, expect_mixed: bool = True) -> Counter:
+    cfg = GenerationConfig(max_new_tokens=4, k=2, ignore_eos=True)
+    counts: Counter = Counter()
+    drafter = EarlyExitDrafter(target, layer=1)
+    accepted = proposed = 0
+    for seed in range(runs):
+        s = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+        out = engine.speculative_generate(target, drafter, PROMPT_IDS, cfg, s)
+        counts[tuple(out.token_ids)] += 1
+        accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
+    if expect_mixed:
+        assert 0.05 < accepted / proposed < 0.95
+    return counts
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+                         ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+def test_sampling_matches_target_distribution(small_vocab, sampling):  # noqa: F811
+    target, _ = small_vocab
+    counts = sample_joint_ee(target, sampling, runs=3000)
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
+
+
+def test_wrong_rule_fails_end_to_end(small_vocab, monkeypatch):  # noqa: F811
+    def always_accept(p, q, draft_tokens, generator) -> Verdict:
+        B, K = draft_tokens.shape
+        return Verdict(torch.full((B,), K), torch.multinomial(p[:, K], 1, generator=generator).squeeze(-1))
+
+    monkeypatch.setattr(engine, "rejection_sample", always_accept)
+    target, _ = small_vocab
+    sampling = SamplingParams(temperature=1.0)
+    counts = sample_joint_ee(target, sampling, runs=3000, expect_mixed=False)
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
