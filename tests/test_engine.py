@@ -107,7 +107,7 @@ def small_vocab(tmp_path_factory):
     return load_transformer(t, device="cpu"), load_transformer(d, device="cpu")
 
 
-def exact_joint(model, sampling: SamplingParams, n: int) -> dict[tuple, float]:
+def exact_joint(model, sampling: SamplingParams, n: int, prompt: list[int] = PROMPT_IDS) -> dict[tuple, float]:
     """P(t1..tn | prompt) under the target alone, by enumeration."""
     from specdec.sampling import probs
 
@@ -117,7 +117,7 @@ def exact_joint(model, sampling: SamplingParams, n: int) -> dict[tuple, float]:
         if len(prefix) == n:
             out[tuple(prefix)] = mass
             return
-        logits = model(torch.tensor([PROMPT_IDS + prefix]), model.new_cache(16), last_only=True).logits[0, -1]
+        logits = model(torch.tensor([prompt + prefix]), model.new_cache(len(prompt) + n), last_only=True).logits[0, -1]
         p = probs(logits, sampling)
         for t in range(V_SMALL):
             if p[t] > 0:
