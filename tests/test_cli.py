@@ -62,8 +62,29 @@ def test_prompt_lookup_compare_json_as_written():
     assert out["mean_accepted_tokens"] > 1.0
 
 
+@pytest.mark.real
+@pytest.mark.parametrize("drafter, extra", [("early-exit", []), ("early-exit", ["--exit-layer", "24"]),
+                                            ("lookahead", ["--window", "3", "--ngram", "4", "--guesses", "3"])])
+def test_other_drafters_compare_json_as_written(drafter, extra):
+    """`specdec generate --target NAME --drafter early-exit|lookahead --compare --json ...`: the
+    same JSON fields as the draft-model path; early exit reports its layer."""
+    res = specdec_cli("generate", "--target", "smollm2-135m", "--drafter", drafter, *extra, "-k", "3",
+                      "--max-new-tokens", "24", "--compare", "--json", "--prompt", "Name three planets.")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip())
+    for key in ("identical", "speedup", "acceptance_rate", "mean_accepted_tokens", "tokens_per_second"):
+        assert key in out, key
+    assert out["identical"] is True and out["drafter"] == drafter
+    info = out["speculative"]["metrics"]["drafter_info"]
+    if drafter == "early-exit":
+        assert info["layer"] == (24 if extra else info["layer"]) and info["calibrated"] is (not extra)
+        assert 1 <= info["layer"] < info["n_layers"] == 30
+
+
 @pytest.mark.parametrize("args, message", [
     (["--drafter", "draft-model"], "--drafter draft-model needs --draft MODEL"),
+    (["--drafter", "early-exit", "--exit-layer", "9"], "early-exit layer 9 is out of range"),
+    (["--drafter", "lookahead", "--ngram", "1"], "lookahead needs window >= 0, ngram >= 2"),
     (["--drafter", "prompt-lookup", "--draft", "x"], "--draft is only used by the draft-model drafter"),
     (["--drafter", "prompt-lookup", "--ngram-min", "3", "--ngram-max", "2"], "min_ngram <= max_ngram"),
     (["--compare"], "--compare needs --draft or --drafter"),

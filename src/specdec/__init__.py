@@ -8,11 +8,21 @@ from .drafters import (
     Drafter,
     DraftModelDrafter,
     DraftSession,
+    EarlyExitDrafter,
+    LookaheadDrafter,
     PromptLookupDrafter,
 )
 from .engine import GenerationResult, plain_generate, speculative_generate
 from .metrics import Metrics
-from .verify import Verdict, greedy_verify, point_mass_sample, rejection_sample
+from .verify import (
+    TreeVerdict,
+    Verdict,
+    greedy_verify,
+    point_mass_sample,
+    rejection_sample,
+    tree_greedy_verify,
+    tree_point_mass_sample,
+)
 
 __version__ = "0.1.0"
 
@@ -23,12 +33,15 @@ __all__ = [
     "DraftModelDrafter",
     "DraftSession",
     "Drafter",
+    "EarlyExitDrafter",
     "GenerationConfig",
     "GenerationResult",
     "LoadedModel",
+    "LookaheadDrafter",
     "Metrics",
     "PromptLookupDrafter",
     "SamplingParams",
+    "TreeVerdict",
     "Verdict",
     "compare",
     "encode_prompt",
@@ -39,4 +52,6 @@ __all__ = [
     "point_mass_sample",
     "rejection_sample",
     "speculative_generate",
+    "tree_greedy_verify",
+    "tree_point_mass_sample",
 ]  # fmt: skip
