@@ -27,7 +27,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ngram-min", type=int, default=1, help="prompt-lookup: shortest n-gram to match")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="early-exit: draft with the target's first L layers (unset: calibrated, and reported)")  # fmt: skip
-    p.add_argument("--window", type=int, default=2, help="lookahead: window size W (Jacobi columns)")
+    p.add_argument("--window", type=int, default=1, help="lookahead: window size W (Jacobi columns)")
     p.add_argument("--ngram", type=int, default=3, help="lookahead: n-gram size N (the window has N-1 levels)")
     p.add_argument("--guesses", type=int, default=2, help="lookahead: most pool n-grams verified per step (G)")
     src = p.add_mutually_exclusive_group(required=True)
