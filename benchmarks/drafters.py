@@ -65,7 +65,7 @@ PROMPTS = {
 
 def make(method: str, target: specdec.LoadedModel, a: argparse.Namespace) -> Any:
     if method == "prompt-lookup":
-        return PromptLookupDrafter(a.ngram_max, a.ngram_min, min_gain=a.min_gain)
+        return PromptLookupDrafter(a.ngram_max, a.ngram_min)
     if method == "early-exit":
         return EarlyExitDrafter(target.model, layer=a.exit_layer)
     if method == "lookahead":
@@ -82,7 +82,6 @@ def main() -> None:
     ap.add_argument("-k", type=int, nargs="+", default=[4])
     ap.add_argument("--ngram-max", type=int, default=3, help="prompt lookup")
     ap.add_argument("--ngram-min", type=int, default=1, help="prompt lookup")
-    ap.add_argument("--min-gain", type=float, default=PromptLookupDrafter().min_gain, help="prompt lookup")
     ap.add_argument("--exit-layer", type=int, default=None, help="early exit (default: calibrated)")
     ap.add_argument("--window", type=int, default=LookaheadDrafter().W, help="lookahead W")
     ap.add_argument("--ngram", type=int, default=LookaheadDrafter().N, help="lookahead N")

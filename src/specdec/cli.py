@@ -25,9 +25,6 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="drafting method (unset: draft-model when --draft is given, else plain decoding)")  # fmt: skip
     p.add_argument("--ngram-max", type=int, default=3, help="prompt-lookup: longest n-gram to match")
     p.add_argument("--ngram-min", type=int, default=1, help="prompt-lookup: shortest n-gram to match")
-    p.add_argument("--min-gain", type=float, default=0.2,
-                   help="prompt-lookup: propose a copied token only while its estimated chance of being accepted "
-                        "is at least this (its verification cost as a share of a token; 0 = propose all)")  # fmt: skip
     p.add_argument("--exit-layer", type=int, default=None,
                    help="early-exit: draft with the target's first L layers (unset: calibrated, and reported)")  # fmt: skip
     p.add_argument("--window", type=int, default=1, help="lookahead: window size W (Jacobi columns)")
@@ -74,7 +71,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
     drafter: Any = None
     if method == "prompt-lookup":
-        drafter = PromptLookupDrafter(ns.ngram_max, ns.ngram_min, min_gain=ns.min_gain)
+        drafter = PromptLookupDrafter(ns.ngram_max, ns.ngram_min)
     elif method == "lookahead":
         drafter = LookaheadDrafter(window=ns.window, ngram=ns.ngram, guesses=ns.guesses)
     target = load(ns.target, dtype=ns.dtype, device=ns.device)

@@ -27,21 +27,12 @@ class PromptLookupDrafter:
 
     name: str
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, single_token_match_limit: int = 2,
-                 min_gain: float = 0.2) -> None:  # fmt: skip
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, single_token_match_limit: int = 2) -> None:
         """`single_token_match_limit`: at most this many tokens are proposed when only the last
         token matched (n = 1), which is weak evidence. Measured on Qwen2.5-Coder-1.5B with
         input-grounded prompts: after a 1-token match the first copied token was accepted 30%
         of the time and the third 22%, against 85% and 79% after a 3-token match, while each
-        drafted token adds ~0.2 of a token's time to the verification pass in the q4k mode.
-
-        `min_gain`: the i-th copied token is proposed only while the estimated chance that it
-        is reached and accepted stays at least this (what verifying it costs, as a share of a
-        one-token pass: ~0.2 in the q4k mode on a CPU; 0 proposes everything, the choice for
-        accelerators where extra rows are nearly free). The chance is the product of
-        per-position acceptance rates for the match length, learnt during the generation from
-        a prior (first copied token 0.3 after a 1-token match, 0.8 after longer ones; later
-        tokens 0.9), so a text that copies nothing soon stops paying for proposals."""
+        drafted token adds ~0.2 of a token's time to the verification pass in the q4k mode."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(
                 f"prompt lookup needs 1 <= min_ngram <= max_ngram (got min {min_ngram}, max {max_ngram})"
@@ -50,11 +41,6 @@ class PromptLookupDrafter:
             raise ValueError(f"single_token_match_limit must be >= 1, got {single_token_match_limit}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.single_token_match_limit = single_token_match_limit
-        if not 0.0 <= min_gain < 1.0:
-            raise ValueError(f"min_gain must lie in [0, 1), got {min_gain}")
-        self.min_gain = min_gain
-        self._stats: dict[tuple[int, int], list[float]] = {}  # (n, position) -> [accepted, reached]
-        self._match = 0  # match length n of the last proposal
         self.forwards = 0  # no model
         self._tokens: list[int] = []
         self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)  # n-gram -> positions after it
@@ -67,7 +53,6 @@ class PromptLookupDrafter:
         self._device = session.context.device
         self._tokens, self._proposal = [], []
         self._index = defaultdict(list)
-        self._stats = {}
         self._extend(session.context[0].tolist())
 
     def _extend(self, new: list[int]) -> None:
@@ -100,14 +85,6 @@ class PromptLookupDrafter:
                         return out
         return out
 
-    def acceptance(self, n: int, position: int) -> float:
-        """Estimated chance that the copied token at `position` (0-based) is accepted after a
-        match of n tokens, given that the ones before it were: prior plus what this generation
-        has seen (two pseudo-observations of prior weight)."""
-        prior = (0.3 if n == 1 else 0.8) if position == 0 else 0.9
-        accepted, reached = self._stats.get((n, position), (0.0, 0.0))
-        return (accepted + 2 * prior) / (reached + 2)
-
     def propose(self, k: int) -> Draft:
         found = self.candidates(k, limit=1)
         tokens: list[int] = []
@@ -115,21 +92,9 @@ class PromptLookupDrafter:
             n, tokens = found[0]
             if n == 1:
                 tokens = tokens[: self.single_token_match_limit]
-            chance, keep = 1.0, 0
-            for i in range(len(tokens)):
-                chance *= self.acceptance(n, i)
-                if chance < self.min_gain:
-                    break
-                keep += 1
-            tokens = tokens[:keep]
-            self._match = n
         self._proposal = tokens
         return Draft(torch.tensor([tokens], dtype=torch.long, device=self._device).reshape(1, len(tokens)), None)
 
     def accepted(self, num_accepted: int, next_token: int) -> None:
-        for i in range(min(num_accepted + 1, len(self._proposal))):  # positions the verifier reached
-            stat = self._stats.setdefault((self._match, i), [0.0, 0.0])
-            stat[0] += float(i < num_accepted)
-            stat[1] += 1.0
         self._extend([*self._proposal[:num_accepted], next_token])
         self._proposal = []
