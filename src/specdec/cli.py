@@ -13,6 +13,7 @@ import torch
 from . import registry, store
 from .config import GenerationConfig, SamplingParams, add_arguments, from_namespace
 from .drafters import EarlyExitDrafter, LookaheadDrafter, PromptLookupDrafter
+from .bench.grid import METHODS
 from .model.kernels import AUTO, MODES
 
 
@@ -172,8 +173,27 @@ def _cmd_install(ns: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (speed measured side by side in one run)")
-    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    p = sub.add_parser("bench", help="benchmarks (speed measured side by side in one run)",
+                       description="Without a subcommand: every method over the prompt suite, side by side with "
+                                   "plain decoding; writes DIR/results.json, DIR/report.md and PNG plots.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
+    p.add_argument("--quick", action="store_true",
+                   help="one prompt per category, 48 new tokens, one repeat (minutes, not hours)")  # fmt: skip
+    p.add_argument("--prompts", type=Path, help="JSONL prompt file (id, category, turns) instead of the bundled suite")
+    p.add_argument("--categories", nargs="+", help="only these categories")
+    p.add_argument("--per-category", type=int, help="at most this many prompts per category")
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model")
+    p.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="draft model for the draft-model method")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 48 with --quick)")
+    p.add_argument("--repeats", type=int, help="repeats of every run (default 3; 1 with --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES])
+    p.set_defaults(func=_cmd_bench)
+    bsub = p.add_subparsers(dest="bench_cmd")
     fwd = bsub.add_parser("forward", help="ms per target forward for k new tokens, per precision/kernel mode",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     fwd.add_argument("--model", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
@@ -183,6 +203,26 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     fwd.add_argument("--device", default=None)
     fwd.add_argument("--json", action="store_true", help="print one JSON object")
     fwd.set_defaults(func=_cmd_bench_forward)
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from .bench import report
+    from .bench.grid import QUICK, GridSettings, run_grid
+
+    quick = QUICK if ns.quick else {}
+    settings = GridSettings(
+        target=ns.target, draft=ns.draft, methods=tuple(ns.methods), temperatures=tuple(ns.temperatures), k=ns.k,
+        max_new_tokens=ns.max_new_tokens or quick.get("max_new_tokens", 128),
+        repeats=ns.repeats or quick.get("repeats", 3), seed=ns.seed,
+        per_category=ns.per_category or quick.get("per_category"),
+        categories=tuple(ns.categories) if ns.categories else None,
+        prompts_file=str(ns.prompts) if ns.prompts else None, dtype=ns.dtype,
+    )  # fmt: skip
+    result = run_grid(settings, progress=lambda s: print(s, file=sys.stderr))
+    print(report.table(result))
+    for path in report.write(result, ns.out):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
 
 
 def _cmd_bench_forward(ns: argparse.Namespace) -> int:

@@ -1,0 +1,217 @@
+"""`specdec bench`: every method over a prompt suite, side by side with plain decoding.
+
+For each prompt, temperature and repeat, plain decoding of the target runs once and every
+method (draft model, prompt lookup, early exit, lookahead) runs right after it on the same
+prompt with the same seed, so each speedup is a ratio measured in the same run. Results are
+kept per run (`records`) and summarised per method, temperature and category: median
+speedup, pooled acceptance α, tokens per pass τ, acceptance by draft position and, for
+greedy runs, whether every output equalled plain decoding.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__, registry
+from ..api import LoadedModel, encode_prompt, generate, load
+from ..drafters import EarlyExitDrafter, LookaheadDrafter, PromptLookupDrafter
+from ..engine import GenerationResult
+from .suite import Prompt, load_prompts, select
+
+METHODS = ("draft-model", "prompt-lookup", "early-exit", "lookahead")
+
+
+@dataclass(frozen=True)
+class GridSettings:
+    target: str = registry.DEFAULT_TARGET
+    draft: str | None = registry.DEFAULT_DRAFT  # for the draft-model method
+    methods: tuple[str, ...] = METHODS
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    k: int = 4
+    max_new_tokens: int = 128
+    repeats: int = 3
+    seed: int = 0
+    per_category: int | None = None  # None: every prompt
+    categories: tuple[str, ...] | None = None
+    prompts_file: str | None = None  # None: the bundled suite
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+        if "draft-model" in self.methods and not self.draft:
+            raise ValueError("the draft-model method needs a draft model (--draft NAME)")
+        if self.k < 1 or self.max_new_tokens < 1 or self.repeats < 1:
+            raise ValueError("k, max_new_tokens and repeats must be >= 1")
+        if any(t < 0 for t in self.temperatures) or not self.temperatures:
+            raise ValueError("temperatures must be >= 0 (0 = greedy)")
+        if self.per_category is not None and self.per_category < 1:
+            raise ValueError("per_category must be >= 1")
+
+
+QUICK = {"per_category": 1, "max_new_tokens": 48, "repeats": 1}  # well under 10 minutes here
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).parent).stdout.strip() or None  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    import transformers
+
+    return {"platform": platform.platform(), "python": sys.version.split()[0], "cpu": cpu,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "transformers": transformers.__version__, "specdec": __version__,
+            "git_commit": commit}  # fmt: skip
+
+
+def prompt_ids(model: LoadedModel, prompt: Prompt) -> list[int]:
+    """The chat template when the model has one; else the turns' texts joined as plain text."""
+    if model.tokenizer.has_chat_template:
+        return encode_prompt(model.tokenizer, list(prompt.turns))
+    text = "\n\n".join(f"{t['role']}: {t['content']}" for t in prompt.turns) + "\n\nassistant:"
+    return model.tokenizer.encode(text)
+
+
+def _record(prompt: Prompt, method: str, temp: float, repeat: int, seed: int, res: GenerationResult,
+            plain: GenerationResult) -> dict[str, Any]:  # fmt: skip
+    m, p = res.metrics, plain.metrics
+    per_token = lambda mm: mm.wall_time / max(mm.new_tokens, 1)  # noqa: E731
+    decode = lambda mm: (mm.wall_time - mm.prefill_time) / max(mm.new_tokens, 1)  # noqa: E731
+    return {
+        "prompt_id": prompt.id, "category": prompt.category, "method": method, "temperature": temp,
+        "repeat": repeat, "seed": seed, "prompt_tokens": m.prompt_tokens, "new_tokens": m.new_tokens,
+        "tokens_per_second": m.tokens_per_second, "plain_tokens_per_second": p.tokens_per_second,
+        "speedup": per_token(p) / per_token(m) if per_token(m) > 0 else None,
+        "decode_speedup": decode(p) / decode(m) if decode(m) > 0 else None,
+        "acceptance_rate": m.acceptance_rate, "mean_accepted_tokens": m.mean_accepted_tokens,
+        "steps": m.steps, "proposed": m.proposed, "accepted": m.accepted, "step_tokens": m.step_tokens,
+        "scored_rows": m.scored_rows, "proposed_per_position": m.proposed_per_position,
+        "accepted_per_position": m.accepted_per_position,
+        "identical": res.token_ids == plain.token_ids if temp == 0 else None,
+        "drafter_info": m.drafter_info,
+    }  # fmt: skip
+
+
+@dataclass
+class GridResult:
+    settings: GridSettings
+    machine: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+    wall_time: float = 0.0
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per (method, temperature, category), plus category "all"."""
+        rows = []
+        keys = sorted({(r["method"], r["temperature"], r["category"]) for r in self.records},
+                      key=lambda k: (METHODS.index(k[0]), k[1], k[2]))  # fmt: skip
+        groups = [(m, t, c, [r for r in self.records if (r["method"], r["temperature"], r["category"]) == (m, t, c)])
+                  for m, t, c in keys]  # fmt: skip
+        for m, t in sorted({(m, t) for m, t, _ in keys}, key=lambda k: (METHODS.index(k[0]), k[1])):
+            groups.append((m, t, "all", [r for r in self.records if (r["method"], r["temperature"]) == (m, t)]))
+        for method, temp, cat, rs in groups:
+            rows.append(summarise(rs) | {"method": method, "temperature": temp, "category": cat})
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"settings": asdict(self.settings), "machine": self.machine, "wall_time": self.wall_time,
+                "summary": self.summary(), "records": self.records}  # fmt: skip
+
+
+def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median speedups; α, τ and per-position acceptance pooled over the runs."""
+    proposed, accepted = sum(r["proposed"] for r in rs), sum(r["accepted"] for r in rs)
+    steps, step_tokens = sum(r["steps"] for r in rs), sum(r["step_tokens"] for r in rs)
+    depth = max((len(r["proposed_per_position"]) for r in rs), default=0)
+    pos_prop = [sum(r["proposed_per_position"][i] for r in rs if i < len(r["proposed_per_position"])) for i in range(depth)]
+    pos_acc = [sum(r["accepted_per_position"][i] for r in rs if i < len(r["accepted_per_position"])) for i in range(depth)]
+    greedy = [r["identical"] for r in rs if r["identical"] is not None]
+    speed = [r["speedup"] for r in rs if r["speedup"] is not None]
+    decode = [r["decode_speedup"] for r in rs if r["decode_speedup"] is not None]
+    return {
+        "runs": len(rs),
+        "speedup": statistics.median(speed) if speed else None,
+        "decode_speedup": statistics.median(decode) if decode else None,
+        "tokens_per_second": statistics.median(r["tokens_per_second"] for r in rs) if rs else None,
+        "plain_tokens_per_second": statistics.median(r["plain_tokens_per_second"] for r in rs) if rs else None,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_accepted_tokens": step_tokens / steps if steps else None,
+        "acceptance_by_position": [a / p if p else None for a, p in zip(pos_acc, pos_prop, strict=True)],
+        "identical": all(greedy) if greedy else None,
+    }  # fmt: skip
+
+
+def make_drafters(settings: GridSettings, target: LoadedModel) -> dict[str, Any]:
+    """One drafter object per model-free method, kept across prompts (early exit calibrates
+    its layer on the first prompt it sees and keeps it)."""
+    out: dict[str, Any] = {}
+    for method in settings.methods:
+        if method == "prompt-lookup":
+            out[method] = PromptLookupDrafter()
+        elif method == "early-exit":
+            out[method] = EarlyExitDrafter(target.model)
+        elif method == "lookahead":
+            out[method] = LookaheadDrafter()
+    return out
+
+
+def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: LoadedModel | None = None,
+             progress: Callable[[str], None] | None = None) -> GridResult:  # fmt: skip
+    """Run the grid. `target`/`draft` may be passed already loaded (else loaded by name)."""
+    from tqdm import tqdm
+
+    prompts = select(load_prompts(settings.prompts_file), list(settings.categories) if settings.categories else None,
+                     settings.per_category)  # fmt: skip
+    target = target or load(settings.target, dtype=settings.dtype)
+    if "draft-model" in settings.methods:
+        draft = draft or load(settings.draft, dtype=settings.dtype)  # type: ignore[arg-type]
+    drafters = make_drafters(settings, target)
+    result = GridResult(settings, machine())
+    generate(target, [1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)  # warm-up: first-call costs
+    total = len(prompts) * len(settings.temperatures) * settings.repeats * (1 + len(settings.methods))
+    t0 = time.perf_counter()
+    with tqdm(total=total, desc="specdec bench", unit="run", file=sys.stderr, disable=progress is None) as bar:
+        for rep in range(settings.repeats):
+            for i, prompt in enumerate(prompts):
+                ids = prompt_ids(target, prompt)
+                for temp in settings.temperatures:
+                    seed = settings.seed + 1000 * rep + i
+                    common = dict(k=settings.k, max_new_tokens=settings.max_new_tokens, temperature=temp, seed=seed,
+                                  context_overflow="truncate")  # fmt: skip
+                    plain_kw = {key: v for key, v in common.items() if key != "k"}
+                    bar.set_postfix_str(f"{prompt.id} T={temp} plain")
+                    plain = generate(target, ids, **plain_kw)
+                    bar.update()
+                    for method in settings.methods:
+                        bar.set_postfix_str(f"{prompt.id} T={temp} {method}")
+                        if method == "draft-model":
+                            res = generate(target, ids, assistant_model=draft, **common)
+                        else:
+                            res = generate(target, ids, drafter=drafters[method], **common)
+                        result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
+                        bar.update()
+    result.wall_time = time.perf_counter() - t0
+    return result

@@ -1,0 +1,134 @@
+"""Outputs of `specdec bench`: a terminal table, results.json, report.md and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .grid import GridResult
+
+
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _same(rows: list[dict[str, Any]]) -> str:
+    flags = [r["identical"] for r in rows if r["identical"] is not None]
+    return "–" if not flags else ("yes" if all(flags) else "NO")
+
+
+def table(result: GridResult) -> str:
+    """Terminal table: one line per method, temperature and category."""
+    head = f"{'method':13s} {'T':>4s} {'category':15s} {'runs':>4s} {'speedup':>8s} {'decode':>7s} {'alpha':>6s} " \
+           f"{'tau':>5s} {'tok/s':>7s} {'plain':>7s} identical"  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in result.summary():
+        lines.append(
+            f"{r['method']:13s} {r['temperature']:4.1f} {r['category']:15s} {r['runs']:4d} "
+            f"{_fmt(r['speedup'], '.2f', 'x'):>8s} {_fmt(r['decode_speedup'], '.2f', 'x'):>7s} "
+            f"{_fmt(r['acceptance_rate']):>6s} {_fmt(r['mean_accepted_tokens']):>5s} "
+            f"{_fmt(r['tokens_per_second'], '.1f'):>7s} {_fmt(r['plain_tokens_per_second'], '.1f'):>7s} "
+            f"{_same([r])}"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def markdown(result: GridResult, plots: list[str]) -> str:
+    s, mach = result.settings, result.machine
+    summary = result.summary()
+    methods = list(dict.fromkeys(r["method"] for r in summary))
+    cats = list(dict.fromkeys(r["category"] for r in summary if r["category"] != "all")) + ["all"]
+    out = [
+        "# specdec benchmark",
+        "",
+        f"Target `{s.target}`" + (f", draft `{s.draft}`" if "draft-model" in s.methods else "")
+        + f", mode `{s.dtype}`, k = {s.k}, {s.max_new_tokens} new tokens, {s.repeats} repeat(s), seed {s.seed}.",
+        f"Machine: {mach['cpu']} ({mach['cpu_count']} CPUs, {mach['torch_threads']} torch threads), "
+        f"torch {mach['torch']}, transformers {mach['transformers']}, specdec {mach['specdec']}"
+        + (f" @ {mach['git_commit'][:10]}" if mach.get("git_commit") else "") + f"; {result.wall_time / 60:.1f} min.",
+        "",
+        "Speedup = plain decoding's time per token / the method's, measured side by side in the same run"
+        " (median over prompts and repeats); α = accepted / proposed draft tokens; τ = tokens per target pass.",
+        "",
+    ]  # fmt: skip
+    for temp in s.temperatures:
+        rows = {(r["method"], r["category"]): r for r in summary if r["temperature"] == temp}
+        out += [f"## Temperature {temp:g}" + (" (greedy)" if temp == 0 else ""), ""]
+        out.append("| category | " + " | ".join(methods) + " |")
+        out.append("|---|" + "---|" * len(methods))
+        for c in cats:
+            cells = []
+            for m in methods:
+                r = rows.get((m, c))
+                if r is None:
+                    cells.append("–")
+                    continue
+                cell = f"{_fmt(r['speedup'], '.2f', '×')} (α {_fmt(r['acceptance_rate'])}, τ {_fmt(r['mean_accepted_tokens'])})"
+                if temp == 0 and r["identical"] is False:
+                    cell += " **not identical**"
+                cells.append(cell)
+            out.append(f"| {c} | " + " | ".join(cells) + " |")
+        if temp == 0:
+            same = all(r["identical"] is not False for r in rows.values())
+            out += ["", "Greedy output identical to plain decoding in every run: " + ("yes." if same else "**no**.")]
+        out.append("")
+    for p in plots:
+        out += [f"![{p}]({p})", ""]
+    return "\n".join(out)
+
+
+def plots(result: GridResult, out_dir: Path) -> list[str]:
+    """speedup_by_category.png (greedy, or the first temperature) and acceptance_by_position.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result.summary()
+    temp = 0.0 if 0.0 in result.settings.temperatures else result.settings.temperatures[0]
+    rows = [r for r in summary if r["temperature"] == temp]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cats = list(dict.fromkeys(r["category"] for r in rows if r["category"] != "all")) + ["all"]
+    by = {(r["method"], r["category"]): r for r in rows}
+    names = []
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cats)), 4.0))
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        ys = [by[(m, c)]["speedup"] or 0.0 if (m, c) in by else 0.0 for c in cats]
+        ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(f"{result.settings.target}, T = {temp:g}, k = {result.settings.k}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup_by_category.png", dpi=110)
+    plt.close(fig)
+    names.append("speedup_by_category.png")
+
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    for m in methods:
+        acc = by[(m, "all")]["acceptance_by_position"] if (m, "all") in by else []
+        pts = [(i + 1, a) for i, a in enumerate(acc) if a is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"acceptance by draft position, T = {temp:g}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance_by_position.png", dpi=110)
+    plt.close(fig)
+    names.append("acceptance_by_position.png")
+    return names
+
+
+def write(result: GridResult, out_dir: Path) -> list[Path]:
+    """results.json, report.md and the plots in `out_dir`; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(result.to_dict(), indent=1))
+    names = plots(result, out_dir)
+    (out_dir / "report.md").write_text(markdown(result, names))
+    return [out_dir / "results.json", out_dir / "report.md", *(out_dir / n for n in names)]

@@ -1,0 +1,82 @@
+"""The benchmark harness runs on tiny models and writes well-formed output (not a speed test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec.bench import report
+from specdec.bench.grid import METHODS, GridSettings, run_grid
+
+PROMPTS = [
+    {"id": "c1", "category": "chat", "turns": [{"role": "user", "content": "hello there, how are you?"}]},
+    {"id": "c2", "category": "chat", "turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"},
+                                               {"role": "user", "content": "tell me more"}]},
+    {"id": "e1", "category": "edit", "turns": [{"role": "user", "content": "copy: abc abc abc abc abc abc abc"}]},
+]  # fmt: skip
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
+    target, draft = tiny("llama"), tiny("llama", "close")
+    settings = GridSettings(target="tiny", draft="tiny-draft", temperatures=(0.0, 1.0), k=3, max_new_tokens=12,
+                            repeats=2, prompts_file=str(prompt_file), per_category=1)  # fmt: skip
+    result = run_grid(settings, target=target, draft=draft)
+    # per_category=1: c1 and e1; 2 repeats x 2 temperatures x 4 methods
+    assert len(result.records) == 2 * 2 * 2 * len(METHODS)
+    assert {r["prompt_id"] for r in result.records} == {"c1", "e1"}
+    for r in result.records:
+        assert r["speedup"] > 0 and r["new_tokens"] == 12 and r["steps"] >= 1
+        assert (r["identical"] is True) if r["temperature"] == 0 else (r["identical"] is None)
+    summary = result.summary()
+    assert {(r["method"], r["category"]) for r in summary if r["temperature"] == 0} == {
+        (m, c) for m in METHODS for c in ("chat", "edit", "all")}
+    draft_all = next(r for r in summary if (r["method"], r["temperature"], r["category"]) == ("draft-model", 0.0, "all"))
+    assert draft_all["runs"] == 4 and 0 <= draft_all["acceptance_rate"] <= 1
+    assert len(draft_all["acceptance_by_position"]) == 3 and draft_all["identical"] is True
+
+    paths = report.write(result, tmp_path / "out")
+    assert [p.name for p in paths] == ["results.json", "report.md", "speedup_by_category.png", "acceptance_by_position.png"]
+    data = json.loads(paths[0].read_text())
+    assert data["settings"]["k"] == 3 and data["machine"]["torch"] and len(data["records"]) == len(result.records)
+    md = paths[1].read_text()
+    assert "## Temperature 0 (greedy)" in md and "identical to plain decoding in every run: yes" in md
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths[2:])
+    text = report.table(result)
+    assert "prompt-lookup" in text and "edit" in text
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="unknown methods"):
+        GridSettings(methods=("medusa",))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        GridSettings(draft=None)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        GridSettings(k=0)
+
+
+def test_cli_bench_quick_as_written(tiny_dir, prompt_file, tmp_path):
+    """`specdec bench --quick --out DIR --prompts FILE` writes DIR/results.json, report.md, plots."""
+    out = tmp_path / "b"
+    res = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--quick", "--out", str(out),
+                          "--prompts", str(prompt_file), "--target", str(tiny_dir("llama")),
+                          "--draft", str(tiny_dir("llama", "close")), "--max-new-tokens", "8",
+                          "--temperatures", "0"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert {p.name for p in out.iterdir()} == {"results.json", "report.md", "speedup_by_category.png",
+                                               "acceptance_by_position.png"}  # fmt: skip
+    data = json.loads((out / "results.json").read_text())
+    assert data["settings"]["repeats"] == 1 and data["settings"]["per_category"] == 1
+    assert len(data["records"]) == 2 * len(METHODS) and "speedup" in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--prompts", str(tmp_path / "none.jsonl"),
+                          "--target", str(tiny_dir("llama"))], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert bad.returncode == 2 and "cannot read the prompt file" in bad.stderr and "Traceback" not in bad.stderr
