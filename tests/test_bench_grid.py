@@ -48,8 +48,13 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     assert [p.name for p in paths] == ["results.json", "report.md", "speedup_by_category.png", "acceptance_by_position.png"]
     data = json.loads(paths[0].read_text())
     assert data["settings"]["k"] == 3 and data["machine"]["torch"] and len(data["records"]) == len(result.records)
+    assert set(data["costs"]["target_ms"]) == {"1", "2", "3", "4", "5", "6", "7"}  # up to 2k + 1 rows
+    cm = {(r["method"], r["temperature"], r["category"]) for r in data["cost_model"]}
+    assert ("draft-model", 0.0, "all") in cm and not any(m == "early-exit" for m, _, _ in cm)
+    assert all(1 <= r["best_k"] <= 8 and r["predicted_speedup"] > 0 for r in data["cost_model"])
     md = paths[1].read_text()
     assert "## Temperature 0 (greedy)" in md and "identical to plain decoding in every run: yes" in md
+    assert "## Cost model" in md
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths[2:])
     text = report.table(result)
     assert "prompt-lookup" in text and "edit" in text

@@ -27,6 +27,7 @@ from .. import __version__, registry
 from ..api import LoadedModel, encode_prompt, generate, load
 from ..drafters import EarlyExitDrafter, LookaheadDrafter, PromptLookupDrafter
 from ..engine import GenerationResult
+from .costmodel import Costs, Recommendation, measure_costs, recommend
 from .suite import Prompt, load_prompts, select
 
 METHODS = ("draft-model", "prompt-lookup", "early-exit", "lookahead")
@@ -122,6 +123,22 @@ class GridResult:
     machine: dict[str, Any]
     records: list[dict[str, Any]] = field(default_factory=list)
     wall_time: float = 0.0
+    costs: Costs | None = None  # measured pass times (the cost model's input)
+
+    def recommendations(self) -> list[Recommendation]:
+        """Cost-model predictions vs measurements and the best k, per method, temperature and
+        category (plus "all"). Early exit is left out: its drafter predicts and picks its own
+        layer from its calibration."""
+        if self.costs is None:
+            return []
+        out = []
+        for r in self.summary():
+            if r["method"] == "early-exit":
+                continue
+            rs = [x for x in self.records if x["method"] == r["method"] and x["temperature"] == r["temperature"]
+                  and (r["category"] == "all" or x["category"] == r["category"])]  # fmt: skip
+            out.append(recommend(r["method"], r["temperature"], r["category"], rs, self.costs, self.settings.k))
+        return out
 
     def summary(self) -> list[dict[str, Any]]:
         """One row per (method, temperature, category), plus category "all"."""
@@ -137,8 +154,10 @@ class GridResult:
         return rows
 
     def to_dict(self) -> dict[str, Any]:
+        recs = [asdict(r) for r in self.recommendations()]
+        costs = None if self.costs is None else asdict(self.costs)
         return {"settings": asdict(self.settings), "machine": self.machine, "wall_time": self.wall_time,
-                "summary": self.summary(), "records": self.records}  # fmt: skip
+                "costs": costs, "summary": self.summary(), "cost_model": recs, "records": self.records}  # fmt: skip
 
 
 def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -213,5 +232,9 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                             res = generate(target, ids, drafter=drafters[method], **common)
                         result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
                         bar.update()
+    if progress is not None:
+        progress("measuring pass times for the cost model")
+    result.costs = measure_costs(target.model, draft.model if draft is not None else None,
+                                 max_rows=2 * settings.k + 1, repeats=3)  # fmt: skip
     result.wall_time = time.perf_counter() - t0
     return result

@@ -31,6 +31,12 @@ def table(result: GridResult) -> str:
             f"{_fmt(r['tokens_per_second'], '.1f'):>7s} {_fmt(r['plain_tokens_per_second'], '.1f'):>7s} "
             f"{_same([r])}"
         )  # fmt: skip
+    recs = [r for r in result.recommendations() if r.category == "all"]
+    if recs:
+        lines += ["", "cost model (all categories): measured vs predicted speedup at k, and the best k"]
+        for r in recs:
+            lines.append(f"  {r.method:13s} T={r.temperature:<4g} measured {_fmt(r.measured_speedup, '.2f', 'x')}"
+                         f"  predicted {r.predicted_speedup:.2f}x  best k {r.best_k} ({r.best_predicted:.2f}x)")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -72,6 +78,18 @@ def markdown(result: GridResult, plots: list[str]) -> str:
         if temp == 0:
             same = all(r["identical"] is not False for r in rows.values())
             out += ["", "Greedy output identical to plain decoding in every run: " + ("yes." if same else "**no**.")]
+        out.append("")
+    recs = result.recommendations()
+    if recs:
+        out += ["## Cost model", "",
+                "Predicted from the measured pass times and per-position acceptance (expected-tokens formula,"
+                " Leviathan et al.), against the measured median speedup; best k = the k in 1..8 with the"
+                " highest predicted speedup.", "",
+                "| method | T | category | measured (k = %d) | predicted | best k | predicted at best k |" % s.k,
+                "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in recs:
+            out.append(f"| {r.method} | {r.temperature:g} | {r.category} | {_fmt(r.measured_speedup, '.2f', '×')} | "
+                       f"{r.predicted_speedup:.2f}× | {r.best_k} | {r.best_predicted:.2f}× |")  # fmt: skip
         out.append("")
     for p in plots:
         out += [f"![{p}]({p})", ""]

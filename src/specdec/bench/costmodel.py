@@ -1,0 +1,146 @@
+"""Predict a method's speedup from measured costs and measured acceptance, and pick k.
+
+The expected-tokens argument of Leviathan et al. (2022): a step that offers k drafted
+tokens yields 1 + sum_i P(the first i drafts are all accepted) tokens and costs the
+drafting plus one target pass over the offered rows. With measured per-position
+acceptance (how often position i was accepted, over all steps) and measured pass times per
+row count, the predicted speedup for k is
+
+    S(k) = (1 + sum_{i<k} A_i) * t(1) / (D(k) + t(1 + sum_{i<k} P_i))
+
+where A_i = steps whose position i was accepted / steps, P_i = steps that offered a token at
+position i / steps, t(r) the target's time for a pass over r rows (interpolated) and D(k)
+the drafting time (a draft model: its one-token step times the tokens drafted; prompt lookup
+and lookahead: none beyond the target pass). Beyond the measured positions the curve is
+extended geometrically with the last measured ratio A_i / A_{i-1} (i.i.d. acceptance: the
+formula E = (1 - a^(k+1)) / (1 - a)). Extra rows a drafter adds (lookahead's window) are
+taken from the measured rows per pass.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..model.transformer import Transformer
+
+K_MAX = 8  # largest k considered for recommendations
+
+
+@dataclass
+class Costs:
+    target_ms: dict[int, float]  # rows in one pass -> median ms
+    draft_ms: float | None = None  # one-token step of the draft model, ms
+
+    def target(self, rows: float) -> float:
+        """Pass time for a (possibly fractional, mean) number of rows, linearly interpolated."""
+        xs = sorted(self.target_ms)
+        rows = min(max(rows, xs[0]), xs[-1])
+        for lo, hi in zip(xs, xs[1:], strict=False):
+            if lo <= rows <= hi:
+                w = (rows - lo) / (hi - lo)
+                return self.target_ms[lo] * (1 - w) + self.target_ms[hi] * w
+        return self.target_ms[xs[0]]
+
+
+def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) -> dict[int, float]:
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(model.args.vocab_size, 30000)
+    cache = model.new_cache(context + max(rows))
+    model(torch.randint(0, vocab, (1, context), generator=gen).to(model.device), cache, last_only=True)
+    new = torch.randint(0, vocab, (1, max(rows)), generator=gen).to(model.device)
+    out = {}
+    for r in rows:
+        times = []
+        for i in range(repeats + 1):  # the first call warms up this shape
+            cache.truncate(context)
+            t0 = time.perf_counter()
+            model(new[:, :r], cache)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append((time.perf_counter() - t0) * 1e3)
+        out[r] = statistics.median(times)
+    return out
+
+
+def measure_costs(target: Transformer, draft: Transformer | None = None, *, max_rows: int = 2 * K_MAX + 1,
+                  context: int = 128, repeats: int = 5) -> Costs:  # fmt: skip
+    """Time the target's pass over 1..max_rows rows (and the draft's one-token step)."""
+    rows = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, 16, max_rows} & set(range(1, max_rows + 1)))
+    costs = Costs(_time_rows(target, rows, context, repeats))
+    if draft is not None:
+        costs.draft_ms = _time_rows(draft, [1], context, repeats)[1]
+    return costs
+
+
+@dataclass
+class Acceptance:
+    """Pooled over a set of runs: per-position counts, steps and rows per pass."""
+
+    steps: int
+    accepted: list[int]  # accepted_per_position summed
+    proposed: list[int]  # proposed_per_position summed
+    extra_rows: float = 0.0  # rows per pass beyond 1 + drafted tokens (tree branches, lookahead window)
+    measured_k: int = 0
+
+    @classmethod
+    def pool(cls, records: list[dict[str, Any]]) -> Acceptance:
+        steps = sum(r["steps"] for r in records)
+        depth = max((len(r["proposed_per_position"]) for r in records), default=0)
+        acc = [sum(r["accepted_per_position"][i] for r in records if i < len(r["accepted_per_position"])) for i in range(depth)]
+        prop = [sum(r["proposed_per_position"][i] for r in records if i < len(r["proposed_per_position"])) for i in range(depth)]
+        rows = sum(r["scored_rows"] for r in records) / steps if steps else 1.0
+        extra = max(0.0, rows - 1 - sum(prop) / steps) if steps else 0.0
+        return cls(steps, acc, prop, extra, depth)
+
+    def per_step(self, k: int) -> tuple[list[float], list[float]]:
+        """(A_i, P_i) for i < k, extended past the measured positions."""
+        if not self.steps:
+            return [0.0] * k, [0.0] * k
+        A = [a / self.steps for a in self.accepted]
+        P = [p / self.steps for p in self.proposed]
+        while len(A) < k:
+            if len(A) >= 2 and A[-2] > 0:
+                ratio = A[-1] / A[-2]
+            else:
+                ratio = A[-1] if A else 0.0
+            A.append(A[-1] * ratio if A else 0.0)
+            P.append(P[-1] if P else 0.0)
+        return A[:k], P[:k]
+
+
+def predict(method: str, k: int, acc: Acceptance, costs: Costs) -> float:
+    """Predicted speedup over plain decoding for drafts of up to k tokens."""
+    A, P = acc.per_step(k)
+    tokens = 1 + sum(A)
+    rows = 1 + sum(P) + acc.extra_rows
+    draft = (costs.draft_ms or 0.0) * sum(P) if method == "draft-model" else 0.0
+    return tokens * costs.target(1) / (draft + costs.target(rows))
+
+
+@dataclass
+class Recommendation:
+    method: str
+    temperature: float
+    category: str
+    measured_k: int
+    measured_speedup: float | None
+    predicted_speedup: float  # at the measured k
+    best_k: int
+    best_predicted: float
+    by_k: dict[int, float] = field(default_factory=dict)
+
+
+def recommend(method: str, temperature: float, category: str, records: list[dict[str, Any]], costs: Costs,
+              k_used: int) -> Recommendation:  # fmt: skip
+    acc = Acceptance.pool(records)
+    by_k = {k: predict(method, k, acc, costs) for k in range(1, K_MAX + 1)}
+    best = max(by_k, key=lambda k: by_k[k])
+    speeds = [r["speedup"] for r in records if r.get("speedup") is not None]
+    return Recommendation(method, temperature, category, k_used, statistics.median(speeds) if speeds else None,
+                          predict(method, k_used, acc, costs), best, by_k[best], by_k)  # fmt: skip
