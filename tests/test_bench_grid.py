@@ -85,3 +85,36 @@ def test_cli_bench_quick_as_written(tiny_dir, prompt_file, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--prompts", str(tmp_path / "none.jsonl"),
                           "--target", str(tiny_dir("llama"))], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert bad.returncode == 2 and "cannot read the prompt file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_tune_stores_k_where_generate_finds_it(tiny, prompt_file, tmp_path, monkeypatch):
+    from specdec.bench import tuning
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    target, draft = tiny("qwen2"), tiny("qwen2", "close")
+    settings = GridSettings(target=target.name, draft=draft.name, methods=("draft-model", "prompt-lookup"),
+                            temperatures=(0.0,), k=3, max_new_tokens=10, repeats=1, prompts_file=str(prompt_file))  # fmt: skip
+    result = run_grid(settings, target=target, draft=draft)
+    written = tuning.save(result)
+    assert set(written) == {f"{target.name}|draft-model|{draft.name}|{target.model.mode}",
+                            f"{target.name}|prompt-lookup|-|{target.model.mode}"}  # fmt: skip
+    best = {key.split("|")[1]: e["k"] for key, e in written.items()}
+    expected = {r.method: r.best_k for r in result.recommendations() if r.category == "all"}
+    assert best == expected and set(written[next(iter(written))]["by_category"]) == {"chat", "edit"}
+
+    out = specdec_generate(target, drafter="prompt-lookup")
+    assert (out.metrics.k, out.metrics.k_source) == (best["prompt-lookup"], "tuned")
+    out = specdec_generate(target, assistant_model=draft)
+    assert (out.metrics.k, out.metrics.k_source) == (best["draft-model"], "tuned")
+    assert specdec_generate(target, drafter="prompt-lookup", k=2).metrics.k_source == "given"
+    assert specdec_generate(target, drafter="lookahead").metrics.k_source == "default"
+    assert specdec_generate(target, drafter="lookahead").metrics.k == 4
+    # a file another version wrote badly is ignored, not fatal
+    tuning.tuned_path().write_text("{not json")
+    assert specdec_generate(target, drafter="prompt-lookup").metrics.k_source == "default"
+
+
+def specdec_generate(target, **kw):
+    import specdec
+
+    return specdec.generate(target, "abcabc", max_new_tokens=6, ignore_eos=True, **kw)

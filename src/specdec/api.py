@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import store
+from .bench import tuning
 from .config import GenerationConfig, OverflowPolicy, SamplingParams
 from .drafters.base import DRAFTERS, Drafter
 from .drafters.draft_model import DraftModelDrafter
@@ -94,7 +95,7 @@ def generate(
     *,
     assistant_model: LoadedModel | None = None,
     drafter: Drafter | str | None = None,
-    k: int = 4,
+    k: int | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -106,15 +107,33 @@ def generate(
     chat: bool | None = None,
 ) -> GenerationResult:
     """Generate from `target`; speculative when an assistant model or a drafter is given,
-    plain autoregressive decoding otherwise."""
+    plain autoregressive decoding otherwise. `k` unset: the k that `specdec bench --tune`
+    stored for this target, method and mode, else 4 (`metrics.k_source` says which)."""
+    spec = make_drafter(target, assistant_model, drafter)
+    k, k_source = resolve_k(target, spec, assistant_model, k)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, k=k, stop=tuple(stop), ignore_eos=ignore_eos,
                            context_overflow=context_overflow)  # fmt: skip
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    spec = make_drafter(target, assistant_model, drafter)
     ids = encode_prompt(target.tokenizer, prompt, chat)
     if spec is None:
         return plain_generate(target.model, ids, cfg, sampling, target.tokenizer)
-    return speculative_generate(target.model, spec, ids, cfg, sampling, target.tokenizer)
+    result = speculative_generate(target.model, spec, ids, cfg, sampling, target.tokenizer)
+    result.metrics.k, result.metrics.k_source = k, k_source
+    return result
+
+
+def resolve_k(target: LoadedModel, spec: Drafter | None, assistant_model: LoadedModel | None,
+              k: int | None) -> tuple[int, str]:  # fmt: skip
+    """(k, where it came from): "given", "tuned" (`specdec bench --tune`) or "default"."""
+    if k is not None:
+        return k, "given"
+    if spec is not None:
+        method = "draft-model" if assistant_model is not None else getattr(spec, "name", "")
+        draft = assistant_model.name if assistant_model is not None else None
+        tuned = tuning.lookup(target.name, method, draft, target.model.mode)
+        if tuned is not None:
+            return tuned, "tuned"
+    return tuning.DEFAULT_K, "default"
 
 
 @dataclass

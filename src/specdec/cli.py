@@ -38,6 +38,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="wrap the prompt in the model's chat template (unset: when the model has one)")  # fmt: skip
     add_arguments(p, GenerationConfig)
     add_arguments(p, SamplingParams)
+    p.set_defaults(k=None)  # unset: the k stored by `specdec bench --tune`, else 4
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],
                    help="precision/kernel mode; auto = fastest exact mode for the device (q4k on CPU)")  # fmt: skip
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -60,6 +61,8 @@ def _read_prompt(ns: argparse.Namespace) -> str:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from .api import compare, encode_prompt, generate, load
 
+    k_given = ns.k
+    ns.k = ns.k if ns.k is not None else 4  # validated here; unset -> tuned or default at generate time
     cfg = from_namespace(GenerationConfig, ns)
     sampling = from_namespace(SamplingParams, ns)
     prompt = _read_prompt(ns)
@@ -80,15 +83,16 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         drafter = EarlyExitDrafter(target.model, layer=ns.exit_layer)
     draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
     kwargs: dict[str, Any] = dict(
-        assistant_model=draft, drafter=drafter, k=cfg.k, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
+        assistant_model=draft, drafter=drafter, k=k_given, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
         ignore_eos=cfg.ignore_eos, context_overflow=cfg.context_overflow, chat=ns.chat,
         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
     )  # fmt: skip
     encode_prompt(target.tokenizer, prompt, ns.chat)  # validate before any long run
-    header = {"target": ns.target, "drafter": method, "draft": ns.draft, "k": cfg.k, "dtype": target.model.mode,
+    header = {"target": ns.target, "drafter": method, "draft": ns.draft, "k": k_given, "dtype": target.model.mode,
               "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}  # fmt: skip
     if ns.compare:
         cmp = compare(target, prompt, **kwargs)
+        header.update(k=cmp.speculative.metrics.k, k_source=cmp.speculative.metrics.k_source)
         out = {**header, **cmp.to_dict()}
         if ns.json:
             print(json.dumps(out))
@@ -96,6 +100,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
             _print_text(cmp.speculative.text, cmp.speculative.metrics, extra=cmp)
         return 0
     result = generate(target, prompt, **kwargs)
+    header.update(k=result.metrics.k, k_source=result.metrics.k_source)
     if ns.json:
         m = result.metrics
         print(json.dumps({**header, "acceptance_rate": m.acceptance_rate, "mean_accepted_tokens":
@@ -192,6 +197,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, help="repeats of every run (default 3; 1 with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES])
+    p.add_argument("--tune", action="store_true",
+                   help="store the cost model's best k per method where `specdec generate` uses it when -k is unset")  # fmt: skip
     p.set_defaults(func=_cmd_bench)
     bsub = p.add_subparsers(dest="bench_cmd")
     fwd = bsub.add_parser("forward", help="ms per target forward for k new tokens, per precision/kernel mode",
@@ -222,6 +229,12 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     print(report.table(result))
     for path in report.write(result, ns.out):
         print(f"wrote {path}", file=sys.stderr)
+    if ns.tune:
+        from .bench import tuning
+
+        for key, entry in tuning.save(result).items():
+            print(f"tuned {key}: k = {entry['k']} (predicted {entry['predicted_speedup']:.2f}x)", file=sys.stderr)
+        print(f"wrote {tuning.tuned_path()}", file=sys.stderr)
     return 0
 
 

@@ -28,6 +28,8 @@ class Metrics:
     scored_rows: int = 0  # rows the target scored in verification passes (last token, drafts, tree branches, extra rows)
     proposed_per_position: list[int] = field(default_factory=list)
     drafter_info: dict[str, Any] = field(default_factory=dict)  # what the drafter chose (e.g. early-exit's layer)
+    k: int | None = None  # draft tokens per step asked for
+    k_source: str | None = None  # "given", "tuned" (specdec bench --tune) or "default"
     accepted_per_position: list[int] = field(default_factory=list)
 
     def record_step(self, k: int, num_accepted: int) -> None:

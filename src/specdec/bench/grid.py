@@ -124,6 +124,7 @@ class GridResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     wall_time: float = 0.0
     costs: Costs | None = None  # measured pass times (the cost model's input)
+    mode: str = ""  # the precision/kernel mode the target ran in ("auto" resolved)
 
     def recommendations(self) -> list[Recommendation]:
         """Cost-model predictions vs measurements and the best k, per method, temperature and
@@ -156,7 +157,7 @@ class GridResult:
     def to_dict(self) -> dict[str, Any]:
         recs = [asdict(r) for r in self.recommendations()]
         costs = None if self.costs is None else asdict(self.costs)
-        return {"settings": asdict(self.settings), "machine": self.machine, "wall_time": self.wall_time,
+        return {"settings": asdict(self.settings), "mode": self.mode, "machine": self.machine, "wall_time": self.wall_time,
                 "costs": costs, "summary": self.summary(), "cost_model": recs, "records": self.records}  # fmt: skip
 
 
@@ -208,7 +209,7 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
     if "draft-model" in settings.methods:
         draft = draft or load(settings.draft, dtype=settings.dtype)  # type: ignore[arg-type]
     drafters = make_drafters(settings, target)
-    result = GridResult(settings, machine())
+    result = GridResult(settings, machine(), mode=target.model.mode)
     generate(target, [1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)  # warm-up: first-call costs
     total = len(prompts) * len(settings.temperatures) * settings.repeats * (1 + len(settings.methods))
     t0 = time.perf_counter()

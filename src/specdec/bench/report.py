@@ -49,7 +49,7 @@ def markdown(result: GridResult, plots: list[str]) -> str:
         "# specdec benchmark",
         "",
         f"Target `{s.target}`" + (f", draft `{s.draft}`" if "draft-model" in s.methods else "")
-        + f", mode `{s.dtype}`, k = {s.k}, {s.max_new_tokens} new tokens, {s.repeats} repeat(s), seed {s.seed}.",
+        + f", mode `{result.mode}`, k = {s.k}, {s.max_new_tokens} new tokens, {s.repeats} repeat(s), seed {s.seed}.",
         f"Machine: {mach['cpu']} ({mach['cpu_count']} CPUs, {mach['torch_threads']} torch threads), "
         f"torch {mach['torch']}, transformers {mach['transformers']}, specdec {mach['specdec']}"
         + (f" @ {mach['git_commit'][:10]}" if mach.get("git_commit") else "") + f"; {result.wall_time / 60:.1f} min.",
