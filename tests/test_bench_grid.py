@@ -29,7 +29,7 @@ def prompt_file(tmp_path):
 def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     target, draft = tiny("llama"), tiny("llama", "close")
     settings = GridSettings(target="tiny", draft="tiny-draft", temperatures=(0.0, 1.0), k=3, max_new_tokens=12,
-                            repeats=2, prompts_file=str(prompt_file), per_category=1)  # fmt: skip
+                            repeats=2, prompts_file=str(prompt_file), per_category=1, peers=False)  # fmt: skip
     result = run_grid(settings, target=target, draft=draft)
     # per_category=1: c1 and e1; 2 repeats x 2 temperatures x 4 methods
     assert len(result.records) == 2 * 2 * 2 * len(METHODS)
@@ -75,7 +75,7 @@ def test_cli_bench_quick_as_written(tiny_dir, prompt_file, tmp_path):
     res = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--quick", "--out", str(out),
                           "--prompts", str(prompt_file), "--target", str(tiny_dir("llama")),
                           "--draft", str(tiny_dir("llama", "close")), "--max-new-tokens", "8",
-                          "--temperatures", "0"], capture_output=True, text=True, timeout=600)  # fmt: skip
+                          "--temperatures", "0", "--no-peers"], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert {p.name for p in out.iterdir()} == {"results.json", "report.md", "speedup_by_category.png",
                                                "acceptance_by_position.png"}  # fmt: skip
@@ -93,7 +93,8 @@ def test_tune_stores_k_where_generate_finds_it(tiny, prompt_file, tmp_path, monk
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     target, draft = tiny("qwen2"), tiny("qwen2", "close")
     settings = GridSettings(target=target.name, draft=draft.name, methods=("draft-model", "prompt-lookup"),
-                            temperatures=(0.0,), k=3, max_new_tokens=10, repeats=1, prompts_file=str(prompt_file))  # fmt: skip
+                            temperatures=(0.0,), k=3, max_new_tokens=10, repeats=1, prompts_file=str(prompt_file),
+                            peers=False)  # fmt: skip
     result = run_grid(settings, target=target, draft=draft)
     written = tuning.save(result)
     assert set(written) == {f"{target.name}|draft-model|{draft.name}|{target.model.mode}",
@@ -118,3 +119,48 @@ def specdec_generate(target, **kw):
     import specdec
 
     return specdec.generate(target, "abcabc", max_new_tokens=6, ignore_eos=True, **kw)
+
+
+def test_peers_run_beside_us_and_missing_ones_are_skipped(tiny, prompt_file):
+    target, draft = tiny("llama"), tiny("llama", "close")
+    settings = GridSettings(target=target.name, draft=draft.name, methods=("draft-model",), temperatures=(0.0, 1.0),
+                            k=2, max_new_tokens=8, repeats=1, prompts_file=str(prompt_file), per_category=1)  # fmt: skip
+    result = run_grid(settings, target=target, draft=draft)
+    peer_rows = [r for r in result.records if r["method"].startswith("peer:")]
+    assert {r["method"] for r in peer_rows} == {"peer:transformers", "peer:transformers-assisted",
+                                                "peer:transformers-prompt-lookup"}  # fmt: skip
+    assert all(r["temperature"] == 0.0 and r["error"] is None and r["tokens_per_second"] > 0 for r in peer_rows)
+    assert all(isinstance(r["identical"], bool) for r in peer_rows if r["method"] != "peer:transformers")
+    # no GGUF for a tiny model directory: llama.cpp peers are skipped with the reason
+    assert set(result.peers_skipped) == {"llama.cpp", "llama.cpp-prompt-lookup"}
+    summary = {(r["method"], r["category"]) for r in result.summary()}
+    assert ("peer:transformers-assisted", "all") in summary
+    assert not any(r.method.startswith("peer:") for r in result.recommendations())
+
+
+def test_a_crashing_llama_cpp_worker_costs_one_request(monkeypatch, tmp_path):
+    """The parent keeps the finished results, fails the request the worker died in, and
+    restarts the worker for the rest."""
+    from specdec.bench import peers
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        spec = json.loads(open(cmd[-1]).read())
+        ids = [r["id"] for r in spec["requests"]]
+        calls.append(ids)
+        done = [r for r in ids if r != "boom"]
+        if "boom" in ids:  # finish the requests before it, then die
+            done = ids[: ids.index("boom")]
+            code = -11
+        else:
+            code = 0
+        out = "".join(json.dumps({"id": i, "tokens": [1, 2], "seconds": 0.5}) + "\n" for i in done)
+        return subprocess.CompletedProcess(cmd, code, out, "Segmentation fault")
+
+    monkeypatch.setattr(peers.subprocess, "run", fake_run)
+    reqs = [{"id": i, "ids": [1], "max_new_tokens": 2, "eos": []} for i in ("a", "boom", "c")]
+    got = peers.run_llama_cpp(tmp_path / "m.gguf", False, reqs, 4)
+    assert calls == [["a", "boom", "c"], ["c"]]
+    assert got["a"].tokens == got["c"].tokens == [1, 2] and got["boom"].tokens is None
+    assert "crashed (exit -11)" in got["boom"].error and "Segmentation fault" in got["boom"].error

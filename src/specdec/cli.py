@@ -197,6 +197,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, help="repeats of every run (default 3; 1 with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES])
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run transformers and llama-cpp-python (where installed) on the same prompts, greedy")  # fmt: skip
     p.add_argument("--tune", action="store_true",
                    help="store the cost model's best k per method where `specdec generate` uses it when -k is unset")  # fmt: skip
     p.set_defaults(func=_cmd_bench)
@@ -223,7 +225,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         repeats=ns.repeats or quick.get("repeats", 3), seed=ns.seed,
         per_category=ns.per_category or quick.get("per_category"),
         categories=tuple(ns.categories) if ns.categories else None,
-        prompts_file=str(ns.prompts) if ns.prompts else None, dtype=ns.dtype,
+        prompts_file=str(ns.prompts) if ns.prompts else None, dtype=ns.dtype, peers=ns.peers,
     )  # fmt: skip
     result = run_grid(settings, progress=lambda s: print(s, file=sys.stderr))
     print(report.table(result))

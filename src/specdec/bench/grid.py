@@ -47,6 +47,7 @@ class GridSettings:
     categories: tuple[str, ...] | None = None
     prompts_file: str | None = None  # None: the bundled suite
     dtype: str = "auto"
+    peers: bool = True  # where installed: transformers and llama.cpp on the same prompts (greedy)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -124,6 +125,7 @@ class GridResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     wall_time: float = 0.0
     costs: Costs | None = None  # measured pass times (the cost model's input)
+    peers_skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it did not run
     mode: str = ""  # the precision/kernel mode the target ran in ("auto" resolved)
 
     def recommendations(self) -> list[Recommendation]:
@@ -134,7 +136,7 @@ class GridResult:
             return []
         out = []
         for r in self.summary():
-            if r["method"] == "early-exit":
+            if r["method"] == "early-exit" or r["method"].startswith("peer:"):
                 continue
             rs = [x for x in self.records if x["method"] == r["method"] and x["temperature"] == r["temperature"]
                   and (r["category"] == "all" or x["category"] == r["category"])]  # fmt: skip
@@ -145,10 +147,10 @@ class GridResult:
         """One row per (method, temperature, category), plus category "all"."""
         rows = []
         keys = sorted({(r["method"], r["temperature"], r["category"]) for r in self.records},
-                      key=lambda k: (METHODS.index(k[0]), k[1], k[2]))  # fmt: skip
+                      key=lambda k: (_order(k[0]), k[1], k[2]))  # fmt: skip
         groups = [(m, t, c, [r for r in self.records if (r["method"], r["temperature"], r["category"]) == (m, t, c)])
                   for m, t, c in keys]  # fmt: skip
-        for m, t in sorted({(m, t) for m, t, _ in keys}, key=lambda k: (METHODS.index(k[0]), k[1])):
+        for m, t in sorted({(m, t) for m, t, _ in keys}, key=lambda k: (_order(k[0]), k[1])):
             groups.append((m, t, "all", [r for r in self.records if (r["method"], r["temperature"]) == (m, t)]))
         for method, temp, cat, rs in groups:
             rows.append(summarise(rs) | {"method": method, "temperature": temp, "category": cat})
@@ -158,7 +160,17 @@ class GridResult:
         recs = [asdict(r) for r in self.recommendations()]
         costs = None if self.costs is None else asdict(self.costs)
         return {"settings": asdict(self.settings), "mode": self.mode, "machine": self.machine, "wall_time": self.wall_time,
-                "costs": costs, "summary": self.summary(), "cost_model": recs, "records": self.records}  # fmt: skip
+                "costs": costs, "peers_skipped": self.peers_skipped, "summary": self.summary(), "cost_model": recs,
+                "records": self.records}  # fmt: skip
+
+
+def _order(method: str) -> int:
+    """Our methods in METHODS order, then the peers in theirs."""
+    from .peers import PEERS
+
+    if method in METHODS:
+        return METHODS.index(method)
+    return len(METHODS) + PEERS.index(method.removeprefix("peer:"))
 
 
 def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -175,7 +187,9 @@ def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": len(rs),
         "speedup": statistics.median(speed) if speed else None,
         "decode_speedup": statistics.median(decode) if decode else None,
-        "tokens_per_second": statistics.median(r["tokens_per_second"] for r in rs) if rs else None,
+        "tokens_per_second": statistics.median(tps) if (tps := [r["tokens_per_second"] for r in rs
+                                                                  if r["tokens_per_second"] is not None]) else None,
+        "errors": sum(1 for r in rs if r.get("error")),
         "plain_tokens_per_second": statistics.median(r["plain_tokens_per_second"] for r in rs) if rs else None,
         "acceptance_rate": accepted / proposed if proposed else None,
         "mean_accepted_tokens": step_tokens / steps if steps else None,
@@ -213,6 +227,7 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
     generate(target, [1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)  # warm-up: first-call costs
     total = len(prompts) * len(settings.temperatures) * settings.repeats * (1 + len(settings.methods))
     t0 = time.perf_counter()
+    plains: dict[tuple[str, int], GenerationResult] = {}  # greedy plain runs, the peers' reference
     with tqdm(total=total, desc="specdec bench", unit="run", file=sys.stderr, disable=progress is None) as bar:
         for rep in range(settings.repeats):
             for i, prompt in enumerate(prompts):
@@ -224,6 +239,8 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                     plain_kw = {key: v for key, v in common.items() if key != "k"}
                     bar.set_postfix_str(f"{prompt.id} T={temp} plain")
                     plain = generate(target, ids, **plain_kw)
+                    if temp == 0.0:
+                        plains[(prompt.id, rep)] = plain
                     bar.update()
                     for method in settings.methods:
                         bar.set_postfix_str(f"{prompt.id} T={temp} {method}")
@@ -237,5 +254,71 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
         progress("measuring pass times for the cost model")
     result.costs = measure_costs(target.model, draft.model if draft is not None else None,
                                  max_rows=2 * settings.k + 1, repeats=3)  # fmt: skip
+    if settings.peers and 0.0 in settings.temperatures:
+        _run_peers(settings, target, draft, prompts, plains, result, bar_progress=progress)
     result.wall_time = time.perf_counter() - t0
     return result
+
+
+def _gguf_for(name: str) -> Path | None:
+    if name in registry.MODELS:
+        from .. import store
+
+        return store.gguf_path(registry.MODELS[name])
+    path = Path(name)
+    return path if path.suffix == ".gguf" else None
+
+
+def _run_peers(settings: GridSettings, target: LoadedModel, draft: LoadedModel | None, prompts: list[Prompt],
+               plains: dict[tuple[str, int], GenerationResult], result: GridResult,
+               bar_progress: Callable[[str], None] | None) -> None:  # fmt: skip
+    """Peers, greedy, on the same prompts; speedups relative to specdec's plain decoding in this run."""
+    from . import peers
+
+    gguf = _gguf_for(settings.target)
+    has_draft = draft is not None
+    say = bar_progress or (lambda s: None)
+    runs: dict[str, dict[tuple[str, int], peers.PeerRun]] = {}
+    for peer in peers.PEERS:
+        why = peers.unavailable(peer, has_draft=has_draft, gguf=gguf)
+        if why is not None:
+            result.peers_skipped[peer] = why
+            say(f"peer {peer} skipped: {why}")
+    wanted = [p for p in peers.PEERS if p not in result.peers_skipped]
+    keys = [(p.id, rep) for rep in range(settings.repeats) for p in prompts]
+    ids = {p.id: prompt_ids(target, p) for p in prompts}
+    hf = [p for p in wanted if p.startswith("transformers")]
+    if hf:
+        say("peers: transformers (bf16)")
+        tp = peers.TransformersPeers(target.path, draft.path if draft is not None else None, settings.k)
+        for peer in hf:
+            runs[peer] = {key: tp.run(peer, ids[key[0]], settings.max_new_tokens) for key in keys}
+        del tp
+    for peer in [p for p in wanted if p.startswith("llama.cpp")]:
+        say(f"peers: {peer}")
+        eos = sorted(target.tokenizer.eos_ids)
+        reqs = [{"id": f"{pid}#{rep}", "ids": ids[pid], "max_new_tokens": settings.max_new_tokens, "eos": eos}
+                for pid, rep in keys]  # fmt: skip
+        got = peers.run_llama_cpp(gguf, peer.endswith("prompt-lookup"), reqs, settings.k)  # type: ignore[arg-type]
+        runs[peer] = {(pid, rep): got[f"{pid}#{rep}"] for pid, rep in keys}
+    by_id = {p.id: p for p in prompts}
+    for peer, table in runs.items():
+        own_plain = runs.get("transformers" if peer.startswith("transformers") else "llama.cpp", {})
+        for (pid, rep), run in table.items():
+            plain = plains[(pid, rep)].metrics
+            n = len(run.tokens) if run.tokens else 0
+            tps = n / run.seconds if run.tokens and run.seconds > 0 else None
+            base = own_plain.get((pid, rep))
+            same = None
+            if peer not in ("transformers", "llama.cpp") and base is not None and base.tokens and run.tokens:
+                same = run.tokens == base.tokens
+            result.records.append({
+                "prompt_id": pid, "category": by_id[pid].category, "method": "peer:" + peer, "temperature": 0.0,
+                "repeat": rep, "seed": None, "prompt_tokens": len(ids[pid]), "new_tokens": n,
+                "tokens_per_second": tps, "plain_tokens_per_second": plain.tokens_per_second,
+                "speedup": tps / plain.tokens_per_second if tps and plain.tokens_per_second else None,
+                "decode_speedup": None, "acceptance_rate": None, "mean_accepted_tokens": None,
+                "steps": 0, "proposed": 0, "accepted": 0, "step_tokens": 0, "scored_rows": 0,
+                "proposed_per_position": [], "accepted_per_position": [],
+                "identical": same, "drafter_info": {}, "error": run.error,
+            })  # fmt: skip

@@ -1,0 +1,137 @@
+"""Peers on the same prompts and models, greedy: transformers `generate` (plain, with
+`assistant_model` = the same draft, with `prompt_lookup_num_tokens`) and llama-cpp-python
+(plain and with its prompt-lookup drafter, on the same GGUF file).
+
+A peer that is not installed is skipped with the reason; a peer that fails is recorded with
+its error and never stops the run. llama.cpp runs in a worker process (`python -m
+specdec.bench.peers`), so a crash inside the native library (seen with its prompt lookup on
+long prompts) costs only the request that crashed: the worker is restarted for the rest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PEERS = ("transformers", "transformers-assisted", "transformers-prompt-lookup", "llama.cpp", "llama.cpp-prompt-lookup")
+WORKER_TIMEOUT_S = 3600
+
+
+@dataclass
+class PeerRun:
+    tokens: list[int] | None  # None: failed
+    seconds: float
+    error: str | None = None
+
+
+def unavailable(peer: str, *, has_draft: bool, gguf: Path | None) -> str | None:
+    """Why `peer` cannot run here (None: it can)."""
+    if peer.startswith("transformers"):
+        if peer == "transformers-assisted" and not has_draft:
+            return "needs the draft model (the draft-model method)"
+        return None  # transformers is a dependency
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed"
+    if gguf is None or not gguf.exists():
+        return "no GGUF file for this target"
+    return None
+
+
+class TransformersPeers:
+    """The target (and draft) in bf16, transformers' own `generate`, greedy."""
+
+    def __init__(self, target_dir: Path, draft_dir: Path | None, k: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+        self.draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16) if draft_dir else None
+        self.k = k
+
+    def run(self, peer: str, ids: list[int], max_new_tokens: int) -> PeerRun:
+        extra: dict[str, Any] = {}
+        if peer == "transformers-assisted":
+            extra = {"assistant_model": self.draft, "num_assistant_tokens": self.k,
+                     "num_assistant_tokens_schedule": "constant"}  # fmt: skip
+        elif peer == "transformers-prompt-lookup":
+            extra = {"prompt_lookup_num_tokens": self.k}
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        try:
+            out = self.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                       do_sample=False, **extra)  # fmt: skip
+        except Exception as exc:  # a peer's failure is a result, not our crash
+            return PeerRun(None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+        return PeerRun(out[0, len(ids) :].tolist(), time.perf_counter() - t0)
+
+
+def run_llama_cpp(gguf: Path, lookup: bool, requests: list[dict[str, Any]], k: int) -> dict[str, PeerRun]:
+    """Run requests ({id, ids, max_new_tokens, eos}) in worker processes; a crash fails only
+    the request it happened in."""
+    results: dict[str, PeerRun] = {}
+    pending = list(requests)
+    n_ctx = max(len(r["ids"]) + r["max_new_tokens"] for r in requests) + 16
+    while pending:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+            json.dump({"gguf": str(gguf), "lookup": lookup, "k": k, "n_ctx": n_ctx,
+                       "threads": torch.get_num_threads(), "requests": pending}, fh)  # fmt: skip
+        try:
+            proc = subprocess.run([sys.executable, "-m", "specdec.bench.peers", fh.name], capture_output=True,
+                                  text=True, timeout=WORKER_TIMEOUT_S)  # fmt: skip
+            stdout, code, err = proc.stdout, proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout or ""
+            stdout, code, err = out.decode() if isinstance(out, bytes) else out, -1, "timed out"
+        finally:
+            Path(fh.name).unlink(missing_ok=True)
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                results[r["id"]] = PeerRun(r.get("tokens"), r["seconds"], r.get("error"))
+        pending = [r for r in pending if r["id"] not in results]
+        if pending and code != 0:  # the worker died inside the first unfinished request
+            tail = err.strip().splitlines()[-1:] if err else []
+            results[pending[0]["id"]] = PeerRun(None, 0.0, f"llama.cpp worker crashed (exit {code}) {' '.join(tail)}".strip())
+            pending = pending[1:]
+        elif pending:
+            for r in pending:
+                results[r["id"]] = PeerRun(None, 0.0, "llama.cpp worker gave no result")
+            pending = []
+    return results
+
+
+def _worker(spec_file: str) -> int:
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    spec = json.loads(Path(spec_file).read_text())
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=spec["k"]) if spec["lookup"] else None
+    llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], verbose=False,
+                          draft_model=draft)  # fmt: skip
+    for req in spec["requests"]:
+        eos = set(req["eos"])
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        try:
+            for tok in llm.generate(req["ids"], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True):
+                tokens.append(int(tok))
+                if tok in eos or len(tokens) >= req["max_new_tokens"]:
+                    break
+            row = {"id": req["id"], "tokens": tokens, "seconds": time.perf_counter() - t0}
+        except Exception as exc:  # recorded, the worker goes on with the next request
+            row = {"id": req["id"], "tokens": None, "seconds": time.perf_counter() - t0,
+                   "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1]))
