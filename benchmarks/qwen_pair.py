@@ -72,25 +72,21 @@ def main() -> None:
 
 def run_transformers_peers(target: specdec.LoadedModel, draft: specdec.LoadedModel, max_new_tokens: int) -> list:
     """transformers' own greedy decoding and assisted generation (the same draft), bf16."""
-    import time
+    from specdec.bench.peers import TransformersPeers
 
-    from transformers import AutoModelForCausalLM
-
-    hf_t = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.bfloat16)
-    hf_d = AutoModelForCausalLM.from_pretrained(draft.path, dtype=torch.bfloat16)
+    tp = TransformersPeers(target.path, draft.path, k=4)
     out = []
     print(f"{'peer':28s} {'prompt':10s} {'tok/s':>6s}", flush=True)
     for kind, prompt in PROMPTS.items():
-        ids = torch.tensor([specdec.encode_prompt(target.tokenizer, prompt)])
+        ids = specdec.encode_prompt(target.tokenizer, prompt)
         results = {}
-        for name, extra in (("transformers bf16", {}), ("transformers bf16 assisted", {"assistant_model": hf_d})):
-            t0 = time.perf_counter()
-            gen = hf_t.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **extra)
-            dt = time.perf_counter() - t0
-            new = gen[0, ids.shape[1]:].tolist()
+        for name, peer in (("transformers bf16", "transformers"), ("transformers bf16 assisted", "transformers-assisted")):
+            run = tp.run(peer, ids, max_new_tokens)
+            new = run.tokens or []
             results[name] = new
-            out.append({"peer": name, "prompt": kind, "tokens_per_second": len(new) / dt, "new_tokens": len(new)})
-            print(f"{name:28s} {kind:10s} {len(new) / dt:6.2f}", flush=True)
+            out.append({"peer": name, "prompt": kind, "tokens_per_second": len(new) / run.seconds,
+                        "new_tokens": len(new), "error": run.error})  # fmt: skip
+            print(f"{name:28s} {kind:10s} {len(new) / run.seconds:6.2f}", flush=True)
         out[-1]["identical_to_its_plain"] = results["transformers bf16"] == results["transformers bf16 assisted"]
     return out
 

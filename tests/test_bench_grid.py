@@ -53,7 +53,7 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     assert ("draft-model", 0.0, "all") in cm and not any(m == "early-exit" for m, _, _ in cm)
     assert all(1 <= r["best_k"] <= 8 and r["predicted_speedup"] > 0 for r in data["cost_model"])
     md = paths[1].read_text()
-    assert "## Temperature 0 (greedy)" in md and "identical to plain decoding in every run: yes" in md
+    assert "## Temperature 0 (greedy)" in md and "specdec's greedy output identical to plain decoding in every run: yes" in md
     assert "## Cost model" in md
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths[2:])
     text = report.table(result)

@@ -184,7 +184,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
     p.add_argument("--quick", action="store_true",
-                   help="one prompt per category, 48 new tokens, one repeat (minutes, not hours)")  # fmt: skip
+                   help="one prompt per category, 40 new tokens, one repeat (minutes, not hours)")  # fmt: skip
     p.add_argument("--prompts", type=Path, help="JSONL prompt file (id, category, turns) instead of the bundled suite")
     p.add_argument("--categories", nargs="+", help="only these categories")
     p.add_argument("--per-category", type=int, help="at most this many prompts per category")
@@ -193,7 +193,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("-k", type=int, default=4, help="draft tokens per step")
-    p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 48 with --quick)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 40 with --quick)")
     p.add_argument("--repeats", type=int, help="repeats of every run (default 3; 1 with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES])

@@ -63,7 +63,8 @@ class GridSettings:
             raise ValueError("per_category must be >= 1")
 
 
-QUICK = {"per_category": 1, "max_new_tokens": 48, "repeats": 1}  # well under 10 minutes here
+# one prompt per category, short outputs: ~8 minutes here with every method and peer
+QUICK = {"per_category": 1, "max_new_tokens": 40, "repeats": 1}
 
 
 def machine() -> dict[str, Any]:

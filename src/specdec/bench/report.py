@@ -54,8 +54,10 @@ def markdown(result: GridResult, plots: list[str]) -> str:
         f"torch {mach['torch']}, transformers {mach['transformers']}, specdec {mach['specdec']}"
         + (f" @ {mach['git_commit'][:10]}" if mach.get("git_commit") else "") + f"; {result.wall_time / 60:.1f} min.",
         "",
-        "Speedup = plain decoding's time per token / the method's, measured side by side in the same run"
-        " (median over prompts and repeats); α = accepted / proposed draft tokens; τ = tokens per target pass.",
+        "Speedup = specdec's plain decoding time per token / the method's, measured side by side in the same run"
+        " (median over prompts and repeats); α = accepted / proposed draft tokens; τ = tokens per target pass."
+        " Peers (`peer:`, greedy only) are timed against the same plain decoding; their identity check is"
+        " against their own plain decoding.",
         "",
     ]  # fmt: skip
     for temp in s.temperatures:
@@ -70,14 +72,27 @@ def markdown(result: GridResult, plots: list[str]) -> str:
                 if r is None:
                     cells.append("–")
                     continue
-                cell = f"{_fmt(r['speedup'], '.2f', '×')} (α {_fmt(r['acceptance_rate'])}, τ {_fmt(r['mean_accepted_tokens'])})"
+                if m.startswith("peer:"):
+                    cell = f"{_fmt(r['speedup'], '.2f', '×')} ({_fmt(r['tokens_per_second'], '.1f')} tok/s)"
+                    if r.get("errors"):
+                        cell += f" {r['errors']} failed"
+                else:
+                    cell = f"{_fmt(r['speedup'], '.2f', '×')} (α {_fmt(r['acceptance_rate'])}, τ {_fmt(r['mean_accepted_tokens'])})"
                 if temp == 0 and r["identical"] is False:
                     cell += " **not identical**"
                 cells.append(cell)
             out.append(f"| {c} | " + " | ".join(cells) + " |")
         if temp == 0:
-            same = all(r["identical"] is not False for r in rows.values())
-            out += ["", "Greedy output identical to plain decoding in every run: " + ("yes." if same else "**no**.")]
+            ours = [r for (m, c), r in rows.items() if not m.startswith("peer:") and c != "all"]
+            same = all(r["identical"] is not False for r in ours)
+            out += ["", "specdec's greedy output identical to plain decoding in every run: " + ("yes." if same else "**no**.")]
+            diff = [f"{m.removeprefix('peer:')} ({c})" for (m, c), r in rows.items()
+                    if m.startswith("peer:") and c != "all" and r["identical"] is False]  # fmt: skip
+            if diff:
+                out.append("Peers whose speculative greedy output differed from their own plain decoding: "
+                           + ", ".join(diff) + ".")  # fmt: skip
+            if result.peers_skipped:
+                out.append("Peers skipped: " + "; ".join(f"{p}: {why}" for p, why in result.peers_skipped.items()) + ".")
         out.append("")
     recs = result.recommendations()
     if recs:
