@@ -82,6 +82,20 @@ def test_cli_bench_quick_as_written(tiny_dir, prompt_file, tmp_path):
     data = json.loads((out / "results.json").read_text())
     assert data["settings"]["repeats"] == 1 and data["settings"]["per_category"] == 1
     assert len(data["records"]) == 2 * len(METHODS) and "speedup" in res.stdout
+    two = tmp_path / "two"
+    res = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--quick", "--out", str(two),
+                          "--prompts", str(prompt_file), "--no-peers", "--max-new-tokens", "6", "--temperatures", "0",
+                          "--methods", "draft-model", "prompt-lookup", "--pairs",
+                          f"{tiny_dir('llama')}:{tiny_dir('llama', 'close')}",
+                          f"{tiny_dir('qwen2')}:{tiny_dir('qwen2', 'close')}"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    data = json.loads((two / "results.json").read_text())
+    assert [p["settings"]["target"] for p in data["pairs"]] == [str(tiny_dir("llama")), str(tiny_dir("qwen2"))]
+    assert (two / "speedup_by_category-2.png").exists() and (two / "report.md").read_text().count("# specdec benchmark") == 2
+    bad = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--pairs", "a:"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert bad.returncode == 2 and "TARGET or TARGET:DRAFT" in bad.stderr
     bad = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--prompts", str(tmp_path / "none.jsonl"),
                           "--target", str(tiny_dir("llama"))], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert bad.returncode == 2 and "cannot read the prompt file" in bad.stderr and "Traceback" not in bad.stderr

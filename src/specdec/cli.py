@@ -190,6 +190,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-category", type=int, help="at most this many prompts per category")
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model")
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="draft model for the draft-model method")
+    p.add_argument("--pairs", nargs="+", metavar="TARGET[:DRAFT]",
+                   help="several model pairs, one grid each (instead of --target/--draft)")  # fmt: skip
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("-k", type=int, default=4, help="draft tokens per step")
@@ -219,25 +221,41 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     from .bench.grid import QUICK, GridSettings, run_grid
 
     quick = QUICK if ns.quick else {}
-    settings = GridSettings(
-        target=ns.target, draft=ns.draft, methods=tuple(ns.methods), temperatures=tuple(ns.temperatures), k=ns.k,
+    pairs = [_pair(p, ns.methods) for p in ns.pairs] if ns.pairs else [(ns.target, ns.draft)]
+    # every pair's settings are checked before the first (long) run starts
+    settings = [GridSettings(
+        target=target, draft=draft, methods=tuple(ns.methods), temperatures=tuple(ns.temperatures), k=ns.k,
         max_new_tokens=ns.max_new_tokens or quick.get("max_new_tokens", 128),
         repeats=ns.repeats or quick.get("repeats", 3), seed=ns.seed,
         per_category=ns.per_category or quick.get("per_category"),
         categories=tuple(ns.categories) if ns.categories else None,
         prompts_file=str(ns.prompts) if ns.prompts else None, dtype=ns.dtype, peers=ns.peers,
-    )  # fmt: skip
-    result = run_grid(settings, progress=lambda s: print(s, file=sys.stderr))
-    print(report.table(result))
-    for path in report.write(result, ns.out):
+    ) for target, draft in pairs]  # fmt: skip
+    results = []
+    for s in settings:
+        print(f"== {s.target}" + (f" + {s.draft}" if s.draft and "draft-model" in s.methods else ""), file=sys.stderr)
+        result = run_grid(s, progress=lambda msg: print(msg, file=sys.stderr))
+        print(report.table(result))
+        results.append(result)
+    for path in report.write(results, ns.out):
         print(f"wrote {path}", file=sys.stderr)
     if ns.tune:
         from .bench import tuning
 
-        for key, entry in tuning.save(result).items():
-            print(f"tuned {key}: k = {entry['k']} (predicted {entry['predicted_speedup']:.2f}x)", file=sys.stderr)
+        for result in results:
+            for key, entry in tuning.save(result).items():
+                print(f"tuned {key}: k = {entry['k']} (predicted {entry['predicted_speedup']:.2f}x)", file=sys.stderr)
         print(f"wrote {tuning.tuned_path()}", file=sys.stderr)
     return 0
+
+
+def _pair(text: str, methods: list[str]) -> tuple[str, str | None]:
+    target, _, draft = text.partition(":")
+    if not target or (":" in text and not draft):
+        raise ValueError(f"--pairs takes TARGET or TARGET:DRAFT, got {text!r}")
+    if not draft and "draft-model" in methods:
+        raise ValueError(f"pair {text!r} has no draft; write TARGET:DRAFT or leave draft-model out of --methods")
+    return target, draft or None
 
 
 def _cmd_bench_forward(ns: argparse.Namespace) -> int:

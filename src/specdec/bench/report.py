@@ -46,7 +46,7 @@ def markdown(result: GridResult, plots: list[str]) -> str:
     methods = list(dict.fromkeys(r["method"] for r in summary))
     cats = list(dict.fromkeys(r["category"] for r in summary if r["category"] != "all")) + ["all"]
     out = [
-        "# specdec benchmark",
+        f"# specdec benchmark: {s.target}" + (f" + {s.draft}" if "draft-model" in s.methods else ""),
         "",
         f"Target `{s.target}`" + (f", draft `{s.draft}`" if "draft-model" in s.methods else "")
         + f", mode `{result.mode}`, k = {s.k}, {s.max_new_tokens} new tokens, {s.repeats} repeat(s), seed {s.seed}.",
@@ -111,7 +111,7 @@ def markdown(result: GridResult, plots: list[str]) -> str:
     return "\n".join(out)
 
 
-def plots(result: GridResult, out_dir: Path) -> list[str]:
+def plots(result: GridResult, out_dir: Path, suffix: str = "") -> list[str]:
     """speedup_by_category.png (greedy, or the first temperature) and acceptance_by_position.png."""
     import matplotlib
 
@@ -136,9 +136,9 @@ def plots(result: GridResult, out_dir: Path) -> list[str]:
     ax.set_title(f"{result.settings.target}, T = {temp:g}, k = {result.settings.k}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "speedup_by_category.png", dpi=110)
+    fig.savefig(out_dir / f"speedup_by_category{suffix}.png", dpi=110)
     plt.close(fig)
-    names.append("speedup_by_category.png")
+    names.append(f"speedup_by_category{suffix}.png")
 
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
     for m in methods:
@@ -152,16 +152,24 @@ def plots(result: GridResult, out_dir: Path) -> list[str]:
     ax.set_title(f"acceptance by draft position, T = {temp:g}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "acceptance_by_position.png", dpi=110)
+    fig.savefig(out_dir / f"acceptance_by_position{suffix}.png", dpi=110)
     plt.close(fig)
-    names.append("acceptance_by_position.png")
+    names.append(f"acceptance_by_position{suffix}.png")
     return names
 
 
-def write(result: GridResult, out_dir: Path) -> list[Path]:
-    """results.json, report.md and the plots in `out_dir`; returns the paths written."""
+def write(results: GridResult | list[GridResult], out_dir: Path) -> list[Path]:
+    """results.json, report.md and the plots in `out_dir`; returns the paths written. Several
+    model pairs: results.json holds {"pairs": [...]}, report.md one section per pair, and the
+    plots are numbered in pair order."""
+    runs = [results] if isinstance(results, GridResult) else results
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(result.to_dict(), indent=1))
-    names = plots(result, out_dir)
-    (out_dir / "report.md").write_text(markdown(result, names))
-    return [out_dir / "results.json", out_dir / "report.md", *(out_dir / n for n in names)]
+    data = runs[0].to_dict() if len(runs) == 1 else {"pairs": [r.to_dict() for r in runs]}
+    (out_dir / "results.json").write_text(json.dumps(data, indent=1))
+    sections, pngs = [], []
+    for i, r in enumerate(runs):
+        names = plots(r, out_dir, "" if len(runs) == 1 else f"-{i + 1}")
+        sections.append(markdown(r, names))
+        pngs += names
+    (out_dir / "report.md").write_text("\n\n".join(sections))
+    return [out_dir / "results.json", out_dir / "report.md", *(out_dir / n for n in pngs)]
