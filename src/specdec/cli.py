@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from . import registry, store
+from .bench.grid import METHODS
 from .config import GenerationConfig, SamplingParams, add_arguments, from_namespace
 from .drafters import EarlyExitDrafter, LookaheadDrafter, PromptLookupDrafter
-from .bench.grid import METHODS
 from .model.kernels import AUTO, MODES
 
 

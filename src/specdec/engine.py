@@ -18,7 +18,13 @@ from .model.cache import ContextOverflowError, KVCache
 from .model.transformer import Transformer
 from .sampling import make_generator, pick, probs
 from .tokenizer import Tokenizer
-from .verify import greedy_verify, point_mass_sample, rejection_sample, tree_greedy_verify, tree_point_mass_sample
+from .verify import (
+    greedy_verify,
+    point_mass_sample,
+    rejection_sample,
+    tree_greedy_verify,
+    tree_point_mass_sample,
+)
 
 
 @dataclass

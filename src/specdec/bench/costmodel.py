@@ -19,6 +19,7 @@ taken from the measured rows per pass.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class Costs:
         """Pass time for a (possibly fractional, mean) number of rows, linearly interpolated."""
         xs = sorted(self.target_ms)
         rows = min(max(rows, xs[0]), xs[-1])
-        for lo, hi in zip(xs, xs[1:], strict=False):
+        for lo, hi in itertools.pairwise(xs):
             if lo <= rows <= hi:
                 w = (rows - lo) / (hi - lo)
                 return self.target_ms[lo] * (1 - w) + self.target_ms[hi] * w

@@ -102,8 +102,8 @@ def prompt_ids(model: LoadedModel, prompt: Prompt) -> list[int]:
 def _record(prompt: Prompt, method: str, temp: float, repeat: int, seed: int, res: GenerationResult,
             plain: GenerationResult) -> dict[str, Any]:  # fmt: skip
     m, p = res.metrics, plain.metrics
-    per_token = lambda mm: mm.wall_time / max(mm.new_tokens, 1)  # noqa: E731
-    decode = lambda mm: (mm.wall_time - mm.prefill_time) / max(mm.new_tokens, 1)  # noqa: E731
+    per_token = lambda mm: mm.wall_time / max(mm.new_tokens, 1)
+    decode = lambda mm: (mm.wall_time - mm.prefill_time) / max(mm.new_tokens, 1)
     return {
         "prompt_id": prompt.id, "category": prompt.category, "method": method, "temperature": temp,
         "repeat": repeat, "seed": seed, "prompt_tokens": m.prompt_tokens, "new_tokens": m.new_tokens,

@@ -68,7 +68,7 @@ class TransformersPeers:
         try:
             out = self.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                                        do_sample=False, **extra)  # fmt: skip
-        except Exception as exc:  # a peer's failure is a result, not our crash
+        except Exception as exc:  # noqa: BLE001 (a peer's failure is a result, not our crash)
             return PeerRun(None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         return PeerRun(out[0, len(ids) :].tolist(), time.perf_counter() - t0)
 
@@ -126,7 +126,7 @@ def _worker(spec_file: str) -> int:
                 if tok in eos or len(tokens) >= req["max_new_tokens"]:
                     break
             row = {"id": req["id"], "tokens": tokens, "seconds": time.perf_counter() - t0}
-        except Exception as exc:  # recorded, the worker goes on with the next request
+        except Exception as exc:  # noqa: BLE001 (recorded; the worker goes on with the next request)
             row = {"id": req["id"], "tokens": None, "seconds": time.perf_counter() - t0,
                    "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
         print(json.dumps(row), flush=True)

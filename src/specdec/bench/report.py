@@ -54,10 +54,10 @@ def markdown(result: GridResult, plots: list[str]) -> str:
         f"torch {mach['torch']}, transformers {mach['transformers']}, specdec {mach['specdec']}"
         + (f" @ {mach['git_commit'][:10]}" if mach.get("git_commit") else "") + f"; {result.wall_time / 60:.1f} min.",
         "",
-        "Speedup = specdec's plain decoding time per token / the method's, measured side by side in the same run"
-        " (median over prompts and repeats); α = accepted / proposed draft tokens; τ = tokens per target pass."
-        " Peers (`peer:`, greedy only) are timed against the same plain decoding; their identity check is"
-        " against their own plain decoding.",
+        ("Speedup = specdec's plain decoding time per token / the method's, measured side by side in the same run"
+         " (median over prompts and repeats); α = accepted / proposed draft tokens; τ = tokens per target pass."
+         " Peers (`peer:`, greedy only) are timed against the same plain decoding; their identity check is"
+         " against their own plain decoding."),
         "",
     ]  # fmt: skip
     for temp in s.temperatures:
@@ -97,10 +97,10 @@ def markdown(result: GridResult, plots: list[str]) -> str:
     recs = result.recommendations()
     if recs:
         out += ["## Cost model", "",
-                "Predicted from the measured pass times and per-position acceptance (expected-tokens formula,"
-                " Leviathan et al.), against the measured median speedup; best k = the k in 1..8 with the"
-                " highest predicted speedup.", "",
-                "| method | T | category | measured (k = %d) | predicted | best k | predicted at best k |" % s.k,
+                ("Predicted from the measured pass times and per-position acceptance (expected-tokens formula,"
+                 " Leviathan et al.), against the measured median speedup; best k = the k in 1..8 with the"
+                 " highest predicted speedup."), "",
+                f"| method | T | category | measured (k = {s.k}) | predicted | best k | predicted at best k |",
                 "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in recs:
             out.append(f"| {r.method} | {r.temperature:g} | {r.category} | {_fmt(r.measured_speedup, '.2f', '×')} | "

@@ -1,4 +1,12 @@
-from .base import DRAFTERS, Draft, Drafter, DraftSession, ExtraRows, point_mass, register
+from .base import (
+    DRAFTERS,
+    Draft,
+    Drafter,
+    DraftSession,
+    ExtraRows,
+    point_mass,
+    register,
+)
 from .draft_model import DraftModelDrafter
 from .early_exit import EarlyExitDrafter
 from .lookahead import LookaheadDrafter

@@ -142,10 +142,10 @@ class EarlyExitDrafter:
         D = model.args.dim
         table: dict[int, dict[str, float]] = {}
         for L in self.candidates:
-            t_draft = timed(lambda: model(one, scratch, blocks=(0, L)))
-            t_early = timed(lambda: model(one, scratch, blocks=(0, L), head=False))
             h = torch.zeros(1, k + 1, D, dtype=model.dtype, device=dev)
-            t_late = timed(lambda: model(rows, scratch, blocks=(L, N), hidden_in=h))
+            t_draft = timed(lambda L=L: model(one, scratch, blocks=(0, L)))
+            t_early = timed(lambda L=L: model(one, scratch, blocks=(0, L), head=False))
+            t_late = timed(lambda L=L, h=h: model(rows, scratch, blocks=(L, N), hidden_in=h))
             a = min(alphas[L], 0.999)
             expected = (1 - a ** (k + 1)) / (1 - a)  # tokens per step, i.i.d. acceptance
             step = k * t_draft + t_early + t_late
