@@ -4,16 +4,14 @@ control), edge cases."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from helpers import ALPHA, chi2_pvalue
-from test_engine import PROMPT_IDS, PROMPTS, exact_joint, small_vocab  # noqa: F401 (fixture)
+from test_engine import PROMPT_IDS, PROMPTS, exact_joint, sample_joint, small_vocab  # noqa: F401 (fixture)
 
 import specdec
 from specdec import engine
-from specdec.config import GenerationConfig, SamplingParams
+from specdec.config import SamplingParams
 from specdec.drafters import DraftSession, LookaheadDrafter
 from specdec.verify import TreeVerdict
 
@@ -122,26 +120,12 @@ def test_greedy_identity_smollm2(smollm2):
     assert accepted > 0
 
 
-def sample_joint_la(target, sampling: SamplingParams, runs: int, expect_mixed: bool = True) -> Counter:
-    cfg = GenerationConfig(max_new_tokens=4, k=2, ignore_eos=True)
-    counts: Counter = Counter()
-    accepted = proposed = 0
-    for seed in range(runs):
-        s = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        drafter = LookaheadDrafter(window=3, ngram=2, guesses=3)  # pool from prompt and window
-        out = engine.speculative_generate(target, drafter, PROMPT_IDS * 2, cfg, s)
-        counts[tuple(out.token_ids)] += 1
-        accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
-    if expect_mixed:
-        assert proposed > runs // 2 and 0.05 < accepted / proposed < 0.95
-    return counts
-
-
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["T1", "T0.7-topk-topp"])  # fmt: skip
 def test_sampling_matches_target_distribution(small_vocab, sampling):  # noqa: F811
     target, _ = small_vocab
-    counts = sample_joint_la(target, sampling, runs=3000)
+    counts = sample_joint(target, LookaheadDrafter(window=3, ngram=2, guesses=3), sampling, runs=3000,
+                          prompt=PROMPT_IDS * 2, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, PROMPT_IDS * 2)) > ALPHA
 
 
@@ -156,5 +140,6 @@ def test_wrong_rule_fails_end_to_end(small_vocab, monkeypatch):  # noqa: F811
     monkeypatch.setattr(engine, "tree_point_mass_sample", first_child_always)
     target, _ = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint_la(target, sampling, runs=3000, expect_mixed=False)
+    counts = sample_joint(target, LookaheadDrafter(window=3, ngram=2, guesses=3), sampling, runs=3000,
+                          prompt=PROMPT_IDS * 2, expect_mixed=False)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, PROMPT_IDS * 2)) <= ALPHA

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import Counter
 
 import pytest
 import torch
 from helpers import ALPHA, chi2_pvalue
-from test_engine import PROMPT_IDS, PROMPTS, exact_joint, small_vocab  # noqa: F401 (fixture)
+from test_engine import PROMPT_IDS, PROMPTS, exact_joint, sample_joint, small_vocab  # noqa: F401 (fixture)
 
 import specdec
 from specdec import engine
-from specdec.config import GenerationConfig, SamplingParams
+from specdec.config import SamplingParams
 from specdec.drafters import DraftSession, PromptLookupDrafter
 from specdec.verify import Verdict
 
@@ -145,25 +144,11 @@ def test_match_running_into_eos(smollm2):
     assert out.token_ids[-1] == eos and any(eos in p[:-1] for p in drafter.proposals)  # EOS mid-draft
 
 
-def sample_joint_lookup(target, sampling: SamplingParams, runs: int, expect_mixed: bool = True) -> Counter:
-    cfg = GenerationConfig(max_new_tokens=4, k=3, ignore_eos=True)
-    counts: Counter = Counter()
-    accepted = proposed = 0
-    for seed in range(runs):
-        s = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        out = engine.speculative_generate(target, PromptLookupDrafter(max_ngram=2), PROMPT_IDS, cfg, s)
-        counts[tuple(out.token_ids)] += 1
-        accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
-    if expect_mixed:  # drafts were offered, and both accepted and rejected
-        assert proposed > runs // 2 and 0.05 < accepted / proposed < 0.95
-    return counts
-
-
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["T1", "T0.7-topk-topp"])  # fmt: skip
 def test_sampling_matches_target_distribution(small_vocab, sampling):  # noqa: F811
     target, _ = small_vocab
-    counts = sample_joint_lookup(target, sampling, runs=3000)
+    counts = sample_joint(target, PromptLookupDrafter(max_ngram=2), sampling, runs=3000, k=3, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
@@ -175,5 +160,5 @@ def test_wrong_rule_fails_end_to_end(small_vocab, monkeypatch):  # noqa: F811
     monkeypatch.setattr(engine, "point_mass_sample", always_accept)
     target, _ = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint_lookup(target, sampling, runs=3000, expect_mixed=False)
+    counts = sample_joint(target, PromptLookupDrafter(max_ngram=2), sampling, runs=3000, k=3, expect_mixed=False)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
