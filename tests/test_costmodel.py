@@ -13,7 +13,7 @@ def flat(ms: float = 10.0) -> Costs:
 
 def iid(alpha: float, k: int, steps: int = 1000) -> Acceptance:
     # position i accepted in a fraction alpha^(i+1) of the steps; every step offers k tokens
-    return Acceptance(steps, [round(steps * alpha ** (i + 1)) for i in range(k)], [steps] * k, 0.0, k)
+    return Acceptance(steps, [round(steps * alpha ** (i + 1)) for i in range(k)], [steps] * k, 0.0)
 
 
 @pytest.mark.parametrize("alpha", [0.3, 0.6, 0.9])
@@ -37,7 +37,7 @@ def test_extrapolation_past_the_measured_positions_is_geometric():
     acc = iid(0.8, 2)  # measured positions: 0.8, 0.64
     A, P = acc.per_step(4)
     assert A == pytest.approx([0.8, 0.64, 0.512, 0.4096], rel=1e-3) and P == [1.0] * 4
-    assert Acceptance(0, [], [], 0.0, 0).per_step(2) == ([0.0, 0.0], [0.0, 0.0])
+    assert Acceptance(0, [], [], 0.0).per_step(2) == ([0.0, 0.0], [0.0, 0.0])
 
 
 def test_recommend_picks_the_k_with_the_best_prediction():

@@ -235,16 +235,13 @@ def _target_pass(target: Transformer, last: int, draft: Draft, cache: KVCache) -
     parents = draft.parents if draft.parents is not None else list(range(-1, K - 1))
     if len(parents) != K:
         raise ValueError(f"the draft has {K} tokens but {len(parents)} parents")
+    depth = [0, *draft.depths()]  # checks that parents come first
     R = 0 if draft.extra is None else draft.extra.tokens.shape[1]
     mask = torch.zeros(K + 1 + R, K + 1 + R, dtype=torch.bool)
     mask[0, 0] = True
-    depth = [0]
     for j, par in enumerate(parents):
-        if not -1 <= par < j:
-            raise ValueError(f"tree node {j} has parent {par}; parents must come before their children (or be -1)")
         mask[j + 1] = mask[par + 1]  # a node sees its parent's ancestors...
         mask[j + 1, j + 1] = True  # ...its parent and itself
-        depth.append(depth[par + 1] + 1)
     if draft.extra is not None:
         inputs = torch.cat([inputs, draft.extra.tokens], dim=1)
         mask[K + 1 :, 0] = True

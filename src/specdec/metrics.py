@@ -27,10 +27,10 @@ class Metrics:
     step_tokens: int = 0  # tokens committed by speculative steps (accepted + 1 each)
     scored_rows: int = 0  # rows the target scored in verification passes (last token, drafts, tree branches, extra rows)
     proposed_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
     drafter_info: dict[str, Any] = field(default_factory=dict)  # what the drafter chose (e.g. early-exit's layer)
     k: int | None = None  # draft tokens per step asked for
     k_source: str | None = None  # "given", "tuned" (specdec bench --tune) or "default"
-    accepted_per_position: list[int] = field(default_factory=list)
 
     def record_step(self, k: int, num_accepted: int) -> None:
         self.steps += 1

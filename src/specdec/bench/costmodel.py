@@ -87,7 +87,6 @@ class Acceptance:
     accepted: list[int]  # accepted_per_position summed
     proposed: list[int]  # proposed_per_position summed
     extra_rows: float = 0.0  # rows per pass beyond 1 + drafted tokens (tree branches, lookahead window)
-    measured_k: int = 0
 
     @classmethod
     def pool(cls, records: list[dict[str, Any]]) -> Acceptance:
@@ -97,7 +96,7 @@ class Acceptance:
         prop = [sum(r["proposed_per_position"][i] for r in records if i < len(r["proposed_per_position"])) for i in range(depth)]
         rows = sum(r["scored_rows"] for r in records) / steps if steps else 1.0
         extra = max(0.0, rows - 1 - sum(prop) / steps) if steps else 0.0
-        return cls(steps, acc, prop, extra, depth)
+        return cls(steps, acc, prop, extra)
 
     def per_step(self, k: int) -> tuple[list[float], list[float]]:
         """(A_i, P_i) for i < k, extended past the measured positions."""

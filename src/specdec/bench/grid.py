@@ -24,10 +24,9 @@ from typing import Any
 import torch
 
 from .. import __version__, registry
-from ..api import LoadedModel, encode_prompt, generate, load
-from ..drafters import EarlyExitDrafter, LookaheadDrafter, PromptLookupDrafter
+from ..api import LoadedModel, encode_prompt, generate, load, make_drafter
 from ..engine import GenerationResult
-from .costmodel import Costs, Recommendation, measure_costs, recommend
+from .costmodel import Acceptance, Costs, Recommendation, measure_costs, recommend
 from .suite import Prompt, load_prompts, select
 
 METHODS = ("draft-model", "prompt-lookup", "early-exit", "lookahead")
@@ -178,9 +177,7 @@ def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median speedups; α, τ and per-position acceptance pooled over the runs."""
     proposed, accepted = sum(r["proposed"] for r in rs), sum(r["accepted"] for r in rs)
     steps, step_tokens = sum(r["steps"] for r in rs), sum(r["step_tokens"] for r in rs)
-    depth = max((len(r["proposed_per_position"]) for r in rs), default=0)
-    pos_prop = [sum(r["proposed_per_position"][i] for r in rs if i < len(r["proposed_per_position"])) for i in range(depth)]
-    pos_acc = [sum(r["accepted_per_position"][i] for r in rs if i < len(r["accepted_per_position"])) for i in range(depth)]
+    pooled = Acceptance.pool(rs)  # per-position counts, summed over the runs
     greedy = [r["identical"] for r in rs if r["identical"] is not None]
     speed = [r["speedup"] for r in rs if r["speedup"] is not None]
     decode = [r["decode_speedup"] for r in rs if r["decode_speedup"] is not None]
@@ -194,23 +191,15 @@ def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
         "plain_tokens_per_second": statistics.median(r["plain_tokens_per_second"] for r in rs) if rs else None,
         "acceptance_rate": accepted / proposed if proposed else None,
         "mean_accepted_tokens": step_tokens / steps if steps else None,
-        "acceptance_by_position": [a / p if p else None for a, p in zip(pos_acc, pos_prop, strict=True)],
+        "acceptance_by_position": [a / p if p else None for a, p in zip(pooled.accepted, pooled.proposed, strict=True)],
         "identical": all(greedy) if greedy else None,
     }  # fmt: skip
 
 
 def make_drafters(settings: GridSettings, target: LoadedModel) -> dict[str, Any]:
-    """One drafter object per model-free method, kept across prompts (early exit calibrates
-    its layer on the first prompt it sees and keeps it)."""
-    out: dict[str, Any] = {}
-    for method in settings.methods:
-        if method == "prompt-lookup":
-            out[method] = PromptLookupDrafter()
-        elif method == "early-exit":
-            out[method] = EarlyExitDrafter(target.model)
-        elif method == "lookahead":
-            out[method] = LookaheadDrafter()
-    return out
+    """One drafter object per model-free method (the API's, default options), kept across
+    prompts (early exit calibrates its layer on the first prompt it sees and keeps it)."""
+    return {m: make_drafter(target, None, m) for m in settings.methods if m != "draft-model"}
 
 
 def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: LoadedModel | None = None,

@@ -135,10 +135,7 @@ def plots(result: GridResult, out_dir: Path, suffix: str = "") -> list[str]:
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title(f"{result.settings.target}, T = {temp:g}, k = {result.settings.k}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / f"speedup_by_category{suffix}.png", dpi=110)
-    plt.close(fig)
-    names.append(f"speedup_by_category{suffix}.png")
+    names.append(_save(fig, out_dir / f"speedup_by_category{suffix}.png"))
 
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
     for m in methods:
@@ -151,11 +148,18 @@ def plots(result: GridResult, out_dir: Path, suffix: str = "") -> list[str]:
     ax.set_ylim(0, 1)
     ax.set_title(f"acceptance by draft position, T = {temp:g}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / f"acceptance_by_position{suffix}.png", dpi=110)
-    plt.close(fig)
-    names.append(f"acceptance_by_position{suffix}.png")
+    names.append(_save(fig, out_dir / f"acceptance_by_position{suffix}.png"))
     return names
+
+
+def _save(fig: Any, path: Path) -> str:
+    """Write a figure, free it, and return its file name (for report.md)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
 
 
 def write(results: GridResult | list[GridResult], out_dir: Path) -> list[Path]:

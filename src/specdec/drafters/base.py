@@ -48,14 +48,21 @@ class Draft:
     hidden: torch.Tensor | None = None  # [B, K+1, D]
     from_layer: int = 0
 
+    def depths(self) -> list[int]:
+        """Each draft node's depth (1: a child of the last committed token); checks that
+        parents come before their children."""
+        if self.parents is None:
+            return list(range(1, int(self.tokens.shape[1]) + 1))
+        depths: list[int] = []
+        for j, p in enumerate(self.parents):
+            if not -1 <= p < j:
+                raise ValueError(f"tree node {j} has parent {p}; parents must come before their children (or be -1)")
+            depths.append(1 + (depths[p] if p >= 0 else 0))
+        return depths
+
     def depth(self) -> int:
         """Length of the longest root-to-leaf path (K for a chain)."""
-        if self.parents is None:
-            return int(self.tokens.shape[1])
-        depths: list[int] = []
-        for p in self.parents:
-            depths.append(1 + (depths[p] if p >= 0 else 0))
-        return max(depths, default=0)
+        return max(self.depths(), default=0)
 
 
 @dataclass

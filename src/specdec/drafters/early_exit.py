@@ -58,6 +58,7 @@ class EarlyExitDrafter:
         self.session: DraftSession | None = None
         self.cache: KVCache | None = None
         self._last = 0  # the last committed token (not yet in the cache)
+        self._context_tail: list[int] = []  # end of the committed tokens, for the calibration
 
     def begin(self, session: DraftSession) -> None:
         if session.target is not self.model or session.target_cache is None:
