@@ -17,12 +17,11 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import specdec
-from specdec.drafters import EarlyExitDrafter, LookaheadDrafter, PromptLookupDrafter
+from specdec.cli import add_drafter_options, drafter_options
 
 CODE = '''def load_records(path):
     records = []
@@ -63,16 +62,6 @@ PROMPTS = {
 }
 
 
-def make(method: str, target: specdec.LoadedModel, a: argparse.Namespace) -> Any:
-    if method == "prompt-lookup":
-        return PromptLookupDrafter(a.ngram_max, a.ngram_min)
-    if method == "early-exit":
-        return EarlyExitDrafter(target.model, layer=a.exit_layer)
-    if method == "lookahead":
-        return LookaheadDrafter(window=a.window, ngram=a.ngram, guesses=a.guesses)
-    raise ValueError(method)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -80,12 +69,7 @@ def main() -> None:
                     choices=["prompt-lookup", "early-exit", "lookahead"])  # fmt: skip
     ap.add_argument("--tasks", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     ap.add_argument("-k", type=int, nargs="+", default=[4])
-    ap.add_argument("--ngram-max", type=int, default=3, help="prompt lookup")
-    ap.add_argument("--ngram-min", type=int, default=1, help="prompt lookup")
-    ap.add_argument("--exit-layer", type=int, default=None, help="early exit (default: calibrated)")
-    ap.add_argument("--window", type=int, default=LookaheadDrafter().W, help="lookahead W")
-    ap.add_argument("--ngram", type=int, default=LookaheadDrafter().N, help="lookahead N")
-    ap.add_argument("--guesses", type=int, default=LookaheadDrafter().G, help="lookahead G")
+    add_drafter_options(ap)  # the drafters' own options, as the CLI has them
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
@@ -97,10 +81,10 @@ def main() -> None:
           f"{'spec tok/s':>10s} {'plain tok/s':>11s} identical", flush=True)  # fmt: skip
     for method in a.methods:
         for k in a.k:
-            drafter = make(method, target, a)  # one per method and k: early exit calibrates once
+            options = drafter_options(a, method, strict=False)
             for kind in a.tasks:
-                runs = [specdec.compare(target, PROMPTS[kind], drafter=drafter, k=k, max_new_tokens=a.max_new_tokens)
-                        for _ in range(a.repeats)]  # fmt: skip
+                runs = [specdec.compare(target, PROMPTS[kind], drafter=method, k=k, max_new_tokens=a.max_new_tokens,
+                                        **options) for _ in range(a.repeats)]  # fmt: skip
                 spec = [r.speculative.metrics for r in runs]
                 plain = [r.plain.metrics for r in runs]
                 row = {
@@ -126,7 +110,7 @@ def main() -> None:
         mine = [r for r in rows if r["method"] == method]
         print(f"  {method:13s} {statistics.median(r['speedup'] for r in mine):.2f} / "
               f"{statistics.median(r['decode_speedup'] for r in mine):.2f}")
-    settings = {k: v for k, v in vars(a).items() if k != "out"}
+    settings = {k: v for k, v in vars(a).items() if k != "out" and v is not None}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
                                  "settings": settings, "rows": rows}, indent=1))  # fmt: skip

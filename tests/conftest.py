@@ -1,12 +1,28 @@
-"""Shared fixtures: tiny random models (seconds) and the real SmolLM2 (installed by CI)."""
+"""Shared fixtures: tiny random models (seconds), the real SmolLM2 (installed by CI), the
+sampling-law machinery (exact joint laws by enumeration, seeded runs) and the deliberately
+wrong acceptance rules the statistical tests use as negative controls."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+
 import pytest
 import torch
+from helpers import PROMPT_IDS, V_SMALL
 
 import specdec
+from specdec import engine
+from specdec.config import GenerationConfig, SamplingParams
+from specdec.model import load_transformer
+from specdec.model.kernels import MODES
+from specdec.model.native import available as native_available
+from specdec.sampling import probs
 from specdec.testing import make_tiny_model
+from specdec.verify import TreeVerdict, Verdict
+
+# the batch-invariant modes this machine can run (q4k needs the native kernels)
+EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != "q4k" or native_available())]
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -54,3 +70,117 @@ def smollm2():
     """The real SmolLM2-135M in fp32, the reference precision (transformers is the oracle).
     Not installed -> the error names `specdec models install smollm2-135m`."""
     return specdec.load("smollm2-135m", dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_exact():
+    """SmolLM2-135M in a batch-invariant mode (q4k, or int8 where q4k cannot be built): where
+    greedy identity is guaranteed bitwise and asserted."""
+    return specdec.load("smollm2-135m", dtype=EXACT_MODES[-1], device="cpu")
+
+
+@pytest.fixture(scope="session")
+def small_vocab(tmp_path_factory):
+    """A target and a noisy draft over an 8-token vocabulary (fp32): joint laws of a few
+    tokens can be enumerated exactly."""
+    root = tmp_path_factory.mktemp("v8")
+    t = make_tiny_model(root / "t", "llama", seed=11, vocab_size=V_SMALL, tokenizer=False)
+    d = make_tiny_model(root / "d", "llama", seed=12, vocab_size=V_SMALL, tokenizer=False, base=t, noise=0.3)
+    return load_transformer(t, device="cpu"), load_transformer(d, device="cpu")
+
+
+def _exact_joint(model, sampling: SamplingParams, n: int, prompt: list[int] = PROMPT_IDS) -> dict[tuple, float]:
+    """P(t1..tn | prompt) under the target alone, by enumeration."""
+    out: dict[tuple, float] = {}
+
+    def walk(prefix: list[int], mass: float) -> None:
+        if len(prefix) == n:
+            out[tuple(prefix)] = mass
+            return
+        logits = model(torch.tensor([prompt + prefix]), model.new_cache(len(prompt) + n), last_only=True).logits[0, -1]
+        p = probs(logits, sampling)
+        for t in range(V_SMALL):
+            if p[t] > 0:
+                walk(prefix + [t], mass * float(p[t]))
+
+    walk([], 1.0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def exact_joint():
+    return _exact_joint
+
+
+def _sample_joint(target, drafter, sampling: SamplingParams, *, runs: int, n_tokens: int = 4, k: int = 2,
+                  prompt: list[int] = PROMPT_IDS, expect_mixed: bool = True, bounds=(0.1, 0.9)) -> Counter:  # fmt: skip
+    """Outputs of `runs` seeded speculative generations with `drafter`. With `expect_mixed`,
+    drafts were offered and both branches of the rule (accept; reject + recover) exercised."""
+    cfg = GenerationConfig(max_new_tokens=n_tokens, k=k, ignore_eos=True)
+    counts: Counter = Counter()
+    accepted = proposed = 0
+    for seed in range(runs):
+        out = engine.run(target, prompt, cfg, dataclasses.replace(sampling, seed=seed), drafter)
+        counts[tuple(out.token_ids)] += 1
+        accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
+    if expect_mixed:
+        assert proposed > runs // 2 and bounds[0] < accepted / proposed < bounds[1]
+    return counts
+
+
+@pytest.fixture(scope="session")
+def sample_joint():
+    return _sample_joint
+
+
+def _recover_from_p(p, q, draft_tokens, generator) -> Verdict:
+    """A subtly wrong rule: the acceptance test is right, but after a rejection the token is
+    drawn from p itself instead of norm(max(0, p - q)), so q's mass is counted twice."""
+    B, K = draft_tokens.shape
+    u = torch.rand(B, K, generator=generator)
+    p_x = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    n = (u * q_x < p_x).long().cumprod(-1).sum(-1)
+    row = p.gather(1, n[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)
+    return Verdict(n, torch.multinomial(row, 1, generator=generator).squeeze(-1))
+
+
+def _point_mass_keeping_rejected(p, draft_tokens, generator) -> Verdict:
+    """A subtly wrong point-mass rule: after x is rejected, the recovered token is drawn from p
+    without removing x."""
+    B, K = draft_tokens.shape
+    u = torch.rand(B, K, generator=generator)
+    p_x = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    n = (u < p_x).long().cumprod(-1).sum(-1)
+    row = p.gather(1, n[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)
+    return Verdict(n, torch.multinomial(row, 1, generator=generator).squeeze(-1))
+
+
+def _tree_without_removal(p, tokens, parents, generator) -> TreeVerdict:
+    """A subtly wrong tree rule: each child is tried with the target's probability as it was,
+    without removing the rejected siblings and renormalising; all rejected -> draw from p."""
+    path, row = [], 0
+    while True:
+        moved = False
+        for c in [j for j, par in enumerate(parents) if par == row - 1]:
+            if float(torch.rand(1, generator=generator)) < float(p[row, tokens[c]]):
+                path.append(c)
+                row, moved = c + 1, True
+                break
+        if not moved:
+            return TreeVerdict(path, int(torch.multinomial(p[row], 1, generator=generator)))
+
+
+@pytest.fixture
+def wrong_rule(monkeypatch):
+    """Install a subtly wrong verification rule in the engine: wrong_rule("rejection"),
+    wrong_rule("point-mass") or wrong_rule("tree")."""
+
+    def install(which: str) -> None:
+        rules = {"rejection": ("rejection_sample", _recover_from_p),
+                 "point-mass": ("point_mass_sample", _point_mass_keeping_rejected),
+                 "tree": ("tree_point_mass_sample", _tree_without_removal)}  # fmt: skip
+        name, rule = rules[which]
+        monkeypatch.setattr(engine, name, rule)
+
+    return install

@@ -30,3 +30,26 @@ def chi2_pvalue(counts: dict[tuple, int] | np.ndarray, expected_probs: dict[tupl
     if exp_cells[-1] == 0:
         obs_cells, exp_cells = obs_cells[:-1], exp_cells[:-1]
     return float(chisquare(obs_cells, exp_cells).pvalue)
+
+
+# -- shared inputs ---------------------------------------------------------------------------
+PROMPTS = [
+    "The cat sat on the mat. The cat sat on the",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+    "aaaaaaaaaaaaaaaaaaaaaaaa",
+    "Q: 17 * 23 = ?\nA:",
+    "x",
+    "Speculative decoding proposes several tokens and verifies them in one pass.",
+]
+V_SMALL = 8  # vocabulary of the statistical tests' models: every joint outcome can be enumerated
+PROMPT_IDS = [1, 2, 3]
+
+
+def fb(path: list[int] | int, next_token: int, extra_logits=None):
+    """A drafter's feedback for a unit test: accepted `path` (or the first n of a chain)."""
+    import torch
+
+    from specdec.drafters import Feedback
+
+    nodes = list(range(path)) if isinstance(path, int) else list(path)
+    return Feedback(nodes, next_token, torch.zeros(len(nodes) + 1, 1), extra_logits)

@@ -2,36 +2,25 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from collections import Counter
 
 import pytest
 import torch
-from helpers import ALPHA, chi2_pvalue
+from conftest import EXACT_MODES
+from helpers import ALPHA, PROMPTS, chi2_pvalue
 
 import specdec
-from specdec import engine
 from specdec.config import GenerationConfig, SamplingParams
-from specdec.drafters import DraftModelDrafter, DraftSession
+from specdec.drafters import Draft, Drafter, DraftModelDrafter, DraftSession, Feedback
 from specdec.model import ContextOverflowError, load_transformer
-from specdec.testing import make_tiny_model
-from specdec.verify import Verdict
-
-PROMPTS = [
-    "The cat sat on the mat. The cat sat on the",
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
-    "aaaaaaaaaaaaaaaaaaaaaaaa",
-    "Q: 17 * 23 = ?\nA:",
-    "x",
-    "Speculative decoding proposes several tokens and verifies them in one pass.",
-]
+from specdec.stops import StopChecker
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("dtype", EXACT_MODES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("draft_kind", ["close", "independent"])
 def test_greedy_identity_tiny(tiny, arch, draft_kind, dtype):
+    """Asserted bitwise in the batch-invariant modes, where it is guaranteed."""
     target, draft = tiny(arch, dtype=dtype), tiny(arch, draft_kind, dtype=dtype)
     accepted = rejected = 0
     for prompt, k in itertools.product(PROMPTS, (1, 2, 3, 5, 8)):
@@ -47,34 +36,51 @@ def test_greedy_identity_tiny(tiny, arch, draft_kind, dtype):
         assert accepted > 0  # ...and acceptances
 
 
-class CheckingDrafter:
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fp32_agrees_with_plain_decoding_mostly(tiny, arch):
+    """fp32 is not batch-invariant (a k-row pass may differ from one-row passes in the last
+    bits), so identity is not guaranteed there: only agreement is checked, on the first tokens
+    of every prompt (a flip needs a near-tie, which random tiny models rarely have)."""
+    target, draft = tiny(arch), tiny(arch, "close")
+    agree = 0
+    for prompt in PROMPTS:
+        kw = dict(max_new_tokens=16, ignore_eos=True, chat=False)
+        plain = specdec.generate(target, prompt, **kw).token_ids
+        spec = specdec.generate(target, prompt, assistant_model=draft, k=4, **kw).token_ids
+        agree += plain[:4] == spec[:4]
+    assert agree >= len(PROMPTS) - 1
+
+
+class CheckingDrafter(Drafter):
     """Wraps a drafter; before every proposal, a fresh drafter begun on the committed tokens
     must propose the same greedy tokens, i.e. rollback left no stale state behind."""
 
+    name = "checking"
+
     def __init__(self, model):
+        super().__init__()
         self.inner = DraftModelDrafter(model)
         self.model = model
-        self.forwards = 0
         self.checks = 0
 
     def begin(self, session: DraftSession) -> None:
         self.session = session
-        self.committed = session.context[0].tolist()
+        self.committed = list(session.context)
         self.inner.begin(session)
 
     def propose(self, k: int):
         draft = self.inner.propose(k)
         fresh = DraftModelDrafter(self.model)
-        fresh.begin(DraftSession(torch.tensor([self.committed]), self.session.capacity,
-                                 self.session.sampling, self.session.generator))  # fmt: skip
+        fresh.begin(DraftSession(list(self.committed), self.session.capacity, self.session.sampling,
+                                 self.session.generator))  # fmt: skip
         assert fresh.propose(k).tokens.tolist() == draft.tokens.tolist()
         self.checks += 1
-        self.last = draft.tokens[0].tolist()
+        self.last = draft.tokens.tolist()
         return draft
 
-    def accepted(self, num_accepted: int, next_token: int) -> None:
-        self.committed += self.last[:num_accepted] + [next_token]
-        self.inner.accepted(num_accepted, next_token)
+    def accepted(self, feedback: Feedback) -> None:
+        self.committed += self.last[: feedback.num_accepted] + [feedback.next_token]
+        self.inner.accepted(feedback)
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
@@ -96,74 +102,22 @@ def test_same_model_as_draft_accepts_everything(tiny):
 
 
 # -- exact sampling, end to end ----------------------------------------------------------
-V_SMALL = 8
-PROMPT_IDS = [1, 2, 3]
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v8")
-    t = make_tiny_model(root / "t", "llama", seed=11, vocab_size=V_SMALL, tokenizer=False)
-    d = make_tiny_model(root / "d", "llama", seed=12, vocab_size=V_SMALL, tokenizer=False, base=t, noise=0.3)
-    return load_transformer(t, device="cpu"), load_transformer(d, device="cpu")
-
-
-def exact_joint(model, sampling: SamplingParams, n: int, prompt: list[int] = PROMPT_IDS) -> dict[tuple, float]:
-    """P(t1..tn | prompt) under the target alone, by enumeration."""
-    from specdec.sampling import probs
-
-    out: dict[tuple, float] = {}
-
-    def walk(prefix: list[int], mass: float) -> None:
-        if len(prefix) == n:
-            out[tuple(prefix)] = mass
-            return
-        logits = model(torch.tensor([prompt + prefix]), model.new_cache(len(prompt) + n), last_only=True).logits[0, -1]
-        p = probs(logits, sampling)
-        for t in range(V_SMALL):
-            if p[t] > 0:
-                walk(prefix + [t], mass * float(p[t]))
-
-    walk([], 1.0)
-    return out
-
-
-def sample_joint(target, drafter, sampling: SamplingParams, *, runs: int, n_tokens: int = 4, k: int = 2,
-                 prompt: list[int] = PROMPT_IDS, expect_mixed: bool = True, bounds=(0.1, 0.9)) -> Counter:  # fmt: skip
-    """Outputs of `runs` seeded speculative generations with `drafter`. With `expect_mixed`,
-    drafts were offered and both branches of the rule (accept; reject + recover) exercised."""
-    cfg = GenerationConfig(max_new_tokens=n_tokens, k=k, ignore_eos=True)
-    counts: Counter = Counter()
-    accepted = proposed = 0
-    for seed in range(runs):
-        out = engine.speculative_generate(target, drafter, prompt, cfg, dataclasses.replace(sampling, seed=seed))
-        counts[tuple(out.token_ids)] += 1
-        accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
-    if expect_mixed:
-        assert proposed > runs // 2 and bounds[0] < accepted / proposed < bounds[1]
-    return counts
-
-
 SAMPLINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-topk-topp"])
-def test_speculative_sampling_matches_target_distribution(small_vocab, sampling):
+def test_speculative_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
     counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
-def test_wrong_acceptance_rule_fails_end_to_end(small_vocab, monkeypatch):
-    def always_accept(p, q, draft_tokens, generator) -> Verdict:
-        B, K = draft_tokens.shape
-        bonus = torch.multinomial(p[:, K], 1, generator=generator).squeeze(-1)
-        return Verdict(torch.full((B,), K), bonus)
-
-    monkeypatch.setattr(engine, "rejection_sample", always_accept)
+def test_wrong_acceptance_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wrong_rule):
+    """Negative control: recovering from p instead of norm(max(0, p - q)) after a rejection."""
+    wrong_rule("rejection")
     target, draft = small_vocab
     sampling = SAMPLINGS[0]
-    counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000, expect_mixed=False)
+    counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 
@@ -180,14 +134,30 @@ def test_max_new_tokens_with_k_larger_than_budget(tiny):
 def test_stop_checker_eos_and_strings(tiny):
     tok = tiny("llama").tokenizer
     cfg = GenerationConfig(max_new_tokens=50, stop=("lo w",))
-    s = engine.StopChecker(cfg, 50, tok, tok.eos_ids)
+    s = StopChecker(cfg, 50, tok, tok.eos_ids)
     ids = tok.encode("hello world")
     done_at = next(i for i, t in enumerate(ids) if s.push(t))
     assert done_at == ids.index(tok.encode("w")[0]) and s.finish_reason == "stop" and s.text() == "hel"
-    s = engine.StopChecker(GenerationConfig(max_new_tokens=50), 50, tok, tok.eos_ids)
+    s = StopChecker(GenerationConfig(max_new_tokens=50), 50, tok, tok.eos_ids)
     assert not s.push(ids[0]) and s.push(min(tok.eos_ids)) and s.finish_reason == "eos"
-    s = engine.StopChecker(GenerationConfig(max_new_tokens=50, ignore_eos=True), 50, tok, tok.eos_ids)
+    s = StopChecker(GenerationConfig(max_new_tokens=50, ignore_eos=True), 50, tok, tok.eos_ids)
     assert not s.push(min(tok.eos_ids))
+
+
+def test_stop_checks_decode_only_the_new_tail(tiny):
+    """Each token decodes a short window, not the whole output: the work per token does not
+    grow with the length (the old check decoded everything each time: quadratic)."""
+    tok = tiny("llama").tokenizer
+    sizes: list[int] = []
+    decode = tok.decode
+    tok.decode = lambda ids, **kw: (sizes.append(len(ids)), decode(ids, **kw))[1]  # type: ignore[method-assign]
+    try:
+        s = StopChecker(GenerationConfig(max_new_tokens=2000, stop=("zz",)), 2000, tok, tok.eos_ids)
+        for t in tok.encode("speculative decoding " * 60):
+            s.push(t)
+    finally:
+        tok.decode = decode  # type: ignore[method-assign]
+    assert len(s.tokens) > 1000 and max(sizes) <= 4 and s.text() == "speculative decoding " * 60
 
 
 def test_stop_string_cuts_speculative_step(tiny):
@@ -206,7 +176,7 @@ def test_stop_string_cuts_speculative_step(tiny):
 def test_context_policies(tiny):
     target, draft = tiny("llama"), tiny("llama", "close")  # context 512
     long_prompt = list(range(100)) * 5  # 500 tokens
-    with pytest.raises(ContextOverflowError, match="context_overflow='truncate'"):
+    with pytest.raises(ContextOverflowError, match="--context-overflow truncate; API: context_overflow='truncate'"):
         specdec.generate(target, long_prompt, assistant_model=draft, max_new_tokens=20)
     out = specdec.generate(target, long_prompt, assistant_model=draft, max_new_tokens=20, k=4,
                            context_overflow="truncate", ignore_eos=True)  # fmt: skip
@@ -237,11 +207,11 @@ def noisy_smollm2(smollm2):
 
 @pytest.mark.real
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_identity_smollm2(smollm2, noisy_smollm2, k):
+def test_greedy_identity_smollm2(smollm2_exact, noisy_smollm2, k):
     rejected = 0
     for prompt in REAL_PROMPTS:
-        plain = specdec.generate(smollm2, prompt, max_new_tokens=32)
-        spec = specdec.generate(smollm2, prompt, drafter=DraftModelDrafter(noisy_smollm2), k=k, max_new_tokens=32)
+        plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=32)
+        spec = specdec.generate(smollm2_exact, prompt, drafter=DraftModelDrafter(noisy_smollm2), k=k, max_new_tokens=32)
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.finish_reason == plain.finish_reason
         rejected += spec.metrics.proposed - spec.metrics.accepted
@@ -257,31 +227,29 @@ def test_smollm2_stops_at_eos_and_stop_string(smollm2):
     assert cut.finish_reason == "stop" and "Paris" not in cut.text and cut.text == out.text[: out.text.index("Paris")]
 
 
-class RepeatLastDrafter:
+class RepeatLastDrafter(Drafter):
     """A model-free drafter with no probabilities (q is a point mass): guesses that the last
     committed token repeats, and offers at most two tokens whatever k is."""
 
-    def __init__(self, limit: int = 2):
-        self.limit, self.forwards = limit, 0
-
     name = "repeat-last"
 
+    def __init__(self, limit: int = 2):
+        super().__init__()
+        self.limit = limit
+
     def begin(self, session: DraftSession) -> None:
-        self.last = int(session.context[0, -1])
+        self.last = session.context[-1]
 
     def propose(self, k: int):
-        from specdec.drafters import Draft
+        return Draft(torch.full((min(k, self.limit),), self.last, dtype=torch.long))
 
-        n = min(k, self.limit)
-        return Draft(torch.full((1, n), self.last, dtype=torch.long), None)
-
-    def accepted(self, num_accepted: int, next_token: int) -> None:
-        self.last = next_token
+    def accepted(self, feedback: Feedback) -> None:
+        self.last = feedback.next_token
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_deterministic_drafter_offering_fewer_than_k(tiny, temperature):
-    target = tiny("llama")
+    target = tiny("llama", dtype=EXACT_MODES[0])
     kw = dict(max_new_tokens=30, ignore_eos=True, temperature=temperature, seed=3)
     out = specdec.generate(target, PROMPTS[2], drafter=RepeatLastDrafter(), k=5, **kw)
     assert len(out.metrics.proposed_per_position) == 2

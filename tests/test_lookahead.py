@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ALPHA, chi2_pvalue
-from test_engine import PROMPT_IDS, PROMPTS, exact_joint, sample_joint, small_vocab  # noqa: F401 (fixture)
+from conftest import EXACT_MODES
+from helpers import ALPHA, PROMPT_IDS, PROMPTS, chi2_pvalue, fb
 
 import specdec
-from specdec import engine
 from specdec.config import SamplingParams
 from specdec.drafters import DraftSession, LookaheadDrafter
-from specdec.verify import TreeVerdict
 
 
 def started(tokens: list[int], **kw) -> LookaheadDrafter:
     d = LookaheadDrafter(**kw)
-    d.begin(DraftSession(torch.tensor([tokens]), 1000, SamplingParams(), torch.Generator().manual_seed(0)))
+    d.begin(DraftSession(list(tokens), 1000, SamplingParams(), torch.Generator().manual_seed(0)))
     return d
 
 
@@ -27,7 +25,7 @@ def test_window_rows_and_mask():
     d._levels = [[10, 11, 12], [20, 21, 22]]
     draft = d.propose(2)
     extra = draft.extra
-    assert extra.tokens.tolist() == [[10, 11, 12, 20, 21, 22]]
+    assert extra.tokens.tolist() == [10, 11, 12, 20, 21, 22]
     assert extra.offsets.tolist() == [1, 2, 3, 2, 3, 4]  # column i, level l sits at 1 + i + l
     # level 1, column 2 sees level 0 columns 0..2 and itself: the guessed sequence 10 11 12 22
     assert extra.mask[5].tolist() == [True, True, True, False, False, True]
@@ -41,16 +39,16 @@ def test_window_warms_up_then_pools_ngrams():
     V = 50
 
     def logits_for(values: list[int]) -> torch.Tensor:
-        lg = torch.zeros(1, len(values), V)
-        lg[0, torch.arange(len(values)), torch.tensor(values)] = 1.0
+        lg = torch.zeros(len(values), V)
+        lg[torch.arange(len(values)), torch.tensor(values)] = 1.0
         return lg
 
     lvl0 = d._levels[0]
     d.propose(2)
-    d.scored_extra(logits_for([30, 31]))  # warm-up: the guesses become level 1
+    d.accepted(fb([], 9, extra_logits=logits_for([30, 31])))  # warm-up: the guesses become level 1
     assert d._levels == [lvl0, [30, 31]] and d._pool == {}
     d.propose(2)
-    d.scored_extra(logits_for([0, 0, 40, 41]))  # full: columns give n-grams, oldest level dropped
+    d.accepted(fb([], 9, extra_logits=logits_for([0, 0, 40, 41])))  # full: columns give n-grams, oldest level dropped
     assert d._levels == [[30, 31], [40, 41]]
     assert d._pool[lvl0[0]][0] == (30, 40) and d._pool[lvl0[1]][0] == (31, 41)
 
@@ -58,11 +56,11 @@ def test_window_warms_up_then_pools_ngrams():
 def test_verification_tree_from_the_pool():
     d = started([1, 2, 3, 9, 1, 2, 4, 9, 1, 5, 6, 9], window=0, ngram=3, guesses=3)
     # context 3-grams starting with 9 (most recent first): (9 1 5), (9 1 2)
-    assert d.propose(1).tokens.tolist() == [[1]]  # cut to k, merged
+    assert d.propose(1).tokens.tolist() == [1]  # cut to k, merged
     draft = d.propose(2)
-    assert draft.tokens.tolist() == [[1, 5, 2]] and draft.parents == [-1, 0, 0]  # shared prefix "1"
+    assert draft.tokens.tolist() == [1, 5, 2] and draft.parents == [-1, 0, 0]  # shared prefix "1"
     assert draft.extra is None and draft.depth() == 2
-    d.accepted(2, 7, path=[0, 1])  # committed 1 5 7
+    d.accepted(fb([0, 1], 7))  # committed 1 5 7
     assert d._tokens[-3:] == [1, 5, 7] and d._pool[1][0] == (5, 7)
 
 
@@ -75,7 +73,7 @@ def test_options_are_checked():
 CONFIGS = [dict(window=2, ngram=3, guesses=2), dict(window=4, ngram=4, guesses=3), dict(window=0, ngram=2, guesses=2)]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "auto"])  # auto: q4k, or int8 where q4k cannot be built
+@pytest.mark.parametrize("dtype", EXACT_MODES)  # where identity is guaranteed
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_greedy_identity_tiny(tiny, arch, dtype):
     target = tiny(arch, dtype=dtype)
@@ -104,7 +102,7 @@ def test_window_near_the_context_end(tmp_path):
 
 
 @pytest.mark.real
-def test_greedy_identity_smollm2(smollm2):
+def test_greedy_identity_smollm2(smollm2_exact):
     prompts = [
         "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
         "Count from 1 to 30, separated by commas.",
@@ -112,9 +110,9 @@ def test_greedy_identity_smollm2(smollm2):
     ]
     accepted = 0
     for prompt in prompts:
-        plain = specdec.generate(smollm2, prompt, max_new_tokens=48)
+        plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=48)
         for cfg, k in zip(CONFIGS, (2, 3, 1)):
-            out = specdec.generate(smollm2, prompt, drafter=LookaheadDrafter(**cfg), k=k, max_new_tokens=48)
+            out = specdec.generate(smollm2_exact, prompt, drafter=LookaheadDrafter(**cfg), k=k, max_new_tokens=48)
             assert out.token_ids == plain.token_ids, (prompt, cfg)
             accepted += out.metrics.accepted
     assert accepted > 0
@@ -122,24 +120,17 @@ def test_greedy_identity_smollm2(smollm2):
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["T1", "T0.7-topk-topp"])  # fmt: skip
-def test_sampling_matches_target_distribution(small_vocab, sampling):  # noqa: F811
+def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
     counts = sample_joint(target, LookaheadDrafter(window=3, ngram=2, guesses=3), sampling, runs=3000,
                           prompt=PROMPT_IDS * 2, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, PROMPT_IDS * 2)) > ALPHA
 
 
-def test_wrong_rule_fails_end_to_end(small_vocab, monkeypatch):  # noqa: F811
-    def first_child_always(p, tokens, parents, generator) -> TreeVerdict:
-        path, row = [], 0
-        while (kids := [j for j, par in enumerate(parents) if par == row - 1]):
-            path.append(kids[0])
-            row = kids[0] + 1
-        return TreeVerdict(path, int(torch.multinomial(p[row], 1, generator=generator)))
-
-    monkeypatch.setattr(engine, "tree_point_mass_sample", first_child_always)
+def test_wrong_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wrong_rule):
+    wrong_rule("tree")
     target, _ = small_vocab
     sampling = SamplingParams(temperature=1.0)
     counts = sample_joint(target, LookaheadDrafter(window=3, ngram=2, guesses=3), sampling, runs=3000,
-                          prompt=PROMPT_IDS * 2, expect_mixed=False)
+                          prompt=PROMPT_IDS * 2, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, PROMPT_IDS * 2)) <= ALPHA

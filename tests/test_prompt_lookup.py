@@ -8,30 +8,28 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import ALPHA, chi2_pvalue
-from test_engine import PROMPT_IDS, PROMPTS, exact_joint, sample_joint, small_vocab  # noqa: F401 (fixture)
+from conftest import EXACT_MODES
+from helpers import ALPHA, PROMPTS, chi2_pvalue, fb
 
 import specdec
-from specdec import engine
 from specdec.config import SamplingParams
 from specdec.drafters import DraftSession, PromptLookupDrafter
-from specdec.verify import Verdict
 
 
 def started(tokens: list[int], **kw) -> PromptLookupDrafter:
     d = PromptLookupDrafter(**kw)
-    d.begin(DraftSession(torch.tensor([tokens]), 1000, SamplingParams(), torch.Generator().manual_seed(0)))
+    d.begin(DraftSession(list(tokens), 1000, SamplingParams(), torch.Generator().manual_seed(0)))
     return d
 
 
 def test_longest_match_wins_then_the_most_recent():
     # suffix (7, 8): the 2-gram occurred once (followed by 1 2); the 1-gram 8 more recently (by 5)
     d = started([7, 8, 1, 2, 3, 8, 5, 6, 7, 8], max_ngram=2)
-    assert d.propose(3).tokens.tolist() == [[1, 2, 3]]
+    assert d.propose(3).tokens.tolist() == [1, 2, 3]
     # with only 1-grams, the most recent earlier 8 is followed by 5 6
     d = started([7, 8, 1, 2, 3, 8, 5, 6, 7, 8], max_ngram=1)
-    assert d.propose(2).tokens.tolist() == [[5, 6]]
-    assert d.propose(4).tokens.tolist() == [[5, 6]]  # a single-token match proposes at most 2
+    assert d.propose(2).tokens.tolist() == [5, 6]
+    assert d.propose(4).tokens.tolist() == [5, 6]  # a single-token match proposes at most 2
 
 
 def test_candidates_are_distinct_and_ranked():
@@ -43,31 +41,31 @@ def test_candidates_are_distinct_and_ranked():
 
 def test_single_token_matches_propose_fewer_tokens():
     d = started([5, 1, 2, 3, 4, 6, 7, 5], max_ngram=3)  # only "5" matches
-    assert d.propose(4).tokens.tolist() == [[1, 2]]
+    assert d.propose(4).tokens.tolist() == [1, 2]
     d = started([5, 1, 2, 3, 4, 6, 7, 5], max_ngram=3, single_token_match_limit=4)
-    assert d.propose(4).tokens.tolist() == [[1, 2, 3, 4]]
+    assert d.propose(4).tokens.tolist() == [1, 2, 3, 4]
     d = started([8, 5, 1, 2, 3, 4, 6, 8, 5], max_ngram=3)  # "8 5" matches: no limit
-    assert d.propose(4).tokens.tolist() == [[1, 2, 3, 4]]
+    assert d.propose(4).tokens.tolist() == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="single_token_match_limit"):
         PromptLookupDrafter(single_token_match_limit=0)
 
 
 def test_no_match_proposes_nothing_and_short_contexts_are_fine():
-    assert started([1, 2, 3, 4]).propose(4).tokens.shape == (1, 0)
+    assert started([1, 2, 3, 4]).propose(4).tokens.shape == (0,)
     d = started([5], max_ngram=8)  # n-gram longer than the context
-    assert d.propose(3).tokens.shape == (1, 0)
+    assert d.propose(3).tokens.shape == (0,)
     d = started([5, 6, 5], max_ngram=8, single_token_match_limit=4)  # the match runs into the end
-    assert d.propose(4).tokens.tolist() == [[6, 5]]
+    assert d.propose(4).tokens.tolist() == [6, 5]
 
 
 def test_incremental_index_equals_a_fresh_one():
     d = started([3, 1, 4, 1, 5, 9, 2, 6], max_ngram=3)
     committed = [3, 1, 4, 1, 5, 9, 2, 6]
     for step in range(12):
-        prop = d.propose(3).tokens[0].tolist()
+        prop = d.propose(3).tokens.tolist()
         n_acc = step % (len(prop) + 1)
         nxt = (step * 7) % 10
-        d.accepted(n_acc, nxt)
+        d.accepted(fb(n_acc, nxt))
         committed += prop[:n_acc] + [nxt]
         fresh = started(committed, max_ngram=3)
         assert d._tokens == committed and dict(d._index) == dict(fresh._index)
@@ -80,7 +78,7 @@ def test_bad_ngram_sizes_are_refused():
         PromptLookupDrafter(max_ngram=2, min_ngram=0)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "auto"])  # auto: q4k, or int8 where q4k cannot be built
+@pytest.mark.parametrize("dtype", EXACT_MODES)  # where identity is guaranteed
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_greedy_identity_tiny(tiny, arch, dtype):
     target = tiny(arch, dtype=dtype)
@@ -95,7 +93,7 @@ def test_greedy_identity_tiny(tiny, arch, dtype):
 
 
 @pytest.mark.real
-def test_greedy_identity_smollm2(smollm2):
+def test_greedy_identity_smollm2(smollm2_exact):
     prompts = [
         "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
         "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and then again 1, 2, 3,",
@@ -103,9 +101,9 @@ def test_greedy_identity_smollm2(smollm2):
     ]
     accepted = 0
     for prompt in prompts:
-        plain = specdec.generate(smollm2, prompt, max_new_tokens=48)
+        plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=48)
         for k, n in ((3, 3), (6, 2)):
-            out = specdec.generate(smollm2, prompt, drafter=PromptLookupDrafter(max_ngram=n), k=k, max_new_tokens=48)
+            out = specdec.generate(smollm2_exact, prompt, drafter=PromptLookupDrafter(max_ngram=n), k=k, max_new_tokens=48)
             assert out.token_ids == plain.token_ids, (prompt, k)
             accepted += out.metrics.accepted
     assert accepted > 0
@@ -118,13 +116,13 @@ class Recording(PromptLookupDrafter):
 
     def propose(self, k):
         d = super().propose(k)
-        self.proposals.append(d.tokens[0].tolist())
+        self.proposals.append(d.tokens.tolist())
         return d
 
 
 def test_proposal_copies_eos_like_any_token():
     d = started([4, 5, 0, 9, 4, 5], max_ngram=2)
-    assert d.propose(3).tokens.tolist() == [[0, 9, 4]]
+    assert d.propose(3).tokens.tolist() == [0, 9, 4]
 
 
 @pytest.mark.real
@@ -146,19 +144,15 @@ def test_match_running_into_eos(smollm2):
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["T1", "T0.7-topk-topp"])  # fmt: skip
-def test_sampling_matches_target_distribution(small_vocab, sampling):  # noqa: F811
+def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
     counts = sample_joint(target, PromptLookupDrafter(max_ngram=2), sampling, runs=3000, k=3, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
-def test_wrong_rule_fails_end_to_end(small_vocab, monkeypatch):  # noqa: F811
-    def always_accept(p, draft_tokens, generator) -> Verdict:
-        B, K = draft_tokens.shape
-        return Verdict(torch.full((B,), K), torch.multinomial(p[:, K], 1, generator=generator).squeeze(-1))
-
-    monkeypatch.setattr(engine, "point_mass_sample", always_accept)
+def test_wrong_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wrong_rule):
+    wrong_rule("point-mass")
     target, _ = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, PromptLookupDrafter(max_ngram=2), sampling, runs=3000, k=3, expect_mixed=False)
+    counts = sample_joint(target, PromptLookupDrafter(max_ngram=2), sampling, runs=3000, k=3, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA

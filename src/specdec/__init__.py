@@ -1,6 +1,19 @@
 """specdec: exact speculative decoding for local language models."""
 
-from .api import Comparison, LoadedModel, compare, encode_prompt, generate, load
+from .api import (
+    Comparison,
+    LoadedModel,
+    Request,
+    Stream,
+    build_drafter,
+    compare,
+    encode_prompt,
+    generate,
+    generate_batch,
+    load,
+    request,
+    stream,
+)
 from .config import GenerationConfig, SamplingParams
 from .drafters import (
     DRAFTERS,
@@ -9,10 +22,12 @@ from .drafters import (
     DraftModelDrafter,
     DraftSession,
     EarlyExitDrafter,
+    Feedback,
     LookaheadDrafter,
     PromptLookupDrafter,
+    make_drafter,
 )
-from .engine import GenerationResult, plain_generate, speculative_generate
+from .engine import Delta, Engine, GenerationResult
 from .metrics import Metrics
 from .verify import (
     TreeVerdict,
@@ -29,29 +44,37 @@ __version__ = "0.1.0"
 __all__ = [
     "DRAFTERS",
     "Comparison",
+    "Delta",
     "Draft",
     "DraftModelDrafter",
     "DraftSession",
     "Drafter",
     "EarlyExitDrafter",
+    "Engine",
+    "Feedback",
     "GenerationConfig",
     "GenerationResult",
     "LoadedModel",
     "LookaheadDrafter",
     "Metrics",
     "PromptLookupDrafter",
+    "Request",
     "SamplingParams",
+    "Stream",
     "TreeVerdict",
     "Verdict",
     "compare",
     "encode_prompt",
+    "build_drafter",
     "generate",
+    "generate_batch",
     "greedy_verify",
     "load",
-    "plain_generate",
+    "make_drafter",
     "point_mass_sample",
     "rejection_sample",
-    "speculative_generate",
+    "request",
+    "stream",
     "tree_greedy_verify",
     "tree_point_mass_sample",
 ]  # fmt: skip

@@ -6,10 +6,15 @@
     >>> out = specdec.generate(target, "Write a Python function that reverses a list.",
     ...                        assistant_model=draft, k=4, max_new_tokens=64)
     >>> out.text, out.metrics.acceptance_rate
+    >>> for delta in specdec.stream(target, "Explain recursion.", drafter="prompt-lookup"):
+    ...     print(delta.text, end="", flush=True)
+    >>> outs = specdec.generate_batch(target, ["First prompt", "Second prompt"], assistant_model=draft)
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,15 +22,16 @@ from typing import Any
 import torch
 
 from . import store
-from .bench import tuning
-from .config import GenerationConfig, OverflowPolicy, SamplingParams
-from .drafters.base import DRAFTERS, Drafter
-from .drafters.draft_model import DraftModelDrafter
-from .drafters.early_exit import EarlyExitDrafter
-from .engine import GenerationResult, plain_generate, speculative_generate
+from .config import GenerationConfig, SamplingParams, resolve_k
+from .drafters.base import Drafter, make_drafter
+from .engine import Delta, Engine, GenerationResult
 from .model.load import load_transformer
 from .model.transformer import Transformer
 from .tokenizer import Messages, Tokenizer, check_same_tokenizer
+
+Prompt = str | Messages | list[int]
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)} - {"k"}
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 @dataclass
@@ -51,7 +57,7 @@ def load(name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.d
                        Tokenizer.from_dir(path))  # fmt: skip
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | Messages | list[int], chat: bool | None = None) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, chat: bool | None = None) -> list[int]:
     """Token ids for a prompt: raw ids are kept; text goes through the chat template when the
     tokenizer has one (or `chat=True`), else is encoded as is."""
     if isinstance(prompt, str):
@@ -70,70 +76,169 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Messages | list[int], chat
     return ids
 
 
-def make_drafter(
-    target: LoadedModel, assistant_model: LoadedModel | None, drafter: Drafter | str | None
-) -> Drafter | None:
-    """`drafter` may be a drafter object or the name of one that needs no second model
-    ("prompt-lookup", "early-exit", "lookahead"), with its default options."""
-    if assistant_model is not None and drafter is not None:
-        raise ValueError("pass either assistant_model or drafter, not both")
-    if isinstance(drafter, str):
-        model_free = {name: cls for name, cls in DRAFTERS.items() if name != "draft-model"}
-        if drafter not in model_free:
-            hint = "; the draft-model drafter is chosen by passing assistant_model=" if drafter == "draft-model" else ""
-            raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(sorted(model_free))}{hint}")
-        return EarlyExitDrafter(target.model) if drafter == "early-exit" else model_free[drafter]()
-    if assistant_model is None:
+def build_drafter(target: LoadedModel, assistant_model: LoadedModel | None = None,
+                  drafter: Drafter | str | None = None, **options: Any) -> Drafter | None:  # fmt: skip
+    """The drafter for one sequence: `drafter` may be a drafter object, or a registered name
+    (`specdec.DRAFTERS`) built with `options`; `assistant_model` alone means the draft-model
+    drafter. None: plain decoding."""
+    if isinstance(drafter, Drafter):
+        if assistant_model is not None or any(v is not None for v in options.values()):
+            raise ValueError("pass a drafter object alone, or a drafter name with its options")
         return drafter
-    check_same_tokenizer(target.tokenizer, assistant_model.tokenizer, names=(target.name, assistant_model.name))
-    return DraftModelDrafter(assistant_model.model)
+    if drafter is not None and not isinstance(drafter, str):
+        raise TypeError(f"drafter must be a name or a specdec.Drafter, got {type(drafter).__name__}")
+    if assistant_model is not None:
+        if drafter not in (None, "draft-model"):
+            raise ValueError(f"pass either assistant_model or drafter={drafter!r}, not both")
+        check_same_tokenizer(target.tokenizer, assistant_model.tokenizer, names=(target.name, assistant_model.name))
+        drafter = "draft-model"
+    if drafter is None:
+        if any(v is not None for v in options.values()):
+            raise ValueError("drafter options were given without a drafter")
+        return None
+    return make_drafter(drafter, target=target.model, draft=assistant_model.model if assistant_model else None,
+                        **options)  # fmt: skip
 
 
-def generate(
-    target: LoadedModel,
-    prompt: str | Messages | list[int],
-    *,
-    assistant_model: LoadedModel | None = None,
-    drafter: Drafter | str | None = None,
-    k: int | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    stop: tuple[str, ...] | list[str] = (),
-    ignore_eos: bool = False,
-    context_overflow: OverflowPolicy = "error",
-    chat: bool | None = None,
-) -> GenerationResult:
-    """Generate from `target`; speculative when an assistant model or a drafter is given,
-    plain autoregressive decoding otherwise. `k` unset: the k that `specdec bench --tune`
-    stored for this target, method and mode, else 4 (`metrics.k_source` says which)."""
-    spec = make_drafter(target, assistant_model, drafter)
-    k, k_source = resolve_k(target, spec, assistant_model, k)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, k=k, stop=tuple(stop), ignore_eos=ignore_eos,
-                           context_overflow=context_overflow)  # fmt: skip
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    ids = encode_prompt(target.tokenizer, prompt, chat)
-    if spec is None:
-        return plain_generate(target.model, ids, cfg, sampling, target.tokenizer)
-    result = speculative_generate(target.model, spec, ids, cfg, sampling, target.tokenizer)
-    result.metrics.k, result.metrics.k_source = k, k_source
+@dataclass
+class Request:
+    """One sequence, checked and encoded once: what the engine needs."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    sampling: SamplingParams
+    drafter: Drafter | None
+    k_source: str | None  # "given", "tuned" or "default"; None for plain decoding
+
+
+def request(target: LoadedModel, prompt: Prompt, *, assistant_model: LoadedModel | None = None,
+            drafter: Drafter | str | None = None, drafter_options: dict[str, Any] | None = None,
+            config: GenerationConfig | None = None, sampling: SamplingParams | None = None,
+            k: int | None = None, chat: bool | None = None, **kwargs: Any) -> Request:  # fmt: skip
+    """Build a request from either config objects (`config=`, `sampling=`: built once by the
+    caller) or the keywords of their fields (max_new_tokens=, temperature=, stop=, ...)."""
+    unknown = set(kwargs) - _CONFIG_FIELDS - _SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown generation option {sorted(unknown)[0]!r}")
+    if config is not None and (set(kwargs) & _CONFIG_FIELDS or k is not None):
+        raise ValueError("pass config= or its fields as keywords, not both")
+    if sampling is not None and set(kwargs) & _SAMPLING_FIELDS:
+        raise ValueError("pass sampling= or its fields as keywords, not both")
+    spec = build_drafter(target, assistant_model, drafter, **(drafter_options or {}))
+    if "stop" in kwargs:
+        kwargs["stop"] = tuple(kwargs["stop"])
+    if sampling is None:
+        sampling = SamplingParams(**{key: v for key, v in kwargs.items() if key in _SAMPLING_FIELDS})
+    k_source = None
+    if config is None:
+        if spec is not None:
+            method = spec.name or type(spec).__name__
+            k, k_source = resolve_k(k, target=target.name, method=method, mode=target.model.mode,
+                                    draft=assistant_model.name if assistant_model is not None else None)  # fmt: skip
+        config = GenerationConfig(**{key: v for key, v in kwargs.items() if key in _CONFIG_FIELDS},
+                                  **({"k": k} if k is not None else {}))  # fmt: skip
+    elif spec is not None:
+        k_source = "given"
+    return Request(encode_prompt(target.tokenizer, prompt, chat), config, sampling, spec, k_source)
+
+
+def _submit(engine: Engine, req: Request) -> int:
+    return engine.add(req.prompt_ids, req.config, req.sampling, req.drafter)
+
+
+def _finish(result: GenerationResult, req: Request) -> GenerationResult:
+    if req.drafter is not None:
+        result.metrics.k, result.metrics.k_source = req.config.k, req.k_source
     return result
 
 
-def resolve_k(target: LoadedModel, spec: Drafter | None, assistant_model: LoadedModel | None,
-              k: int | None) -> tuple[int, str]:  # fmt: skip
-    """(k, where it came from): "given", "tuned" (`specdec bench --tune`) or "default"."""
-    if k is not None:
-        return k, "given"
-    if spec is not None:
-        method = "draft-model" if assistant_model is not None else getattr(spec, "name", "")
-        draft = assistant_model.name if assistant_model is not None else None
-        tuned = tuning.lookup(target.name, method, draft, target.model.mode)
-        if tuned is not None:
-            return tuned, "tuned"
-    return tuning.DEFAULT_K, "default"
+def run_request(target: LoadedModel, req: Request, on_delta: Callable[[Delta], None] | None = None) -> GenerationResult:
+    """Decode one request to the end; `on_delta` sees each step's committed tokens and text."""
+    engine = Engine(target.model, target.tokenizer)
+    sid = _submit(engine, req)
+    while engine.has_work():
+        for delta in engine.step():
+            if on_delta is not None:
+                on_delta(delta)
+    return _finish(engine.result(sid), req)
+
+
+def generate(target: LoadedModel, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+    """Generate from `target`; speculative when an assistant model or a drafter is given,
+    plain autoregressive decoding otherwise.
+
+    Keywords: ``assistant_model=`` (a draft model) or ``drafter=`` (a registered name such
+    as "prompt-lookup", or a `Drafter` object) with the drafter's options (e.g.
+    ``max_ngram=4``); ``k`` (unset: the k `specdec bench --tune` stored for this target,
+    method and mode, else 4; `metrics.k_source` says which); the fields of
+    `GenerationConfig` (``max_new_tokens``, ``stop``, ``ignore_eos``, ``context_overflow``)
+    and `SamplingParams` (``temperature``, ``top_k``, ``top_p``, ``seed``), or the objects
+    themselves as ``config=`` and ``sampling=``; ``chat`` (use the chat template; default:
+    when the tokenizer has one)."""
+    return run_request(target, _request_kw(target, prompt, kwargs))
+
+
+class Stream:
+    """Iterate to get each step's `Delta` (tokens and text committed); `result` is the whole
+    `GenerationResult` once the iteration has ended."""
+
+    def __init__(self, target: LoadedModel, req: Request) -> None:
+        self._engine = Engine(target.model, target.tokenizer)
+        self._req = req
+        self._sid = _submit(self._engine, req)
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            while self._engine.has_work():
+                for delta in self._engine.step():
+                    if delta.token_ids or delta.text or delta.finished:
+                        yield delta
+        finally:
+            if self._engine.has_work():  # the caller stopped early: free the sequence
+                self._engine.cancel(self._sid)
+            self.result = _finish(self._engine.result(self._sid), self._req)
+
+
+def stream(target: LoadedModel, prompt: Prompt, **kwargs: Any) -> Stream:
+    """Like `generate` (same keywords), but yields text as it is committed:
+
+        for delta in specdec.stream(target, "Explain recursion.", drafter="prompt-lookup"):
+            print(delta.text, end="", flush=True)
+
+    No delta ever holds a stop string or text after it; the deltas' texts add up to the
+    final text."""
+    return Stream(target, _request_kw(target, prompt, kwargs))
+
+
+def _request_kw(target: LoadedModel, prompt: Prompt, kwargs: dict[str, Any]) -> Request:
+    kw = dict(kwargs)
+    named = {n: kw.pop(n) for n in ("assistant_model", "drafter", "config", "sampling", "k", "chat") if n in kw}
+    fields = {n: kw.pop(n) for n in list(kw) if n in _CONFIG_FIELDS | _SAMPLING_FIELDS}
+    return request(target, prompt, drafter_options=kw, **named, **fields)
+
+
+def generate_batch(target: LoadedModel, prompts: Sequence[Prompt], *, seed: int | Sequence[int] | None = None,
+                   **kwargs: Any) -> list[GenerationResult]:  # fmt: skip
+    """Several prompts decoded together (one target pass per step for all of them); same
+    keywords as `generate`, with one drafter per prompt built from the drafter's name (or
+    `assistant_model`). `seed`: one per prompt, or an int s (prompt i gets s + i). Each
+    result is what that prompt gives alone with its seed (bitwise in the batch-invariant
+    modes)."""
+    if isinstance(kwargs.get("drafter"), Drafter) and len(prompts) > 1:
+        raise ValueError("a drafter object serves one sequence; pass the drafter's name to generate_batch")
+    if isinstance(seed, int) or seed is None:
+        seeds: list[int | None] = [None if seed is None else seed + i for i in range(len(prompts))]
+    else:
+        seeds = list(seed)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    reqs = [_request_kw(target, p, kwargs | {"seed": s}) for p, s in zip(prompts, seeds, strict=True)]
+    engine = Engine(target.model, target.tokenizer)
+    sids = [_submit(engine, r) for r in reqs]
+    while engine.has_work():
+        engine.step()
+    return [_finish(engine.result(sid), r) for sid, r in zip(sids, reqs, strict=True)]
 
 
 @dataclass
@@ -170,15 +275,24 @@ class Comparison:
         }
 
 
-def compare(target: LoadedModel, prompt: str | Messages | list[int], **kwargs: Any) -> Comparison:
-    """Run plain decoding and speculative decoding on the same prompt, side by side."""
-    if kwargs.get("assistant_model") is None and kwargs.get("drafter") is None:
+def compare(target: LoadedModel, prompt: Prompt, **kwargs: Any) -> Comparison:
+    """Run plain decoding and speculative decoding on the same prompt, side by side (same
+    keywords as `generate`)."""
+    spec = _request_kw(target, prompt, kwargs)
+    return compare_requests(target, spec, kwargs.get("assistant_model"))
+
+
+def compare_requests(target: LoadedModel, spec: Request, assistant_model: LoadedModel | None = None,
+                     on_delta: Callable[[Delta], None] | None = None) -> Comparison:  # fmt: skip
+    """Plain decoding of `spec`'s prompt with its settings, then `spec` itself (its deltas
+    to `on_delta`)."""
+    if spec.drafter is None:
         raise ValueError("compare needs an assistant_model or a drafter")
-    plain_kwargs = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "drafter", "k")}
-    _warm_up(target, kwargs.get("assistant_model"))
-    plain = generate(target, prompt, **plain_kwargs)
-    spec = generate(target, prompt, **kwargs)
-    return Comparison(spec, plain, greedy=float(kwargs.get("temperature", 0.0)) == 0.0)
+    if spec.sampling.seed is None:  # both runs draw from one seed, so a sampled comparison is like for like
+        spec.sampling = dataclasses.replace(spec.sampling, seed=int(torch.randint(2**62, (1,))))
+    _warm_up(target, assistant_model)
+    plain = run_request(target, Request(spec.prompt_ids, spec.config, spec.sampling, None, None))
+    return Comparison(run_request(target, spec, on_delta), plain, greedy=spec.sampling.greedy)
 
 
 def _warm_up(*models: LoadedModel | None) -> None:

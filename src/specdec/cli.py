@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -11,26 +12,20 @@ from typing import Any
 import torch
 
 from . import registry, store
-from .bench.grid import METHODS
-from .config import GenerationConfig, SamplingParams, add_arguments, from_namespace
-from .drafters import EarlyExitDrafter, LookaheadDrafter, PromptLookupDrafter
+from .config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments, from_namespace, resolve_k
+from .drafters import DRAFTERS
 from .model.kernels import AUTO, MODES
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
+    p = sub.add_parser("generate", help="generate text, speculatively when a draft or drafter is given",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
-    p.add_argument("--drafter", choices=["draft-model", "prompt-lookup", "early-exit", "lookahead"],
-                   help="drafting method (unset: draft-model when --draft is given, else plain decoding)")  # fmt: skip
-    p.add_argument("--ngram-max", type=int, default=3, help="prompt-lookup: longest n-gram to match")
-    p.add_argument("--ngram-min", type=int, default=1, help="prompt-lookup: shortest n-gram to match")
-    p.add_argument("--exit-layer", type=int, default=None,
-                   help="early-exit: draft with the target's first L layers (unset: calibrated, and reported)")  # fmt: skip
-    p.add_argument("--window", type=int, default=1, help="lookahead: window size W (Jacobi columns)")
-    p.add_argument("--ngram", type=int, default=3, help="lookahead: n-gram size N (the window has N-1 levels)")
-    p.add_argument("--guesses", type=int, default=2, help="lookahead: most pool n-grams verified per step (G)")
+    p.add_argument("--drafter", choices=sorted(DRAFTERS),
+                   help="drafting method (unset: draft-model when --draft is given, else plain decoding): "
+                        + "; ".join(f"{s.name}: {s.help}" for s in DRAFTERS.values()))  # fmt: skip
+    add_drafter_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' for stdin)")
@@ -38,13 +33,40 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="wrap the prompt in the model's chat template (unset: when the model has one)")  # fmt: skip
     add_arguments(p, GenerationConfig)
     add_arguments(p, SamplingParams)
-    p.set_defaults(k=None)  # unset: the k stored by `specdec bench --tune`, else 4
+    p.set_defaults(k=None)  # unset: the k stored by `specdec bench --tune`, else DEFAULT_K
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],
                    help="precision/kernel mode; auto = fastest exact mode for the device (q4k on CPU)")  # fmt: skip
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--stream", action="store_true", help="print the text as it is committed, step by step")
     p.set_defaults(func=_cmd_generate)
+
+
+def add_drafter_options(p: argparse.ArgumentParser) -> None:
+    """Every registered drafter's options, as declared once in the registry."""
+    for spec in DRAFTERS.values():
+        for opt, default in zip(spec.options, spec.defaults().values(), strict=True):
+            shown = "calibrated" if default is None else default
+            p.add_argument(opt.cli_flag, dest=f"{spec.name}:{opt.name}", type=type(default) if default is not None
+                           else int, default=None, help=f"{opt.help} (default: {shown})")  # fmt: skip
+
+
+def drafter_options(ns: argparse.Namespace, method: str | None, strict: bool = True) -> dict[str, Any]:
+    """The options given for `method`; with `strict`, an option of another drafter is an error."""
+    out = {}
+    for spec in DRAFTERS.values():
+        for opt in spec.options:
+            value = getattr(ns, f"{spec.name}:{opt.name}", None)
+            if value is None:
+                continue
+            if spec.name != method:
+                if not strict:
+                    continue
+                raise ValueError(f"{opt.cli_flag} is an option of the {spec.name} drafter; add --drafter {spec.name} "
+                                 "or drop it")  # fmt: skip
+            out[opt.name] = value
+    return out
 
 
 def _read_prompt(ns: argparse.Namespace) -> str:
@@ -59,13 +81,8 @@ def _read_prompt(ns: argparse.Namespace) -> str:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from .api import compare, encode_prompt, generate, load
+    from .api import Request, build_drafter, compare_requests, encode_prompt, load, run_request
 
-    k_given = ns.k
-    ns.k = ns.k if ns.k is not None else 4  # validated here; unset -> tuned or default at generate time
-    cfg = from_namespace(GenerationConfig, ns)
-    sampling = from_namespace(SamplingParams, ns)
-    prompt = _read_prompt(ns)
     method = ns.drafter or ("draft-model" if ns.draft else None)
     if method == "draft-model" and not ns.draft:
         raise ValueError("--drafter draft-model needs --draft MODEL")
@@ -73,45 +90,46 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         raise ValueError(f"--draft is only used by the draft-model drafter; drop it or drop --drafter {method}")
     if ns.compare and method is None:
         raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
-    drafter: Any = None
-    if method == "prompt-lookup":
-        drafter = PromptLookupDrafter(ns.ngram_max, ns.ngram_min)
-    elif method == "lookahead":
-        drafter = LookaheadDrafter(window=ns.window, ngram=ns.ngram, guesses=ns.guesses)
+    if ns.stream and ns.json:
+        raise ValueError("--stream prints text as it is committed and --json one object at the end; choose one")
+    options = drafter_options(ns, method)
+    k_given = ns.k
+    ns.k = ns.k if ns.k is not None else DEFAULT_K
+    cfg = from_namespace(GenerationConfig, ns)  # checked once, before any model loads
+    sampling = from_namespace(SamplingParams, ns)
+    prompt = _read_prompt(ns)
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
-    if method == "early-exit":
-        drafter = EarlyExitDrafter(target.model, layer=ns.exit_layer)
     draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
-    kwargs: dict[str, Any] = dict(
-        assistant_model=draft, drafter=drafter, k=k_given, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
-        ignore_eos=cfg.ignore_eos, context_overflow=cfg.context_overflow, chat=ns.chat,
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
-    )  # fmt: skip
-    encode_prompt(target.tokenizer, prompt, ns.chat)  # validate before any long run
-    header = {"target": ns.target, "drafter": method, "draft": ns.draft, "k": k_given, "dtype": target.model.mode,
-              "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}  # fmt: skip
+    drafter = build_drafter(target, draft, method, **options)
+    k, k_source = (resolve_k(k_given, target=ns.target, method=method, draft=ns.draft, mode=target.model.mode)
+                   if drafter is not None else (cfg.k, None))  # fmt: skip
+    req = Request(encode_prompt(target.tokenizer, prompt, ns.chat), dataclasses.replace(cfg, k=k), sampling, drafter,
+                  k_source)  # fmt: skip
+    header = {"target": ns.target, "drafter": method, "draft": ns.draft, "k": k if drafter else None,
+              "k_source": k_source, "dtype": target.model.mode, "temperature": sampling.temperature,
+              "top_k": sampling.top_k, "top_p": sampling.top_p}  # fmt: skip
+    show = (lambda d: print(d.text, end="", flush=True)) if ns.stream else None
     if ns.compare:
-        cmp = compare(target, prompt, **kwargs)
-        header.update(k=cmp.speculative.metrics.k, k_source=cmp.speculative.metrics.k_source)
-        out = {**header, **cmp.to_dict()}
+        cmp = compare_requests(target, req, draft, on_delta=show)
         if ns.json:
-            print(json.dumps(out))
+            print(json.dumps({**header, **cmp.to_dict()}))
         else:
-            _print_text(cmp.speculative.text, cmp.speculative.metrics, extra=cmp)
+            _print_result(cmp.speculative, streamed=ns.stream, extra=cmp)
         return 0
-    result = generate(target, prompt, **kwargs)
-    header.update(k=result.metrics.k, k_source=result.metrics.k_source)
+    result = run_request(target, req, on_delta=show)
     if ns.json:
         m = result.metrics
         print(json.dumps({**header, "acceptance_rate": m.acceptance_rate, "mean_accepted_tokens":
                           m.mean_accepted_tokens, "tokens_per_second": m.tokens_per_second, **result.to_dict()}))  # fmt: skip
     else:
-        _print_text(result.text, result.metrics)
+        _print_result(result, streamed=ns.stream)
     return 0
 
 
-def _print_text(text: str, m: Any, extra: Any = None) -> None:
-    print(text)
+def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
+    """The text (unless it was streamed already), then one line of figures on stderr."""
+    print("" if streamed else result.text, flush=True)
+    m = result.metrics
     line = f"\n[{m.new_tokens} tokens, {m.tokens_per_second:.2f} tok/s"
     if m.acceptance_rate is not None:
         line += f", acceptance {m.acceptance_rate:.2f}, tokens/pass {m.mean_accepted_tokens:.2f}"
@@ -192,7 +210,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="draft model for the draft-model method")
     p.add_argument("--pairs", nargs="+", metavar="TARGET[:DRAFT]",
                    help="several model pairs, one grid each (instead of --target/--draft)")  # fmt: skip
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS),
+                   help="drafting methods to run, each beside plain decoding")  # fmt: skip
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("-k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 40 with --quick)")
@@ -214,6 +233,28 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     fwd.add_argument("--device", default=None)
     fwd.add_argument("--json", action="store_true", help="print one JSON object")
     fwd.set_defaults(func=_cmd_bench_forward)
+    bat = bsub.add_parser("batch", help="aggregate tokens/s with several sequences in flight, per method",
+                          description="B different prompts decoded together (greedy), plain decoding and each "
+                                      "method side by side at every batch size; prints a table, writes "
+                                      "DIR/batch.json and DIR/batch.png with --out.",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    from .bench.batch import METHODS as BATCH_METHODS
+    from .bench.batch import PLAIN
+
+    bat.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model")
+    bat.add_argument("--draft", help="draft model (default: the registered pair of the target, else the target itself)")
+    bat.add_argument("--batch", nargs="+", type=int, default=[1, 2, 4, 8], help="batch sizes")
+    bat.add_argument("--methods", nargs="+", default=list(BATCH_METHODS), choices=[PLAIN, *DRAFTERS],
+                     help="plain decoding is always run as the reference")  # fmt: skip
+    bat.add_argument("-k", type=int, default=DEFAULT_K, help="draft tokens per step")
+    bat.add_argument("--max-new-tokens", type=int, default=64, help="tokens per sequence")
+    bat.add_argument("--max-prompt-tokens", type=int, default=512, help="skip suite prompts longer than this")
+    bat.add_argument("--repeats", type=int, default=1, help="repeats (medians reported)")
+    bat.add_argument("--prompts", type=Path, help="JSONL prompt file instead of the bundled suite")
+    bat.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="precision/kernel mode")
+    bat.add_argument("--out", type=Path, help="write DIR/batch.json and DIR/batch.png")
+    bat.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bat.set_defaults(func=_cmd_bench_batch)
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
@@ -240,7 +281,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     for path in report.write(results, ns.out):
         print(f"wrote {path}", file=sys.stderr)
     if ns.tune:
-        from .bench import tuning
+        from . import tuning
 
         for result in results:
             for key, entry in tuning.save(result).items():
@@ -272,6 +313,20 @@ def _cmd_bench_forward(ns: argparse.Namespace) -> int:
                          gguf=gguf if gguf.suffix == ".gguf" else None)  # fmt: skip
     result["model"] = ns.model
     print(json.dumps(result) if ns.json else forward.table(result))
+    return 0
+
+
+def _cmd_bench_batch(ns: argparse.Namespace) -> int:
+    from .bench.batch import PLAIN, BatchSettings, run_batch, table, write
+
+    methods = (PLAIN, *[m for m in ns.methods if m != PLAIN])
+    settings = BatchSettings(target=ns.target, draft=ns.draft, batches=tuple(ns.batch), methods=methods, k=ns.k,
+                             max_new_tokens=ns.max_new_tokens, max_prompt_tokens=ns.max_prompt_tokens,
+                             repeats=ns.repeats, dtype=ns.dtype, prompts_file=str(ns.prompts) if ns.prompts else None)  # fmt: skip
+    result = run_batch(settings, progress=lambda msg: print(msg, file=sys.stderr))
+    print(json.dumps(result.to_dict()) if ns.json else table(result))
+    if ns.out is not None:
+        write(result, ns.out)
     return 0
 
 

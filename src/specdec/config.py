@@ -8,6 +8,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, TypeVar, get_args
 
 OverflowPolicy = Literal["error", "truncate"]
+DEFAULT_K = 4  # draft tokens per step when neither the caller nor `specdec bench --tune` chose one
 
 
 def _opt(help: str, *flags: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -45,7 +46,9 @@ class GenerationConfig:
     """What to generate and when to stop."""
 
     max_new_tokens: int = field(default=128, metadata=_opt("maximum number of tokens to generate"))
-    k: int = field(default=4, metadata=_opt("draft tokens proposed per target pass", "-k", "--num-draft-tokens"))
+    k: int = field(default=DEFAULT_K, metadata=_opt(
+        "draft tokens proposed per target pass (unset: the k `specdec bench --tune` stored, else 4)",
+        "-k", "--num-draft-tokens"))  # fmt: skip
     stop: tuple[str, ...] = field(default=(), metadata=_opt("stop string (repeatable); not included in the text"))
     ignore_eos: bool = field(default=False, metadata=_opt("keep generating past end-of-sequence tokens"))
     context_overflow: OverflowPolicy = field(
@@ -67,6 +70,20 @@ class GenerationConfig:
             raise ValueError(
                 f"context_overflow must be one of {get_args(OverflowPolicy)}, got {self.context_overflow!r}"
             )
+
+
+def resolve_k(k: int | None, *, target: str, method: str | None, draft: str | None, mode: str) -> tuple[int, str]:
+    """(k, where it came from): "given", "tuned" (stored by `specdec bench --tune` for this
+    target, method, draft and mode) or "default" (DEFAULT_K)."""
+    if k is not None:
+        return k, "given"
+    if method is not None:
+        from .tuning import lookup
+
+        tuned = lookup(target, method, draft, mode)
+        if tuned is not None:
+            return tuned, "tuned"
+    return DEFAULT_K, "default"
 
 
 T = TypeVar("T")

@@ -1,5 +1,21 @@
-"""The decode loops: plain autoregressive decoding (the reference every speedup is measured
-against) and speculative decoding: prefill -> propose -> verify -> commit/rollback.
+"""The decode engine: a stepper over a set of live sequences.
+
+    engine = Engine(target, tokenizer)
+    sid = engine.add(prompt_ids, cfg, sampling, drafter)   # any number, any time
+    while engine.has_work():
+        for delta in engine.step():                         # tokens and text committed this step
+            print(delta.text, end="")
+    result = engine.result(sid)
+
+One `step` is: propose (every sequence's drafter; drafters of one draft model together) ->
+one target pass over every live sequence's rows (a new sequence's prompt, or its last
+committed token and its draft) -> verify each sequence with its own generator -> commit or
+roll back. Plain decoding is the same loop for a sequence without a drafter (k = 0).
+Sequences join and leave between steps; each has its own KV cache, freed when it ends.
+
+Lossless: sampled output follows the target's distribution, and greedy output equals plain
+decoding token for token — bitwise in the batch-invariant modes (q4k, int8), where a
+sequence computes exactly the same alone or in any batch (see `specdec.model.kernels`).
 """
 
 from __future__ import annotations
@@ -12,11 +28,12 @@ from typing import Any
 import torch
 
 from .config import GenerationConfig, SamplingParams
-from .drafters.base import Draft, Drafter, DraftSession
+from .drafters.base import Draft, Drafter, DraftSession, Feedback
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
-from .model.transformer import Transformer
+from .model.transformer import ForwardOutput, Segment, Transformer
 from .sampling import make_generator, pick, probs
+from .stops import StopChecker
 from .tokenizer import Tokenizer
 from .verify import (
     greedy_verify,
@@ -31,7 +48,7 @@ from .verify import (
 class GenerationResult:
     token_ids: list[int]  # generated ids (an end token that stopped generation included)
     text: str  # decoded text, stop string excluded
-    finish_reason: str  # "eos" | "stop" | "length"
+    finish_reason: str  # "eos" | "stop" | "length" | "cancelled"
     seed: int  # the seed used (reproduce a sampled run with it)
     metrics: Metrics = field(default_factory=Metrics)
 
@@ -40,48 +57,18 @@ class GenerationResult:
                 "seed": self.seed, "metrics": self.metrics.to_dict()}  # fmt: skip
 
 
-class StopChecker:
-    """Feeds on generated tokens one at a time; says when to stop and never lets a token past
-    the stop through (the caller commits only what `push` accepted)."""
+@dataclass
+class Delta:
+    """What one step committed for one sequence."""
 
-    def __init__(self, cfg: GenerationConfig, max_new_tokens: int, tokenizer: Tokenizer | None,
-                 eos_ids: frozenset[int]) -> None:  # fmt: skip
-        if cfg.stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-        self.stop = cfg.stop
-        self.eos = frozenset() if cfg.ignore_eos else eos_ids
-        self.limit = max_new_tokens
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.stop_at: int | None = None  # character offset of a matched stop string
+    seq_id: int
+    token_ids: list[int]  # tokens committed in this step (none past a stop)
+    text: str  # text they completed (never a stop string or text after it)
+    finish_reason: str | None = None  # set on the sequence's last delta
 
-    def push(self, token: int) -> bool:
-        """Append one token; True when generation is over (this token is the last)."""
-        self.tokens.append(token)
-        if token in self.eos:
-            self.finish_reason = "eos"
-        elif self.stop and self._stop_hit():
-            self.finish_reason = "stop"
-        elif len(self.tokens) >= self.limit:
-            self.finish_reason = "length"
+    @property
+    def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def _stop_hit(self) -> bool:
-        assert self.tokenizer is not None
-        text = self.tokenizer.decode(self.tokens)
-        # Only a stop string that ends inside the newest token's text is new.
-        tail_from = len(self.tokenizer.decode(self.tokens[:-1])) - max(len(s) for s in self.stop)
-        hits = [i for s in self.stop if (i := text.find(s, max(tail_from, 0))) >= 0]
-        if hits:
-            self.stop_at = min(hits)
-        return bool(hits)
-
-    def text(self) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.tokens)
-        return text[: self.stop_at] if self.stop_at is not None else text
 
 
 def plan_length(prompt_len: int, cfg: GenerationConfig, context: int) -> int:
@@ -96,177 +83,260 @@ def plan_length(prompt_len: int, cfg: GenerationConfig, context: int) -> int:
         if cfg.context_overflow == "error":
             raise ContextOverflowError(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
-                f"context of {context}; lower max_new_tokens or use context_overflow='truncate'"
+                f"context of {context}; lower max_new_tokens or let the output stop at the context end "
+                "(--context-overflow truncate; API: context_overflow='truncate')"
             )
         return context - prompt_len
     return cfg.max_new_tokens
 
 
-def _seed(sampling: SamplingParams) -> int:
-    return sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**63)
+@dataclass
+class _Sequence:
+    """One request's state in the engine."""
+
+    id: int
+    prompt: list[int]
+    cfg: GenerationConfig
+    sampling: SamplingParams
+    seed: int
+    gen: torch.Generator  # the target's sampling and verification draws
+    drafter: Drafter | None
+    stopper: StopChecker
+    cache: KVCache | None
+    metrics: Metrics
+    started: float
+    last: int | None = None  # last committed token, not yet in the cache (None: not prefilled)
+    forwards_before: int = 0  # the drafter's forward count at begin
+
+    def k(self) -> int:
+        """Draft tokens this step: a step commits up to k + 1 tokens, never past the budget."""
+        if self.drafter is None:
+            return 0
+        return max(0, min(self.cfg.k, self.stopper.limit - len(self.stopper.tokens) - 1))
 
 
-def _as_batch(prompt_ids: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T]
+class Engine:
+    """Steps any number of sequences together over one target model (see the module doc)."""
 
+    def __init__(self, target: Transformer, tokenizer: Tokenizer | None = None) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self._live: dict[int, _Sequence] = {}
+        self._done: dict[int, GenerationResult] = {}
+        self._next_id = 0
 
-def plain_generate(
-    target: Transformer,
-    prompt_ids: list[int],
-    cfg: GenerationConfig,
-    sampling: SamplingParams,
-    tokenizer: Tokenizer | None = None,
-) -> GenerationResult:
-    """Reference decoder: one target forward per token."""
-    seed = _seed(sampling)
-    gen = make_generator(seed, target.device)
-    n_new = plan_length(len(prompt_ids), cfg, target.args.max_seq_len)
-    stopper = StopChecker(cfg, n_new, tokenizer, tokenizer.eos_ids if tokenizer else frozenset())
-    m = Metrics(prompt_tokens=len(prompt_ids))
-    t0 = time.perf_counter()
-    cache = target.new_cache(len(prompt_ids) + n_new)
-    with timer(target.device) as t:
-        logits = target(_as_batch(prompt_ids, target.device), cache, last_only=True).logits[:, -1]  # [1, V]
-    m.prefill_time = t[0]
-    while True:
-        token = int(pick(logits, sampling, gen))
-        if stopper.push(token):
-            break
-        with timer(target.device) as t:
-            logits = target(_as_batch([token], target.device), cache).logits[:, -1]
-        m.target_forwards += 1
-        m.target_time += t[0]
-    m.wall_time = time.perf_counter() - t0
-    m.new_tokens = len(stopper.tokens)
-    return GenerationResult(stopper.tokens, stopper.text(), stopper.finish_reason or "length", seed, m)
+    # -- sequences ---------------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], cfg: GenerationConfig, sampling: SamplingParams,
+            drafter: Drafter | None = None) -> int:  # fmt: skip
+        """Queue a sequence (prefilled in the next step); returns its id."""
+        n_new = plan_length(len(prompt_ids), cfg, self.target.args.max_seq_len)
+        if drafter is not None and any(s.drafter is drafter for s in self._live.values()):
+            raise ValueError("this drafter object already serves a live sequence; give each sequence its own drafter")
+        seed = sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**63 - 1)
+        eos = self.tokenizer.eos_ids if self.tokenizer is not None else frozenset()
+        scratch = drafter.scratch_rows if drafter is not None else 0
+        sid = self._next_id
+        self._next_id += 1
+        self._live[sid] = _Sequence(
+            sid, list(prompt_ids), cfg, sampling, seed, make_generator(seed, self.target.device), drafter,
+            StopChecker(cfg, n_new, self.tokenizer, eos), self.target.new_cache(len(prompt_ids) + n_new + scratch),
+            Metrics(prompt_tokens=len(prompt_ids), k=cfg.k if drafter is not None else None), time.perf_counter(),
+        )  # fmt: skip
+        return sid
 
+    def cancel(self, seq_id: int) -> None:
+        """Stop a sequence between steps; its cache is freed and its result kept ("cancelled")."""
+        seq = self._live.get(seq_id)
+        if seq is None:
+            raise KeyError(f"no live sequence {seq_id}")
+        seq.stopper.finish_reason = "cancelled"
+        self._finish(seq)
 
-def speculative_generate(
-    target: Transformer,
-    drafter: Drafter,
-    prompt_ids: list[int],
-    cfg: GenerationConfig,
-    sampling: SamplingParams,
-    tokenizer: Tokenizer | None = None,
-) -> GenerationResult:
-    """Speculative decoding. Lossless: sampled output follows the target's distribution, and
-    greedy output equals `plain_generate`'s token for token (guaranteed bitwise in
-    batch-invariant modes such as int8; see `specdec.model.kernels`)."""
-    seed = _seed(sampling)
-    dev = target.device
-    gen = make_generator(seed, dev)  # target sampling and verification
-    n_new = plan_length(len(prompt_ids), cfg, target.args.max_seq_len)
-    stopper = StopChecker(cfg, n_new, tokenizer, tokenizer.eos_ids if tokenizer else frozenset())
-    m = Metrics(prompt_tokens=len(prompt_ids))
-    forwards_before = drafter.forwards
-    t0 = time.perf_counter()
-    capacity = len(prompt_ids) + n_new  # chains never run past the token budget (k_eff below)
-    # tree branches and extra rows need scratch slots beyond it (a drafter says how many)
-    cache = target.new_cache(capacity + getattr(drafter, "scratch_rows", 0))
+    def has_work(self) -> bool:
+        return bool(self._live)
 
-    # Prefill: the first token comes from the target alone, exactly as in plain decoding.
-    with timer(dev) as t:
-        logits = target(_as_batch(prompt_ids, dev), cache, last_only=True).logits[:, -1]
-    m.prefill_time = t[0]
-    last = int(pick(logits, sampling, gen))
-    done = stopper.push(last)
-    if not done:
-        with timer(dev) as t:
-            session = DraftSession(_as_batch(prompt_ids + [last], dev), capacity, sampling,
-                                   make_generator(seed + 1, dev), target=target, target_cache=cache)  # fmt: skip
-            drafter.begin(session)
-        m.prefill_time += t[0]
-        m.draft_time += t[0]
-    while not done:
-        k = min(cfg.k, stopper.limit - len(stopper.tokens) - 1)  # a step commits up to k + 1
-        with timer(dev) as t:
-            draft = drafter.propose(k)
-        m.draft_time += t[0]
-        if draft.depth() > k:
-            raise RuntimeError(f"drafter {drafter.name!r} proposed {draft.depth()} tokens in a row, more than k={k}")
-        start = cache.length
-        with timer(dev) as t:
-            logits, extra_logits = _target_pass(target, last, draft, cache)  # [1, K+1, V], [1, R, V] | None
-            path, nxt = _verify(logits, draft, sampling, gen)
-        m.target_forwards += 1
-        m.target_time += t[0]
-        m.scored_rows += logits.shape[1] + (0 if extra_logits is None else extra_logits.shape[1])
-        n_acc = len(path)
-        if draft.parents is None:
-            cache.truncate(start + 1 + n_acc)  # keep `last` and the accepted drafts; drop the rest
-        else:  # keep `last` and the accepted path's slots, moved to follow it
-            cache.keep(start + 1, torch.tensor([start + 1 + j for j in path], dtype=torch.long, device=dev))
-        m.record_step(draft.depth(), n_acc)  # a drafter may offer fewer than k
-        accepted = draft.tokens[0].tolist()
-        for token in [accepted[j] for j in path] + [nxt]:
-            if done := stopper.push(token):
-                break
-        last = nxt
-        if extra_logits is not None:
-            drafter.scored_extra(extra_logits)  # type: ignore[attr-defined]
-        if not done:
-            if draft.parents is None:
-                drafter.accepted(n_acc, nxt)
+    def live(self) -> list[int]:
+        return list(self._live)
+
+    def result(self, seq_id: int) -> GenerationResult:
+        """The finished sequence's result (removed from the engine)."""
+        if seq_id in self._live:
+            raise ValueError(f"sequence {seq_id} is still running")
+        return self._done.pop(seq_id)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[Delta]:
+        """One propose -> target pass -> verify -> commit over every live sequence."""
+        seqs = list(self._live.values())
+        if not seqs:
+            return []
+        drafts = self._propose([s for s in seqs if s.last is not None])
+        segments = [self._segment(s, drafts.get(s.id)) for s in seqs]
+        with timer(self.target.device) as t:
+            outs = self.target.forward_batch(
+                segments, return_hidden=any(s.drafter is not None and s.drafter.wants_hidden for s in seqs),
+                output_layers=tuple(sorted({i for s in seqs if s.drafter is not None for i in s.drafter.feature_layers})),
+            )  # fmt: skip
+        deltas = []
+        for s, out in zip(seqs, outs, strict=True):
+            draft = drafts.get(s.id)
+            if s.last is None:
+                s.metrics.prefill_time += t[0]
+                deltas.append(self._first_token(s, out))
             else:
-                drafter.accepted(n_acc, nxt, path=path)  # type: ignore[call-arg]
-    m.draft_forwards = drafter.forwards - forwards_before
-    m.drafter_info = dict(getattr(drafter, "info", {}))
-    m.wall_time = time.perf_counter() - t0
-    m.new_tokens = len(stopper.tokens)
-    return GenerationResult(stopper.tokens, stopper.text(), stopper.finish_reason or "length", seed, m)
+                s.metrics.target_forwards += 1
+                s.metrics.target_time += t[0]
+                deltas.append(self._commit(s, draft or Draft.empty(), out))
+            if deltas[-1].finished:
+                self._finish(s)
+        return deltas
 
+    def _propose(self, seqs: list[_Sequence]) -> dict[int, Draft]:
+        """Every drafting sequence's proposal; drafters that share a batch key draft together."""
+        groups: dict[Any, list[_Sequence]] = {}
+        for s in seqs:
+            if s.drafter is not None and s.k() > 0:
+                key = s.drafter.batch_key()
+                groups.setdefault(key if key is not None else ("alone", s.id), []).append(s)
+        drafts: dict[int, Draft] = {}
+        for group in groups.values():
+            with timer(self.target.device) as t:
+                ks = [s.k() for s in group]
+                out = type(group[0].drafter).propose_batch([s.drafter for s in group], ks)  # type: ignore[arg-type]
+            for s, k, draft in zip(group, ks, out, strict=True):
+                s.metrics.draft_time += t[0] / len(group)
+                if draft.depth() > k:
+                    raise RuntimeError(f"drafter {s.drafter.name!r} proposed {draft.depth()} tokens in a row, more than k={k}")  # type: ignore[union-attr]
+                drafts[s.id] = draft
+        return drafts
 
-def _target_pass(target: Transformer, last: int, draft: Draft, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One target forward over the last committed token, the draft and any extra rows.
-    Returns logits [1, K+1, V] (row 0 after `last`, row j+1 after draft node j) and the
-    extra rows' logits [1, R, V] (None without extra rows)."""
-    dev = target.device
-    K = draft.tokens.shape[1]
-    inputs = torch.cat([_as_batch([last], dev), draft.tokens], dim=1)  # [1, K+1]
-    if draft.hidden is not None:
-        # self-speculation: the drafter ran blocks [0, from_layer) for these rows already
-        if draft.parents is not None or draft.extra is not None:
-            raise ValueError("a draft with precomputed hidden states must be a plain chain")
-        blocks = (draft.from_layer, target.args.n_layers)
-        return target(inputs, cache, blocks=blocks, hidden_in=draft.hidden).logits, None
-    if draft.parents is None and draft.extra is None:
-        return target(inputs, cache).logits, None
-    # token tree and/or extra rows: explicit positions and mask among the new rows
-    parents = draft.parents if draft.parents is not None else list(range(-1, K - 1))
-    if len(parents) != K:
-        raise ValueError(f"the draft has {K} tokens but {len(parents)} parents")
-    depth = [0, *draft.depths()]  # checks that parents come first
-    R = 0 if draft.extra is None else draft.extra.tokens.shape[1]
-    mask = torch.zeros(K + 1 + R, K + 1 + R, dtype=torch.bool)
-    mask[0, 0] = True
-    for j, par in enumerate(parents):
-        mask[j + 1] = mask[par + 1]  # a node sees its parent's ancestors...
-        mask[j + 1, j + 1] = True  # ...its parent and itself
-    if draft.extra is not None:
-        inputs = torch.cat([inputs, draft.extra.tokens], dim=1)
-        mask[K + 1 :, 0] = True
-        mask[K + 1 :, K + 1 :] = draft.extra.mask
-        depth += draft.extra.offsets.tolist()
-    positions = (cache.length + torch.tensor(depth, dtype=torch.long, device=dev))[None]  # [1, K+1+R]
-    logits = target(inputs, cache, positions, tree_mask=mask.to(dev)).logits
-    return logits[:, : K + 1], (logits[:, K + 1 :] if R else None)
+    def _segment(self, s: _Sequence, draft: Draft | None) -> Segment:
+        """The rows a sequence brings to the target pass: its prompt (prefill), or its last
+        committed token followed by the draft's nodes and extra rows."""
+        dev = self.target.device
+        assert s.cache is not None
+        if s.last is None:
+            return Segment(torch.tensor(s.prompt, dtype=torch.long, device=dev), s.cache, last_only=True)
+        last = torch.tensor([s.last], dtype=torch.long, device=dev)
+        if draft is None or (draft.tokens.numel() == 0 and draft.extra is None):
+            return Segment(last, s.cache)
+        tokens = torch.cat([last, draft.tokens])  # [K+1]
+        K = draft.tokens.shape[0]
+        if draft.hidden is not None:
+            # self-speculation: the drafter ran blocks [0, from_layer) for these rows already
+            if draft.parents is not None or draft.extra is not None:
+                raise ValueError("a draft with precomputed hidden states must be a plain chain")
+            return Segment(tokens, s.cache, hidden_in=draft.hidden, lo=draft.from_layer)
+        if draft.parents is None and draft.extra is None:
+            return Segment(tokens, s.cache)
+        # token tree and/or extra rows: explicit positions and mask among the new rows
+        parents = draft.parents if draft.parents is not None else list(range(-1, K - 1))
+        if len(parents) != K:
+            raise ValueError(f"the draft has {K} tokens but {len(parents)} parents")
+        depth = [0, *draft.depths()]  # checks that parents come first
+        R = 0 if draft.extra is None else draft.extra.tokens.shape[0]
+        mask = torch.zeros(K + 1 + R, K + 1 + R, dtype=torch.bool)
+        mask[0, 0] = True
+        for j, par in enumerate(parents):
+            mask[j + 1] = mask[par + 1]  # a node sees its parent's ancestors...
+            mask[j + 1, j + 1] = True  # ...its parent and itself
+        if draft.extra is not None:
+            tokens = torch.cat([tokens, draft.extra.tokens])
+            mask[K + 1 :, 0] = True
+            mask[K + 1 :, K + 1 :] = draft.extra.mask
+            depth += draft.extra.offsets.tolist()
+        positions = s.cache.length + torch.tensor(depth, dtype=torch.long, device=dev)
+        return Segment(tokens, s.cache, positions, tree_mask=mask.to(dev))
+
+    def _first_token(self, s: _Sequence, out: ForwardOutput) -> Delta:
+        """After the prefill: the target's first token, exactly as in plain decoding; then the
+        drafter begins on the committed tokens."""
+        s.last = int(pick(out.logits[:, -1], s.sampling, s.gen))
+        done = s.stopper.push(s.last)
+        if not done and s.drafter is not None:
+            with timer(self.target.device) as t:
+                s.forwards_before = s.drafter.forwards
+                s.drafter.begin(DraftSession(s.prompt + [s.last], len(s.prompt) + s.stopper.limit, s.sampling,
+                                             make_generator(s.seed + 1, self.target.device), self.target, s.cache))  # fmt: skip
+            s.metrics.prefill_time += t[0]
+            s.metrics.draft_time += t[0]
+        return self._delta(s, [s.last])
+
+    def _commit(self, s: _Sequence, draft: Draft, out: ForwardOutput) -> Delta:
+        """Verify the sequence's rows, keep the accepted path in its cache, tell the drafter."""
+        assert s.cache is not None
+        K = draft.tokens.shape[0]
+        logits = out.logits[0]  # [K+1+R, V]
+        path, nxt = _verify(logits[: K + 1], draft, s.sampling, s.gen)
+        start = s.cache.length - logits.shape[0]  # slot of the last committed token
+        if draft.parents is None and draft.extra is None:
+            s.cache.truncate(start + 1 + len(path))  # keep `last` and the accepted drafts; drop the rest
+        else:  # keep `last` and the accepted path's slots, moved to follow it
+            s.cache.keep(start + 1, torch.tensor([start + 1 + j for j in path], dtype=torch.long, device=s.cache.pos.device))
+        m = s.metrics
+        m.scored_rows += logits.shape[0]
+        if s.drafter is not None:
+            m.record_step(draft.depth(), len(path))  # a drafter may offer fewer than k
+        committed = []
+        tokens = draft.tokens.tolist()
+        for token in [tokens[j] for j in path] + [nxt]:
+            committed.append(token)
+            if s.stopper.push(token):
+                break
+        s.last = nxt
+        if s.drafter is not None and not s.stopper.finish_reason:
+            s.drafter.accepted(Feedback(
+                path, nxt, logits[: K + 1], logits[K + 1 :] if draft.extra is not None else None,
+                out.hidden[0] if out.hidden is not None else None, {i: h[0] for i, h in out.layers.items()},
+            ))  # fmt: skip
+        return self._delta(s, committed)
+
+    def _delta(self, s: _Sequence, tokens: list[int]) -> Delta:
+        return Delta(s.id, tokens, s.stopper.take_text(), s.stopper.finish_reason)
+
+    def _finish(self, s: _Sequence) -> None:
+        m = s.metrics
+        if s.drafter is not None:
+            m.draft_forwards = s.drafter.forwards - s.forwards_before
+            m.drafter_info = dict(s.drafter.info)
+            s.drafter.end()
+        m.wall_time = time.perf_counter() - s.started
+        m.new_tokens = len(s.stopper.tokens)
+        s.cache = None  # free the KV cache
+        del self._live[s.id]
+        reason = s.stopper.finish_reason or "length"
+        self._done[s.id] = GenerationResult(s.stopper.tokens, s.stopper.text(), reason, s.seed, m)
 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: torch.Generator) -> tuple[list[int], int]:
-    """The accepted draft nodes (a chain's first n, or a tree path) and the next token."""
+    """The accepted draft nodes (a chain's first n, or a tree path) and the next token.
+    logits: [K+1, V]."""
+    K = draft.tokens.shape[0]
+    if K == 0:  # nothing drafted: the target's own token, as plain decoding picks it
+        return [], int(pick(logits[:1], sampling, gen))
+    tokens = draft.tokens.tolist()
     if draft.parents is not None:
-        tokens = draft.tokens[0].tolist()
         if sampling.greedy:
-            tv = tree_greedy_verify(logits[0], tokens, draft.parents)
+            tv = tree_greedy_verify(logits, tokens, draft.parents)
         elif draft.probs is None:
-            tv = tree_point_mass_sample(probs(logits, sampling)[0], tokens, draft.parents, gen)
+            tv = tree_point_mass_sample(probs(logits, sampling), tokens, draft.parents, gen)
         else:
             raise NotImplementedError("token trees are verified for deterministic drafts (probs=None) only")
         return tv.path, tv.next_token
     if sampling.greedy:
-        verdict = greedy_verify(logits, draft.tokens)
+        verdict = greedy_verify(logits[None], draft.tokens[None])
     elif draft.probs is None:  # deterministic drafter: q is a point mass on each draft
-        verdict = point_mass_sample(probs(logits, sampling), draft.tokens, gen)
+        verdict = point_mass_sample(probs(logits[None], sampling), draft.tokens[None], gen)
     else:
-        verdict = rejection_sample(probs(logits, sampling), draft.probs, draft.tokens, gen)
+        verdict = rejection_sample(probs(logits[None], sampling), draft.probs[None], draft.tokens[None], gen)
     return list(range(int(verdict.num_accepted[0]))), int(verdict.next_token[0])
+
+
+def run(target: Transformer, prompt_ids: list[int], cfg: GenerationConfig, sampling: SamplingParams,
+        drafter: Drafter | None = None, tokenizer: Tokenizer | None = None) -> GenerationResult:  # fmt: skip
+    """One sequence, to the end: plain decoding without a drafter, speculative with one."""
+    engine = Engine(target, tokenizer)
+    sid = engine.add(prompt_ids, cfg, sampling, drafter)
+    while engine.has_work():
+        engine.step()
+    return engine.result(sid)

@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from .. import __version__, registry
-from ..api import LoadedModel, encode_prompt, generate, load, make_drafter
+from ..api import LoadedModel, encode_prompt, generate, load
+from ..drafters import DRAFTERS
 from ..engine import GenerationResult
 from .costmodel import Acceptance, Costs, Recommendation, measure_costs, recommend
 from .suite import Prompt, load_prompts, select
 
-METHODS = ("draft-model", "prompt-lookup", "early-exit", "lookahead")
+METHODS = tuple(DRAFTERS)  # every registered drafter
 
 
 @dataclass(frozen=True)
@@ -196,12 +197,6 @@ def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def make_drafters(settings: GridSettings, target: LoadedModel) -> dict[str, Any]:
-    """One drafter object per model-free method (the API's, default options), kept across
-    prompts (early exit calibrates its layer on the first prompt it sees and keeps it)."""
-    return {m: make_drafter(target, None, m) for m in settings.methods if m != "draft-model"}
-
-
 def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: LoadedModel | None = None,
              progress: Callable[[str], None] | None = None) -> GridResult:  # fmt: skip
     """Run the grid. `target`/`draft` may be passed already loaded (else loaded by name)."""
@@ -212,7 +207,6 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
     target = target or load(settings.target, dtype=settings.dtype)
     if "draft-model" in settings.methods:
         draft = draft or load(settings.draft, dtype=settings.dtype)  # type: ignore[arg-type]
-    drafters = make_drafters(settings, target)
     result = GridResult(settings, machine(), mode=target.model.mode)
     generate(target, [1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)  # warm-up: first-call costs
     total = len(prompts) * len(settings.temperatures) * settings.repeats * (1 + len(settings.methods))
@@ -234,10 +228,10 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                     bar.update()
                     for method in settings.methods:
                         bar.set_postfix_str(f"{prompt.id} T={temp} {method}")
-                        if method == "draft-model":
-                            res = generate(target, ids, assistant_model=draft, **common)
-                        else:
-                            res = generate(target, ids, drafter=drafters[method], **common)
+                        # a fresh drafter per run, with its default options (early exit's
+                        # calibration is kept per target: done on the first prompt)
+                        res = generate(target, ids, drafter=method, assistant_model=draft if method == "draft-model"
+                                       else None, **common)  # fmt: skip
                         result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
                         bar.update()
     if progress is not None:

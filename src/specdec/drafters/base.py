@@ -1,16 +1,28 @@
-"""The drafter protocol and registry.
+"""The drafter protocol and the registry of drafters by name.
 
-A drafter's whole life (as in llama.cpp's common/speculative.h): `begin` with the committed
-tokens, `propose` k tokens, be told how many were `accepted` (plus the target's own next
-token) so it can roll its own state back. Each drafter lives in its own module and
-registers itself by name.
+A drafter's whole life (as in llama.cpp's common/speculative.h), every hook declared here
+with its default:
+
+* `begin(session)`: the committed tokens of one sequence (prompt + first token);
+* `propose(k) -> Draft`: up to k tokens in a row (a chain, or a token tree);
+* `accepted(feedback)`: what the target's pass decided (the accepted path, the target's own
+  next token) and what it computed for this sequence (logits; hidden states and chosen layers
+  on request), so the drafter can roll its own state back and learn from the target;
+* `end()`: the sequence is finished or cancelled; release what it holds.
+
+One drafter object serves one sequence. Drafters that can draft for several sequences in one
+model call (a draft model) say so with `batch_key` and implement `propose_batch`; the engine
+groups them. Each drafter lives in its own module and registers itself with `register`,
+declaring its options once: the CLI, the API, `specdec bench` and benchmarks/ build drafters
+through `make_drafter`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+import inspect
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -23,7 +35,7 @@ class ExtraRows:
     lookahead branch of lookahead decoding). They are never committed, and no draft node
     attends to them."""
 
-    tokens: torch.Tensor  # [B, R]
+    tokens: torch.Tensor  # [R]
     offsets: torch.Tensor  # [R] int64 position of each row relative to the last committed token (>= 1)
     mask: torch.Tensor  # [R, R] bool among the rows, lower-triangular; every row also sees the
     # committed context and the last committed token
@@ -31,28 +43,32 @@ class ExtraRows:
 
 @dataclass
 class Draft:
-    """What a drafter proposes for one verification pass.
+    """What a drafter proposes for one verification pass of one sequence.
 
     A chain (the default): `tokens` continue the last committed token one after another. A
     token tree: `parents[j]` is the index of node j's parent among the draft tokens (-1: the
     last committed token), parents before children, siblings with distinct tokens, best first.
     """
 
-    tokens: torch.Tensor  # [B, K] proposed token ids (K may be 0)
-    probs: torch.Tensor | None  # [B, K, V] q the tokens were drawn from; None: deterministic (point mass)
-    parents: list[int] | None = None  # token tree (B = 1, point masses); None: a chain
-    extra: ExtraRows | None = None  # scored in the same pass; logits go to the drafter's `scored_extra`
+    tokens: torch.Tensor  # [K] proposed token ids (K may be 0)
+    probs: torch.Tensor | None = None  # [K, V] q the tokens were drawn from; None: deterministic (point mass)
+    parents: list[int] | None = None  # token tree (point masses); None: a chain
+    extra: ExtraRows | None = None  # scored in the same pass; logits go to `Feedback.extra_logits`
     # Self-speculation: the drafter already ran blocks [0, from_layer) of the target for the
     # last committed token and every draft token (writing their KV in the target's cache);
     # `hidden` is the residual entering block `from_layer`, and verification runs the rest.
-    hidden: torch.Tensor | None = None  # [B, K+1, D]
+    hidden: torch.Tensor | None = None  # [K+1, D]
     from_layer: int = 0
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu") -> Draft:
+        return Draft(torch.zeros(0, dtype=torch.long, device=device))
 
     def depths(self) -> list[int]:
         """Each draft node's depth (1: a child of the last committed token); checks that
         parents come before their children."""
         if self.parents is None:
-            return list(range(1, int(self.tokens.shape[1]) + 1))
+            return list(range(1, int(self.tokens.shape[0]) + 1))
         depths: list[int] = []
         for j, p in enumerate(self.parents):
             if not -1 <= p < j:
@@ -67,49 +83,148 @@ class Draft:
 
 @dataclass
 class DraftSession:
-    """What every drafter is told at `begin`."""
+    """What a drafter is told at `begin`: one sequence."""
 
-    context: torch.Tensor  # [B, T] all committed tokens (prompt + first generated token)
+    context: list[int]  # all committed tokens (prompt + first generated token)
     capacity: int  # the most tokens the sequence (plus drafts) can reach
     sampling: SamplingParams
     generator: torch.Generator  # the drafter's own, seeded
     target: Any = None  # the target Transformer (drafters that share its weights check it)
-    target_cache: Any = None  # the target's KVCache (self-speculation writes its early blocks' KV there)
+    target_cache: Any = None  # the sequence's KVCache in the target (self-speculation writes its early blocks' KV there)
 
 
-@runtime_checkable
-class Drafter(Protocol):
+@dataclass
+class Feedback:
+    """What one verification pass decided for a sequence and what the target computed for it."""
+
+    path: list[int]  # accepted draft nodes, root first (a chain: 0 .. n-1)
+    next_token: int  # the target's own token after them (recovered or bonus)
+    logits: torch.Tensor  # [K+1, V] row 0 after the last committed token, row j+1 after draft node j
+    extra_logits: torch.Tensor | None = None  # [R, V] the draft's extra rows (`Draft.extra`)
+    hidden: torch.Tensor | None = None  # [K+1, D] final-normed hidden states (drafters with `wants_hidden`)
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # residual after each `feature_layers` layer, [K+1, D]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def accepted_rows(self) -> list[int]:
+        """Rows of `logits`/`hidden`/`layers` on the committed path: the last committed token,
+        then each accepted node (their hidden states are what a feature-level drafter reads)."""
+        return [0] + [j + 1 for j in self.path]
+
+
+class Drafter:
+    """Base class of every drafter; subclasses override `begin` and `propose`, and the other
+    hooks where they need them."""
+
+    name: ClassVar[str] = ""
+    scratch_rows: int = 0  # most cache slots a pass needs beyond k + 1 (tree branches, extra rows)
+    wants_hidden: bool = False  # Feedback.hidden: the target's final-normed hidden states
+    feature_layers: tuple[int, ...] = ()  # Feedback.layers: the residual after these target layers
+
+    def __init__(self) -> None:
+        self.forwards = 0  # model forward calls made so far (0 for model-free drafters)
+        self.info: dict[str, Any] = {}  # what the drafter chose and measured (reported in the metrics)
+
+    def begin(self, session: DraftSession) -> None:
+        raise NotImplementedError
+
+    def propose(self, k: int) -> Draft:
+        raise NotImplementedError
+
+    def accepted(self, feedback: Feedback) -> None:
+        """The verification pass kept `feedback.path` of the last proposal, then `next_token`."""
+
+    def end(self) -> None:
+        """The sequence is finished or cancelled."""
+
+    def batch_key(self) -> Hashable | None:
+        """Drafters with the same key (not None) draft together through `propose_batch`."""
+        return None
+
+    @classmethod
+    def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
+        """Proposals for several sequences at once (drafters of one `batch_key`)."""
+        return [d.propose(k) for d, k in zip(drafters, ks, strict=True)]
+
+
+# -- registry ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """One option of a drafter: its keyword in the drafter's constructor (where the default
+    lives), its command-line flag and help."""
+
     name: str
-    forwards: int  # model forward calls made so far (0 for model-free drafters)
+    help: str
+    flag: str = ""  # default: --name-with-dashes
 
-    def begin(self, session: DraftSession) -> None: ...
-
-    def propose(self, k: int) -> Draft: ...
-
-    def accepted(self, num_accepted: int, next_token: int) -> None:
-        """The first `num_accepted` tokens of the last proposal were kept, then `next_token`.
-        Tree drafters also get ``path=`` (a keyword): the accepted nodes' indices, root first.
-        Drafters that return `Draft.extra` also implement ``scored_extra(logits [B, R, V])``,
-        called after the verification pass and before `accepted`, and drafters whose passes
-        hold more rows than k + 1 (trees, extra rows) set ``scratch_rows``: the most extra
-        cache slots a pass needs."""
-        ...
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
 
 
-DRAFTERS: dict[str, Callable[..., Drafter]] = {}
+Needs = Literal["", "draft", "target"]
 
 
-def register(name: str) -> Callable[[type], type]:
+@dataclass(frozen=True)
+class DrafterSpec:
+    name: str
+    cls: type[Drafter]
+    needs: Needs  # "draft": built from a second model; "target": from the target model; "": model-free
+    options: tuple[Option, ...]
+    help: str
+
+    def defaults(self) -> dict[str, Any]:
+        sig = inspect.signature(self.cls.__init__)
+        return {o.name: sig.parameters[o.name].default for o in self.options}
+
+
+DRAFTERS: dict[str, DrafterSpec] = {}
+
+
+def register(name: str, *, help: str, needs: Needs = "", options: tuple[Option, ...] = ()) -> Callable[[type], type]:
     def deco(cls: type) -> type:
         if name in DRAFTERS:
             raise ValueError(f"drafter {name!r} registered twice")
-        DRAFTERS[name] = cls
+        params = inspect.signature(cls.__init__).parameters
+        for o in options:
+            if o.name not in params or params[o.name].default is inspect.Parameter.empty:
+                raise TypeError(f"{cls.__name__} declares option {o.name!r} without a default in __init__")
+        DRAFTERS[name] = DrafterSpec(name, cls, needs, options, help)
         cls.name = name
         return cls
 
     return deco
 
 
+def make_drafter(name: str, *, target: Any = None, draft: Any = None, **options: Any) -> Drafter:
+    """Build a registered drafter. `target`/`draft`: the target's and the draft's Transformer
+    (a drafter takes the one it needs); `options`: the drafter's declared options (None = its
+    default)."""
+    spec = DRAFTERS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(sorted(DRAFTERS))}")
+    known = {o.name for o in spec.options}
+    unknown = [k for k, v in options.items() if k not in known and v is not None]
+    if unknown:
+        raise ValueError(f"the {name} drafter has no option {unknown[0]!r}" +
+                         (f"; its options: {', '.join(sorted(known))}" if known else " (it takes none)"))  # fmt: skip
+    kwargs = {k: v for k, v in options.items() if v is not None}
+    if spec.needs == "draft":
+        if draft is None:
+            raise ValueError(f"the {name} drafter needs a draft model (--draft NAME, or assistant_model=)")
+        return spec.cls(draft, **kwargs)
+    if draft is not None:
+        raise ValueError(f"the {name} drafter uses no draft model; drop the draft (--draft) or use draft-model")
+    if spec.needs == "target":
+        if target is None:
+            raise ValueError(f"the {name} drafter needs the target model")
+        return spec.cls(target, **kwargs)
+    return spec.cls(**kwargs)
+
+
 def point_mass(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """q for a deterministic draft: one-hot rows. tokens [B, K] -> [B, K, V]."""
+    """q for a deterministic draft: one-hot rows. tokens [K] -> [K, V]."""
     return torch.nn.functional.one_hot(tokens, vocab_size).float()

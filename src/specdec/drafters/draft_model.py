@@ -2,33 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 
 from ..model.cache import KVCache
-from ..model.transformer import Transformer
+from ..model.transformer import Segment, Transformer
 from ..sampling import probs, sample
-from .base import Draft, DraftSession, register
+from .base import Draft, Drafter, DraftSession, Feedback, register
 
 
-@register("draft-model")
-class DraftModelDrafter:
-    """Keeps its own KV cache. The cache holds a prefix of the committed tokens; `propose`
-    feeds whatever committed tokens it lacks (1, or 2 after a fully accepted step) and then
-    each new draft but the last."""
-
-    name: str
+@register("draft-model", needs="draft", help="a smaller model of the same tokenizer drafts k tokens (--draft MODEL)")
+class DraftModelDrafter(Drafter):
+    """Keeps its own KV cache of the committed tokens. A proposal feeds whatever committed
+    tokens the cache lacks (1, or 2 after a fully accepted step) and then each new draft but
+    the last. Drafters of one draft model propose together: each of the k draft steps is one
+    forward of the draft model over every sequence's pending rows."""
 
     def __init__(self, model: Transformer) -> None:
+        super().__init__()
         self.model = model
-        self.forwards = 0
         self.session: DraftSession | None = None  # set by `begin`
         self.cache: KVCache | None = None
         self._tokens: list[int] = []  # committed sequence
         self._proposal: list[int] = []
 
     def begin(self, session: DraftSession) -> None:
-        if session.context.shape[0] != 1:
-            raise NotImplementedError("the draft-model drafter runs one sequence at a time")
         if session.capacity > self.model.args.max_seq_len:
             raise ValueError(
                 f"the draft model's context ({self.model.args.max_seq_len}) is shorter than the "
@@ -36,47 +35,65 @@ class DraftModelDrafter:
             )
         self.session = session
         self.cache = self.model.new_cache(session.capacity)
-        self._tokens = session.context[0].tolist()
+        self._tokens = list(session.context)
         self._proposal = []
-        self._feed(self._tokens[:-1])
-
-    def _feed(self, tokens: list[int]) -> torch.Tensor:
-        """Run the draft over `tokens`; logits after the last one, [1, V]."""
-        assert self.cache is not None, "begin() first"
-        x = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
         self.forwards += 1
-        return self.model(x, self.cache, last_only=True).logits[:, -1]
+        self.model(torch.tensor([self._tokens[:-1]], device=self.model.device), self.cache, last_only=True)
+
+    def end(self) -> None:
+        self.cache = None  # free the draft's KV cache
+
+    def batch_key(self) -> Hashable:
+        return ("draft-model", id(self.model))
 
     def propose(self, k: int) -> Draft:
-        if self.session is None or self.cache is None:
-            raise RuntimeError("DraftModelDrafter.propose() called before begin()")
-        sampling = self.session.sampling
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        pending = self._tokens[self.cache.length :]
-        for _ in range(k):
-            logits = self._feed(pending)
-            if sampling.greedy:
-                tok = int(logits.argmax(-1))
-            else:
-                q = probs(logits, sampling)  # [1, V]
-                tok = int(sample(q, self.session.generator))
-                qs.append(q)
-            tokens.append(tok)
-            pending = [tok]
-        self._proposal = tokens
-        dev = self.model.device
-        out = torch.tensor([tokens], dtype=torch.long, device=dev).reshape(1, k)
-        q_all: torch.Tensor | None = None  # greedy: the drafts are argmaxes, q is not needed
-        if not sampling.greedy:
-            q_all = torch.stack(qs, dim=1) if qs else torch.zeros(1, 0, self.model.args.vocab_size, device=dev)
-        return Draft(out, q_all)
+        return self.propose_batch([self], [k])[0]
 
-    def accepted(self, num_accepted: int, next_token: int) -> None:
-        kept = self._proposal[:num_accepted]
+    @classmethod
+    def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
+        group: list[DraftModelDrafter] = [d for d in drafters if isinstance(d, DraftModelDrafter)]
+        if len(group) != len(drafters) or len({id(d.model) for d in group}) > 1:
+            raise ValueError("propose_batch takes draft-model drafters of one draft model")
+        model = group[0].model
+        for d in group:
+            if d.session is None or d.cache is None:
+                raise RuntimeError("DraftModelDrafter.propose() called before begin()")
+            d._proposal = []
+        qs: list[list[torch.Tensor]] = [[] for _ in group]
+        pending = [d._tokens[d.cache.length :] for d in group]  # type: ignore[union-attr]
+        for step in range(max(ks, default=0)):
+            live = [i for i, k in enumerate(ks) if step < k]
+            segs = [Segment(torch.tensor(pending[i], device=model.device), group[i].cache, last_only=True)  # type: ignore[arg-type]
+                    for i in live]  # fmt: skip
+            outs = model.forward_batch(segs)
+            for i, out in zip(live, outs, strict=True):
+                d = group[i]
+                d.forwards += 1
+                logits = out.logits[:, -1]  # [1, V]
+                sampling = d.session.sampling  # type: ignore[union-attr]
+                if sampling.greedy:
+                    tok = int(logits.argmax(-1))
+                else:
+                    q = probs(logits, sampling)  # [1, V]
+                    tok = int(sample(q, d.session.generator))  # type: ignore[union-attr]
+                    qs[i].append(q[0])
+                d._proposal.append(tok)
+                pending[i] = [tok]
+        drafts = []
+        for i, d in enumerate(group):
+            toks = torch.tensor(d._proposal, dtype=torch.long, device=model.device)
+            q_all = None  # greedy: the drafts are argmaxes, q is not needed
+            if not d.session.sampling.greedy:  # type: ignore[union-attr]
+                q_all = torch.stack(qs[i]) if qs[i] else torch.zeros(0, model.args.vocab_size, device=model.device)
+            drafts.append(Draft(toks, q_all))
+        return drafts
+
+    def accepted(self, feedback: Feedback) -> None:
+        assert self.cache is not None
+        n = feedback.num_accepted
         # The cache holds the old committed tokens plus the drafts that were fed (all but the
         # last); keep exactly the part that is still on the committed path.
-        valid = len(self._tokens) + min(num_accepted, max(len(self._proposal) - 1, 0))
-        self._tokens += kept + [next_token]
+        valid = len(self._tokens) + min(n, max(len(self._proposal) - 1, 0))
+        self._tokens += self._proposal[:n] + [feedback.next_token]
         self.cache.truncate(min(self.cache.length, valid))
         self._proposal = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -27,20 +28,29 @@ import torch
 from ..model.cache import KVCache
 from ..model.transformer import Transformer
 from ..sampling import probs, sample
-from .base import Draft, DraftSession, register
+from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 
 CALIBRATION_TOKENS = 32  # prompt tail used to measure agreement
 CALIBRATION_REPEATS = 3  # timed repeats per measurement (median)
 
+# Calibrations done in this process, per target model, k and greedy/sampled: one drafter
+# object serves one sequence, the calibration serves every sequence of that target.
+_CALIBRATED: weakref.WeakKeyDictionary[Transformer, dict[tuple, dict[str, Any]]] = weakref.WeakKeyDictionary()
 
-@register("early-exit")
-class EarlyExitDrafter:
+
+@register(
+    "early-exit",
+    needs="target",
+    help="the target's own first L layers draft (self-speculation); L calibrated unless --exit-layer",
+    options=(Option("layer", "early-exit: draft with the target's first L layers (unset: calibrated, and reported)",
+                    "--exit-layer"),),
+)  # fmt: skip
+class EarlyExitDrafter(Drafter):
     """Drafts with blocks [0, layer) of `target`, sharing its KV cache. `layer=None`:
-    calibrated on the first proposal (for its k) and kept for later generations."""
-
-    name: str
+    calibrated on the first proposal (for its k) and kept for later sequences of the target."""
 
     def __init__(self, target: Transformer, layer: int | None = None, candidates: tuple[int, ...] | None = None) -> None:
+        super().__init__()
         n = target.args.n_layers
         if n < 2:
             raise ValueError("early-exit self-speculation needs a target with at least 2 layers")
@@ -53,8 +63,7 @@ class EarlyExitDrafter:
         self.layer = layer
         # default candidates: the upper half, where a plain exit starts agreeing with the model
         self.candidates = tuple(sorted(set(candidates))) if candidates else tuple(range(max(1, n // 2), n))
-        self.forwards = 0
-        self.info: dict[str, Any] = {"layer": layer, "n_layers": n, "calibrated": False}
+        self.info = {"layer": layer, "n_layers": n, "calibrated": False}
         self.session: DraftSession | None = None
         self.cache: KVCache | None = None
         self._last = 0  # the last committed token (not yet in the cache)
@@ -63,17 +72,22 @@ class EarlyExitDrafter:
     def begin(self, session: DraftSession) -> None:
         if session.target is not self.model or session.target_cache is None:
             raise ValueError("this early-exit drafter was built for a different target model; build it from the target")
-        if session.context.shape[0] != 1:
-            raise NotImplementedError("the early-exit drafter runs one sequence at a time")
         self.session, self.cache = session, session.target_cache
-        self._last = int(session.context[0, -1])
-        self._context_tail = session.context[0, -CALIBRATION_TOKENS - 1 :].tolist()
+        self._last = session.context[-1]
+        self._context_tail = session.context[-CALIBRATION_TOKENS - 1 :]
 
     def propose(self, k: int) -> Draft:
         if self.session is None or self.cache is None:
             raise RuntimeError("EarlyExitDrafter.propose() called before begin()")
         if self.layer is None:
-            self.layer = self.calibrate(self._context_tail, max(k, 1))
+            key = (max(k, 1), self.session.sampling.greedy, self.candidates)
+            known = _CALIBRATED.setdefault(self.model, {}).get(key)
+            if known is None:
+                self.calibrate(self._context_tail, max(k, 1))
+                _CALIBRATED[self.model][key] = dict(self.info)
+            else:
+                self.info = dict(known)
+            self.layer = self.info["layer"]
         L, cache, sampling = self.layer, self.cache, self.session.sampling
         dev = self.model.device
         base = cache.length  # slot of the last committed token
@@ -101,12 +115,12 @@ class EarlyExitDrafter:
         q_all = None
         if not sampling.greedy:
             V = self.model.args.vocab_size
-            q_all = torch.stack(qs, dim=1) if qs else torch.zeros(1, 0, V, device=dev)
-        toks = torch.tensor([tokens], dtype=torch.long, device=dev).reshape(1, k)
-        return Draft(toks, q_all, hidden=torch.cat(hidden, dim=1), from_layer=L)
+            q_all = torch.cat(qs) if qs else torch.zeros(0, V, device=dev)
+        toks = torch.tensor(tokens, dtype=torch.long, device=dev)
+        return Draft(toks, q_all, hidden=torch.cat(hidden, dim=1)[0], from_layer=L)
 
-    def accepted(self, num_accepted: int, next_token: int) -> None:
-        self._last = next_token
+    def accepted(self, feedback: Feedback) -> None:
+        self._last = feedback.next_token
 
     # -- calibration ----------------------------------------------------------------------
     def calibrate(self, context: list[int], k: int) -> int:

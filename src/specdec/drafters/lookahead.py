@@ -28,22 +28,27 @@ from __future__ import annotations
 
 import torch
 
-from .base import Draft, DraftSession, ExtraRows, register
+from .base import Draft, Drafter, DraftSession, ExtraRows, Feedback, Option, register
 
 POOL_PER_KEY = 16  # n-grams remembered per first token (most recent first)
 
 
-@register("lookahead")
-class LookaheadDrafter:
-    name: str
-
+@register(
+    "lookahead",
+    help="lookahead decoding: Jacobi window + n-gram pool, verified as a token tree",
+    options=(Option("window", "lookahead: window size W (Jacobi columns)"),
+             Option("ngram", "lookahead: n-gram size N (the window has N-1 levels)"),
+             Option("guesses", "lookahead: most pool n-grams verified per step (G)")),
+)  # fmt: skip
+class LookaheadDrafter(Drafter):
     def __init__(self, window: int = 1, ngram: int = 3, guesses: int = 2, pool_from_context: bool = True) -> None:
         """`window` W, `ngram` N, `guesses` G as in the paper; a pass scores 1 + W(N-1) + up to
-        G(N-1) rows. The defaults are small because rows are dear on a CPU: in the q4k mode
-        each row beyond the second costs ~0.2 of a one-token pass of the Qwen 1.5B (measured:
-        4 rows 1.47x, 9 rows 2.9x, 13 rows 3.6x one row), and wider windows lost more than they
-        gained there. Accelerators, where a pass of tens of rows costs about one row, want the
-        paper's wider settings (W=15, N=5, G=15 for 7B models on an A100)."""
+        G(N-1) rows. The defaults are small because rows are dear on a CPU (each row beyond
+        the second costs a fraction of a one-token pass in the q4k mode; see the README), and
+        wider windows lost more than they gained there. Accelerators, where a pass of tens of
+        rows costs about one row, want the paper's wider settings (W=15, N=5, G=15 for 7B
+        models on an A100)."""
+        super().__init__()
         if window < 0 or ngram < 2 or guesses < 1:
             raise ValueError(
                 f"lookahead needs window >= 0, ngram >= 2 and guesses >= 1 (got window={window}, "
@@ -52,7 +57,6 @@ class LookaheadDrafter:
         self.W, self.N, self.G = window, ngram, guesses
         self.pool_from_context = pool_from_context
         self.scratch_rows = window * (ngram - 1) + guesses * (ngram - 1)
-        self.forwards = 0  # rides in the target's pass: no forwards of its own
         self._tokens: list[int] = []
         self._pool: dict[int, list[tuple[int, ...]]] = {}
         self._levels: list[list[int]] = []  # lookahead window, oldest level first
@@ -62,11 +66,9 @@ class LookaheadDrafter:
         self._device = torch.device("cpu")
 
     def begin(self, session: DraftSession) -> None:
-        if session.context.shape[0] != 1:
-            raise NotImplementedError("the lookahead drafter runs one sequence at a time")
-        self._device = session.context.device
+        self._device = session.generator.device
         self._max_pos = session.target.args.max_seq_len if session.target is not None else session.capacity + self.W + self.N
-        ctx = session.context[0].tolist()
+        ctx = list(session.context)
         self._tokens, self._pool, self._proposal, self._rows = [], {}, [], []
         self._extend(ctx)
         # level 0 starts as tokens drawn from the context (as the reference implementation does)
@@ -120,22 +122,22 @@ class LookaheadDrafter:
             for m in range(1, lvl + 1):
                 mask[r, index[(m, i)]] = True  # own column, levels 1..lvl
         self._rows = rows
-        toks = torch.tensor([[levels[lvl][i] for lvl, i in rows]], dtype=torch.long, device=self._device)
+        toks = torch.tensor([levels[lvl][i] for lvl, i in rows], dtype=torch.long, device=self._device)
         offsets = torch.tensor([1 + i + lvl for lvl, i in rows], dtype=torch.long, device=self._device)
         return ExtraRows(toks, offsets, mask.to(self._device))
 
     def propose(self, k: int) -> Draft:
         tokens, parents = self._tree(k) if k > 0 else ([], [])
         self._proposal = tokens
-        t = torch.tensor([tokens], dtype=torch.long, device=self._device).reshape(1, len(tokens))
+        t = torch.tensor(tokens, dtype=torch.long, device=self._device)
         return Draft(t, None, parents=parents, extra=self._window_rows())
 
-    def scored_extra(self, logits: torch.Tensor) -> None:
-        """logits [1, R, V] of the window rows: the top level's argmaxes are the next guesses."""
+    def _scored_window(self, logits: torch.Tensor) -> None:
+        """logits [R, V] of the window rows: the top level's argmaxes are the next guesses."""
         if not self._rows:
             return
         top = len(self._levels) - 1
-        guess = logits[0].argmax(-1).tolist()
+        guess = logits.argmax(-1).tolist()
         new = [guess[r] for r, (lvl, _) in enumerate(self._rows) if lvl == top]
         if len(self._levels) == self.N - 1:
             for i in range(self.W):  # column i's levels plus its new guess: an n-gram
@@ -143,7 +145,8 @@ class LookaheadDrafter:
             self._levels = self._levels[1:]
         self._levels.append(new)
 
-    def accepted(self, num_accepted: int, next_token: int, path: list[int] | None = None) -> None:
-        kept = [self._proposal[j] for j in (path if path is not None else range(num_accepted))]
-        self._extend(kept + [next_token])
+    def accepted(self, feedback: Feedback) -> None:
+        if feedback.extra_logits is not None:
+            self._scored_window(feedback.extra_logits)
+        self._extend([self._proposal[j] for j in feedback.path] + [feedback.next_token])
         self._proposal = []

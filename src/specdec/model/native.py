@@ -2,7 +2,8 @@
 
 - ``kquant.c``: linear layers over K-quant weight blocks (the q4k mode, see `kquant`).
 - ``attention.c``: attention for chains of up to 64 new tokens, row by row in one call (the
-  batch-invariant modes' decoding and verification path, see `attend_rows`).
+  batch-invariant modes' decoding and verification path, several sequences at once; see
+  `SegmentAttention`).
 
 The library is compiled at first use with the system C compiler (gcc, ~2 s) into the specdec
 cache, in an AVX2 build or, where the CPU has AVX512-BW/VL/VNNI, an AVX-512 build; both give
@@ -104,34 +105,86 @@ def _library(variant: str) -> ctypes.CDLL:
     lib.specdec_tile_bytes.argtypes = [c_int]
     lib.specdec_tile_bytes.restype = c_int
     lib.specdec_tile_outputs.restype = c_int
-    lib.specdec_attend_rows.argtypes = [
-        c_ptr, c_int, c_int, c_int, c_int, c_ptr, c_ptr, c_int, c_int, c_int, c_ptr, c_float, c_ptr, c_int,
+    lib.specdec_attend_segments.argtypes = [
+        c_ptr, c_ptr, c_ptr, c_int, c_int, c_int, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr,
+        c_float, c_ptr, c_int, c_int,
     ]  # fmt: skip
-    lib.specdec_attend_rows.restype = c_int
+    lib.specdec_attend_segments.restype = c_int
     return lib
+
+
+class SegmentAttention:
+    """One forward's row-by-row attention over several sequences (a packed batch), prepared once
+    and called once per layer: segment s has T[s] new rows starting at slot start[s] of its
+    own cache and an optional mask [T[s], start[s] + T[s]] (nonzero = may attend; None: every
+    earlier key). Each row is computed exactly as one-token decoding at its position computes
+    it (see csrc/attention.c), whatever else shares the call."""
+
+    def __init__(
+        self,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],  # per segment: K, V buffers [L, 1, H_kv, S_cap, D] float32
+        starts: list[int],
+        lengths: list[int],
+        masks: list[torch.Tensor | None],  # per segment [T, start+T] bool/uint8, or None
+        scale: float,
+    ) -> None:
+        for k, v in caches:
+            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.shape[-1] % 8:
+                raise ValueError("native attention needs contiguous float32 caches and a head size that is a multiple of 8")
+        self.n_rows = sum(lengths)
+        self.seg = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+        self.t = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
+        self.start = torch.tensor(starts, dtype=torch.int32)
+        self.T = torch.tensor(lengths, dtype=torch.int32)
+        self.cap = torch.tensor([k.shape[3] for k, _ in caches], dtype=torch.int32)
+        self.n_kv_heads = caches[0][0].shape[2]
+        self.masks = [None if m is None else m.to(torch.uint8).contiguous() for m in masks]  # kept alive
+        self.mask_ptrs = torch.tensor([0 if m is None else m.data_ptr() for m in self.masks], dtype=torch.int64)
+        self.k_base = torch.tensor([k.data_ptr() for k, _ in caches], dtype=torch.int64)
+        self.v_base = torch.tensor([v.data_ptr() for _, v in caches], dtype=torch.int64)
+        self.layer_bytes = torch.tensor([k.stride(0) * 4 for k, _ in caches], dtype=torch.int64)
+        self.max_end = max(s + n for s, n in zip(starts, lengths, strict=True))
+        self.scale = float(scale)
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [N, H, D] float32 rotated queries, rows packed segment after segment
+        k_new: torch.Tensor | None,  # [N, H_kv, D] the new rows' keys (rotated), written to their slots first
+        v_new: torch.Tensor | None,  # [N, H_kv, D]; None (both): the caches hold them already
+    ) -> torch.Tensor:  # [N, H, D]
+        N, H, D = q.shape
+        q = q.contiguous()
+        if k_new is not None and v_new is not None:
+            k_new, v_new = k_new.contiguous(), v_new.contiguous()
+        out = torch.empty_like(q)
+        kv = (k_new.data_ptr(), v_new.data_ptr()) if k_new is not None and v_new is not None else (None, None)
+        k_ptrs = self.k_base + layer * self.layer_bytes
+        v_ptrs = self.v_base + layer * self.layer_bytes
+        rc = library().specdec_attend_segments(
+            q.data_ptr(), *kv, N, H, self.n_kv_heads, D, self.seg.data_ptr(),
+            self.t.data_ptr(), self.start.data_ptr(), self.T.data_ptr(), self.cap.data_ptr(), k_ptrs.data_ptr(),
+            v_ptrs.data_ptr(), self.mask_ptrs.data_ptr(), self.scale, out.data_ptr(), self.max_end,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("native attention could not allocate its score buffers")
+        return out
 
 
 def attend_rows(
     q: torch.Tensor,  # [B, T, H, D] float32, rotated
-    k_cache: torch.Tensor,  # [B, H_kv, S_cap, D] float32, this layer's slice (new keys written)
+    k_cache: torch.Tensor,  # [B, H_kv, S_cap, D] float32 (new keys already written)
     v_cache: torch.Tensor,
     start: int,  # slot of the first new token
     mask: torch.Tensor | None,  # [B, T, start+T] bool or uint8 (nonzero = may attend), or None: all earlier keys
     scale: float | None,  # None: 1/sqrt(D), as in scaled_dot_product_attention
 ) -> torch.Tensor:  # [B, T, H, D]
-    """Causal attention of T new tokens over the cache, each row exactly as one-token decoding
-    at its position computes it (see csrc/attention.c)."""
+    """Causal attention of T new tokens over a batch of caches that share one length: each
+    batch element is a segment of `SegmentAttention`."""
     B, T, H, D = q.shape
-    if D % 8 or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
-        raise ValueError("native attention needs float32 tensors and a head size that is a multiple of 8")
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    scale = D**-0.5 if scale is None else float(scale)
-    m = None if mask is None else mask.to(torch.uint8).contiguous()  # no copy when already so
-    rc = library().specdec_attend_rows(
-        q.data_ptr(), B, T, H, D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
-        start, None if m is None else m.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("native attention could not allocate its score buffers")
-    return out
+    caches = [(k_cache[b : b + 1, None].contiguous(), v_cache[b : b + 1, None].contiguous()) for b in range(B)]
+    masks = [None if mask is None else mask[b] for b in range(B)]
+    attend = SegmentAttention(caches, [start] * B, [T] * B, masks, D**-0.5 if scale is None else scale)
+    out = attend(0, q.reshape(B * T, H, D).float(), None, None)
+    return out.view(B, T, H, D)

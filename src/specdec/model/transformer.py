@@ -4,10 +4,17 @@ Module names follow the Hugging Face checkpoints (``model.layers.0.self_attn.q_p
 so safetensors load without a name map. One forward call scores any number of new tokens
 at given positions against the KV cache, with an optional mask among the new tokens (token
 trees), and returns logits for every new position plus, on request, hidden states.
+
+`forward_batch` does that for several sequences in one pass (a packed batch): each sequence
+(`Segment`) brings its own rows, cache, positions and mask; their rows are stacked so every
+linear layer runs once over all of them, and each row attends only to its own sequence's
+cache. In the batch-invariant modes a row's result does not depend on the other rows of the
+call, so a sequence decodes bitwise the same alone or in any batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,19 +33,33 @@ ROW_ATTENTION_MAX = 64
 
 
 @dataclass
-class RowAttention:
-    """How a layer attends row by row (batch-invariant modes, chains of new tokens): with the
-    native kernel (`mask`: [B, T, end] uint8, nonzero = may attend, or None for all earlier
-    keys), or one framework call per row (`rows`: the per-row masks a one-token step would pass)."""
+class Segment:
+    """One sequence's new rows in a forward (`Transformer.forward_batch`)."""
 
-    native: bool
-    mask: torch.Tensor | None = None
-    rows: list[torch.Tensor | None] | None = None
+    tokens: torch.Tensor  # [T] new token ids
+    cache: KVCache  # this sequence's own cache; the rows go to its next free slots
+    positions: torch.Tensor | None = None  # [T]; default: cache.length + arange(T)
+    tree_mask: torch.Tensor | None = None  # [T, T] bool among the new rows (token trees, extra rows)
+    hidden_in: torch.Tensor | None = None  # [T, D] residual entering block `lo`; required exactly when lo > 0
+    lo: int = 0  # first block to run (self-speculation already ran blocks [0, lo) for these rows)
+    last_only: bool = False  # logits (and hidden/residual) for the last row only (prefill)
 
 
-def _kernel_mask(mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, end] bool -> the native attention's [B, T, end] uint8."""
-    return mask[:, 0].to(torch.uint8).contiguous()
+@dataclass
+class _SegmentPlan:
+    """How one segment attends in this forward."""
+
+    seg: Segment
+    start: int  # slot of its first new row
+    T: int
+    positions: torch.Tensor  # [1, T]
+    masks: dict[bool, torch.Tensor | None]  # per layer kind (sliding?): [1, 1, T, start+T] bool, None = all keys
+    native: dict[bool, torch.Tensor | None] | None = None  # row by row in the native kernel: per-kind [T, end] masks
+    rows: dict[bool, list[torch.Tensor | None]] | None = None  # row by row through the framework: per-row masks
+
+    @property
+    def end(self) -> int:
+        return self.start + self.T
 
 
 @dataclass
@@ -79,14 +100,14 @@ class Rotary:
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) laid out for `rotate`, looked up once per forward. positions: [B, T]."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [B, 1, T, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # [B, 1, T, D]
+        cos = self.cos[positions].unsqueeze(2).to(dtype)  # [B, T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(2).to(dtype)
+        return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # [B, T, 1, D]
 
 
 def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate-half RoPE: (x1 cos - x2 sin, x2 cos + x1 sin), computed as x*cos + (x2, x1)*(-sin, sin),
-    which is the same floating-point result in fewer operations. x: [B, H, T, D]."""
+    which is the same floating-point result in fewer operations. x: [B, T, H, D]."""
     cos, sin = tables
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), -1) * sin
@@ -106,47 +127,21 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, T, D]
-        rope: tuple[torch.Tensor, torch.Tensor],  # this layer's (cos, sin) tables, see Rotary.tables
-        k_cache: torch.Tensor,  # [B, H_kv, S_cap, Dh] this layer's slice
-        v_cache: torch.Tensor,
-        start: int,  # slot of the first new token
-        mask: torch.Tensor | None,  # [B, 1, T, start+T] bool, True = may attend
-        row_masks: RowAttention | None = None,  # row-by-row attention (see Transformer)
+        x: torch.Tensor,  # [1, N, D] the packed rows of every segment
+        rope: tuple[torch.Tensor, torch.Tensor],  # this layer kind's (cos, sin) tables, see Rotary.tables
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],  # see _PackedAttention
     ) -> torch.Tensor:
         a = self.a
-        B, T, _ = x.shape
+        _, N, _ = x.shape
         q, k, v = linear_group((self.q_proj, self.k_proj, self.v_proj), x)
-        q = q.view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # [B, H, T, Dh]
-        k = k.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
-        v = v.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q = q.view(1, N, a.n_heads, a.head_dim)  # [1, N, H, Dh]
+        k = k.view(1, N, a.n_kv_heads, a.head_dim)  # [1, N, Hkv, Dh]
+        v = v.view(1, N, a.n_kv_heads, a.head_dim)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, rope), rotate(k, rope)
-        end = start + T
-        k_cache[:, :, start:end] = k
-        v_cache[:, :, start:end] = v
-        if row_masks is not None and row_masks.native:
-            # one native call for every row and head; row i sees exactly what one-token
-            # decoding at its position sees
-            out = native.attend_rows(q.transpose(1, 2), k_cache, v_cache, start, row_masks.mask, a.attn_scale)
-            return self.o_proj(out.view(B, T, a.n_heads * a.head_dim))  # fmt: skip
-        if row_masks is None:
-            out = F.scaled_dot_product_attention(
-                q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, scale=a.attn_scale,
-                enable_gqa=a.n_rep > 1,
-            )  # [B, H, T, Dh]
-        else:
-            # Each row attends exactly as a one-token decoding step at its position would:
-            # same key range, same mask, same kernel shape -> bitwise the same result.
-            out = torch.cat([
-                F.scaled_dot_product_attention(
-                    q[:, :, i : i + 1], k_cache[:, :, : start + i + 1], v_cache[:, :, : start + i + 1],
-                    attn_mask=row_masks.rows[i], scale=a.attn_scale, enable_gqa=a.n_rep > 1,
-                )
-                for i in range(T)
-            ], dim=2)  # fmt: skip
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+        out = attend(q, k, v)  # [1, N, H, Dh]; writes k, v to each segment's cache
+        return self.o_proj(out.reshape(1, N, a.n_heads * a.head_dim))
 
 
 class MLP(nn.Module):
@@ -177,8 +172,8 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
             self.post_feedforward_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
 
-    def forward(self, x, rope, k_cache, v_cache, start, mask, row_masks=None) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, start, mask, row_masks)
+    def forward(self, x, rope, attend) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope, attend)
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -249,8 +244,8 @@ class Transformer(nn.Module):
     def _masks(
         self, cache: KVCache, positions: torch.Tensor, start: int, tree_mask: torch.Tensor | None
     ) -> dict[bool, torch.Tensor | None]:
-        """Attention masks [B, 1, T, start+T] (True = attend), one per layer kind."""
-        B, T = positions.shape
+        """Attention masks [1, 1, T, start+T] (True = attend), one per layer kind."""
+        T = positions.shape[1]
         end = start + T
         window = self.args.sliding_window
         need_sliding = window is not None and True in self.args.layer_sliding
@@ -261,112 +256,157 @@ class Transformer(nn.Module):
                 masks[True] = self._window(cache, positions, end).unsqueeze(1)
             return masks
         dev = positions.device
-        full = torch.ones(B, T, end, dtype=torch.bool, device=dev)
+        full = torch.ones(1, T, end, dtype=torch.bool, device=dev)
         if tree_mask is None:
             full[:, :, start:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         else:
-            full[:, :, start:] = tree_mask.expand(B, T, T)
+            full[:, :, start:] = tree_mask
         masks = {False: full.unsqueeze(1)}
         if need_sliding:
             masks[True] = (full & self._window(cache, positions, end)).unsqueeze(1)
         return masks
 
     def _window(self, cache: KVCache, positions: torch.Tensor, end: int) -> torch.Tensor:
-        """[B, T, end] True where a key lies inside the query's sliding window."""
+        """[1, T, end] True where a key lies inside the query's sliding window."""
         assert self.args.sliding_window is not None
         return cache.pos[:, None, :end] > positions[:, :, None] - self.args.sliding_window
 
-    def _row_attention(
-        self, masks: dict[bool, torch.Tensor | None], start: int, T: int, tree: bool = False
-    ) -> dict[bool, RowAttention]:
-        """Row-by-row attention per layer kind: exactly what one-token decoding at each position
-        would do (no mask on full layers, the window row on sliding layers; with `tree`, the
-        tree mask: masked keys add exactly nothing in the native kernel)."""
+    def _plan(self, seg: Segment, hi: int) -> _SegmentPlan:
+        """Check a segment, reserve its cache slots and decide how its rows attend: row by row
+        (batch-invariant modes, chains and trees of up to ROW_ATTENTION_MAX rows: exactly what
+        one-token decoding at each position computes), else one framework call."""
+        a = self.args
+        if seg.tokens.dim() != 1:
+            raise ValueError(f"a segment's tokens must be 1-D [T], got shape {tuple(seg.tokens.shape)}")
+        T = seg.tokens.shape[0]
+        if not 0 <= seg.lo < hi <= a.n_layers:
+            raise ValueError(f"blocks must satisfy 0 <= lo < hi <= {a.n_layers} (got {(seg.lo, hi)})")
+        if (seg.lo > 0) != (seg.hidden_in is not None):
+            raise ValueError("hidden_in (the residual entering block lo) is required exactly when blocks starts above 0")
+        if seg.hidden_in is not None and seg.hidden_in.shape != (T, a.dim):
+            raise ValueError(f"hidden_in has shape {tuple(seg.hidden_in.shape)}, expected {(T, a.dim)}")
+        tree = seg.tree_mask
+        if tree is not None and torch.triu(tree, 1).any():
+            raise ValueError("tree_mask must list tokens in topological order: a token may attend only to earlier ones")
+        start = seg.cache.reserve(T)
+        positions = seg.positions if seg.positions is not None else torch.arange(start, start + T, device=self.device)
+        positions = positions.reshape(1, T)
+        if int(positions.max()) >= a.max_seq_len:
+            raise ContextOverflowError(f"position {int(positions.max())} is beyond the model's context of {a.max_seq_len}")
+        seg.cache.pos[:, start : start + T] = positions
+        plan = _SegmentPlan(seg, start, T, positions, self._masks(seg.cache, positions, start, tree))
+        if not self.row_invariant_attention or T > ROW_ATTENTION_MAX:
+            return plan  # one framework call (prefill, or modes that are not batch-invariant anyway)
         if self._native_attention:
             # the kernel already limits row i to keys 0..start+i; only windows and trees need a mask
-            # (as the kernel's bytes, converted once per forward rather than once per layer)
-            full = masks[False]
-            rows_native = {False: RowAttention(True, _kernel_mask(full) if tree and full is not None else None)}
-            if masks.get(True) is not None:
-                rows_native[True] = RowAttention(True, _kernel_mask(masks[True]))
-            return rows_native
-        rows: dict[bool, RowAttention] = {False: RowAttention(False, rows=[None] * T)}
-        if masks.get(True) is not None:
-            rows[True] = RowAttention(False, rows=[masks[True][:, :, i : i + 1, : start + i + 1] for i in range(T)])
-        return rows
+            plan.native = {kind: None if m is None or (not kind and tree is None) else m[0, 0]
+                           for kind, m in plan.masks.items()}  # fmt: skip
+        elif tree is None and T > 1:
+            # one framework call per row, with the key range and mask of a one-token step
+            plan.rows = {kind: [None if m is None else m[:, :, i : i + 1, : start + i + 1] for i in range(T)]
+                         for kind, m in plan.masks.items()}  # fmt: skip
+        return plan
 
     @torch.inference_mode()
+    def forward_batch(
+        self,
+        segments: list[Segment],
+        *,
+        hi: int | None = None,  # run blocks up to hi (exclusive); default all
+        head: bool = True,  # False: no final norm / LM head (logits are empty [1, T, 0] tensors)
+        return_hidden: bool = False,
+        output_layers: tuple[int, ...] = (),
+    ) -> list[ForwardOutput]:
+        """Score several sequences' new rows in one pass; one `ForwardOutput` per segment
+        (batch dimension 1). Each segment's rows go to the next free slots of its own cache,
+        whose length grows by T (also for a partial run of the blocks: a drafter that drafts
+        from early blocks truncates it back)."""
+        if not segments:
+            return []
+        a = self.args
+        hi = a.n_layers if hi is None else hi
+        plans = [self._plan(seg, hi) for seg in segments]
+        order: list[int] = []  # segments in packed row order
+        x: torch.Tensor | None = None  # [1, N, D]
+        layers: dict[int, torch.Tensor] = {}
+        attend: _PackedAttention | None = None
+        ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(min(seg.lo for seg in segments), hi):
+            joining = [n for n, seg in enumerate(segments) if seg.lo == i]
+            if joining:  # rows whose earlier blocks ran elsewhere join the packed stream here
+                parts = [] if x is None else [x]
+                if i == 0:
+                    ids = torch.cat([segments[n].tokens for n in joining])[None]  # [1, N0]
+                    h = self.model.embed_tokens(ids)
+                    if a.embed_scale != 1.0:
+                        h = h * torch.tensor(a.embed_scale, dtype=h.dtype)
+                    parts.append(h)
+                else:
+                    parts += [segments[n].hidden_in[None] for n in joining]  # type: ignore[index]
+                x = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+                order += joining
+                active = [plans[n] for n in order]
+                positions = torch.cat([p.positions for p in active], dim=1)  # [1, N]
+                ropes = {kind: r.tables(positions, x.dtype) for kind, r in self._rotary.items()}
+                attend = _PackedAttention(self, active)
+            assert x is not None and attend is not None
+            block = self.model.layers[i]
+            x = block(x, ropes.get(block.sliding, ropes[False]), attend.layer(i, block.sliding))
+            if i in output_layers:
+                layers[i] = x
+        assert x is not None
+        for p in plans:
+            p.seg.cache.length = p.end
+        # rows of each segment in the packed stream (the last one only for last_only)
+        row0, spans = 0, {}
+        for n in order:
+            T = plans[n].T
+            spans[n] = (row0 + T - 1, row0 + T) if segments[n].last_only else (row0, row0 + T)
+            row0 += T
+        if any(seg.last_only for seg in segments):
+            keep = torch.cat([torch.arange(*spans[n]) for n in order]).to(x.device)
+            x_out, r = x.index_select(1, keep), 0
+            for n in order:  # spans in the reduced stream
+                size = spans[n][1] - spans[n][0]
+                spans[n], r = (r, r + size), r + size
+        else:
+            x_out = x
+        h = self.model.norm(x_out) if head else None
+        logits = self.head_logits(h) if h is not None else None
+        outs = []
+        for n, p in enumerate(plans):
+            lo, up = spans[n]
+            row0 = sum(plans[m].T for m in order[: order.index(n)])
+            outs.append(ForwardOutput(
+                logits=logits[:, lo:up] if logits is not None else x_out.new_empty(1, up - lo, 0),
+                hidden=h[:, lo:up] if (h is not None and return_hidden) else None,
+                layers={i: t[:, row0 : row0 + p.T] for i, t in layers.items() if i >= p.seg.lo},
+                residual=x_out[:, lo:up],
+            ))  # fmt: skip
+        return outs
+
     def forward(
         self,
-        tokens: torch.Tensor,  # [B, T] new token ids
+        tokens: torch.Tensor,  # [1, T] new token ids
         cache: KVCache,
-        positions: torch.Tensor | None = None,  # [B, T]; default: cache.length + arange(T)
+        positions: torch.Tensor | None = None,  # [1, T]; default: cache.length + arange(T)
         *,
-        tree_mask: torch.Tensor | None = None,  # [T, T] or [B, T, T] bool among new tokens
+        tree_mask: torch.Tensor | None = None,  # [T, T] bool among new tokens
         last_only: bool = False,  # logits for the last position only (prefill)
         return_hidden: bool = False,
         output_layers: tuple[int, ...] = (),
         blocks: tuple[int, int] | None = None,  # run only blocks [lo, hi) (self-speculation); default all
-        hidden_in: torch.Tensor | None = None,  # [B, T, D] residual entering block lo; required iff lo > 0
-        head: bool = True,  # False: no final norm / LM head (logits is then an empty [B, T, 0] tensor)
+        hidden_in: torch.Tensor | None = None,  # [1, T, D] residual entering block lo; required iff lo > 0
+        head: bool = True,  # False: no final norm / LM head (logits is then an empty [1, T, 0] tensor)
     ) -> ForwardOutput:
-        """Score `tokens` against the cache: their KV go to the next free slots of every block
-        that runs, and the cache length grows by T (also for a partial run of `blocks`: the
-        caller that drafts from early blocks truncates it back)."""
-        a = self.args
-        B, T = tokens.shape
-        lo, hi = blocks if blocks is not None else (0, a.n_layers)
-        if not 0 <= lo < hi <= a.n_layers:
-            raise ValueError(f"blocks must satisfy 0 <= lo < hi <= {a.n_layers} (got {blocks})")
-        if (lo > 0) != (hidden_in is not None):
-            raise ValueError("hidden_in (the residual entering block lo) is required exactly when blocks starts above 0")
-        start = cache.reserve(T)
-        if positions is None:
-            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
-        if int(positions.max()) >= a.max_seq_len:
-            raise ContextOverflowError(
-                f"position {int(positions.max())} is beyond the model's context of {a.max_seq_len}"
-            )
-        if tree_mask is not None and torch.triu(tree_mask, 1).any():
-            raise ValueError("tree_mask must list tokens in topological order: a token may attend only to earlier ones")
-        cache.pos[:, start : start + T] = positions
-        masks = self._masks(cache, positions, start, tree_mask)
-        row_masks = None
-        if self.row_invariant_attention and T <= ROW_ATTENTION_MAX:
-            if tree_mask is not None:
-                # token trees: each row attends to the cache and its ancestors only, in the
-                # native kernel bitwise as one-token decoding along its path would
-                if self._native_attention:
-                    row_masks = self._row_attention(masks, start, T, tree=True)
-            elif T > 1 or self._native_attention:
-                # (one-token steps too, when the native kernel runs the rows: decoding and
-                # verification must go through the same code)
-                row_masks = self._row_attention(masks, start, T)
-        if hidden_in is not None:
-            if hidden_in.shape != (B, T, a.dim):
-                raise ValueError(f"hidden_in has shape {tuple(hidden_in.shape)}, expected {(B, T, a.dim)}")
-            x = hidden_in
-        else:
-            x = self.model.embed_tokens(tokens)  # [B, T, D]
-            if a.embed_scale != 1.0:
-                x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
-        layers: dict[int, torch.Tensor] = {}
-        ropes = {kind: r.tables(positions, x.dtype) for kind, r in self._rotary.items()}
-        for i in range(lo, hi):
-            block = self.model.layers[i]
-            rope = ropes.get(block.sliding, ropes[False])
-            mask = masks.get(block.sliding, masks[False])
-            rows = None if row_masks is None else row_masks.get(block.sliding, row_masks[False])
-            x = block(x, rope, cache.k[i], cache.v[i], start, mask, rows)
-            if i in output_layers:
-                layers[i] = x
-        cache.length = start + T
-        if last_only:
-            x = x[:, -1:]
-        if not head:
-            return ForwardOutput(logits=x.new_empty(B, x.shape[1], 0), layers=layers, residual=x)
-        h = self.model.norm(x)
-        return ForwardOutput(logits=self.head_logits(h), hidden=h if return_hidden else None, layers=layers, residual=x)
+        """One sequence: `forward_batch` with one segment."""
+        if tokens.dim() != 2 or tokens.shape[0] != 1:
+            raise ValueError(f"forward takes one sequence, tokens [1, T] (got {tuple(tokens.shape)}); "
+                             "use forward_batch for several")  # fmt: skip
+        lo, hi = blocks if blocks is not None else (0, self.args.n_layers)
+        seg = Segment(tokens[0], cache, None if positions is None else positions[0], tree_mask,
+                      None if hidden_in is None else hidden_in[0], lo, last_only)  # fmt: skip
+        return self.forward_batch([seg], hi=hi, head=head, return_hidden=return_hidden, output_layers=output_layers)[0]
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [B, T, D] -> float32 logits [B, T, V] (softcap applied)."""
@@ -374,3 +414,67 @@ class Transformer(nn.Module):
         if self.args.final_logit_softcap:
             logits = torch.tanh(logits / self.args.final_logit_softcap) * self.args.final_logit_softcap
         return logits
+
+
+class _PackedAttention:
+    """Attention for one forward's packed rows: each segment's new keys/values go to its own
+    cache, and each row attends to its own sequence only. Segments planned row by row in the
+    native kernel share one call per layer; the others go through the framework, one call
+    per segment (or per row)."""
+
+    def __init__(self, model: Transformer, plans: list[_SegmentPlan]) -> None:
+        self.a = model.args
+        self.plans = plans
+        self.row0 = [0]
+        for p in plans:
+            self.row0.append(self.row0[-1] + p.T)
+        nat = [n for n, p in enumerate(plans) if p.native is not None]
+        self.framework = [n for n, p in enumerate(plans) if p.native is None]
+        self.native: dict[bool, native.SegmentAttention] = {}
+        self.native_rows: torch.Tensor | None = None  # packed rows of the native segments, when not all are
+        if nat:
+            kinds = {kind for n in nat for kind in plans[n].native}  # type: ignore[union-attr]
+            for kind in kinds:
+                self.native[kind] = native.SegmentAttention(
+                    [(plans[n].seg.cache.k, plans[n].seg.cache.v) for n in nat], [plans[n].start for n in nat],
+                    [plans[n].T for n in nat], [plans[n].native.get(kind) for n in nat],  # type: ignore[union-attr]
+                    self.a.attn_scale if self.a.attn_scale is not None else self.a.head_dim**-0.5,
+                )  # fmt: skip
+            if self.framework:
+                self.native_rows = torch.cat([torch.arange(self.row0[n], self.row0[n + 1]) for n in nat])
+
+    def layer(self, i: int, sliding: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        return lambda q, k, v: self(i, sliding, q, k, v)
+
+    def __call__(self, i: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [1, N, H, Dh], k/v [1, N, Hkv, Dh] -> [1, N, H, Dh]."""
+        a = self.a
+        if self.native and not self.framework:
+            return self.native.get(sliding, self.native[False])(i, q[0], k[0], v[0])[None]
+        out = torch.empty_like(q)
+        if self.native:
+            rows = self.native_rows
+            out[0, rows] = self.native.get(sliding, self.native[False])(i, q[0, rows], k[0, rows], v[0, rows])
+        for n in self.framework:
+            p, r0, r1 = self.plans[n], self.row0[n], self.row0[n + 1]
+            k_cache, v_cache = p.seg.cache.k[i], p.seg.cache.v[i]  # [1, Hkv, S, Dh]
+            k_cache[:, :, p.start : p.end] = k[:, r0:r1].transpose(1, 2)
+            v_cache[:, :, p.start : p.end] = v[:, r0:r1].transpose(1, 2)
+            qs = q[:, r0:r1].transpose(1, 2)  # [1, H, T, Dh]
+            if p.rows is None:
+                mask = p.masks.get(sliding, p.masks[False])
+                o = F.scaled_dot_product_attention(qs, k_cache[:, :, : p.end], v_cache[:, :, : p.end], attn_mask=mask,
+                                                   scale=a.attn_scale, enable_gqa=a.n_rep > 1)  # fmt: skip
+            else:
+                # Each row attends exactly as a one-token decoding step at its position would:
+                # same key range, same mask, same kernel shape -> bitwise the same result.
+                masks = p.rows.get(sliding, p.rows[False])
+                o = torch.cat([
+                    F.scaled_dot_product_attention(
+                        qs[:, :, t : t + 1], k_cache[:, :, : p.start + t + 1], v_cache[:, :, : p.start + t + 1],
+                        attn_mask=masks[t], scale=a.attn_scale, enable_gqa=a.n_rep > 1,
+                    )
+                    for t in range(p.T)
+                ], dim=2)  # fmt: skip
+            out[:, r0:r1] = o.transpose(1, 2)
+        return out

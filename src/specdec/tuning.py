@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import store
-
-DEFAULT_K = 4
+from . import store
 
 
 def tuned_path() -> Path:
