@@ -1,9 +1,12 @@
-"""Statistics shared by the exactness tests."""
+"""Helpers shared by the tests: statistics of the exactness tests, shared inputs, small builders."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from scipy.stats import chisquare
+
+from specdec.drafters import Feedback
 
 ALPHA = 1e-3  # significance level of every statistical test; all runs are seeded
 
@@ -47,9 +50,17 @@ PROMPT_IDS = [1, 2, 3]
 
 def fb(path: list[int] | int, next_token: int, extra_logits=None):
     """A drafter's feedback for a unit test: accepted `path` (or the first n of a chain)."""
-    import torch
-
-    from specdec.drafters import Feedback
-
     nodes = list(range(path)) if isinstance(path, int) else list(path)
     return Feedback(nodes, next_token, torch.zeros(len(nodes) + 1, 1), extra_logits)
+
+
+def verify_vs_decode(model, prompt_len: int, k: int, seed: int = 0):
+    """Logits of one k-token pass and of k one-token passes over the same random prefix."""
+    ids = torch.randint(0, min(model.args.vocab_size, 250), (1, prompt_len + k),
+                        generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    cache = model.new_cache(prompt_len + k)
+    model(ids[:, :prompt_len], cache)
+    together = model(ids[:, prompt_len:], cache).logits
+    cache.truncate(prompt_len)
+    alone = torch.cat([model(ids[:, i : i + 1], cache).logits for i in range(prompt_len, prompt_len + k)], 1)
+    return together, alone

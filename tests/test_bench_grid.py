@@ -102,7 +102,7 @@ def test_cli_bench_quick_as_written(tiny_dir, prompt_file, tmp_path):
 
 
 def test_tune_stores_k_where_generate_finds_it(tiny, prompt_file, tmp_path, monkeypatch):
-    from specdec.bench import tuning
+    from specdec import tuning
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     target, draft = tiny("qwen2"), tiny("qwen2", "close")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -76,9 +77,12 @@ def test_other_drafters_compare_json_as_written(drafter, extra):
         assert key in out, key
     assert out["identical"] is True and out["drafter"] == drafter
     info = out["speculative"]["metrics"]["drafter_info"]
-    if drafter == "early-exit":
-        assert info["layer"] == (24 if extra else info["layer"]) and info["calibrated"] is (not extra)
-        assert 1 <= info["layer"] < info["n_layers"] == 30
+    if drafter == "early-exit" and extra:
+        assert info == {"layer": 24, "n_layers": 30, "calibrated": False}
+    elif drafter == "early-exit":  # calibrated: the candidate with the best predicted speedup, reported
+        assert info["calibrated"] is True and info["n_layers"] == 30 and info["k"] == 3
+        best = max(info["candidates"], key=lambda L: info["candidates"][L]["predicted_speedup"])
+        assert str(info["layer"]) == best and 15 <= info["layer"] <= 29
 
 
 @pytest.mark.parametrize("args, message", [
@@ -88,8 +92,71 @@ def test_other_drafters_compare_json_as_written(drafter, extra):
     (["--drafter", "prompt-lookup", "--draft", "x"], "--draft is only used by the draft-model drafter"),
     (["--drafter", "prompt-lookup", "--ngram-min", "3", "--ngram-max", "2"], "min_ngram <= max_ngram"),
     (["--compare"], "--compare needs --draft or --drafter"),
+    (["--drafter", "prompt-lookup", "--window", "2"], "--window is an option of the lookahead drafter"),
+    (["--exit-layer", "1"], "--exit-layer is an option of the early-exit drafter"),
+    (["--drafter", "prompt-lookup", "--stream", "--json"], "--stream prints text as it is committed"),
 ])  # fmt: skip
 def test_drafter_option_errors_are_one_line(tiny_dir, args, message):
     res = specdec_cli("generate", "--target", str(tiny_dir("llama")), "--max-new-tokens", "4", "--prompt", "ab", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.real
+def test_generate_stream_as_written():
+    """`specdec generate --target smollm2-135m --drafter prompt-lookup --stream --max-new-tokens
+    40 --prompt "..."` prints the text as it is committed: stdout carries the same text as
+    the non-streamed run, written in several pieces."""
+    args = ("generate", "--target", "smollm2-135m", "--drafter", "prompt-lookup", "--max-new-tokens", "40",
+            "--prompt", "Repeat after me: the quick brown fox jumps over the lazy dog.")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", *args, "--stream"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    pieces = []
+    while chunk := proc.stdout.read(1):  # type: ignore[union-attr]
+        pieces.append(chunk)
+    assert proc.wait() == 0, proc.stderr.read()  # type: ignore[union-attr]
+    whole = specdec_cli(*args)
+    assert whole.returncode == 0
+    assert "".join(pieces).strip() == whole.stdout.strip() and len(whole.stdout.strip()) > 10
+    assert "tokens/pass" in proc.stderr.read()  # type: ignore[union-attr]
+
+
+def test_stream_writes_each_step_as_it_is_committed(tiny_dir, monkeypatch):
+    """Each step's text reaches stdout before the next step runs."""
+    from specdec import cli, engine
+
+    steps = [0]
+    writes: list[int] = []  # the step count at each non-empty write
+    real_step = engine.Engine.step
+    monkeypatch.setattr(engine.Engine, "step", lambda self: (steps.__setitem__(0, steps[0] + 1), real_step(self))[1])
+
+    class Spy(io.StringIO):
+        def write(self, s: str) -> int:
+            if s.strip():
+                writes.append(steps[0])
+            return super().write(s)
+
+    monkeypatch.setattr(sys, "stdout", Spy())
+    rc = cli.main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "prompt-lookup", "--stream",
+                   "--max-new-tokens", "12", "--ignore-eos", "--no-chat", "--prompt", "abcabcabcabc"])  # fmt: skip
+    assert rc == 0 and len(set(writes)) > 2  # text written during several different steps
+
+
+@pytest.mark.real
+def test_bench_batch_as_written(tmp_path):
+    """`specdec bench batch --target smollm2-135m --batch 1 2 4 8 --json` prints per batch size
+    and method (plain, draft-model, prompt-lookup) the aggregate tokens/s and the speedup over
+    plain decoding at that batch size; --out DIR writes the JSON and a PNG."""
+    res = specdec_cli("bench", "batch", "--target", "smollm2-135m", "--batch", "1", "2", "4", "8", "--json",
+                      "--max-new-tokens", "16", "--out", str(tmp_path))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    rows = {(r["batch"], r["method"]): r for r in out["summary"]}
+    assert set(rows) == {(b, m) for b in (1, 2, 4, 8) for m in ("plain", "draft-model", "prompt-lookup")}
+    for (b, m), r in rows.items():
+        assert r["tokens_per_second"] > 0
+        assert r["speedup"] == 1.0 if m == "plain" else r["speedup"] > 0
+        assert r["identical"] is (None if m == "plain" else True)  # every sequence equals plain decoding
+    assert out["draft"] == "smollm2-135m" and len(out["prompts"]) == 8
+    assert json.loads((tmp_path / "batch.json").read_text())["summary"] == out["summary"]
+    assert (tmp_path / "batch.png").read_bytes()[:4] == b"\x89PNG"

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import verify_vs_decode
 
 import specdec
 from specdec.bench import forward as bench_forward
@@ -42,17 +43,6 @@ def test_int8_kernel_is_accurate_and_row_local(monkeypatch, onednn):
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown mode 'int3'"):
         get_mode("int3")
-
-
-def verify_vs_decode(model, prompt_len: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, min(model.args.vocab_size, 250), (1, prompt_len + k),
-                        generator=torch.Generator().manual_seed(seed))  # fmt: skip
-    cache = model.new_cache(prompt_len + k)
-    model(ids[:, :prompt_len], cache)
-    together = model(ids[:, prompt_len:], cache).logits
-    cache.truncate(prompt_len)
-    alone = torch.cat([model(ids[:, i : i + 1], cache).logits for i in range(prompt_len, prompt_len + k)], 1)
-    return together, alone
 
 
 @pytest.mark.parametrize("mode", INVARIANT_MODES, ids=lambda m: m.name)

@@ -109,7 +109,7 @@ def test_llama_row_order_undoes_the_rotary_interleave():
 def test_tiny_model_on_4bit_blocks_is_invariant_and_exact(tiny_dir, monkeypatch):
     """The model path with Q4_K blocks (tiny float models get Q6_K by default): a k-token pass
     equals one-token decoding bitwise, and speculative greedy output equals plain decoding."""
-    from test_kernels import verify_vs_decode
+    from helpers import verify_vs_decode
 
     import specdec
     from specdec.model import load_transformer
