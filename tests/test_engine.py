@@ -265,3 +265,59 @@ def test_drafter_offering_more_than_k_is_refused(tiny):
 
     with pytest.raises(RuntimeError, match="proposed 3 tokens in a row, more than k=1"):
         specdec.generate(tiny("llama"), "abc", drafter=Overeager(limit=3), k=1, max_new_tokens=5)
+
+
+class FeatureRecorder(Drafter):
+    """Drafts with a draft model and records the target's features it is shown: the prompt's
+    at `begin`, the accepted path's after each step (what a feature-level drafter reads)."""
+
+    name = "feature-recorder"
+    wants_hidden = True
+    feature_layers = (0, 1)
+
+    def __init__(self, draft):
+        super().__init__()
+        self.inner = DraftModelDrafter(draft)
+
+    def begin(self, session: DraftSession) -> None:
+        self.pos = len(session.context) - 1  # position of the last committed token
+        self.layers = {i: list(session.layers[i]) for i in self.feature_layers}
+        self.hidden: list[torch.Tensor] = []
+        self.inner.begin(session)
+
+    def propose(self, k: int) -> Draft:
+        return self.inner.propose(k)
+
+    def accepted(self, feedback: Feedback) -> None:
+        rows = feedback.accepted_rows
+        for i in self.feature_layers:
+            self.layers[i] += list(feedback.layers[i][rows])
+        self.hidden += list(feedback.hidden[rows])
+        self.inner.accepted(feedback)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_drafter_sees_the_targets_features_on_the_committed_path(tiny, arch):
+    """Hidden states and chosen layers for the prompt and every committed token equal (bitwise,
+    in an exact mode) what one-token decoding of the committed sequence computes."""
+    target = tiny(arch, dtype=EXACT_MODES[-1])
+    model = target.model
+    prompt = specdec.encode_prompt(target.tokenizer, PROMPTS[0], chat=False)
+    rec = FeatureRecorder(tiny(arch, "close", dtype=EXACT_MODES[-1]).model)
+    out = specdec.generate(target, prompt, drafter=rec, k=3, max_new_tokens=20, ignore_eos=True)
+    assert 0 < out.metrics.accepted < out.metrics.proposed
+    seq = prompt + out.token_ids
+    cache = model.new_cache(len(seq))
+    ref = model(torch.tensor([prompt]), cache, output_layers=(0, 1))
+    layers = {i: list(ref.layers[i][0]) for i in (0, 1)}
+    hidden: list[torch.Tensor] = []
+    for t in seq[len(prompt) : len(prompt) + len(rec.hidden)]:
+        step = model(torch.tensor([[t]]), cache, return_hidden=True, output_layers=(0, 1))
+        hidden.append(step.hidden[0, 0])
+        for i in (0, 1):
+            layers[i].append(step.layers[i][0, 0])
+    n = len(rec.layers[0])
+    assert len(prompt) + len(rec.hidden) == n and n > len(prompt) + 10
+    for i in (0, 1):
+        assert torch.equal(torch.stack(rec.layers[i]), torch.stack(layers[i][:n]))
+    assert torch.equal(torch.stack(rec.hidden), torch.stack(hidden))

@@ -256,8 +256,10 @@ class Engine:
         if not done and s.drafter is not None:
             with timer(self.target.device) as t:
                 s.forwards_before = s.drafter.forwards
+                layers = {i: out.layers[i][0] for i in s.drafter.feature_layers}
                 s.drafter.begin(DraftSession(s.prompt + [s.last], len(s.prompt) + s.stopper.limit, s.sampling,
-                                             make_generator(s.seed + 1, self.target.device), self.target, s.cache))  # fmt: skip
+                                             make_generator(s.seed + 1, self.target.device), self.target, s.cache,
+                                             layers))  # fmt: skip
             s.metrics.prefill_time += t[0]
             s.metrics.draft_time += t[0]
         return self._delta(s, [s.last])
