@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import specdec
+from specdec.config import DEFAULT_K
 
 PROMPTS = {
     "code": "Write a Python function that checks whether a string is a palindrome, with a docstring.",
@@ -31,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("-k", type=int, default=DEFAULT_K)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--repeats", type=int, default=1)
@@ -63,18 +64,19 @@ def main() -> None:
             print(f"{kind:10s} {temp:4.1f} {row['speedup']:8.2f} {row['acceptance_rate']:6.2f} "
                   f"{row['mean_accepted_tokens']:5.2f} {row['tokens_per_second']:10.2f} "
                   f"{row['plain_tokens_per_second']:11.2f} {row['identical']}", flush=True)  # fmt: skip
-    peers = run_transformers_peers(target, draft, a.max_new_tokens) if a.peers else []
+    peers = run_transformers_peers(target, draft, a.max_new_tokens, a.k) if a.peers else []
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows,
                                  "peers": peers}, indent=1))  # fmt: skip
     print(f"wrote {a.out}")
 
 
-def run_transformers_peers(target: specdec.LoadedModel, draft: specdec.LoadedModel, max_new_tokens: int) -> list:
+def run_transformers_peers(target: specdec.LoadedModel, draft: specdec.LoadedModel, max_new_tokens: int,
+                           k: int = DEFAULT_K) -> list:
     """transformers' own greedy decoding and assisted generation (the same draft), bf16."""
     from specdec.bench.peers import TransformersPeers
 
-    tp = TransformersPeers(target.path, draft.path, k=4)
+    tp = TransformersPeers(target.path, draft.path, k=k)
     out = []
     print(f"{'peer':28s} {'prompt':10s} {'tok/s':>6s}", flush=True)
     for kind, prompt in PROMPTS.items():

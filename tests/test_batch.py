@@ -18,8 +18,8 @@ from specdec import Engine
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import (
     Draft,
-    DraftModelDrafter,
     Drafter,
+    DraftModelDrafter,
     DraftSession,
     EarlyExitDrafter,
     LookaheadDrafter,

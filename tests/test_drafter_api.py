@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from conftest import EXACT_MODES
 
 import specdec
 
 
 def test_drafter_by_name_matches_the_object(tiny):
-    target = tiny("qwen2")
+    target = tiny("qwen2", dtype=EXACT_MODES[-1])
     prompt = "abcabcabcabc"
     by_name = specdec.generate(target, prompt, drafter="prompt-lookup", k=3, max_new_tokens=16, ignore_eos=True)
     by_obj = specdec.generate(target, prompt, drafter=specdec.PromptLookupDrafter(), k=3, max_new_tokens=16, ignore_eos=True)
@@ -19,7 +20,7 @@ def test_drafter_by_name_matches_the_object(tiny):
 
 @pytest.mark.parametrize("name", ["early-exit", "lookahead"])
 def test_other_model_free_drafters_by_name(tiny, name):
-    target = tiny("llama")
+    target = tiny("llama", dtype=EXACT_MODES[-1])
     prompt = "abcabcabcabc"
     out = specdec.generate(target, prompt, drafter=name, k=3, max_new_tokens=16, ignore_eos=True)
     assert out.token_ids == specdec.generate(target, prompt, max_new_tokens=16, ignore_eos=True).token_ids

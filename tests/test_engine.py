@@ -123,7 +123,7 @@ def test_wrong_acceptance_rule_fails_end_to_end(small_vocab, exact_joint, sample
 
 # -- stops and context --------------------------------------------------------------------
 def test_max_new_tokens_with_k_larger_than_budget(tiny):
-    target, draft = tiny("llama"), tiny("llama", "close")
+    target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
     for n in (1, 2, 3):
         out = specdec.generate(target, "hello", assistant_model=draft, k=8, max_new_tokens=n, ignore_eos=True)
         plain = specdec.generate(target, "hello", max_new_tokens=n, ignore_eos=True)
@@ -162,7 +162,7 @@ def test_stop_checks_decode_only_the_new_tail(tiny):
 
 def test_stop_string_cuts_speculative_step(tiny):
     """A step commits several tokens at once; none past the stop string may get out."""
-    target, draft = tiny("llama"), tiny("llama", "close")
+    target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
     full = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True)
     stop = full.text[10:13]
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True, stop=[stop])
@@ -174,7 +174,7 @@ def test_stop_string_cuts_speculative_step(tiny):
 
 
 def test_context_policies(tiny):
-    target, draft = tiny("llama"), tiny("llama", "close")  # context 512
+    target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])  # context 512
     long_prompt = list(range(100)) * 5  # 500 tokens
     with pytest.raises(ContextOverflowError, match="--context-overflow truncate; API: context_overflow='truncate'"):
         specdec.generate(target, long_prompt, assistant_model=draft, max_new_tokens=20)

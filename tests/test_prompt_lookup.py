@@ -126,14 +126,14 @@ def test_proposal_copies_eos_like_any_token():
 
 
 @pytest.mark.real
-def test_match_running_into_eos(smollm2):
+def test_match_running_into_eos(smollm2_exact):
     """A copied span that contains the end-of-sequence token: output and finish reason equal
     plain decoding's and nothing after the EOS is emitted. (" yellow" is declared the EOS, so
     the span the lookup copies from the prompt contains it.)"""
-    eos = smollm2.tokenizer.encode(" yellow")[0]
-    tok = copy.copy(smollm2.tokenizer)
+    eos = smollm2_exact.tokenizer.encode(" yellow")[0]
+    tok = copy.copy(smollm2_exact.tokenizer)
     tok.eos_ids = frozenset({eos})
-    model = dataclasses.replace(smollm2, tokenizer=tok)
+    model = dataclasses.replace(smollm2_exact, tokenizer=tok)
     prompt = "red, green, blue, yellow. red, green, blue, yellow. red, green,"
     plain = specdec.generate(model, prompt, max_new_tokens=30, chat=False)
     drafter = Recording(max_ngram=3)

@@ -213,7 +213,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS),
                    help="drafting methods to run, each beside plain decoding")  # fmt: skip
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
-    p.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("-k", type=int, default=DEFAULT_K, help="draft tokens per step")
     p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 40 with --quick)")
     p.add_argument("--repeats", type=int, help="repeats of every run (default 3; 1 with --quick)")
     p.add_argument("--seed", type=int, default=0)

@@ -191,11 +191,12 @@ def write(result: BatchResult, out_dir: Path) -> list[Path]:
     path.write_text(json.dumps(result.to_dict(), indent=1))
     rows = result.summary()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for m in result.settings.methods:
+    for n, m in enumerate(result.settings.methods):
         rs = [r for r in rows if r["method"] == m]
-        ax1.plot([r["batch"] for r in rs], [r["tokens_per_second"] for r in rs], marker="o", label=m)
+        style = {"marker": "o", "label": m, "color": f"C{n}"}  # one colour per method in both panels
+        ax1.plot([r["batch"] for r in rs], [r["tokens_per_second"] for r in rs], **style)
         if m != PLAIN:
-            ax2.plot([r["batch"] for r in rs], [r["speedup"] for r in rs], marker="o", label=m)
+            ax2.plot([r["batch"] for r in rs], [r["speedup"] for r in rs], **style)
     ax1.set(xlabel="batch size (sequences in flight)", ylabel="aggregate tokens/s", title="throughput")
     ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax2.set(xlabel="batch size (sequences in flight)", ylabel="speedup over plain decoding",

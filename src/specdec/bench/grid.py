@@ -25,6 +25,7 @@ import torch
 
 from .. import __version__, registry
 from ..api import LoadedModel, encode_prompt, generate, load
+from ..config import DEFAULT_K
 from ..drafters import DRAFTERS
 from ..engine import GenerationResult
 from .costmodel import Acceptance, Costs, Recommendation, measure_costs, recommend
@@ -39,7 +40,7 @@ class GridSettings:
     draft: str | None = registry.DEFAULT_DRAFT  # for the draft-model method
     methods: tuple[str, ...] = METHODS
     temperatures: tuple[float, ...] = (0.0, 1.0)
-    k: int = 4
+    k: int = DEFAULT_K
     max_new_tokens: int = 128
     repeats: int = 3
     seed: int = 0

@@ -131,19 +131,21 @@ class SegmentAttention:
         for k, v in caches:
             if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.shape[-1] % 8:
                 raise ValueError("native attention needs contiguous float32 caches and a head size that is a multiple of 8")
+        # plain ctypes arrays: built once per forward, a few microseconds (this runs every step)
+        c_int, c_ptr = ctypes.c_int, ctypes.c_void_p
+        n = len(lengths)
         self.n_rows = sum(lengths)
-        self.seg = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
-        self.t = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
-        self.start = torch.tensor(starts, dtype=torch.int32)
-        self.T = torch.tensor(lengths, dtype=torch.int32)
-        self.cap = torch.tensor([k.shape[3] for k, _ in caches], dtype=torch.int32)
+        self.seg = (c_int * self.n_rows)(*[s for s, T in enumerate(lengths) for _ in range(T)])
+        self.t = (c_int * self.n_rows)(*[t for T in lengths for t in range(T)])
+        self.start = (c_int * n)(*starts)
+        self.T = (c_int * n)(*lengths)
+        self.cap = (c_int * n)(*[k.shape[3] for k, _ in caches])
         self.n_kv_heads = caches[0][0].shape[2]
         self.masks = [None if m is None else m.to(torch.uint8).contiguous() for m in masks]  # kept alive
-        self.mask_ptrs = torch.tensor([0 if m is None else m.data_ptr() for m in self.masks], dtype=torch.int64)
-        self.k_base = torch.tensor([k.data_ptr() for k, _ in caches], dtype=torch.int64)
-        self.v_base = torch.tensor([v.data_ptr() for _, v in caches], dtype=torch.int64)
-        self.layer_bytes = torch.tensor([k.stride(0) * 4 for k, _ in caches], dtype=torch.int64)
-        self.max_end = max(s + n for s, n in zip(starts, lengths, strict=True))
+        self.mask_ptrs = (c_ptr * n)(*[None if m is None else m.data_ptr() for m in self.masks])
+        self._k = [(k.data_ptr(), k.stride(0) * 4) for k, _ in caches]
+        self._v = [(v.data_ptr(), v.stride(0) * 4) for _, v in caches]
+        self.max_end = max(s + T for s, T in zip(starts, lengths, strict=True))
         self.scale = float(scale)
 
     def __call__(
@@ -159,13 +161,12 @@ class SegmentAttention:
             k_new, v_new = k_new.contiguous(), v_new.contiguous()
         out = torch.empty_like(q)
         kv = (k_new.data_ptr(), v_new.data_ptr()) if k_new is not None and v_new is not None else (None, None)
-        k_ptrs = self.k_base + layer * self.layer_bytes
-        v_ptrs = self.v_base + layer * self.layer_bytes
+        n = len(self._k)
+        k_ptrs = (ctypes.c_void_p * n)(*[base + layer * stride for base, stride in self._k])
+        v_ptrs = (ctypes.c_void_p * n)(*[base + layer * stride for base, stride in self._v])
         rc = library().specdec_attend_segments(
-            q.data_ptr(), *kv, N, H, self.n_kv_heads, D, self.seg.data_ptr(),
-            self.t.data_ptr(), self.start.data_ptr(), self.T.data_ptr(), self.cap.data_ptr(), k_ptrs.data_ptr(),
-            v_ptrs.data_ptr(), self.mask_ptrs.data_ptr(), self.scale, out.data_ptr(), self.max_end,
-            torch.get_num_threads(),
+            q.data_ptr(), *kv, N, H, self.n_kv_heads, D, self.seg, self.t, self.start, self.T, self.cap, k_ptrs,
+            v_ptrs, self.mask_ptrs, self.scale, out.data_ptr(), self.max_end, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("native attention could not allocate its score buffers")

@@ -289,10 +289,14 @@ class Transformer(nn.Module):
         if tree is not None and torch.triu(tree, 1).any():
             raise ValueError("tree_mask must list tokens in topological order: a token may attend only to earlier ones")
         start = seg.cache.reserve(T)
-        positions = seg.positions if seg.positions is not None else torch.arange(start, start + T, device=self.device)
-        positions = positions.reshape(1, T)
-        if int(positions.max()) >= a.max_seq_len:
-            raise ContextOverflowError(f"position {int(positions.max())} is beyond the model's context of {a.max_seq_len}")
+        if seg.positions is None:
+            last = start + T - 1
+            positions = torch.arange(start, start + T, device=seg.cache.pos.device).reshape(1, T)
+        else:
+            positions = seg.positions.reshape(1, T)
+            last = int(positions.max())
+        if last >= a.max_seq_len:
+            raise ContextOverflowError(f"position {last} is beyond the model's context of {a.max_seq_len}")
         seg.cache.pos[:, start : start + T] = positions
         plan = _SegmentPlan(seg, start, T, positions, self._masks(seg.cache, positions, start, tree))
         if not self.row_invariant_attention or T > ROW_ATTENTION_MAX:
