@@ -88,8 +88,9 @@ def test_batched_greedy_equals_each_prompt_alone(tiny, arch, mode):
 
 
 @pytest.mark.real
-def test_batched_greedy_equals_alone_smollm2(smollm2_exact):
-    target = smollm2_exact
+@pytest.mark.parametrize("mode", EXACT_MODES)
+def test_batched_greedy_equals_alone_smollm2(smollm2_exact, mode):
+    target = smollm2_exact if mode == smollm2_exact.model.mode else specdec.load("smollm2-135m", dtype=mode, device="cpu")
     texts = ["What is the capital of France?", "Write a haiku about the sea.",
              "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
              "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and then again 1, 2, 3,", "Hi"]  # fmt: skip
