@@ -34,6 +34,8 @@ def test_unknown_or_model_drafter_names_are_refused(tiny):
         specdec.generate(tiny("qwen2"), "ab", drafter="draft-model", max_new_tokens=2)
     with pytest.raises(ValueError, match="the prompt-lookup drafter has no option 'window'; its options: max_ngram, min_ngram"):
         specdec.generate(tiny("qwen2"), "ab", drafter="prompt-lookup", window=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match="unknown option 'max_tokens': generation options are"):
+        specdec.generate(tiny("qwen2"), "ab", max_tokens=2)
     with pytest.raises(ValueError, match="a drafter object serves one sequence"):
         specdec.generate_batch(tiny("qwen2"), ["ab", "cd"], drafter=specdec.PromptLookupDrafter(), max_new_tokens=2)
 

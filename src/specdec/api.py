@@ -93,8 +93,11 @@ def build_drafter(target: LoadedModel, assistant_model: LoadedModel | None = Non
         check_same_tokenizer(target.tokenizer, assistant_model.tokenizer, names=(target.name, assistant_model.name))
         drafter = "draft-model"
     if drafter is None:
-        if any(v is not None for v in options.values()):
-            raise ValueError("drafter options were given without a drafter")
+        given = sorted(k for k, v in options.items() if v is not None)
+        if given:
+            known = sorted(_CONFIG_FIELDS | _SAMPLING_FIELDS | {"k", "chat", "config", "sampling"})
+            raise ValueError(f"unknown option {given[0]!r}: generation options are {', '.join(known)}; "
+                             "a drafter's own options go with drafter=NAME")  # fmt: skip
         return None
     return make_drafter(drafter, target=target.model, draft=assistant_model.model if assistant_model else None,
                         **options)  # fmt: skip
@@ -189,6 +192,8 @@ class Stream:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[Delta]:
+        if self.result is not None:  # iterated already
+            return
         try:
             while self._engine.has_work():
                 for delta in self._engine.step():
