@@ -127,3 +127,38 @@ def test_bench_forward_reports_llama_cpp_when_installed(smollm2):
     gguf = store.gguf_path(registry.MODELS["smollm2-135m"])
     peer = bench_forward.time_llama_cpp(gguf, context=16, ks=(1, 4), repeats=1)
     assert peer is not None and set(peer["ms"]) == {"1", "4"} and all(v > 0 for v in peer["ms"].values())
+
+
+@pytest.mark.parametrize("flags, build, says", [
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, native.AVX512, "AVX512-VNNI"),
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"},
+     native.AVX512, "no AMX kernel yet"),
+    ({"avx2", "fma", "f16c", "avx512f"}, native.AVX2, "not avx512_vnni, avx512bw, avx512vl"),
+    ({"avx2", "fma"}, None, "missing: f16c"),
+])  # fmt: skip
+def test_kernel_dispatch_from_cpu_flags(monkeypatch, flags, build, says):
+    """One place picks the kernel build from what the CPU reports, and says why."""
+    monkeypatch.setattr(native, "_cpu_flags", lambda: set(flags))
+    if build is None:
+        with pytest.raises(native.NativeUnavailableError, match=says):
+            native.dispatch()
+    else:
+        got, why = native.dispatch()
+        assert got == build and says in why
+
+
+def test_info_reports_the_machine_and_the_kernel_path():
+    res = subprocess.run([sys.executable, "-m", "specdec.cli", "info", "--json", "--no-bandwidth"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    flags = info["cpu"]["flags"]
+    if native.available():
+        want = native.AVX512 if all(flags[f] for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")) else native.AVX2
+        assert info["kernels"]["build"] == want and info["default_mode"] == "q4k"
+    else:
+        assert info["kernels"]["build"] is None and info["default_mode"] == "int8"
+    assert info["torch_threads"] >= 1 and info["memory_gib"] > 0
+    text = subprocess.run([sys.executable, "-m", "specdec.cli", "info", "--no-bandwidth"], capture_output=True,
+                          text=True).stdout  # fmt: skip
+    assert "native kernels:" in text and "default precision mode" in text

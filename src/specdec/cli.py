@@ -330,12 +330,30 @@ def _cmd_bench_batch(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _info_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="this machine: CPU, kernel path and why, memory, installed models",
+                       description="What this machine has and what specdec runs on it: say which CPU and "
+                                   "kernel path produced a number.")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false", help="skip the copy-bandwidth measurement")
+    p.set_defaults(func=_cmd_info)
+
+
+def _cmd_info(ns: argparse.Namespace) -> int:
+    from . import info
+
+    data = info.collect(bandwidth=ns.bandwidth)
+    print(json.dumps(data) if ns.json else info.text(data))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _models_parser(sub)
     _bench_parser(sub)
+    _info_parser(sub)
     return parser
 
 

@@ -46,8 +46,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def best_variant() -> str:
-    """The build for this CPU: AVX-512 (VNNI) where present, else AVX2."""
+_AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+
+
+def dispatch() -> tuple[str, str]:
+    """The kernel build for this CPU and why: the one place that decides (AVX-512 VNNI where
+    present, else AVX2). Raises NativeUnavailableError where neither can run."""
     flags = _cpu_flags()
     missing = {"avx2", "fma", "f16c"} - flags
     if missing:
@@ -55,7 +59,16 @@ def best_variant() -> str:
             f"specdec's CPU kernels need AVX2/FMA/F16C (missing: {', '.join(sorted(missing))}); "
             "use --dtype int8 or fp32"
         )
-    return AVX512 if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else AVX2
+    amx = " The CPU also has AMX (amx_int8); specdec has no AMX kernel yet." if "amx_int8" in flags else ""
+    if _AVX512_NEEDS <= flags:
+        return AVX512, "the CPU has AVX512-F/BW/VL and AVX512-VNNI." + amx
+    lacking = ", ".join(sorted(_AVX512_NEEDS - flags))
+    return AVX2, f"the CPU has AVX2/FMA/F16C but not {lacking}." + amx
+
+
+def best_variant() -> str:
+    """The build for this CPU (see `dispatch`)."""
+    return dispatch()[0]
 
 
 def library(variant: str | None = None) -> ctypes.CDLL:

@@ -1,0 +1,121 @@
+"""`specdec info`: what this machine has and what specdec will run on it.
+
+CPU model and the instruction-set flags the kernels care about, the native kernel build the
+dispatcher picks and why, the default precision mode, threads, memory size and a measured
+copy bandwidth (decoding one token is bound by it), and the installed models with their size
+on disk. Numbers in bug reports and benchmark notes should say which of these produced them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__, registry, store
+
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+         "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
+
+
+def _cpuinfo() -> dict[str, str]:
+    out: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "vendor_id", "cpu family", "model", "flags") and key not in out:
+                out[key] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def copy_bandwidth_gbs(mib: int = 256, repeats: int = 3) -> float:
+    """Read + write bandwidth of one large tensor copy (GB/s, the best of a few)."""
+    a = torch.ones(mib * 2**18)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    return round(2 * a.numel() * 4 / min(times) / 1e9, 1)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def collect(bandwidth: bool = True) -> dict[str, Any]:
+    from .model import native
+    from .model.kernels import default_mode_name
+
+    cpu = _cpuinfo()
+    flags = set(cpu.get("flags", "").split())
+    try:
+        variant, why = native.dispatch()
+        kernels: dict[str, Any] = {"build": variant, "why": why}
+        try:
+            native.library()
+        except native.NativeUnavailableError as exc:
+            kernels = {"build": None, "why": str(exc).splitlines()[0]}
+    except native.NativeUnavailableError as exc:
+        kernels = {"build": None, "why": str(exc)}
+    models = {}
+    for name, spec in registry.MODELS.items():
+        if store.is_installed(name):
+            models[name] = {"gguf_mib": round(store.gguf_path(spec).stat().st_size / 2**20),
+                            "converted_mib": round(_dir_bytes(store.converted_dir(spec.sha256)) / 2**20)}  # fmt: skip
+    return {
+        "specdec": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": {"model": cpu.get("model name", platform.processor()), "vendor": cpu.get("vendor_id"),
+                "family": cpu.get("cpu family"), "model_number": cpu.get("model"),
+                "flags": {f: f in flags for f in FLAGS}},
+        "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "memory_gib": _mem_total_gib(),
+        "copy_bandwidth_gbs": copy_bandwidth_gbs() if bandwidth else None,
+        "kernels": kernels,
+        "default_mode": default_mode_name(torch.device("cpu")),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cache": str(store.cache_root()), "cache_mib": round(_dir_bytes(store.cache_root()) / 2**20),
+        "models": models,
+    }  # fmt: skip
+
+
+def text(info: dict[str, Any]) -> str:
+    c = info["cpu"]
+    have = [f for f, on in c["flags"].items() if on]
+    k = info["kernels"]
+    lines = [
+        f"specdec {info['specdec']}, torch {info['torch']}, Python {info['python']}",
+        f"CPU: {c['model']} (vendor {c['vendor']}, family {c['family']} model {c['model_number']}), "
+        f"{info['cores']} cores, torch threads {info['torch_threads']}",
+        f"  flags: {' '.join(have) or 'none of ' + ', '.join(FLAGS)}",
+        f"memory: {info['memory_gib']} GiB" + (f", copy bandwidth {info['copy_bandwidth_gbs']} GB/s"
+                                                if info["copy_bandwidth_gbs"] else ""),
+        f"native kernels: {k['build'] or 'unavailable'} ({k['why']})",
+        f"default precision mode on the CPU: {info['default_mode']}" + (f"; CUDA: {info['cuda']}" if info["cuda"] else ""),
+        f"cache: {info['cache']} ({info['cache_mib']} MiB)",
+    ]  # fmt: skip
+    for name, m in info["models"].items():
+        lines.append(f"  {name}: GGUF {m['gguf_mib']} MiB, converted {m['converted_mib']} MiB")
+    if not info["models"]:
+        lines.append("  no model installed (specdec models install NAME)")
+    return "\n".join(lines)
