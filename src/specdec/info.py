@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any
