@@ -129,16 +129,21 @@ def test_bench_forward_reports_llama_cpp_when_installed(smollm2):
     assert peer is not None and set(peer["ms"]) == {"1", "4"} and all(v > 0 for v in peer["ms"].values())
 
 
-@pytest.mark.parametrize("flags, build, says", [
-    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, native.AVX512, "AVX512-VNNI"),
-    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"},
-     native.AVX512, "no AMX kernel yet"),
-    ({"avx2", "fma", "f16c", "avx512f"}, native.AVX2, "not avx512_vnni, avx512bw, avx512vl"),
-    ({"avx2", "fma"}, None, "missing: f16c"),
+AVX512_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+
+
+@pytest.mark.parametrize("flags, amx_problem, build, says", [
+    (AVX512_FLAGS, None, native.AVX512, "no AMX"),
+    (AVX512_FLAGS | {"amx_tile", "amx_int8"}, None, native.AMX, "passed its self-check"),
+    (AVX512_FLAGS | {"amx_tile", "amx_int8"}, "the OS refused the tile state", native.AVX512, "the OS refused"),
+    ({"avx2", "fma", "f16c", "avx512f", "amx_tile", "amx_int8"}, None, native.AVX2, "not avx512_vnni, avx512bw"),
+    ({"avx2", "fma"}, None, None, "missing: f16c"),
 ])  # fmt: skip
-def test_kernel_dispatch_from_cpu_flags(monkeypatch, flags, build, says):
-    """One place picks the kernel build from what the CPU reports, and says why."""
+def test_kernel_dispatch_from_cpu_flags(monkeypatch, flags, amx_problem, build, says):
+    """One place picks the kernel build from what the CPU reports (AMX -> AVX-512 VNNI ->
+    AVX2), and says why."""
     monkeypatch.setattr(native, "_cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(native, "_amx_unusable", lambda: amx_problem)
     if build is None:
         with pytest.raises(native.NativeUnavailableError, match=says):
             native.dispatch()
@@ -154,8 +159,8 @@ def test_info_reports_the_machine_and_the_kernel_path():
     info = json.loads(res.stdout)
     flags = info["cpu"]["flags"]
     if native.available():
-        want = native.AVX512 if all(flags[f] for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")) else native.AVX2
-        assert info["kernels"]["build"] == want and info["default_mode"] == "q4k"
+        assert info["kernels"]["build"] == native.dispatch()[0] and info["default_mode"] == "q4k"
+        assert (info["kernels"]["build"] != native.AVX2) == all(flags[f] for f in ("avx512f", "avx512bw", "avx512_vnni"))
     else:
         assert info["kernels"]["build"] is None and info["default_mode"] == "int8"
     assert info["torch_threads"] >= 1 and info["memory_gib"] > 0

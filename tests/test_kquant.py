@@ -128,20 +128,46 @@ def test_tiny_model_on_4bit_blocks_is_invariant_and_exact(tiny_dir, monkeypatch)
         assert spec.token_ids == plain.token_ids
 
 
-def test_avx2_and_avx512_builds_agree_bitwise(monkeypatch):
-    """Both builds do the same integer sums and float operations; where the CPU runs both,
-    their outputs must be bitwise equal (so results do not depend on the machine's build)."""
-    if native.best_variant() != native.AVX512:
+def _builds_here() -> dict[str, object]:
+    """Every kernel build this machine can run (the AMX build runs its AVX-512 path where the
+    CPU has no AMX)."""
+    flags = native._cpu_flags()
+    builds = {native.AVX2: native._library(native.AVX2)}
+    if native._AVX512_NEEDS <= flags:
+        builds[native.AVX512] = native._library(native.AVX512)
+        try:
+            builds[native.AMX] = native._library(native.AMX)
+        except native.NativeUnavailableError as exc:  # a compiler without AMX support
+            pytest.skip(f"the AMX build cannot be compiled here: {exc}")
+    return builds
+
+
+def test_every_build_agrees_bitwise():
+    """AVX2, AVX-512 VNNI and the AMX build (its AMX path where the CPU has AMX and the OS
+    grants it, else its AVX-512 path) give the same bits, for 1..20 rows and both block kinds."""
+    builds = _builds_here()
+    if len(builds) < 2:
         pytest.skip("this CPU runs only the AVX2 build")
-    rng = np.random.default_rng(3)
-    x = torch.from_numpy(rng.standard_normal((11, 700)).astype(np.float32))
-    for kind in KINDS:
-        blocks = kq.quantize(rng.standard_normal((45, 700)).astype(np.float32), kind)
-        out = {}
-        for variant in (native.AVX2, native.AVX512):
-            monkeypatch.setattr(kq, "library", lambda v=variant: native._library(v))
-            out[variant] = kq.KQuantKernel.from_blocks(blocks, None, in_features=700)(x)
-        assert torch.equal(out[native.AVX2], out[native.AVX512])
+    names = list(builds)
+    for other in names[1:]:
+        assert kq.self_check(builds[other], builds[names[0]]) is None, other
+
+
+def test_amx_path_is_bitwise_equal_to_avx512():
+    if not {"amx_tile", "amx_int8"} <= native._cpu_flags():
+        pytest.skip("this CPU has no AMX (amx_tile/amx_int8 absent): the AMX path is tested on one that has it")
+    amx = native._library(native.AMX)
+    assert amx.specdec_amx_enable(1) == 0, "the OS refused the tile state (arch_prctl)"
+    assert kq.self_check(amx, native._library(native.AVX512)) is None
+    assert native.dispatch()[0] == native.AMX
+
+
+def test_amx_enable_is_refused_without_amx():
+    """On a CPU without AMX the AMX build still loads, and enabling AMX fails cleanly."""
+    if {"amx_tile", "amx_int8"} <= native._cpu_flags() or not native._AVX512_NEEDS <= native._cpu_flags():
+        pytest.skip("needs a CPU with AVX-512 VNNI and without AMX")
+    amx = _builds_here()[native.AMX]
+    assert amx.specdec_amx_enable(1) != 0 and amx.specdec_amx_enable(0) == 0  # type: ignore[attr-defined]
 
 
 def test_grouped_layers_equal_separate_calls():

@@ -110,6 +110,10 @@ def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] 
         out["device"] = str(model.device)
         del model
         gc.collect()
+    from ..info import collect
+
+    machine = collect(bandwidth=False)
+    out["cpu"], out["kernels"] = machine["cpu"]["model"], machine["kernels"]  # which path produced the numbers
     if gguf is not None and gguf.exists():
         progress("timing llama.cpp ...")
         out["llama_cpp"] = time_llama_cpp(gguf, context=context, ks=ks, repeats=repeats)
@@ -129,7 +133,9 @@ def table(result: dict[str, Any]) -> str:
     if peer:
         lines.append(f"{'llama.cpp':8s}" + "".join(f"{peer['ms'][str(k)]:10.1f}" for k in ks)
                      + (f"{peer['ratio_k8_k1']:8.2f}" if peer["ratio_k8_k1"] else "") + f"  (peer, {peer['gguf']})")  # fmt: skip
-    return "\n".join(lines) + "\n(ms per target forward, median)"
+    k = result.get("kernels") or {}
+    where = f"; {result['cpu']}, native kernels {k.get('build') or 'unavailable'}: {k.get('why', '')}" if k else ""
+    return "\n".join(lines) + f"\n(ms per target forward, median{where})"
 
 
 def default_modes(device: torch.device) -> list[str]:

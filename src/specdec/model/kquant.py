@@ -206,9 +206,10 @@ class KQuantKernel:
     """y = x @ W^T (+ bias) over K-quant blocks; see the module docstring."""
 
     def __init__(self, kind: int, packed: torch.Tensor, out_features: int, in_features: int,
-                 bias: torch.Tensor | None) -> None:
-        """`packed`: uint8 [ceil(N/16), nb * tile bytes], the output of `tiles`."""
-        self.lib = library()
+                 bias: torch.Tensor | None, lib: ctypes.CDLL | None = None) -> None:
+        """`packed`: uint8 [ceil(N/16), nb * tile bytes], the output of `tiles`. `lib`: a
+        particular build of the kernel (default: the one `native.dispatch` picks)."""
+        self.lib = lib if lib is not None else library()
         if self.lib.specdec_tile_outputs() != TILE or any(
             self.lib.specdec_tile_bytes(k) != dt.itemsize for k, dt in TILE_DTYPES.items()
         ):
@@ -276,6 +277,24 @@ class _GroupCall:
         if rc != 0:
             raise MemoryError("the q4k kernel could not allocate its activation buffers")
         return ys if x.dtype == torch.float32 else [y.to(x.dtype) for y in ys]
+
+
+def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
+    """Run `lib` and `reference` (two builds of the kernel) on random Q4_K and Q6_K layers for
+    1..20 rows; None when every output is bitwise equal, else what differed."""
+    rng = np.random.default_rng(0)
+    for kind in (Q4K, Q6K):
+        n, k = 40, 768
+        packed = torch.from_numpy(tiles(quantize(rng.standard_normal((n, k)).astype(np.float32), kind)).view(np.uint8))
+        bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        x = torch.from_numpy(rng.standard_normal((20, k)).astype(np.float32) * 3)
+        outs = []
+        for build in (lib, reference):
+            kernel = KQuantKernel(kind, packed, n, k, bias, lib=build)
+            outs.append(torch.cat([kernel(x[:m]) for m in (1, 2, 5, 16, 20)]))
+        if not torch.equal(outs[0], outs[1]):
+            return f"Q{kind}_K, max difference {float((outs[0] - outs[1]).abs().max()):.3g}"
+    return None
 
 
 # -- weights from a GGUF file -------------------------------------------------------------

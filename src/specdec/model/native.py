@@ -6,7 +6,8 @@
   `SegmentAttention`).
 
 The library is compiled at first use with the system C compiler (gcc, ~2 s) into the specdec
-cache, in an AVX2 build or, where the CPU has AVX512-BW/VL/VNNI, an AVX-512 build; both give
+cache, in an AVX2 build, an AVX-512 VNNI build where the CPU has AVX512-BW/VL/VNNI, or an
+AVX-512 + AMX build where it also has AMX tiles (`dispatch` picks and says why); all give
 bitwise the same results. Where neither can be built (no compiler, no AVX2) the q4k mode is
 unavailable and the other modes fall back to framework attention.
 """
@@ -28,7 +29,9 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("kquant.c", "attention.c")
 _BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDEC_AVX512"]
-AVX2, AVX512 = "avx2", "avx512"
+_AMX_FLAGS = [*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8", "-DSPECDEC_AMX"]
+AVX2, AVX512, AMX = "avx2", "avx512", "avx512-amx"
+_VARIANT_FLAGS = {AVX2: [], AVX512: _AVX512_FLAGS, AMX: _AMX_FLAGS}
 
 
 class NativeUnavailableError(RuntimeError):
@@ -50,8 +53,10 @@ _AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 
 
 def dispatch() -> tuple[str, str]:
-    """The kernel build for this CPU and why: the one place that decides (AVX-512 VNNI where
-    present, else AVX2). Raises NativeUnavailableError where neither can run."""
+    """The kernel build for this CPU and why: the one place that decides, AMX -> AVX-512 VNNI
+    -> AVX2 from what the CPU reports (AMX only where the OS grants the tile state and the AMX
+    path passes its bitwise self-check against the AVX-512 path). Raises
+    NativeUnavailableError where none can run."""
     flags = _cpu_flags()
     missing = {"avx2", "fma", "f16c"} - flags
     if missing:
@@ -59,11 +64,34 @@ def dispatch() -> tuple[str, str]:
             f"specdec's CPU kernels need AVX2/FMA/F16C (missing: {', '.join(sorted(missing))}); "
             "use --dtype int8 or fp32"
         )
-    amx = " The CPU also has AMX (amx_int8); specdec has no AMX kernel yet." if "amx_int8" in flags else ""
-    if _AVX512_NEEDS <= flags:
-        return AVX512, "the CPU has AVX512-F/BW/VL and AVX512-VNNI." + amx
-    lacking = ", ".join(sorted(_AVX512_NEEDS - flags))
-    return AVX2, f"the CPU has AVX2/FMA/F16C but not {lacking}." + amx
+    if not _AVX512_NEEDS <= flags:
+        lacking = ", ".join(sorted(_AVX512_NEEDS - flags))
+        return AVX2, f"the CPU has AVX2/FMA/F16C but not {lacking}."
+    if {"amx_tile", "amx_int8"} <= flags:
+        why_not = _amx_unusable()
+        if why_not is None:
+            return AMX, "the CPU has AMX (amx_tile, amx_int8) and AVX512-VNNI; the AMX path passed its self-check."
+        return AVX512, f"the CPU has AVX512-F/BW/VL/VNNI and AMX, but AMX is not used: {why_not}."
+    return AVX512, "the CPU has AVX512-F/BW/VL and AVX512-VNNI (no AMX)."
+
+
+@cache
+def _amx_unusable() -> str | None:
+    """Why the AMX build cannot serve here (None: it can): it must compile, the OS must grant
+    the tile state, and its results must equal the AVX-512 path's bitwise."""
+    try:
+        lib = _library(AMX)
+    except NativeUnavailableError as exc:
+        return f"the AMX build failed ({str(exc).splitlines()[0]})"
+    if lib.specdec_amx_enable(1) != 0:
+        return "the OS refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    from . import kquant  # the self-check runs the kernel itself
+
+    mismatch = kquant.self_check(lib, _library(AVX512))
+    if mismatch:
+        lib.specdec_amx_enable(0)
+        return f"its self-check differed from the AVX-512 path ({mismatch}); please report this"
+    return None
 
 
 def best_variant() -> str:
@@ -93,7 +121,7 @@ def _library(variant: str) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise NativeUnavailableError("specdec's CPU kernels are compiled at first use and need gcc; install it or use --dtype int8")
-    cmd = [cc, *_BASE_FLAGS, *(_AVX512_FLAGS if variant == AVX512 else [])]
+    cmd = [cc, *_BASE_FLAGS, *_VARIANT_FLAGS[variant]]
     sources = [_CSRC / name for name in _SOURCES]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(cmd).encode() + version.encode())
@@ -118,6 +146,8 @@ def _library(variant: str) -> ctypes.CDLL:
     lib.specdec_tile_bytes.argtypes = [c_int]
     lib.specdec_tile_bytes.restype = c_int
     lib.specdec_tile_outputs.restype = c_int
+    lib.specdec_amx_enable.argtypes = [c_int]
+    lib.specdec_amx_enable.restype = c_int
     lib.specdec_attend_segments.argtypes = [
         c_ptr, c_ptr, c_ptr, c_int, c_int, c_int, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr,
         c_float, c_ptr, c_int, c_int,

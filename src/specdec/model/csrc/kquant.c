@@ -16,14 +16,25 @@
  * a k-token verification pass compute exactly what one-token decoding computes.
  *
  * Built at first use by specdec.model.kquant (gcc -O3 -mavx2 -mfma -fopenmp
- * -ffp-contract=off), with -DSPECDEC_AVX512 where the CPU has AVX512-BW/VL/VNNI. Both builds
- * give bitwise the same results (tested). -ffp-contract=off keeps the compiler from fusing
+ * -ffp-contract=off), with -DSPECDEC_AVX512 where the CPU has AVX512-BW/VL/VNNI, and with
+ * -DSPECDEC_AMX too where it also has AMX (amx_tile, amx_int8). All builds give bitwise the
+ * same results (tested where the paths run). -ffp-contract=off keeps the compiler from fusing
  * float operations differently in the specialised copies of the row loop.
+ *
+ * The AMX path (several rows): a tile multiply (tdpbssd) computes, for up to 16 activation
+ * rows and the 16 outputs of a tile, the exact int32 sum over one scale group (32 inputs for
+ * q4k, 16 for q6k); the code vectors of the AVX-512 path are exactly the B operand's VNNI
+ * layout (one row = 4 inputs x 16 outputs). The group sums are then scaled and accumulated
+ * with the same integer and float operations, in the same order, as the other paths.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef SPECDEC_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define QK 256
 #define TILE 16
@@ -331,6 +342,141 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
 }
 #endif
 
+
+#ifdef SPECDEC_AMX
+#define AMX_ROWS 16  /* activation rows per tile multiply */
+#define AMX_MIN_ROWS 2  /* one row is bound by memory: the AVX-512 path serves it */
+
+static int amx_on = 0;  /* set by specdec_amx_enable once the OS granted the tile state */
+
+/* Ask Linux for the tile data state (needed once per process before any tile instruction),
+ * then enable or disable the AMX path. Returns 0, or -1 where the OS refuses. */
+int specdec_amx_enable(int on) {
+    if (!on) {
+        amx_on = 0;
+        return 0;
+    }
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return -1;
+    amx_on = 1;
+    return 0;
+}
+
+/* Tile configuration: tmm0 = C [rb x 16 int32], tmm1/tmm2 = A/B for a q4k group (32 inputs),
+ * tmm3/tmm4 = A/B for a q6k sub-block (16 inputs). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+static void amx_config(int rb) {
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    cfg.rows[0] = (uint8_t)rb; cfg.colsb[0] = 64;
+    cfg.rows[1] = (uint8_t)rb; cfg.colsb[1] = 32;
+    cfg.rows[2] = 8;           cfg.colsb[2] = 64;
+    cfg.rows[3] = (uint8_t)rb; cfg.colsb[3] = 16;
+    cfg.rows[4] = 4;           cfg.colsb[4] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __attribute__((aligned(64))) int32_t cbuf[AMX_ROWS][TILE];
+    __attribute__((aligned(64))) uint8_t bbuf[8][64];
+    __m512 facc[AMX_ROWS], fmin[AMX_ROWS];
+    for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm512_setzero_ps();
+    amx_config(rb);
+    for (int b = 0; b < xq->nb; b++) {
+        const tile_q4k *t = w + b;
+        prefetch_ahead(t, sizeof(tile_q4k));
+        __m512i iacc[AMX_ROWS], imin[AMX_ROWS];
+        for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) {
+            const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)t->mn[p]));
+            for (int r = 0; r < rb; r++) {
+                const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
+                imin[r] = _mm512_dpwssd_epi32(imin[r], mn, _mm512_set1_epi32(load4(s32)));
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            for (int v = 0; v < 4; v++) {  /* the group's 8 code vectors: B in VNNI layout */
+                const __m512i raw = _mm512_loadu_si512((const void *)t->qs[j][v]);
+                _mm512_store_si512((void *)bbuf[v], _mm512_and_si512(raw, m4));
+                _mm512_store_si512((void *)bbuf[v + 4], _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+            }
+            _tile_zero(0);
+            _tile_loadd(1, xq->q + (size_t)r0 * xq->K + (size_t)b * QK + 32 * j, xq->K);
+            _tile_loadd(2, bbuf, 64);
+            _tile_dpbssd(0, 1, 2);
+            _tile_stored(0, cbuf, 64);
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
+            for (int r = 0; r < rb; r++)
+                iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(_mm512_load_si512((const void *)cbuf[r]), sc));
+        }
+        const __m512 d = _mm512_loadu_ps(t->d), dmin = _mm512_loadu_ps(t->dmin);
+        for (int r = 0; r < rb; r++) {
+            const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(d, a), facc[r]);
+            fmin[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(dmin, a), fmin[r]);
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], _mm512_sub_ps(facc[r], fmin[r]));
+}
+
+static void amx_tile_q6k(const tile_q6k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    __attribute__((aligned(64))) int32_t cbuf[AMX_ROWS][TILE];
+    __attribute__((aligned(64))) uint8_t bbuf[4][64];
+    __m512 facc[AMX_ROWS];
+    for (int r = 0; r < rb; r++) facc[r] = _mm512_setzero_ps();
+    amx_config(rb);
+    for (int b = 0; b < xq->nb; b++) {
+        const tile_q6k *t = w + b;
+        prefetch_ahead(t, sizeof(tile_q6k));
+        __m512i iacc[AMX_ROWS];
+        for (int r = 0; r < rb; r++) iacc[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 16; s++) {
+            const __m512i l0 = _mm512_loadu_si512((const void *)t->sub[s].ql[0]);
+            const __m512i l1 = _mm512_loadu_si512((const void *)t->sub[s].ql[1]);
+            const __m512i hb = _mm512_loadu_si512((const void *)t->sub[s].qh);
+            _mm512_store_si512((void *)bbuf[0], q6_codes512(l0, 0, hb, 0));
+            _mm512_store_si512((void *)bbuf[1], q6_codes512(l0, 1, hb, 1));
+            _mm512_store_si512((void *)bbuf[2], q6_codes512(l1, 0, hb, 2));
+            _mm512_store_si512((void *)bbuf[3], q6_codes512(l1, 1, hb, 3));
+            _tile_zero(0);
+            _tile_loadd(3, xq->q + (size_t)r0 * xq->K + (size_t)b * QK + 16 * s, xq->K);
+            _tile_loadd(4, bbuf, 64);
+            _tile_dpbssd(0, 3, 4);
+            _tile_stored(0, cbuf, 64);
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)t->sc[s]));
+            for (int r = 0; r < rb; r++) {
+                const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
+                const __m512i g = _mm512_add_epi32(_mm512_load_si512((const void *)cbuf[r]),
+                                                   _mm512_set1_epi32(xq->o16[rbk * 16 + s]));
+                iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(g, sc));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(t->d);
+        for (int r = 0; r < rb; r++) {
+            const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(d, a), facc[r]);
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], facc[r]);
+}
+#else
+int specdec_amx_enable(int on) { return on ? -1 : 0; }  /* this build has no AMX path */
+#endif
+
+#ifdef SPECDEC_AMX
+#define AMX_OUT_ROWS AMX_ROWS
+#else
+#define AMX_OUT_ROWS MAXRB
+#endif
+
 #define DISPATCH(fn, w, xq, r0, rb, out)                  \
     switch (rb) {                                         \
     case 1: fn(w, xq, r0, 1, out); break;                 \
@@ -376,9 +522,20 @@ int specdec_kquant_linears(int n_layers, const int *kinds, const void *const *w,
             const size_t tile_bytes = (size_t)xq.nb * (kinds[i] == 4 ? sizeof(tile_q4k) : sizeof(tile_q6k));
             const void *wt = (const char *)w[i] + (size_t)(t - first[i]) * tile_bytes;
             const int n0 = (t - first[i]) * TILE, nv = N[i] - n0 < TILE ? N[i] - n0 : TILE;
-            for (int r0 = 0; r0 < M; r0 += MAXRB) {
-                const int rb = M - r0 < MAXRB ? M - r0 : MAXRB;
-                float out[MAXRB][TILE];
+#ifdef SPECDEC_AMX
+            const int step = amx_on && M >= AMX_MIN_ROWS ? AMX_ROWS : MAXRB;
+#else
+            const int step = MAXRB;
+#endif
+            for (int r0 = 0; r0 < M; r0 += step) {
+                const int rb = M - r0 < step ? M - r0 : step;
+                float out[AMX_OUT_ROWS][TILE];
+#ifdef SPECDEC_AMX
+                if (step == AMX_ROWS) {
+                    if (kinds[i] == 4) amx_tile_q4k((const tile_q4k *)wt, &xq, r0, rb, out);
+                    else amx_tile_q6k((const tile_q6k *)wt, &xq, r0, rb, out);
+                } else
+#endif
                 if (kinds[i] == 4) {
                     DISPATCH(tile_dot_q4k, (const tile_q4k *)wt, &xq, r0, rb, out);
                 } else {
