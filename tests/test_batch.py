@@ -225,3 +225,30 @@ def test_generate_batch_api(tiny):
         assert out.token_ids == alone.token_ids and out.seed == 5 + i
     with pytest.raises(ValueError, match="3 prompts but 2 seeds"):
         specdec.generate_batch(target, PROMPTS[:3], seed=[1, 2], max_new_tokens=2)
+
+
+def test_early_exit_drafts_for_all_its_sequences_in_one_call_per_step(tiny):
+    """Early-exit drafters of one target share the early blocks' calls: a draft step runs
+    blocks [0, L) once for every sequence's row."""
+    mode = EXACT_MODES[-1]
+    target = tiny("gemma3", dtype=mode)
+    model = target.model
+    calls: list[int] = []
+    real = model.forward_batch
+
+    def counting(segments, **kw):
+        if kw.get("hi") is not None and kw["hi"] < model.args.n_layers:  # an early-exit draft call
+            calls.append(len(segments))
+        return real(segments, **kw)
+
+    model.forward_batch = counting  # type: ignore[method-assign]
+    try:
+        cfg = GenerationConfig(max_new_tokens=12, k=3, ignore_eos=True)
+        prompts = encode(target, PROMPTS[:4])
+        outs = together(target, prompts, [cfg] * 4, [SamplingParams()] * 4,
+                        [EarlyExitDrafter(model, layer=1) for _ in range(4)])  # fmt: skip
+    finally:
+        del model.forward_batch
+    assert max(calls) == 4
+    alone = [specdec.generate(target, p, max_new_tokens=12, ignore_eos=True).token_ids for p in prompts]
+    assert [o.token_ids for o in outs] == alone

@@ -21,12 +21,13 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 
 from ..model.cache import KVCache
-from ..model.transformer import Transformer
+from ..model.transformer import Segment, Transformer
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 
@@ -76,7 +77,8 @@ class EarlyExitDrafter(Drafter):
         self._last = session.context[-1]
         self._context_tail = session.context[-CALIBRATION_TOKENS - 1 :]
 
-    def propose(self, k: int) -> Draft:
+    def _ensure_layer(self, k: int) -> int:
+        """The exit layer: given, or calibrated for this k (once per target, then kept)."""
         if self.session is None or self.cache is None:
             raise RuntimeError("EarlyExitDrafter.propose() called before begin()")
         if self.layer is None:
@@ -88,36 +90,68 @@ class EarlyExitDrafter(Drafter):
             else:
                 self.info = dict(known)
             self.layer = self.info["layer"]
-        L, cache, sampling = self.layer, self.cache, self.session.sampling
-        dev = self.model.device
-        base = cache.length  # slot of the last committed token
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        hidden: list[torch.Tensor] = []  # residual entering block L, one [1, 1, D] per row
-        x = self._last
-        for _ in range(k):
-            out = self.model(torch.tensor([[x]], device=dev), cache, blocks=(0, L))
-            self.forwards += 1
-            hidden.append(out.residual)
-            logits = out.logits[:, -1]  # [1, V] the early exit
-            if sampling.greedy:
-                x = int(logits.argmax(-1))
-            else:
-                q = probs(logits, sampling)  # [1, V]
-                x = int(sample(q, self.session.generator))
-                qs.append(q)
-            tokens.append(x)
-        # the last draft's early blocks too: verification needs every row's residual
-        out = self.model(torch.tensor([[x]], device=dev), cache, blocks=(0, L), head=False)
-        self.forwards += 1
-        hidden.append(out.residual)
-        cache.truncate(base)  # the early KV stays in the slots; the verification pass owns the length
-        q_all = None
-        if not sampling.greedy:
-            V = self.model.args.vocab_size
-            q_all = torch.cat(qs) if qs else torch.zeros(0, V, device=dev)
-        toks = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return Draft(toks, q_all, hidden=torch.cat(hidden, dim=1)[0], from_layer=L)
+        return self.layer
+
+    def batch_key(self) -> Hashable:
+        return ("early-exit", id(self.model))
+
+    def propose(self, k: int) -> Draft:
+        return self.propose_batch([self], [k])[0]
+
+    @classmethod
+    def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
+        """Drafters of one target draft together: each draft step runs blocks [0, L) once for
+        every sequence's row (drafters with different exit layers in separate groups)."""
+        group = [d for d in drafters if isinstance(d, EarlyExitDrafter)]
+        if len(group) != len(drafters) or len({id(d.model) for d in group}) > 1:
+            raise ValueError("propose_batch takes early-exit drafters of one target")
+        by_layer: dict[int, list[int]] = {}
+        for i, (d, k) in enumerate(zip(group, ks, strict=True)):
+            by_layer.setdefault(d._ensure_layer(k), []).append(i)
+        out: list[Draft | None] = [None] * len(group)
+        for L, idx in by_layer.items():
+            for i, draft in zip(idx, cls._draft([group[i] for i in idx], [ks[i] for i in idx], L), strict=True):
+                out[i] = draft
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _draft(group: list[EarlyExitDrafter], ks: list[int], L: int) -> list[Draft]:
+        model = group[0].model
+        dev = model.device
+        bases = [d.cache.length for d in group]  # type: ignore[union-attr]  # slot of each last committed token
+        x = [d._last for d in group]
+        tokens: list[list[int]] = [[] for _ in group]
+        qs: list[list[torch.Tensor]] = [[] for _ in group]
+        hidden: list[list[torch.Tensor]] = [[] for _ in group]  # residual entering block L, one [1, 1, D] per row
+        for step in range(max(ks) + 1):
+            # k draft rows, then the last draft's early blocks too: verification needs every row's residual
+            live = [i for i, k in enumerate(ks) if step <= k]
+            segs = [Segment(torch.tensor([x[i]], device=dev), group[i].cache) for i in live]  # type: ignore[arg-type]
+            outs = model.forward_batch(segs, hi=L, head=any(step < ks[i] for i in live))
+            for i, out in zip(live, outs, strict=True):
+                d = group[i]
+                d.forwards += 1
+                hidden[i].append(out.residual)
+                if step == ks[i]:
+                    continue
+                logits = out.logits[:, -1]  # [1, V] the early exit
+                sampling = d.session.sampling  # type: ignore[union-attr]
+                if sampling.greedy:
+                    x[i] = int(logits.argmax(-1))
+                else:
+                    q = probs(logits, sampling)  # [1, V]
+                    x[i] = int(sample(q, d.session.generator))  # type: ignore[union-attr]
+                    qs[i].append(q)
+                tokens[i].append(x[i])
+        drafts = []
+        for i, d in enumerate(group):
+            d.cache.truncate(bases[i])  # type: ignore[union-attr]  # the early KV stays in the slots; the verification pass owns the length
+            q_all = None
+            if not d.session.sampling.greedy:  # type: ignore[union-attr]
+                q_all = torch.cat(qs[i]) if qs[i] else torch.zeros(0, model.args.vocab_size, device=dev)
+            toks = torch.tensor(tokens[i], dtype=torch.long, device=dev)
+            drafts.append(Draft(toks, q_all, hidden=torch.cat(hidden[i], dim=1)[0], from_layer=L))
+        return drafts
 
     def accepted(self, feedback: Feedback) -> None:
         self._last = feedback.next_token
