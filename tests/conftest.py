@@ -171,15 +171,38 @@ def _tree_without_removal(p, tokens, parents, generator) -> TreeVerdict:
             return TreeVerdict(path, int(torch.multinomial(p[row], 1, generator=generator)))
 
 
+def _tree_keeping_rejected_drafts(p, q, tokens, parents, generator) -> TreeVerdict:
+    """A subtly wrong sampled-tree rule: after a rejected child the proposal is not updated
+    (the child's mass stays in it), the rule for drafts drawn with replacement."""
+    kids = {}
+    for j, par in enumerate(parents):
+        kids.setdefault(par + 1, []).append(j)
+    path, row = [], 0
+    while True:
+        r, moved = p[row].clone(), False
+        children = kids.get(row, [])
+        for c in children:
+            s, x = q[children[0]], tokens[c]
+            if float(torch.rand(1, generator=generator)) * float(s[x]) < float(r[x]):
+                path.append(c)
+                row, moved = c + 1, True
+                break
+            r = (r - s).clamp_min(0)
+            r = r / r.sum()
+        if not moved:
+            return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
+
+
 @pytest.fixture
 def wrong_rule(monkeypatch):
     """Install a subtly wrong verification rule in the engine: wrong_rule("rejection"),
-    wrong_rule("point-mass") or wrong_rule("tree")."""
+    wrong_rule("point-mass"), wrong_rule("tree") or wrong_rule("sampled-tree")."""
 
     def install(which: str) -> None:
         rules = {"rejection": ("rejection_sample", _recover_from_p),
                  "point-mass": ("point_mass_sample", _point_mass_keeping_rejected),
-                 "tree": ("tree_point_mass_sample", _tree_without_removal)}  # fmt: skip
+                 "tree": ("tree_point_mass_sample", _tree_without_removal),
+                 "sampled-tree": ("tree_rejection_sample", _tree_keeping_rejected_drafts)}  # fmt: skip
         name, rule = rules[which]
         monkeypatch.setattr(engine, name, rule)
 

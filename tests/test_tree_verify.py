@@ -117,3 +117,97 @@ def test_chain_tree_matches_point_mass_law():
         tv = tree_point_mass_sample(p, [2, 4], [-1, 0], g)
         counts[([2, 4][0] if tv.path else tv.next_token,)] += 1
     assert chi2_pvalue(counts, {(t,): float(p[0, t]) for t in range(5)}) > ALPHA
+
+
+# -- sampled trees: siblings drawn from q without replacement ------------------------------
+V_TREE = 6
+
+
+def _dist(g: torch.Generator, sharp: float) -> torch.Tensor:
+    return torch.softmax(sharp * torch.randn(V_TREE, generator=g), -1)
+
+
+def _sampled_tree_setup():
+    g = torch.Generator().manual_seed(7)
+    p0, q0 = _dist(g, 1.5), _dist(g, 1.5)
+    p1 = torch.stack([_dist(g, 1.5) for _ in range(V_TREE)])  # second token's law after each first
+    q1 = torch.stack([_dist(g, 1.5) for _ in range(V_TREE)])
+    return p0, q0, p1, q1
+
+
+def _draw_without_replacement(q: torch.Tensor, m: int, g: torch.Generator) -> list[int]:
+    s, out = q.clone(), []
+    for _ in range(m):
+        x = int(torch.multinomial(s / s.sum(), 1, generator=g))
+        out.append(x)
+        s[x] = 0.0
+    return out
+
+
+def sampled_tree_two_tokens(rule, runs: int) -> Counter:
+    """Each run drafts a fresh tree — 3 root children drawn from q0 without replacement, one
+    grandchild under each of the first two drawn from q1[child] — verifies it with `rule`, and
+    records the first two tokens (a second token the step did not reach is drawn from p1, as
+    the next step would)."""
+    p0, q0, p1, q1 = _sampled_tree_setup()
+    g = torch.Generator().manual_seed(3)
+    counts: Counter = Counter()
+    for _ in range(runs):
+        xs = _draw_without_replacement(q0, 3, g)
+        ys = [int(torch.multinomial(q1[x], 1, generator=g)) for x in xs[:2]]
+        tokens, parents = xs + ys, [-1, -1, -1, 0, 1]
+        q = torch.stack([q0, q0, q0, q1[xs[0]], q1[xs[1]]])  # [K, V]
+        p = torch.stack([p0, p1[xs[0]], p1[xs[1]], p1[xs[2]], p0, p0])  # [K+1, V]; leaf rows unused
+        tv = rule(p, q, tokens, parents, g)
+        seq = [tokens[j] for j in tv.path] + [tv.next_token]
+        t2 = seq[1] if len(seq) > 1 else int(torch.multinomial(p1[seq[0]], 1, generator=g))
+        counts[(seq[0], t2)] += 1
+    return counts
+
+
+def _exact_sampled_tree() -> dict[tuple, float]:
+    p0, _, p1, _ = _sampled_tree_setup()
+    return {(a, b): float(p0[a] * p1[a, b]) for a in range(V_TREE) for b in range(V_TREE)}
+
+
+def test_sampled_tree_law():
+    counts = sampled_tree_two_tokens(verify.tree_rejection_sample, runs=20000)
+    assert chi2_pvalue(counts, _exact_sampled_tree()) > ALPHA
+
+
+def test_sampled_tree_rule_that_keeps_rejected_drafts_fails():
+    """Negative control: the rule for drafts drawn *with* replacement (s is not updated after
+    a rejection, so a rejected child's mass stays in the proposal) is wrong here."""
+
+    def keeps_rejected(p, q, tokens, parents, generator):
+        kids = verify._children(parents, tokens)
+        path, row = [], 0
+        while True:
+            r, moved = p[row].clone(), False
+            children = kids.get(row, [])
+            s = q[children[0]] if children else None
+            for c in children:
+                x = tokens[c]
+                if float(torch.rand(1, generator=generator)) * float(s[x]) < float(r[x]):
+                    path.append(c)
+                    row, moved = c + 1, True
+                    break
+                r = (r - s).clamp_min(0)
+                r = r / r.sum()
+            if not moved:
+                return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
+
+    counts = sampled_tree_two_tokens(keeps_rejected, runs=20000)
+    assert chi2_pvalue(counts, _exact_sampled_tree()) <= ALPHA
+
+
+def test_sampled_tree_with_one_child_per_node_is_rejection_sampling():
+    """A chain drawn from q: the same law of the first token as `rejection_sample`."""
+    p0, q0, p1, q1 = _sampled_tree_setup()
+    g = torch.Generator().manual_seed(4)
+    counts: Counter = Counter()
+    for _ in range(20000):
+        x = int(torch.multinomial(q0, 1, generator=g))
+        tv = verify.tree_rejection_sample(torch.stack([p0, p1[x]]), q0[None], [x], [-1], g)
+        counts[([x][0] if tv.path else tv.next_token,)] += 1
+    assert chi2_pvalue(counts, {(t,): float(p0[t]) for t in range(V_TREE)}) > ALPHA

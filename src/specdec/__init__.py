@@ -37,6 +37,7 @@ from .verify import (
     rejection_sample,
     tree_greedy_verify,
     tree_point_mass_sample,
+    tree_rejection_sample,
 )
 
 __version__ = "0.1.0"
@@ -77,4 +78,5 @@ __all__ = [
     "stream",
     "tree_greedy_verify",
     "tree_point_mass_sample",
+    "tree_rejection_sample",
 ]  # fmt: skip

@@ -41,6 +41,7 @@ from .verify import (
     rejection_sample,
     tree_greedy_verify,
     tree_point_mass_sample,
+    tree_rejection_sample,
 )
 
 
@@ -322,8 +323,8 @@ def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: t
             tv = tree_greedy_verify(logits, tokens, draft.parents)
         elif draft.probs is None:
             tv = tree_point_mass_sample(probs(logits, sampling), tokens, draft.parents, gen)
-        else:
-            raise NotImplementedError("token trees are verified for deterministic drafts (probs=None) only")
+        else:  # siblings drawn from q without replacement
+            tv = tree_rejection_sample(probs(logits, sampling), draft.probs, tokens, draft.parents, gen)
         return tv.path, tv.next_token
     if sampling.greedy:
         verdict = greedy_verify(logits[None], draft.tokens[None])

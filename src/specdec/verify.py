@@ -186,3 +186,51 @@ def tree_point_mass_sample(
             if float(r.sum()) <= 0:  # rounding: every token was tried and removed
                 r = p[row]
             return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
+
+
+def tree_rejection_sample(
+    p: torch.Tensor,  # [K+1, V] target probabilities (temperature/top-k/top-p applied)
+    q: torch.Tensor,  # [K, V] row j: the draft distribution node j was drawn from (the same processing)
+    tokens: list[int],  # [K] draft node tokens
+    parents: list[int],  # [K]
+    generator: torch.Generator,
+) -> TreeVerdict:
+    """Exact sampling over a token tree whose siblings were drawn from the draft distribution
+    q *without replacement*, in the order listed (recursive rejection sampling: SpecInfer's
+    multi-draft rule; Jeon et al. 2024 for drafts without replacement).
+
+    At a node, with r = p there and s = q there: child x_i is accepted with probability
+    min(1, r(x_i) / s(x_i)); on rejection r <- norm(max(0, r - s)) and x_i is removed from s
+    (s <- norm(s without x_i), the law the next sibling was drawn from). Accepting moves down
+    to x_i; when every child is rejected the next token is drawn from r; below the last
+    accepted leaf the bonus token comes from p. The output is distributed exactly as p. With
+    one child per node this is `rejection_sample`."""
+    kids = _children(parents, tokens)
+    p, q = p.float(), q.float()
+    V = p.shape[-1]
+    path: list[int] = []
+    row = 0
+    while True:
+        children = kids.get(row, [])
+        r = p[row].clone()
+        moved = False
+        if children:
+            s = q[children[0], :V].clone()
+            for c in children:
+                x = tokens[c]
+                u = float(torch.rand(1, generator=generator, device=p.device))
+                r_x, s_x = (float(r[x]), float(s[x])) if x < V else (0.0, 0.0)
+                if u * s_x < r_x:  # u < r/s without dividing: s = 0 < r accepts, r = 0 rejects
+                    path.append(c)
+                    row, moved = c + 1, True
+                    break
+                residual = (r - s).clamp_min(0)
+                mass = float(residual.sum())
+                # a rejection implies r(x) < s(x), hence mass elsewhere; guard rounding
+                r = residual / mass if mass > 0 else r
+                if x < V:
+                    s[x] = 0.0
+                    total = float(s.sum())
+                    s = s / total if total > 0 else s
+        if not moved:
+            return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))

@@ -48,11 +48,15 @@ class Draft:
     A chain (the default): `tokens` continue the last committed token one after another. A
     token tree: `parents[j]` is the index of node j's parent among the draft tokens (-1: the
     last committed token), parents before children, siblings with distinct tokens, best first.
+    A tree with `probs` (sampling) has each node's siblings drawn from their parent's draft
+    distribution *without replacement*, in the order listed; `probs[j]` is the distribution
+    node j was drawn from (the same row for all siblings), and verification uses
+    `verify.tree_rejection_sample`. A tree without `probs` is deterministic (point masses).
     """
 
     tokens: torch.Tensor  # [K] proposed token ids (K may be 0)
     probs: torch.Tensor | None = None  # [K, V] q the tokens were drawn from; None: deterministic (point mass)
-    parents: list[int] | None = None  # token tree (point masses); None: a chain
+    parents: list[int] | None = None  # token tree; None: a chain
     extra: ExtraRows | None = None  # scored in the same pass; logits go to `Feedback.extra_logits`
     # Self-speculation: the drafter already ran blocks [0, from_layer) of the target for the
     # last committed token and every draft token (writing their KV in the target's cache);
