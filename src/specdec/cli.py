@@ -17,9 +17,19 @@ from .drafters import DRAFTERS
 from .model.kernels import AUTO, MODES
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where there is none to show (unset options say what happens
+    in their own help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text, speculatively when a draft or drafter is given",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                       formatter_class=_Help)  # fmt: skip
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
     p.add_argument("--drafter", choices=sorted(DRAFTERS),
@@ -47,9 +57,9 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     """Every registered drafter's options, as declared once in the registry."""
     for spec in DRAFTERS.values():
         for opt, default in zip(spec.options, spec.defaults().values(), strict=True):
-            shown = "calibrated" if default is None else default
             p.add_argument(opt.cli_flag, dest=f"{spec.name}:{opt.name}", type=type(default) if default is not None
-                           else int, default=None, help=f"{opt.help} (default: {shown})")  # fmt: skip
+                           else int, default=None, metavar=opt.name.upper(),
+                           help=opt.help if default is None else f"{opt.help} (default: {default})")  # fmt: skip
 
 
 def drafter_options(ns: argparse.Namespace, method: str | None, strict: bool = True) -> dict[str, Any]:
@@ -199,7 +209,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (speed measured side by side in one run)",
                        description="Without a subcommand: every method over the prompt suite, side by side with "
                                    "plain decoding; writes DIR/results.json, DIR/report.md and PNG plots.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                       formatter_class=_Help)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
     p.add_argument("--quick", action="store_true",
                    help="one prompt per category, 40 new tokens, one repeat (minutes, not hours)")  # fmt: skip
@@ -225,7 +235,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench)
     bsub = p.add_subparsers(dest="bench_cmd")
     fwd = bsub.add_parser("forward", help="ms per target forward for k new tokens, per precision/kernel mode",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                          formatter_class=_Help)  # fmt: skip
     fwd.add_argument("--model", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     fwd.add_argument("--modes", nargs="+", choices=list(MODES), help="modes to time (default: all for the device)")
     fwd.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
@@ -237,7 +247,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                           description="B different prompts decoded together (greedy), plain decoding and each "
                                       "method side by side at every batch size; prints a table, writes "
                                       "DIR/batch.json and DIR/batch.png with --out.",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                          formatter_class=_Help)  # fmt: skip
     from .bench.batch import METHODS as BATCH_METHODS
     from .bench.batch import PLAIN
 
