@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import _tree_keeping_rejected_drafts
 from helpers import ALPHA, chi2_pvalue
 
 from specdec import verify
@@ -179,25 +180,7 @@ def test_sampled_tree_rule_that_keeps_rejected_drafts_fails():
     """Negative control: the rule for drafts drawn *with* replacement (s is not updated after
     a rejection, so a rejected child's mass stays in the proposal) is wrong here."""
 
-    def keeps_rejected(p, q, tokens, parents, generator):
-        kids = verify._children(parents, tokens)
-        path, row = [], 0
-        while True:
-            r, moved = p[row].clone(), False
-            children = kids.get(row, [])
-            s = q[children[0]] if children else None
-            for c in children:
-                x = tokens[c]
-                if float(torch.rand(1, generator=generator)) * float(s[x]) < float(r[x]):
-                    path.append(c)
-                    row, moved = c + 1, True
-                    break
-                r = (r - s).clamp_min(0)
-                r = r / r.sum()
-            if not moved:
-                return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
-
-    counts = sampled_tree_two_tokens(keeps_rejected, runs=20000)
+    counts = sampled_tree_two_tokens(_tree_keeping_rejected_drafts, runs=20000)
     assert chi2_pvalue(counts, _exact_sampled_tree()) <= ALPHA
 
 
