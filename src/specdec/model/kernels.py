@@ -63,8 +63,8 @@ def default_mode_name(device: torch.device) -> str:
     """The fastest mode that keeps greedy identity exact, where one exists for the device.
 
     On the CPU that is q4k when its kernel can be built here (AVX2 and a C compiler), else
-    int8. Measured on Qwen2.5-Coder-1.5B, 2 cores (bench forward, one run): one token costs
-    37 ms in q4k, 84 ms in int8, 366 ms in fp32; k=8 tokens cost 84 ms in q4k, 97 ms in int8.
+    int8 (q4k reads about half the bytes per token; `specdec bench forward` measures both, and
+    the README quotes the figures with the CPU they came from).
     The integer kernels are CPU-only for now, so CUDA gets bf16, which is fast there but not
     batch-invariant.
     """
@@ -95,8 +95,8 @@ class Int8Kernel:
     runs with unit scales, so it returns float(Σ u·w) of the exact int32 sum; activations go
     in as unsigned bytes (x_q + 128) because that is oneDNN's fast path (signed bytes fall to
     a path >100x slower), and the constant 128·Σ_k w_q[n, k] is removed through the GEMM's
-    bias. Measured on Qwen 1.5B shapes (2 cores): ~1.8x faster than `torch._int_mm` for 5-9
-    rows, the same for one row. Without oneDNN, `torch._int_mm` computes the same exact sums.
+    bias; on the Qwen 1.5B's shapes this was faster than `torch._int_mm` for several rows and
+    the same for one. Without oneDNN, `torch._int_mm` computes the same exact sums.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
