@@ -22,19 +22,6 @@ FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"
          "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
 
 
-def _cpuinfo() -> dict[str, str]:
-    out: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "vendor_id", "cpu family", "model", "flags") and key not in out:
-                out[key] = value.strip()
-    except OSError:
-        pass
-    return out
-
-
 def _mem_total_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -65,8 +52,8 @@ def collect(bandwidth: bool = True) -> dict[str, Any]:
     from .model import native
     from .model.kernels import default_mode_name
 
-    cpu = _cpuinfo()
-    flags = set(cpu.get("flags", "").split())
+    cpu = native.cpu_info()
+    flags = native._cpu_flags()
     try:
         variant, why = native.dispatch()
         kernels: dict[str, Any] = {"build": variant, "why": why}

@@ -70,14 +70,9 @@ QUICK = {"per_category": 1, "max_new_tokens": 40, "repeats": 1}
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from ..model.native import cpu_info
+
+    cpu = cpu_info().get("model name") or platform.processor()
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                                 cwd=Path(__file__).parent).stdout.strip() or None  # fmt: skip

@@ -39,14 +39,25 @@ class NativeUnavailableError(RuntimeError):
 
 
 @cache
-def _cpu_flags() -> set[str]:
+def cpu_info() -> dict[str, str]:
+    """The first CPU's fields of /proc/cpuinfo ("model name", "vendor_id", "cpu family",
+    "model", "flags", ...); empty where there is no such file. The one reader of it."""
+    out: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            key, sep, value = line.partition(":")
+            if not sep:
+                if out:  # a blank line ends the first CPU's block
+                    break
+                continue
+            out.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return out
+
+
+def _cpu_flags() -> set[str]:
+    return set(cpu_info().get("flags", "").split())
 
 
 _AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
