@@ -361,30 +361,28 @@ class Transformer(nn.Module):
         assert x is not None
         for p in plans:
             p.seg.cache.length = p.end
-        # rows of each segment in the packed stream (the last one only for last_only)
-        row0, spans = 0, {}
+        # each segment's first row in the packed stream, and the rows it returns (the last one only for last_only)
+        first, row0 = {}, 0
         for n in order:
-            T = plans[n].T
-            spans[n] = (row0 + T - 1, row0 + T) if segments[n].last_only else (row0, row0 + T)
-            row0 += T
+            first[n], row0 = row0, row0 + plans[n].T
+        spans = {n: (first[n] + plans[n].T - 1 if segments[n].last_only else first[n], first[n] + plans[n].T)
+                 for n in order}  # fmt: skip
+        x_out = x
         if any(seg.last_only for seg in segments):
-            keep = torch.cat([torch.arange(*spans[n]) for n in order]).to(x.device)
-            x_out, r = x.index_select(1, keep), 0
-            for n in order:  # spans in the reduced stream
+            x_out = x.index_select(1, torch.cat([torch.arange(*spans[n]) for n in order]).to(x.device))
+            r = 0
+            for n in order:  # the same spans in the reduced stream
                 size = spans[n][1] - spans[n][0]
                 spans[n], r = (r, r + size), r + size
-        else:
-            x_out = x
         h = self.model.norm(x_out) if head else None
         logits = self.head_logits(h) if h is not None else None
         outs = []
         for n, p in enumerate(plans):
             lo, up = spans[n]
-            row0 = sum(plans[m].T for m in order[: order.index(n)])
             outs.append(ForwardOutput(
                 logits=logits[:, lo:up] if logits is not None else x_out.new_empty(1, up - lo, 0),
                 hidden=h[:, lo:up] if (h is not None and return_hidden) else None,
-                layers={i: t[:, row0 : row0 + p.T] for i, t in layers.items() if i >= p.seg.lo},
+                layers={i: t[:, first[n] : first[n] + p.T] for i, t in layers.items() if i >= p.seg.lo},
                 residual=x_out[:, lo:up],
             ))  # fmt: skip
         return outs
