@@ -156,6 +156,14 @@ class Drafter:
         """Proposals for several sequences at once (drafters of one `batch_key`)."""
         return [d.propose(k) for d, k in zip(drafters, ks, strict=True)]
 
+    @classmethod
+    def _one_batch(cls, drafters: Sequence[Drafter]) -> list:
+        """`drafters` as a list of this class, checked to share one batch key (what a
+        `propose_batch` override may assume)."""
+        if not drafters or any(not isinstance(d, cls) for d in drafters) or len({d.batch_key() for d in drafters}) > 1:
+            raise ValueError(f"{cls.__name__}.propose_batch takes {cls.__name__} objects of one batch key")
+        return list(drafters)
+
 
 # -- registry ----------------------------------------------------------------------------
 @dataclass(frozen=True)

@@ -51,9 +51,7 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
-        group: list[DraftModelDrafter] = [d for d in drafters if isinstance(d, DraftModelDrafter)]
-        if len(group) != len(drafters) or len({id(d.model) for d in group}) > 1:
-            raise ValueError("propose_batch takes draft-model drafters of one draft model")
+        group: list[DraftModelDrafter] = cls._one_batch(drafters)  # one draft model
         model = group[0].model
         for d in group:
             if d.session is None or d.cache is None:

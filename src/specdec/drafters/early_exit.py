@@ -102,9 +102,7 @@ class EarlyExitDrafter(Drafter):
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
         """Drafters of one target draft together: each draft step runs blocks [0, L) once for
         every sequence's row (drafters with different exit layers in separate groups)."""
-        group = [d for d in drafters if isinstance(d, EarlyExitDrafter)]
-        if len(group) != len(drafters) or len({id(d.model) for d in group}) > 1:
-            raise ValueError("propose_batch takes early-exit drafters of one target")
+        group: list[EarlyExitDrafter] = cls._one_batch(drafters)  # one target
         by_layer: dict[int, list[int]] = {}
         for i, (d, k) in enumerate(zip(group, ks, strict=True)):
             by_layer.setdefault(d._ensure_layer(k), []).append(i)
