@@ -243,11 +243,47 @@ static inline __attribute__((always_inline)) void half_dot_q6k(
 }
 
 #ifdef SPECDEC_AVX512
+/* Pieces the 512-bit paths (AVX-512 VNNI and AMX) share, so that both do exactly the same
+ * integer and float operations around their dot products. */
+
+/* q4k min term of block b: imin[r] += sum over the 8 groups of mn[group] * (sum of the
+ * group's 32 activation codes), exact, per output lane. */
+static inline __attribute__((always_inline)) void q4k_mins512(
+    const tile_q4k *t, const xquant *xq, int r0, int rb, int b, __m512i imin[]) {
+    for (int p = 0; p < 4; p++) {
+        const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)t->mn[p]));
+        for (int r = 0; r < rb; r++) {
+            const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
+            imin[r] = _mm512_dpwssd_epi32(imin[r], mn, _mm512_set1_epi32(load4(s32)));
+        }
+    }
+}
+
+/* The 8 code vectors of q4k group j (chunk v: inputs 4v..4v+3 of the group, 16 outputs). */
+static inline __attribute__((always_inline)) void q4k_codes512(const tile_q4k *t, int j, __m512i c[8]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < 4; v++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)t->qs[j][v]);
+        c[v] = _mm512_and_si512(raw, m4);
+        c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    }
+}
+
+/* End of block b: acc[r] += float(isum[r]) * (scale * a[r, b]), one fused multiply-add per
+ * block in block order: the float part every path shares. */
+static inline __attribute__((always_inline)) void block_fma512(
+    const float *scale, const xquant *xq, int r0, int rb, int b, const __m512i isum[], __m512 acc[]) {
+    const __m512 s = _mm512_loadu_ps(scale);
+    for (int r = 0; r < rb; r++) {
+        const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, a), acc[r]);
+    }
+}
+
 /* The same computation on whole tiles with 512-bit vectors: twice the products per
  * instruction, which is what bounds a pass over several rows. */
 static inline __attribute__((always_inline)) void tile_dot_q4k(
     const tile_q4k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 facc[MAXRB], fmin[MAXRB];
     for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm512_setzero_ps();
     for (int b = 0; b < xq->nb; b++) {
@@ -255,21 +291,11 @@ static inline __attribute__((always_inline)) void tile_dot_q4k(
         prefetch_ahead(t, sizeof(tile_q4k));
         __m512i iacc[MAXRB], imin[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
-        for (int p = 0; p < 4; p++) {
-            const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)t->mn[p]));
-            for (int r = 0; r < rb; r++) {
-                const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
-                imin[r] = _mm512_dpwssd_epi32(imin[r], mn, _mm512_set1_epi32(load4(s32)));
-            }
-        }
+        q4k_mins512(t, xq, r0, rb, b, imin);
         for (int j = 0; j < 8; j++) {
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
             __m512i c[8];
-            for (int v = 0; v < 4; v++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)t->qs[j][v]);
-                c[v] = _mm512_and_si512(raw, m4);
-                c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-            }
+            q4k_codes512(t, j, c);
             for (int r = 0; r < rb; r++) {
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
                 __m512i g = _mm512_setzero_si512();
@@ -277,12 +303,8 @@ static inline __attribute__((always_inline)) void tile_dot_q4k(
                 iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(g, sc));
             }
         }
-        const __m512 d = _mm512_loadu_ps(t->d), dmin = _mm512_loadu_ps(t->dmin);
-        for (int r = 0; r < rb; r++) {
-            const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(d, a), facc[r]);
-            fmin[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(dmin, a), fmin[r]);
-        }
+        block_fma512(t->d, xq, r0, rb, b, iacc, facc);
+        block_fma512(t->dmin, xq, r0, rb, b, imin, fmin);
     }
     for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], _mm512_sub_ps(facc[r], fmin[r]));
 }
@@ -320,11 +342,7 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
                 iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(_mm512_add_epi32(g0, g1), sc));
             }
         }
-        const __m512 d = _mm512_loadu_ps(t->d);
-        for (int r = 0; r < rb; r++) {
-            const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(d, a), facc[r]);
-        }
+        block_fma512(t->d, xq, r0, rb, b, iacc, facc);
     }
     for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], facc[r]);
 }
@@ -382,7 +400,6 @@ static void amx_config(int rb) {
 }
 
 static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     __attribute__((aligned(64))) int32_t cbuf[AMX_ROWS][TILE];
     __attribute__((aligned(64))) uint8_t bbuf[8][64];
     __m512 facc[AMX_ROWS], fmin[AMX_ROWS];
@@ -393,19 +410,11 @@ static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, fl
         prefetch_ahead(t, sizeof(tile_q4k));
         __m512i iacc[AMX_ROWS], imin[AMX_ROWS];
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
-        for (int p = 0; p < 4; p++) {
-            const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)t->mn[p]));
-            for (int r = 0; r < rb; r++) {
-                const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
-                imin[r] = _mm512_dpwssd_epi32(imin[r], mn, _mm512_set1_epi32(load4(s32)));
-            }
-        }
+        q4k_mins512(t, xq, r0, rb, b, imin);
         for (int j = 0; j < 8; j++) {
-            for (int v = 0; v < 4; v++) {  /* the group's 8 code vectors: B in VNNI layout */
-                const __m512i raw = _mm512_loadu_si512((const void *)t->qs[j][v]);
-                _mm512_store_si512((void *)bbuf[v], _mm512_and_si512(raw, m4));
-                _mm512_store_si512((void *)bbuf[v + 4], _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
-            }
+            __m512i c[8];  /* the group's 8 code vectors: B in VNNI layout */
+            q4k_codes512(t, j, c);
+            for (int v = 0; v < 8; v++) _mm512_store_si512((void *)bbuf[v], c[v]);
             _tile_zero(0);
             _tile_loadd(1, xq->q + (size_t)r0 * xq->K + (size_t)b * QK + 32 * j, xq->K);
             _tile_loadd(2, bbuf, 64);
@@ -415,12 +424,8 @@ static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, fl
             for (int r = 0; r < rb; r++)
                 iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(_mm512_load_si512((const void *)cbuf[r]), sc));
         }
-        const __m512 d = _mm512_loadu_ps(t->d), dmin = _mm512_loadu_ps(t->dmin);
-        for (int r = 0; r < rb; r++) {
-            const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(d, a), facc[r]);
-            fmin[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(dmin, a), fmin[r]);
-        }
+        block_fma512(t->d, xq, r0, rb, b, iacc, facc);
+        block_fma512(t->dmin, xq, r0, rb, b, imin, fmin);
     }
     _tile_release();
     for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], _mm512_sub_ps(facc[r], fmin[r]));
@@ -458,11 +463,7 @@ static void amx_tile_q6k(const tile_q6k *w, const xquant *xq, int r0, int rb, fl
                 iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(g, sc));
             }
         }
-        const __m512 d = _mm512_loadu_ps(t->d);
-        for (int r = 0; r < rb; r++) {
-            const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_mul_ps(d, a), facc[r]);
-        }
+        block_fma512(t->d, xq, r0, rb, b, iacc, facc);
     }
     _tile_release();
     for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], facc[r]);
