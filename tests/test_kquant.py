@@ -162,6 +162,31 @@ def test_amx_path_is_bitwise_equal_to_avx512():
     assert native.dispatch()[0] == native.AMX
 
 
+def test_amx_path_logic_on_emulated_tiles():
+    """The AMX path's own code (tile configuration, A/B layouts, strides, row counts, the
+    integer and float steps around each tile multiply) run through a scalar model of the tile
+    instructions gives the AVX-512 path's bits: checked on every AVX-512 machine, AMX or not."""
+    if not native._AVX512_NEEDS <= native._cpu_flags():
+        pytest.skip("the AMX path's vector code needs AVX-512 VNNI, which this CPU lacks")
+    emulated = native._library(native.AMX_EMULATED)
+    assert emulated.specdec_amx_enable(1) == 0
+    try:
+        assert kq.self_check(emulated, native._library(native.AVX512)) is None
+    finally:
+        emulated.specdec_amx_enable(0)
+
+
+def test_self_check_catches_a_wrong_tile_multiply(monkeypatch):
+    """Negative control for the check above: the emulated build with the wrong tile multiply
+    (tdpbusd, which reads the activations' bytes as unsigned) must fail the self-check."""
+    if not native._AVX512_NEEDS <= native._cpu_flags():
+        pytest.skip("the AMX path's vector code needs AVX-512 VNNI, which this CPU lacks")
+    monkeypatch.setitem(native._VARIANT_FLAGS, "broken-amx", [*native._AMX_EMULATED_FLAGS, "-DSPECDEC_AMX_EMULATE_TDPBUSD"])
+    broken = native._library("broken-amx")
+    assert broken.specdec_amx_enable(1) == 0
+    assert kq.self_check(broken, native._library(native.AVX512)) is not None
+
+
 def test_amx_enable_is_refused_without_amx():
     """On a CPU without AMX the AMX build still loads, and enabling AMX fails cleanly."""
     if {"amx_tile", "amx_int8"} <= native._cpu_flags() or not native._AVX512_NEEDS <= native._cpu_flags():

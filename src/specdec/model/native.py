@@ -30,8 +30,11 @@ _SOURCES = ("kquant.c", "attention.c")
 _BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDEC_AVX512"]
 _AMX_FLAGS = [*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8", "-DSPECDEC_AMX"]
-AVX2, AVX512, AMX = "avx2", "avx512", "avx512-amx"
-_VARIANT_FLAGS = {AVX2: [], AVX512: _AVX512_FLAGS, AMX: _AMX_FLAGS}
+# Tests only: the AMX path's code with the tile instructions replaced by a scalar model of
+# them (csrc/kquant.c, SPECDEC_AMX_EMULATE), so that path is checked on CPUs without AMX.
+_AMX_EMULATED_FLAGS = [*_AVX512_FLAGS, "-DSPECDEC_AMX", "-DSPECDEC_AMX_EMULATE"]
+AVX2, AVX512, AMX, AMX_EMULATED = "avx2", "avx512", "avx512-amx", "avx512-amx-emulated"
+_VARIANT_FLAGS = {AVX2: [], AVX512: _AVX512_FLAGS, AMX: _AMX_FLAGS, AMX_EMULATED: _AMX_EMULATED_FLAGS}
 
 
 class NativeUnavailableError(RuntimeError):

@@ -31,7 +31,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef SPECDEC_AMX
+#if defined(SPECDEC_AMX) && !defined(SPECDEC_AMX_EMULATE)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -367,6 +367,69 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
 
 static int amx_on = 0;  /* set by specdec_amx_enable once the OS granted the tile state */
 
+/* Tile configuration: tmm0 = C [rb x 16 int32], tmm1/tmm2 = A/B for a q4k group (32 inputs),
+ * tmm3/tmm4 = A/B for a q6k sub-block (16 inputs). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+#ifdef SPECDEC_AMX_EMULATE
+/* A scalar model of the six tile instructions this file uses, as the Intel SDM defines them
+ * (a load fills `rows` rows of `colsb` bytes from a strided source and zeroes the rest; tdpbssd
+ * adds, for each C row m and int32 column n, the products of A row m's signed bytes 4k..4k+3
+ * with B row k's signed bytes 4n..4n+3). The build with -DSPECDEC_AMX_EMULATE runs the AMX
+ * path's own code (layouts, strides, row counts, configuration) through it on any AVX-512
+ * CPU, so that path is tested where no AMX exists. Tests only: it is slow. */
+static __thread struct {
+    tilecfg cfg;
+    uint8_t t[8][16][64];
+} emu;
+
+static void emu_loadconfig(const tilecfg *c) { emu.cfg = *c; }
+static void emu_zero(int t) { memset(emu.t[t], 0, sizeof(emu.t[t])); }
+static void emu_loadd(int t, const void *src, size_t stride) {
+    emu_zero(t);
+    for (int m = 0; m < emu.cfg.rows[t]; m++) memcpy(emu.t[t][m], (const char *)src + m * stride, emu.cfg.colsb[t]);
+}
+static void emu_stored(int t, void *dst, size_t stride) {
+    for (int m = 0; m < emu.cfg.rows[t]; m++) memcpy((char *)dst + m * stride, emu.t[t][m], emu.cfg.colsb[t]);
+}
+static void emu_dpbssd(int c, int a, int b) {
+    for (int m = 0; m < emu.cfg.rows[c]; m++)
+        for (int n = 0; n < emu.cfg.colsb[c] / 4; n++) {
+            int32_t acc;
+            memcpy(&acc, &emu.t[c][m][4 * n], 4);
+            for (int k = 0; k < emu.cfg.colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++)
+#ifdef SPECDEC_AMX_EMULATE_TDPBUSD /* a test's negative control: A's bytes read unsigned */
+                    acc += (int32_t)emu.t[a][m][4 * k + i] * (int32_t)(int8_t)emu.t[b][k][4 * n + i];
+#else
+                    acc += (int32_t)(int8_t)emu.t[a][m][4 * k + i] * (int32_t)(int8_t)emu.t[b][k][4 * n + i];
+#endif
+            memcpy(&emu.t[c][m][4 * n], &acc, 4);
+        }
+}
+#define TILE_LOADCONFIG(cfg) emu_loadconfig(cfg)
+#define TILE_ZERO(t) emu_zero(t)
+#define TILE_LOADD(t, src, stride) emu_loadd(t, src, stride)
+#define TILE_STORED(t, dst, stride) emu_stored(t, dst, stride)
+#define TILE_DPBSSD(c, a, b) emu_dpbssd(c, a, b)
+#define TILE_RELEASE() ((void)0)
+
+int specdec_amx_enable(int on) {
+    amx_on = on != 0;
+    return 0;
+}
+#else
+#define TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_LOADD(t, src, stride) _tile_loadd(t, src, stride)
+#define TILE_STORED(t, dst, stride) _tile_stored(t, dst, stride)
+#define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define TILE_RELEASE() _tile_release()
+
 /* Ask Linux for the tile data state (needed once per process before any tile instruction),
  * then enable or disable the AMX path. Returns 0, or -1 where the OS refuses. */
 int specdec_amx_enable(int on) {
@@ -378,14 +441,7 @@ int specdec_amx_enable(int on) {
     amx_on = 1;
     return 0;
 }
-
-/* Tile configuration: tmm0 = C [rb x 16 int32], tmm1/tmm2 = A/B for a q4k group (32 inputs),
- * tmm3/tmm4 = A/B for a q6k sub-block (16 inputs). */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg;
+#endif
 
 static void amx_config(int rb) {
     tilecfg cfg;
@@ -396,7 +452,7 @@ static void amx_config(int rb) {
     cfg.rows[2] = 8;           cfg.colsb[2] = 64;
     cfg.rows[3] = (uint8_t)rb; cfg.colsb[3] = 16;
     cfg.rows[4] = 4;           cfg.colsb[4] = 64;
-    _tile_loadconfig(&cfg);
+    TILE_LOADCONFIG(&cfg);
 }
 
 static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
@@ -415,11 +471,11 @@ static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, fl
             __m512i c[8];  /* the group's 8 code vectors: B in VNNI layout */
             q4k_codes512(t, j, c);
             for (int v = 0; v < 8; v++) _mm512_store_si512((void *)bbuf[v], c[v]);
-            _tile_zero(0);
-            _tile_loadd(1, xq->q + (size_t)r0 * xq->K + (size_t)b * QK + 32 * j, xq->K);
-            _tile_loadd(2, bbuf, 64);
-            _tile_dpbssd(0, 1, 2);
-            _tile_stored(0, cbuf, 64);
+            TILE_ZERO(0);
+            TILE_LOADD(1, xq->q + (size_t)r0 * xq->K + (size_t)b * QK + 32 * j, xq->K);
+            TILE_LOADD(2, bbuf, 64);
+            TILE_DPBSSD(0, 1, 2);
+            TILE_STORED(0, cbuf, 64);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
             for (int r = 0; r < rb; r++)
                 iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(_mm512_load_si512((const void *)cbuf[r]), sc));
@@ -427,7 +483,7 @@ static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, fl
         block_fma512(t->d, xq, r0, rb, b, iacc, facc);
         block_fma512(t->dmin, xq, r0, rb, b, imin, fmin);
     }
-    _tile_release();
+    TILE_RELEASE();
     for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], _mm512_sub_ps(facc[r], fmin[r]));
 }
 
@@ -450,11 +506,11 @@ static void amx_tile_q6k(const tile_q6k *w, const xquant *xq, int r0, int rb, fl
             _mm512_store_si512((void *)bbuf[1], q6_codes512(l0, 1, hb, 1));
             _mm512_store_si512((void *)bbuf[2], q6_codes512(l1, 0, hb, 2));
             _mm512_store_si512((void *)bbuf[3], q6_codes512(l1, 1, hb, 3));
-            _tile_zero(0);
-            _tile_loadd(3, xq->q + (size_t)r0 * xq->K + (size_t)b * QK + 16 * s, xq->K);
-            _tile_loadd(4, bbuf, 64);
-            _tile_dpbssd(0, 3, 4);
-            _tile_stored(0, cbuf, 64);
+            TILE_ZERO(0);
+            TILE_LOADD(3, xq->q + (size_t)r0 * xq->K + (size_t)b * QK + 16 * s, xq->K);
+            TILE_LOADD(4, bbuf, 64);
+            TILE_DPBSSD(0, 3, 4);
+            TILE_STORED(0, cbuf, 64);
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)t->sc[s]));
             for (int r = 0; r < rb; r++) {
                 const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
@@ -465,7 +521,7 @@ static void amx_tile_q6k(const tile_q6k *w, const xquant *xq, int r0, int rb, fl
         }
         block_fma512(t->d, xq, r0, rb, b, iacc, facc);
     }
-    _tile_release();
+    TILE_RELEASE();
     for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], facc[r]);
 }
 #else
