@@ -58,8 +58,8 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     """Every registered drafter's options, as declared once in the registry."""
     for spec in DRAFTERS.values():
         for opt, default in zip(spec.options, spec.defaults().values(), strict=True):
-            p.add_argument(opt.cli_flag, dest=f"{spec.name}:{opt.name}", type=type(default) if default is not None
-                           else int, default=None, metavar=opt.name.upper(),
+            kind = opt.type or (type(default) if default is not None else int)
+            p.add_argument(opt.cli_flag, dest=f"{spec.name}:{opt.name}", type=kind, default=None, metavar=opt.name.upper(),
                            help=opt.help if default is None else f"{opt.help} (default: {default})")  # fmt: skip
 
 
@@ -382,6 +382,56 @@ def _cmd_data_path(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a draft head on the target's own features")
+    tsub = p.add_subparsers(dest="train_cmd", required=True)
+    e = tsub.add_parser("eagle3", help="an EAGLE-3 head (one layer over three target layers), training-time test",
+                        formatter_class=_Help,
+                        description="Caches the target's features over the data, picks the draft vocabulary, "
+                                    "trains, and writes a head directory (--drafter eagle3 --head DIR). Runs "
+                                    "under torchrun for several processes (DDP: gloo on CPU, NCCL on GPU).")  # fmt: skip
+    e.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
+    e.add_argument("--data", default="sharegpt",
+                   help="installed data set (specdec data install sharegpt) or a .json (ShareGPT) / .jsonl "
+                        "({id, category, turns}) file")  # fmt: skip
+    e.add_argument("--data-mode", default="teacher", choices=["teacher", "self"],
+                   help="teacher: the data's own answers; self: the target regenerates them (self-distillation)")
+    e.add_argument("--out", type=Path, required=True, help="head directory to write (resumes from its checkpoint)")
+    e.add_argument("--features", type=Path, help="feature cache directory (default: OUT/features)")
+    e.add_argument("--tokens", type=int, default=150_000, help="target tokens of training data")
+    e.add_argument("--max-len", type=int, default=1024, help="tokens per conversation, at most")
+    e.add_argument("--draft-vocab", type=int, default=32_000, help="draft vocabulary size")
+    e.add_argument("--intermediate-size", type=int, default=1536, help="the head's MLP width")
+    e.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps per position (training-time test)")
+    e.add_argument("--epochs", type=float, default=1.0, help="passes over the data")
+    e.add_argument("--minutes", type=float, help="stop training after this many minutes (checkpointed)")
+    e.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    e.add_argument("--seqs-per-step", type=int, default=8, help="conversations per optimizer step (per process)")
+    e.add_argument("--seed", type=int, default=0, help="initialisation and data order")
+    e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    e.set_defaults(func=_cmd_train_eagle3)
+
+
+def _cmd_train_eagle3(ns: argparse.Namespace) -> int:
+    from .eagle3.recipe import Recipe, run
+    from .eagle3.train import TrainConfig
+
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    recipe = Recipe(target=ns.target, out=ns.out, data=ns.data, data_mode=ns.data_mode, tokens=ns.tokens,
+                    max_len=ns.max_len, draft_vocab=ns.draft_vocab, intermediate_size=ns.intermediate_size,
+                    features=ns.features)  # fmt: skip
+    tc = TrainConfig(steps=ns.ttt_steps, lr=ns.lr, seqs_per_step=ns.seqs_per_step, epochs=ns.epochs,
+                     minutes=ns.minutes, max_len=ns.max_len, seed=ns.seed)  # fmt: skip
+    result = run(recipe, tc, command="specdec " + " ".join(ns.argv), progress=ns.progress)
+    acc = result.get("validation_top1_by_step")
+    if acc is not None:
+        print(f"wrote {ns.out}: {result['optimizer_steps']} steps in {result['wall_minutes']} min; validation top-1 "
+              f"agreement by draft step {', '.join(f'{a:.2f}' for a in acc)}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
 def _info_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="this machine: CPU, kernel path and why, memory, installed models",
                        description="What this machine has and what specdec runs on it: say which CPU and "
@@ -406,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     _models_parser(sub)
     _bench_parser(sub)
     _data_parser(sub)
+    _train_parser(sub)
     _info_parser(sub)
     return parser
 
@@ -413,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.argv = list(argv) if argv is not None else sys.argv[1:]  # as typed (records name their command)
     try:
         return int(ns.func(ns) or 0)
     except (ValueError, FileNotFoundError, store.ModelNotInstalledError, store.ChecksumError,

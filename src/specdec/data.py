@@ -134,5 +134,5 @@ def _sharegpt(path: Path) -> Iterator[Messages]:
 def _turns(path: Path) -> Iterator[Messages]:
     from .bench.suite import load_prompts
 
-    for prompt in load_prompts(path):
+    for prompt in load_prompts(path, answered=True):
         yield [dict(t) for t in prompt.turns]

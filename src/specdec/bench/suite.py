@@ -27,7 +27,7 @@ class Prompt:
     turns: tuple[dict[str, str], ...]  # chat messages, the last one the user's
 
 
-def _parse(line: str, where: str) -> Prompt:
+def _parse(line: str, where: str, answered: bool = False) -> Prompt:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -47,13 +47,14 @@ def _parse(line: str, where: str) -> Prompt:
             raise ValueError(
                 f"{where} ({pid}): turn {i} must be {{\"role\": one of {'/'.join(ROLES)}, \"content\": text}}"
             )
-    if turns[-1]["role"] != "user":
+    if turns[-1]["role"] != "user" and not answered:
         raise ValueError(f"{where} ({pid}): the last turn must be the user's (the model answers it)")
     return Prompt(pid, category, tuple(turns))
 
 
-def load_prompts(path: str | Path | None = None) -> list[Prompt]:
-    """Read and check a prompt file (default: the bundled suite). Errors name the line."""
+def load_prompts(path: str | Path | None = None, *, answered: bool = False) -> list[Prompt]:
+    """Read and check a prompt file (default: the bundled suite). Errors name the line. With
+    `answered` (training data), a conversation may end with the assistant's answer."""
     path = Path(path) if path is not None else SUITE
     try:
         text = path.read_text(encoding="utf-8")
@@ -64,7 +65,7 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        p = _parse(line, f"{path.name} line {n}")
+        p = _parse(line, f"{path.name} line {n}", answered)
         if p.id in seen:
             raise ValueError(f"{path.name} line {n}: duplicate id {p.id!r}; ids must be unique")
         seen.add(p.id)

@@ -12,6 +12,7 @@ from .base import (
     register,
 )
 from .draft_model import DraftModelDrafter
+from .eagle3 import Eagle3Drafter
 from .early_exit import EarlyExitDrafter
 from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupDrafter
@@ -23,6 +24,7 @@ __all__ = [
     "DraftSession",
     "Drafter",
     "DrafterSpec",
+    "Eagle3Drafter",
     "EarlyExitDrafter",
     "ExtraRows",
     "Feedback",

@@ -174,6 +174,7 @@ class Option:
     name: str
     help: str
     flag: str = ""  # default: --name-with-dashes
+    type: Callable[[str], Any] | None = None  # command-line type (default: that of the default, else int)
 
     @property
     def cli_flag(self) -> str:

@@ -57,6 +57,7 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
     if packed is not None:
         _prune_packed(keep=packed)
     model.mode = mode.name
+    model.source_dir = path  # where it came from (drafters trained for it look it up)
     return model
 
 

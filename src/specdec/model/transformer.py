@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -199,6 +200,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(args.dim, args.vocab_size)
         self._rotary: dict[bool, Rotary] = {}
         self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
+        self.source_dir: Path | None = None  # the model directory it was loaded from (set by the loader)
 
     # -- set-up ---------------------------------------------------------------------------
     def finalize(self) -> Transformer:

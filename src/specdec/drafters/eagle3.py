@@ -1,0 +1,317 @@
+"""EAGLE-3 drafting: a one-layer head over the target's own features, dynamic token trees.
+
+Each proposal (see `specdec.eagle3.head` for the head itself):
+
+1. the head catches up on the committed positions whose target features arrived since the
+   last proposal (the prompt's at `begin`, then the accepted rows of each verification pass):
+   row p reads (token p+1, fc(features_p)) and writes the head's KV cache at p; the last row
+   gives the first draft distribution;
+2. EAGLE-2's dynamic tree: the `topk` most probable children of the root, then at each depth
+   the `topk` best frontier nodes by cumulative draft log-probability are expanded in one
+   head call (each reads its token and its parent's head output, attending to the committed
+   rows and its own ancestors), `topk` children each; after `depth` levels the `total` best
+   nodes by cumulative log-probability (an ancestor-closed set) go to the target as one tree.
+   Greedy decoding verifies it with `tree_greedy_verify`.
+3. Sampling (T > 0), exactly: children are *drawn* from the head's distribution q (the
+   sampling settings applied to the draft logits) without replacement (Gumbel top-k, which
+   draws in order), `sample_children` per expanded node, the `sample_frontier` best frontier
+   nodes expanded per depth, no pruning after the draws; the target verifies with recursive
+   rejection sampling over each node's children (`verify.tree_rejection_sample`). Which nodes
+   get children depends only on draws made before those children, so each node's children are
+   a fresh without-replacement sample from its own q, as the rule requires.
+
+The head's linear layers run through specdec's q4k kernel (quantized once when the drafter
+is built) where the native kernels exist, else in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..eagle3.head import Eagle3Head, attach_target
+from ..sampling import probs as sampling_probs
+from .base import Draft, Drafter, DraftSession, Feedback, Option, register
+
+SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads that ship with specdec, one directory each
+
+
+def shipped_head(target: Any) -> Path | None:
+    """The shipped head trained for this target (a registered model, matched by the directory
+    the target was loaded from), if any."""
+    import json
+
+    from ..eagle3.head import CONFIG_NAME
+    from ..registry import MODELS
+    from ..store import converted_dir
+
+    src = getattr(target, "source_dir", None)
+    if src is None or not SHIPPED.exists():
+        return None
+    for d in sorted(p for p in SHIPPED.iterdir() if (p / CONFIG_NAME).exists()):
+        name = json.loads((d / CONFIG_NAME).read_text())["target"]
+        if name in MODELS and converted_dir(MODELS[name].sha256).resolve() == Path(src).resolve():
+            return d
+    return None
+
+
+class _Runner:
+    """The head's forward pieces with fast kernels (shared by every drafter of one head)."""
+
+    def __init__(self, head: Eagle3Head, quantize: bool) -> None:
+        self.head = head
+        self.cfg = head.cfg
+        m = head.midlayer
+        w = {
+            "fc": head.fc.weight, "q": m.self_attn.q_proj.weight, "k": m.self_attn.k_proj.weight,
+            "v": m.self_attn.v_proj.weight, "o": m.self_attn.o_proj.weight, "gate": m.mlp.gate_proj.weight,
+            "up": m.mlp.up_proj.weight, "down": m.mlp.down_proj.weight,
+            "lm": head.lm_head_weight if head.cfg.tie_lm_head else head.lm_head.weight,
+        }  # fmt: skip
+        self.kernels: dict[str, Any] = {}
+        if quantize:
+            from ..model import kquant as kq
+
+            for name, weight in w.items():
+                kind = kq.Q6K if name == "lm" else kq.Q4K
+                blocks = kq.quantize(weight.detach().float().numpy(), kind)
+                self.kernels[name] = kq.KQuantKernel.from_blocks(blocks, None, in_features=weight.shape[1])
+        self.dense = {k: v.detach().float() for k, v in w.items()}
+        self.norms = {k: getattr(m, k).weight.detach().float() for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
+        self.final_norm = head.norm.weight.detach().float()
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        kern = self.kernels.get(name)
+        return kern(x) if kern is not None else F.linear(x, self.dense[name])
+
+    def group(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        if all(n in self.kernels for n in names):
+            return type(self.kernels[names[0]]).group(tuple(self.kernels[n] for n in names), x)
+        return [self.linear(n, x) for n in names]
+
+    def project(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.linear("fc", feats.float())
+
+    def step(
+        self,
+        emb: torch.Tensor,  # [R, H] token embeddings
+        g: torch.Tensor,  # [R, H] the residual input (projected features or a parent's output)
+        positions: torch.Tensor,  # [R]
+        k_cache: torch.Tensor,  # [nkv, S, D]
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # [R] cache slots the rows' keys/values go to
+        mask: torch.Tensor,  # [R, S_used] bool: which slots each row attends to (its own included)
+        logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # next g [R, H], draft logits [R, N]
+        from ..eagle3.head import _rotate, rope_tables
+
+        c = self.cfg
+        eps = c.rms_norm_eps
+        x = torch.cat((F.rms_norm(emb, (emb.shape[-1],), self.norms["input_layernorm"], eps),
+                       F.rms_norm(g, (g.shape[-1],), self.norms["hidden_norm"], eps)), -1)  # fmt: skip
+        q, k, v = self.group(("q", "k", "v"), x)
+        R = x.shape[0]
+        q = q.view(R, c.num_attention_heads, c.head_dim)
+        k = k.view(R, c.num_key_value_heads, c.head_dim)
+        v = v.view(R, c.num_key_value_heads, c.head_dim)
+        tables = rope_tables(positions, c.head_dim, c.rope_theta)
+        q, k = _rotate(q, tables), _rotate(k, tables)
+        k_cache[:, slots] = k.transpose(0, 1)
+        v_cache[:, slots] = v.transpose(0, 1)
+        S = mask.shape[1]
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k_cache[None, :, :S], v_cache[None, :, :S], attn_mask=mask[None, None], enable_gqa=True
+        )[0].transpose(0, 1)  # [R, nh, D]
+        h = g + self.linear("o", attn.reshape(R, -1))
+        y = F.rms_norm(h, (h.shape[-1],), self.norms["post_attention_layernorm"], eps)
+        gate, up = self.group(("gate", "up"), y)
+        h = h + self.linear("down", F.silu(gate) * up)
+        if not logits:
+            return h, None
+        return h, self.linear("lm", F.rms_norm(h, (h.shape[-1],), self.final_norm, eps))
+
+
+_RUNNERS: dict[tuple[int, int], _Runner] = {}  # (id(head), id(target)) -> runner
+
+
+@register(
+    "eagle3",
+    help="EAGLE-3 head over the target's features (trained with `specdec train eagle3`), dynamic token trees",
+    needs="target",
+    options=(
+        Option("head", "directory of a trained EAGLE-3 head (default: the one shipped for the target)", type=str),
+        Option("topk", "greedy trees: children per expanded node, nodes expanded per depth", flag="--tree-topk"),
+        Option("total", "greedy trees: draft tokens sent to the target per step", flag="--tree-tokens"),
+        Option("sample_children", "sampling: children drawn per expanded node", flag="--tree-children"),
+        Option("sample_frontier", "sampling: nodes expanded per depth", flag="--tree-frontier"),
+    ),
+)
+class Eagle3Drafter(Drafter):
+    """`k` (the generation config's) is the tree depth."""
+
+    def __init__(self, target: Any, head: str | Path | Eagle3Head | None = None, topk: int = 8, total: int = 24,
+                 sample_children: int = 2, sample_frontier: int = 2) -> None:  # fmt: skip
+        super().__init__()
+        if isinstance(head, Eagle3Head):
+            self.head = head
+        else:
+            where = Path(head) if head is not None else shipped_head(target)
+            if where is None:
+                raise ValueError("no EAGLE-3 head ships for this target; train one (`specdec train eagle3 --target NAME "
+                                 "--out DIR`) and pass it with --head DIR")  # fmt: skip
+            self.head = Eagle3Head.load(where)
+        if self.head.embed_weight.numel() == 0:
+            attach_target(self.head, target, getattr(target, "source_dir", None))
+        if min(topk, total, sample_children, sample_frontier) < 1:
+            raise ValueError("topk, total, sample_children and sample_frontier must be at least 1")
+        self.target = target
+        self.topk, self.total = topk, total
+        self.sample_children, self.sample_frontier = sample_children, sample_frontier
+        self.feature_layers = tuple(self.head.cfg.feature_layers)
+        self.scratch_rows = max(total, sample_children + 64 * sample_frontier * sample_children)
+        key = (id(self.head), id(target))
+        if key not in _RUNNERS:
+            from ..model.native import available
+
+            _RUNNERS[key] = _Runner(self.head, quantize=available() and target.mode in ("q4k", "int8"))
+        self.run = _RUNNERS[key]
+        c = self.head.cfg
+        self.info = {"head": c.target, "draft_vocab": c.draft_vocab_size, "topk": topk, "total": total}
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def begin(self, session: DraftSession) -> None:
+        c = self.head.cfg
+        self.ctx = list(session.context)
+        self.sampling = session.sampling
+        self.gen = session.generator
+        self.feats = [torch.cat([session.layers[i] for i in c.feature_layers], -1).float()]  # [T, 3H] pieces
+        self.n_feat = self.feats[0].shape[0]
+        self.n_done = 0  # committed positions already in the head's cache
+        cap = session.capacity + self.scratch_rows + 2
+        self.k_cache = torch.zeros(c.num_key_value_heads, cap, c.head_dim)
+        self.v_cache = torch.zeros_like(self.k_cache)
+
+    def accepted(self, feedback: Feedback) -> None:
+        rows = feedback.accepted_rows
+        f = torch.cat([feedback.layers[i][rows] for i in self.head.cfg.feature_layers], -1).float()
+        self.feats.append(f)
+        self.n_feat += f.shape[0]
+        self.ctx += [int(self._last_tokens[j]) for j in feedback.path] + [feedback.next_token]
+
+    def end(self) -> None:
+        self.k_cache = self.v_cache = torch.zeros(0)
+        self.feats = []
+
+    # -- drafting -------------------------------------------------------------------------
+    def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the head over committed positions n_done .. n_feat-1; returns the last row's
+        output g [H] and draft logits [N]."""
+        feats = torch.cat(self.feats) if len(self.feats) > 1 else self.feats[0]
+        self.feats = [feats]
+        lo, hi = self.n_done, self.n_feat
+        pos = torch.arange(lo, hi)
+        toks = torch.tensor(self.ctx[lo + 1 : hi + 1])
+        g_in = self.run.project(feats[lo:hi])
+        mask = torch.ones(hi - lo, hi, dtype=torch.bool).tril(lo)
+        g, logits = self.run.step(self.head.embed(toks), g_in, pos, self.k_cache, self.v_cache, pos, mask)
+        self.forwards += 1
+        self.n_done = hi
+        return g[-1], logits[-1]  # type: ignore[index]
+
+    def _q(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [R, N] -> the sampling distribution over draft ids [R, N]."""
+        return sampling_probs(logits, self.sampling)
+
+    def propose(self, k: int) -> Draft:
+        if k < 1:
+            return Draft.empty()
+        g_root, logits_root = self._catch_up()
+        greedy = self.sampling.greedy
+        P = self.n_feat - 1  # position of the last committed token's... predecessor row
+        base = self.n_feat  # first scratch slot
+        # nodes: token (draft id), parent, depth, score, slot (when expanded), g (when expanded)
+        tok: list[int] = []
+        par: list[int] = []
+        depth: list[int] = []
+        score: list[float] = []
+        qrows: list[torch.Tensor] = []  # sampling: q of each node's parent (over draft ids)
+
+        def children(parent: int, logits: torch.Tensor, parent_score: float, n: int) -> list[int]:
+            if greedy:
+                lp = torch.log_softmax(logits.float(), -1)
+                val, idx = lp.topk(n)
+                q = None
+            else:
+                q = self._q(logits[None])[0]
+                n = min(n, int((q > 0).sum()))
+                u = torch.rand(q.shape, generator=self.gen).clamp_min(1e-20)
+                keys = torch.where(q > 0, q.log() - torch.log(-torch.log(u)), torch.full_like(q, -math.inf))
+                idx = keys.topk(n).indices  # Gumbel top-k: n draws without replacement, in draw order
+                val = q[idx].log()
+            new = []
+            for v, i in zip(val.tolist(), idx.tolist(), strict=True):
+                tok.append(i)
+                par.append(parent)
+                depth.append(1 if parent < 0 else depth[parent] + 1)
+                score.append(parent_score + v)
+                if q is not None:
+                    qrows.append(q)
+                new.append(len(tok) - 1)
+            return new
+
+        width = self.topk if greedy else self.sample_children
+        frontier = children(-1, logits_root, 0.0, width)
+        g_of: dict[int, torch.Tensor] = {-1: g_root}
+        slot_of: dict[int, int] = {}
+        for d in range(2, k + 1):
+            n_expand = self.topk if greedy else self.sample_frontier
+            expand = sorted(frontier, key=lambda j: -score[j])[:n_expand]
+            if not expand:
+                break
+            R = len(expand)
+            slots = torch.arange(base + len(slot_of), base + len(slot_of) + R)
+            for j, s in zip(expand, slots.tolist(), strict=True):
+                slot_of[j] = s
+            S = int(slots[-1]) + 1
+            mask = torch.zeros(R, S, dtype=torch.bool)
+            mask[:, :base] = True
+            for r, j in enumerate(expand):
+                a = j
+                while a >= 0:  # the node and its ancestors (all expanded, so all have slots)
+                    mask[r, slot_of[a]] = True
+                    a = par[a]
+            emb = self.head.embed(self.head.draft_ids[torch.tensor([tok[j] for j in expand])])
+            g_in = torch.stack([g_of[par[j]] for j in expand])
+            pos = torch.tensor([P + depth[j] for j in expand])
+            g, logits = self.run.step(emb, g_in, pos, self.k_cache, self.v_cache, slots, mask)
+            self.forwards += 1
+            frontier = []
+            for r, j in enumerate(expand):
+                g_of[j] = g[r]
+                frontier += children(j, logits[r], score[j], width)  # type: ignore[index]
+            if not greedy:
+                continue
+            # EAGLE-2: keep the topk best new candidates as the next frontier
+            frontier = sorted(frontier, key=lambda j: -score[j])[: self.topk]
+        keep = list(range(len(tok)))
+        if greedy and len(keep) > self.total:
+            # the `total` best by cumulative log-probability; a child never beats its parent, and
+            # ties go to the shallower node, so the set holds every kept node's ancestors
+            keep = sorted(keep, key=lambda j: (-score[j], depth[j]))[: self.total]
+        # parents before children; siblings best first (greedy) or in draw order (sampling: the
+        # without-replacement order the rejection rule walks them in)
+        keep = sorted(keep, key=(lambda j: (depth[j], -score[j])) if greedy else (lambda j: (depth[j], j)))
+        new_index = {j: n for n, j in enumerate(keep)}
+        tokens = self.head.draft_ids[torch.tensor([tok[j] for j in keep], dtype=torch.long)]
+        parents = [new_index[par[j]] if par[j] >= 0 else -1 for j in keep]
+        self._last_tokens = tokens
+        q_full = None
+        if not greedy:
+            V = self.head.cfg.target_vocab_size
+            q_full = torch.zeros(len(keep), V)
+            q_full[:, self.head.draft_ids] = torch.stack([qrows[j] for j in keep])
+        return Draft(tokens, q_full, parents)

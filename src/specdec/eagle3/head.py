@@ -1,0 +1,292 @@
+"""The EAGLE-3 draft head: one decoder layer that reads the target's own features.
+
+EAGLE-3 (Li et al., 2025, "Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test") drafts with a single transformer layer whose input at position i is
+
+* the embedding of token x_{i+1} (the target's own embedding table, frozen), and
+* g_i: at the first draft step, fc(concat(f_low_i, f_mid_i, f_high_i)), the target's residual
+  stream after a low, a middle and a high layer; at later steps, the head's own output at the
+  previous step (the "training-time test" trains it to read its own outputs).
+
+The layer normalises both halves separately (`input_layernorm` for the embedding, `hidden_norm`
+for g), concatenates them (2H) as the input of q/k/v, adds attention to g (the residual), then
+an MLP; `norm` and a *draft vocabulary* LM head (the N most frequent target tokens; `d2t`
+maps draft id j to target id j + d2t[j], `t2d` marks target ids in the draft vocabulary)
+give the next token's draft distribution. Field and weight names follow the EAGLE-3
+checkpoints vLLM and SGLang load (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`), so
+export is a renaming-free copy (see `specdec.eagle3.export`).
+
+Our head may *tie* its LM head to the target's own output rows for the draft vocabulary
+(`tie_lm_head`): it then stores no LM head (the shipped head stays small) and reads
+the target's rows through d2t at load time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_NAME = "specdec_eagle3.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Shape and provenance of a head (written beside its weights)."""
+
+    target: str  # the target model's registered name or directory it was trained for
+    target_vocab_size: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    draft_vocab_size: int
+    feature_layers: tuple[int, int, int]  # target layers whose output residuals feed fc (0-based)
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_lm_head: bool = True  # LM head = the target's output rows of the draft vocabulary (not stored)
+
+    def __post_init__(self) -> None:
+        if len(self.feature_layers) != 3:
+            raise ValueError("an EAGLE-3 head reads exactly three target layers (low, middle, high)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 < self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError("the draft vocabulary must be a non-empty subset of the target's")
+
+    @staticmethod
+    def default_feature_layers(n_layers: int) -> tuple[int, int, int]:
+        """EAGLE-3's choice: the outputs of layers 1, n/2 - 1 and n - 4 (0-based; the
+        reference indexes hidden_states (2, n//2, n-3) with the embeddings at index 0)."""
+        if n_layers < 4:
+            return (0, max(0, n_layers // 2 - 1), n_layers - 1)
+        return (1, n_layers // 2 - 1, n_layers - 4)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> HeadConfig:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["feature_layers"] = tuple(kw["feature_layers"])
+        return cls(**kw)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., T, 1, D] for rotate-half RoPE at the given positions [..., T]."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = positions.float()[..., None] * inv  # [..., T, D/2]
+    cos, sin = ang.cos(), ang.sin()
+    return torch.cat((cos, cos), -1).unsqueeze(-2), torch.cat((-sin, sin), -1).unsqueeze(-2)
+
+
+def _rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = tables
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), -1) * sin
+
+
+class Eagle3Head(nn.Module):
+    """The head's parameters and its three stages: `project` (target features -> g),
+    `qkv` (token embedding + g -> rotated queries, keys, values), `finish` (attention output
+    -> next g and draft logits). Training (`train.py`) and drafting (`drafters/eagle3.py`)
+    arrange the attention between them; both call these same stages."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, nh, nkv, D, I = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.midlayer = nn.Module()
+        m = self.midlayer
+        m.input_layernorm = _Norm(H)
+        m.hidden_norm = _Norm(H)
+        m.post_attention_layernorm = _Norm(H)
+        m.self_attn = nn.Module()
+        m.self_attn.q_proj = nn.Linear(2 * H, nh * D, bias=False)
+        m.self_attn.k_proj = nn.Linear(2 * H, nkv * D, bias=False)
+        m.self_attn.v_proj = nn.Linear(2 * H, nkv * D, bias=False)
+        m.self_attn.o_proj = nn.Linear(nh * D, H, bias=False)
+        m.mlp = nn.Module()
+        m.mlp.gate_proj = nn.Linear(H, I, bias=False)
+        m.mlp.up_proj = nn.Linear(H, I, bias=False)
+        m.mlp.down_proj = nn.Linear(I, H, bias=False)
+        self.norm = _Norm(H)
+        # draft LM head [N, H]; a buffer when tied (filled from the target, never trained or saved)
+        if cfg.tie_lm_head:
+            self.register_buffer("lm_head_weight", torch.zeros(cfg.draft_vocab_size, H), persistent=False)
+        else:
+            self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.target_vocab_size, dtype=torch.bool))
+        # frozen target embedding table [V, H], set by `attach`
+        self.register_buffer("embed_weight", torch.zeros(0, H), persistent=False)
+
+    # -- set-up ---------------------------------------------------------------------------
+    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """The draft vocabulary: a set of N target ids. Draft ids follow target ids in
+        increasing order (as the EAGLE-3 format's d2t offsets assume)."""
+        ids = draft_to_target.long().sort().values
+        if ids.shape != (self.cfg.draft_vocab_size,) or len(set(ids.tolist())) != ids.numel():
+            raise ValueError(f"the draft vocabulary needs {self.cfg.draft_vocab_size} distinct target ids")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Target id of each draft id, [N]."""
+        return self.d2t + torch.arange(self.d2t.numel())
+
+    def attach(self, embed: torch.Tensor, output_rows: torch.Tensor | None) -> None:
+        """Use the target's embedding table [V, H] (and, for a tied head, its output rows
+        [V, H], the LM head weight) — frozen, shared, never saved."""
+        self.embed_weight = embed.detach().float()
+        if self.cfg.tie_lm_head:
+            if output_rows is None:
+                raise ValueError("a tied head needs the target's LM head rows")
+            self.lm_head_weight = output_rows.detach().float()[self.draft_ids].contiguous()
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Seeded initialisation (Llama-style normal(0, 0.02), norms at 1)."""
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=generator)
+
+    # -- stages ---------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_weight)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., 3H] target features -> g [..., H]."""
+        return self.fc(features)
+
+    def qkv(
+        self, emb: torch.Tensor, g: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """emb, g [B, T, H], positions [B, T] -> q [B, T, nh, D], k, v [B, T, nkv, D] (rotated)."""
+        c, m = self.cfg, self.midlayer
+        x = torch.cat((_rms(emb, m.input_layernorm.weight, c.rms_norm_eps), _rms(g, m.hidden_norm.weight, c.rms_norm_eps)), -1)
+        B, T, _ = x.shape
+        q = m.self_attn.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)
+        k = m.self_attn.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
+        v = m.self_attn.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
+        tables = rope_tables(positions, c.head_dim, c.rope_theta)
+        return _rotate(q, tables), _rotate(k, tables), v
+
+    def finish(self, g: torch.Tensor, attn: torch.Tensor, *, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """g [B, T, H] (the residual), attn [B, T, nh, D] -> (next g [B, T, H], draft logits
+        [B, T, N], or None without `logits`)."""
+        c, m = self.cfg, self.midlayer
+        h = g + m.self_attn.o_proj(attn.flatten(-2))
+        x = _rms(h, m.post_attention_layernorm.weight, c.rms_norm_eps)
+        h = h + m.mlp.down_proj(F.silu(m.mlp.gate_proj(x)) * m.mlp.up_proj(x))
+        return h, (self.logits(h) if logits else None)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        x = _rms(h, self.norm.weight, self.cfg.rms_norm_eps)
+        w = self.lm_head_weight if self.cfg.tie_lm_head else self.lm_head.weight
+        return F.linear(x, w)
+
+    # -- files ----------------------------------------------------------------------------
+    def save(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
+        """config + weights (float16; d2t/t2d as the EAGLE-3 format has them); `extra` is
+        recorded beside them (training command, data, seed, CPU time)."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt", "specdec": "eagle3"})
+        (out / CONFIG_NAME).write_text(json.dumps({**self.cfg.to_json(), "training": extra or {}}, indent=2) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Eagle3Head:
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        if not (d / CONFIG_NAME).exists() or not (d / WEIGHTS_NAME).exists():
+            raise FileNotFoundError(f"{d} is not an EAGLE-3 head directory ({CONFIG_NAME} and {WEIGHTS_NAME} expected)")
+        cfg = HeadConfig.from_json(json.loads((d / CONFIG_NAME).read_text()))
+        head = cls(cfg)
+        state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(d / WEIGHTS_NAME)).items()}
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if unexpected or any(m not in ("lm_head_weight", "embed_weight") for m in missing):
+            raise ValueError(f"{d}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+        return head
+
+    @staticmethod
+    def training_record(directory: str | Path) -> dict[str, Any]:
+        return json.loads((Path(directory) / CONFIG_NAME).read_text()).get("training", {})
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+def config_for_target(target: Any, name: str, *, draft_vocab_size: int, intermediate_size: int | None = None) -> HeadConfig:
+    """A head shaped for a target Transformer: its hidden size, heads and RoPE; the MLP width
+    defaults to the target's."""
+    a = target.args
+    return HeadConfig(
+        target=name, target_vocab_size=a.vocab_size, hidden_size=a.dim, num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim,
+        intermediate_size=intermediate_size or a.intermediate_size,
+        draft_vocab_size=min(draft_vocab_size, a.vocab_size),
+        feature_layers=HeadConfig.default_feature_layers(a.n_layers), rms_norm_eps=a.norm_eps,
+        rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len,
+    )  # fmt: skip
+
+
+def target_output_rows(target: Any, model_dir: str | Path | None = None) -> torch.Tensor:
+    """The target's LM head weight [V, H] as floats: its embedding table when tied, else the
+    loaded weight, or (packed q4k weights) the float weight in the model directory."""
+    a = target.args
+    if a.tie_embeddings:
+        return target.model.embed_tokens.weight.detach().float()
+    w = target.lm_head.weight
+    if w.numel():
+        return w.detach().float()
+    from safetensors import safe_open
+
+    for f in sorted(Path(model_dir or "").glob("*.safetensors")) if model_dir else []:
+        with safe_open(str(f), "pt") as st:
+            if "lm_head.weight" in st.keys():
+                return st.get_tensor("lm_head.weight").float()
+    raise ValueError("the target's LM head weights are packed and its model directory has no lm_head.weight")
+
+
+def attach_target(head: Eagle3Head, target: Any, model_dir: str | Path | None = None) -> Eagle3Head:
+    """Give `head` the target's frozen embedding (and output rows for a tied head)."""
+    if head.cfg.hidden_size != target.args.dim or head.cfg.target_vocab_size != target.args.vocab_size:
+        raise ValueError(
+            f"this EAGLE-3 head was trained for {head.cfg.target!r} (hidden {head.cfg.hidden_size}, vocabulary "
+            f"{head.cfg.target_vocab_size}); the target has hidden {target.args.dim}, vocabulary {target.args.vocab_size}"
+        )
+    embed = target.model.embed_tokens.weight.detach().float()
+    if target.args.embed_scale != 1.0:
+        embed = embed * target.args.embed_scale
+    model_dir = model_dir or getattr(target, "source_dir", None)
+    head.attach(embed, target_output_rows(target, model_dir) if head.cfg.tie_lm_head else None)
+    return head

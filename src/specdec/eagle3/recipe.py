@@ -1,0 +1,140 @@
+"""`specdec train eagle3`: the whole recipe, from conversations to a head directory.
+
+1. features: the target (its exact mode) over `tokens` tokens of conversations, cached in
+   `out/features` (reused when the manifest matches: same target, data, mode, layers);
+   under torchrun each rank extracts every world-th conversation into its own sub-directory;
+2. the draft vocabulary: the `draft_vocab` tokens the target most often predicts in the data;
+3. a seeded head shaped after the target, trained with the training-time test (`train.py`);
+4. the head, its config and the training record (command, data, seed, CPU time) in `out`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import features as fe
+from .head import Eagle3Head, HeadConfig, attach_target, config_for_target
+from .train import TrainConfig, evaluate, train
+
+
+@dataclass(frozen=True)
+class Recipe:
+    target: str
+    out: Path
+    data: str = "sharegpt"
+    data_mode: str = "teacher"  # "teacher" | "self"
+    tokens: int = 150_000  # target tokens of training data
+    max_len: int = 1024
+    draft_vocab: int = 32_000
+    intermediate_size: int = 1536
+    top_k: int = 8
+    features: Path | None = None  # default: out/features
+    regen_tokens: int = 256  # self-distillation: answer length
+    regen_batch: int = 8
+
+    def __post_init__(self) -> None:
+        if self.data_mode not in ("teacher", "self"):
+            raise ValueError(f"--data-mode must be teacher or self, not {self.data_mode!r}")
+        if self.tokens < 1000:
+            raise ValueError("--tokens must be at least 1000")
+
+
+def _rank_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _manifest_key(r: Recipe, layers: tuple[int, ...], mode: str) -> dict[str, Any]:
+    return {"target": r.target, "data": r.data, "data_mode": r.data_mode, "tokens_wanted": r.tokens,
+            "max_len": r.max_len, "feature_layers": list(layers), "top_k": r.top_k, "mode": mode}  # fmt: skip
+
+
+def build_features(r: Recipe, lm: Any, layers: tuple[int, int, int], *, progress: bool = True) -> list[Path]:
+    """Feature directories for this recipe (one per rank), extracted unless cached."""
+    from .. import data
+
+    rank, world = _rank_world()
+    root = r.features or (r.out / "features")
+    key = _manifest_key(r, layers, lm.model.mode)
+    dirs = [root / (f"rank-{i}" if world > 1 else ".") for i in range(world)]
+    mine = dirs[rank]
+    manifest = mine / fe.MANIFEST
+    if not (manifest.exists() and {k: json.loads(manifest.read_text()).get(k) for k in key} == key):
+        convs = data.conversations(r.data, answered=r.data_mode == "teacher")
+        convs = (c for i, c in enumerate(convs) if i % world == rank)
+        if r.data_mode == "self":
+            convs = fe.regenerate(lm, convs, max_new_tokens=r.regen_tokens, batch=r.regen_batch, seed=rank)
+        fe.extract(lm, convs, mine, layers=layers, max_tokens=max(1, r.tokens // world), max_len=r.max_len,
+                   top_k=r.top_k, progress=progress and rank == 0, record=key)  # fmt: skip
+    if world > 1:
+        torch.distributed.barrier()
+    return dirs
+
+
+def run(r: Recipe, tc: TrainConfig, *, command: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Features, vocabulary, training; returns the training record."""
+    from .. import store
+    from ..api import load
+    from .train import _dist
+
+    rank, world = _dist()
+    t0 = time.process_time()
+    lm = load(r.target)
+    layers = HeadConfig.default_feature_layers(lm.model.args.n_layers)
+    dirs = build_features(r, lm, layers, progress=progress)
+    feature_cpu = time.process_time() - t0
+    examples: list[fe.Example] = []
+    manifests = []
+    for d in dirs:
+        m, ex = fe.load_examples(d)
+        manifests.append(m)
+        examples += ex
+    n_val = max(1, len(examples) // 50)
+    val, examples = examples[-n_val:], examples[:-n_val]
+    cfg = config_for_target(lm.model, r.target, draft_vocab_size=r.draft_vocab, intermediate_size=r.intermediate_size)
+    head = Eagle3Head(cfg)
+    head.init_weights(torch.Generator().manual_seed(tc.seed))
+    head.set_vocab(fe.draft_vocabulary(examples, cfg.draft_vocab_size, cfg.target_vocab_size))
+    attach_target(head, lm.model, store.resolve(r.target))
+    record = {
+        "command": command or " ".join(sys.argv), "target_name": r.target, "data": _data_record(r.data),
+        "data_mode": r.data_mode, "feature_tokens": sum(m["tokens"] for m in manifests),
+        "feature_conversations": sum(m["conversations"] for m in manifests),
+        "feature_cpu_seconds": round(sum(m["cpu_seconds"] for m in manifests), 1),
+        "this_run_feature_cpu_seconds": round(feature_cpu, 1), "seed": tc.seed, "torch": torch.__version__,
+        "cpu": _cpu(), "validation_sequences": len(val),
+    }  # fmt: skip
+    result = train(head, examples, tc, r.out, record=record, progress=progress)
+    if rank == 0:
+        acc = evaluate(head, val, tc.steps, tc.max_len)
+        result["validation_top1_by_step"] = acc
+        head.save(r.out, extra={k: v for k, v in result.items() if k != "history"})
+    return result
+
+
+def _data_record(source: str) -> str:
+    """The data as pinned packages (name==version, sha256) or the file it came from."""
+    from ..registry import DATASETS
+
+    spec = DATASETS.get(source)
+    if spec is None:
+        return str(source)
+    pins = ", ".join(sorted({f"{p.package}=={p.version}" for p in spec.parts}))
+    return f"{spec.name}: {pins} (sha256 {spec.sha256[:16]}...)"
+
+
+def _cpu() -> str:
+    from ..model.native import cpu_info, dispatch
+
+    try:
+        path = dispatch()[0]
+    except Exception:  # noqa: BLE001 - no native kernels: the record says so
+        path = "none"
+    return f"{cpu_info().get('model name', '?')} ({path})"

@@ -1,0 +1,360 @@
+"""EAGLE-3 heads: the head and its files, training (training-time test layout = drafting),
+greedy identity of the drafter in the exact modes, the sampling law of its sampled trees
+(with a negative control), the recipe and its CLI, DDP under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import EXACT_MODES
+from helpers import ALPHA, PROMPTS, V_SMALL, chi2_pvalue
+
+from specdec import engine
+from specdec.config import GenerationConfig, SamplingParams
+from specdec.drafters import Eagle3Drafter, make_drafter
+from specdec.drafters.eagle3 import _Runner
+from specdec.eagle3 import features as fe
+from specdec.eagle3.head import Eagle3Head, HeadConfig, attach_target, config_for_target
+from specdec.eagle3.train import TrainConfig, evaluate, sequence_loss, train, unroll
+
+
+def _head(model, seed: int = 0, draft_vocab: int | None = None, scale: float = 1.0, model_dir=None,
+          width: int = 32) -> Eagle3Head:
+    """A seeded random head for `model` (draft vocabulary: every other token, or the first n)."""
+    V = model.args.vocab_size
+    cfg = config_for_target(model, "test", draft_vocab_size=draft_vocab or V // 2, intermediate_size=width)
+    head = Eagle3Head(cfg)
+    head.init_weights(torch.Generator().manual_seed(seed))
+    if scale != 1.0:
+        with torch.no_grad():
+            for p in head.parameters():
+                if p.dim() == 2:
+                    p.mul_(scale)
+    ids = torch.arange(cfg.draft_vocab_size) * (V // cfg.draft_vocab_size)
+    head.set_vocab(ids)
+    attach_target(head, model, model_dir)
+    return head
+
+
+def _examples(model, n: int, length: int, seed: int) -> list[fe.Example]:
+    g = torch.Generator().manual_seed(seed)
+    layers = HeadConfig.default_feature_layers(model.args.n_layers)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, min(model.args.vocab_size, 250), (length,), generator=g).tolist()
+        ex = fe.target_features(model, ids, layers, 4)
+        ex.mask = torch.ones(length, dtype=torch.bool)
+        out.append(ex)
+    return out
+
+
+# -- the head ---------------------------------------------------------------------------------
+def test_vocabulary_maps_follow_the_eagle3_format(tiny):
+    model = tiny("llama").model
+    head = _head(model)
+    ids = torch.tensor([7, 3, 250, 11] + list(range(20, 20 + head.cfg.draft_vocab_size - 4)))
+    head.set_vocab(ids)
+    want = ids.sort().values
+    assert torch.equal(head.draft_ids, want)  # draft id j -> target id j + d2t[j], increasing
+    assert torch.equal(head.d2t, want - torch.arange(want.numel()))
+    assert head.t2d.sum() == want.numel() and bool(head.t2d[want].all())
+    with pytest.raises(ValueError, match="distinct"):
+        head.set_vocab(torch.zeros(head.cfg.draft_vocab_size, dtype=torch.long))
+
+
+def test_head_files_round_trip(tiny, tmp_path):
+    lm = tiny("llama")
+    head = _head(lm.model, seed=3)
+    head.save(tmp_path / "h", extra={"seed": 3})
+    back = attach_target(Eagle3Head.load(tmp_path / "h"), lm.model, lm.path)
+    assert back.cfg == head.cfg and Eagle3Head.training_record(tmp_path / "h") == {"seed": 3}
+    ex = _examples(lm.model, 1, 12, seed=0)[0]
+    for a, b in zip(unroll(head, ex.tokens, ex.features, 2), unroll(back, ex.tokens, ex.features, 2), strict=True):
+        # weights are stored as float16: the same head to float16 precision
+        assert torch.allclose(head.logits(a), back.logits(b), atol=2e-3)
+    assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
+    with pytest.raises(FileNotFoundError, match="not an EAGLE-3 head"):
+        Eagle3Head.load(tmp_path)
+
+
+def test_a_head_refuses_another_target(tiny):
+    import dataclasses
+
+    head = _head(tiny("llama").model)
+    wider = Eagle3Head(dataclasses.replace(head.cfg, hidden_size=2 * head.cfg.hidden_size))
+    with pytest.raises(ValueError, match="trained for"):
+        attach_target(wider, tiny("llama").model)
+
+
+# -- training -----------------------------------------------------------------------------------
+def test_training_layout_is_what_drafting_computes(tiny):
+    """The training-time test's unrolled steps (all anchors at once, step-1 keys causal plus
+    each anchor's own chain) give, for an anchor i, exactly what the drafter computes: the
+    committed rows 0..i through the head's cache, then a chain of draft rows."""
+    model = tiny("llama").model
+    head = _head(model, seed=1, scale=20.0)
+    ex = _examples(model, 1, 24, seed=2)[0]
+    steps = 3
+    gs = unroll(head, ex.tokens, ex.features, steps)
+    run = _Runner(head, quantize=False)
+    c = head.cfg
+    for i in (0, 5, 17):
+        kc = torch.zeros(c.num_key_value_heads, 32, c.head_dim)
+        vc = torch.zeros_like(kc)
+        pos = torch.arange(i + 1)
+        g, _ = run.step(head.embed(ex.tokens[1 : i + 2]), run.project(ex.features[: i + 1]), pos, kc, vc, pos,
+                        torch.ones(i + 1, i + 1, dtype=torch.bool).tril())  # fmt: skip
+        assert torch.allclose(g[-1], gs[0][i], atol=1e-4)
+        prev = g[-1]
+        for j in range(2, steps + 1):
+            slot = i + j - 1
+            mask = torch.ones(1, slot + 1, dtype=torch.bool)
+            g, _ = run.step(head.embed(ex.tokens[i + j : i + j + 1]), prev[None], torch.tensor([i + j - 1]), kc, vc,
+                            torch.tensor([slot]), mask)  # fmt: skip
+            assert torch.allclose(g[0], gs[j - 1][i], atol=1e-4), (i, j)
+            prev = g[0]
+
+
+def test_training_learns_and_is_reproducible(tiny, tmp_path):
+    lm = tiny("llama")
+    model = lm.model
+    data = _examples(model, 12, 32, seed=5)
+    before = evaluate(_head(model, seed=0, width=128), data, 2, 64)
+    cfg = TrainConfig(steps=2, lr=3e-3, warmup=5, seqs_per_step=4, epochs=20, seed=0)
+    heads = []
+    for run in ("a", "b"):
+        head = _head(model, seed=0, width=128)
+        result = train(head, data, cfg, tmp_path / run, progress=False)
+        heads.append(head)
+    after = evaluate(heads[0], data, 2, 64)
+    assert result["optimizer_steps"] == 20 * (12 // 4) and result["world_size"] == 1
+    assert all(a > b + 0.2 for a, b in zip(after, before, strict=True)), (before, after)
+    hist = json.loads((tmp_path / "a" / "history.json").read_text())
+    assert hist[-1]["loss"] < 0.7 * hist[0]["loss"]
+    for (n, p), (_, q) in zip(heads[0].named_parameters(), heads[1].named_parameters(), strict=True):
+        assert torch.equal(p, q), n  # same seed, same data order: the same head
+
+
+def test_training_resumes_from_its_checkpoint(tiny, tmp_path):
+    model = tiny("llama").model
+    data = _examples(model, 8, 30, seed=6)
+    full = _head(model)
+    train(full, data, TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1), tmp_path / "full", progress=False)
+    part = _head(model)
+    # stop after about half the steps (a budget of 0 minutes stops after the first step)
+    r = train(part, data, TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1, minutes=0.0), tmp_path / "part",
+              progress=False)  # fmt: skip
+    assert r["optimizer_steps"] == 1 and (tmp_path / "part" / "checkpoint.pt").exists()
+    resumed = _head(model)
+    r = train(resumed, data, TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1), tmp_path / "part", progress=False)
+    assert r["optimizer_steps"] == 8 and not (tmp_path / "part" / "checkpoint.pt").exists()
+    for (n, p), (_, q) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), n
+
+
+def test_loss_counts_only_answer_tokens(tiny):
+    model = tiny("llama").model
+    head = _head(model)
+    ex = _examples(model, 1, 20, seed=7)[0]
+    ex.mask = torch.zeros(20, dtype=torch.bool)
+    loss, stats = sequence_loss(head, ex, 2, 64)
+    assert float(loss.detach()) == 0.0 and all(m == 0 for _, m in stats)
+    ex.mask[2:] = True
+    _, stats = sequence_loss(head, ex, 2, 64)
+    # step j counts anchors i >= 0 whose predicted token i+j+1 is an answer's: tokens 2..19 for
+    # step 1 (anchors 0..17); step 2 cannot predict token 2 (it would need anchor -1)
+    assert [m for _, m in stats] == [18, 17]
+
+
+def test_conversation_mask_marks_the_answers(smollm2):
+    messages = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there, friend."},
+                {"role": "user", "content": "Again."}, {"role": "assistant", "content": "Hello again."}]  # fmt: skip
+    ids, mask = fe.tokenize_conversation(smollm2.tokenizer, messages, 512)
+    # each answer with the end-of-turn marker the template closes it with (the head learns to end)
+    answer = smollm2.tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+    assert answer == "Hello there, friend.<|im_end|>\nHello again.<|im_end|>\n"
+    prompt = smollm2.tokenizer.encode_chat(messages[:1])  # what inference feeds the target
+    assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])
+    short, _ = fe.tokenize_conversation(smollm2.tokenizer, messages, 10)
+    assert short == ids[:10]
+
+
+def test_draft_vocabulary_prefers_what_the_target_predicts(tiny):
+    model = tiny("llama").model
+    ex = _examples(model, 3, 30, seed=8)
+    vocab = fe.draft_vocabulary(ex, 5, model.args.vocab_size)
+    counts = torch.bincount(torch.cat([e.top_ids[:-1, 0] for e in ex]), minlength=model.args.vocab_size)
+    assert set(vocab.tolist()) <= set(counts.argsort(descending=True)[:8].tolist())
+    assert counts[vocab].min() >= counts.sort(descending=True).values[4]
+
+
+# -- drafting -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("mode", EXACT_MODES)
+def test_greedy_identity_on_tiny_models(tiny, arch, mode):
+    lm = tiny(arch, dtype=mode)
+    head = _head(lm.model, seed=2, scale=20.0)
+    cfg = GenerationConfig(max_new_tokens=24, k=4, ignore_eos=True)
+    accepted = 0
+    for prompt in PROMPTS:
+        ids = lm.tokenizer.encode(prompt)
+        plain = engine.run(lm.model, ids, cfg, SamplingParams())
+        for opts in ({"topk": 1, "total": 4}, {"topk": 3, "total": 8}, {"topk": 4, "total": 30}):
+            d = Eagle3Drafter(lm.model, head=head, **opts)
+            out = engine.run(lm.model, ids, cfg, SamplingParams(), d)
+            assert out.token_ids == plain.token_ids, (prompt, opts)
+            accepted += out.metrics.accepted
+            assert out.metrics.proposed > 0
+    assert accepted > 0  # some drafts were right, so the accept path ran
+
+
+def test_greedy_identity_with_a_trained_head_on_smollm2(smollm2_exact, tmp_path):
+    lm = smollm2_exact
+    model = lm.model
+    layers = HeadConfig.default_feature_layers(model.args.n_layers)
+    texts = [p * 3 for p in PROMPTS]
+    data = []
+    for t in texts:
+        ex = fe.target_features(model, lm.tokenizer.encode(t), layers, 4)
+        ex.mask = torch.ones(ex.tokens.numel(), dtype=torch.bool)
+        data.append(ex)
+    cfg = config_for_target(model, "smollm2-135m", draft_vocab_size=2048, intermediate_size=64)
+    head = Eagle3Head(cfg)
+    head.init_weights(torch.Generator().manual_seed(0))
+    head.set_vocab(fe.draft_vocabulary(data, 2048, model.args.vocab_size))
+    attach_target(head, model, lm.path)
+    train(head, data, TrainConfig(steps=2, lr=2e-3, warmup=2, seqs_per_step=2, epochs=15), tmp_path, progress=False)
+    gen = GenerationConfig(max_new_tokens=40, k=4, ignore_eos=True)
+    accepted = proposed = 0
+    for p in PROMPTS:
+        ids = lm.tokenizer.encode(p * 2)
+        plain = engine.run(model, ids, gen, SamplingParams())
+        out = engine.run(model, ids, gen, SamplingParams(), make_drafter("eagle3", target=model, head=str(tmp_path)))
+        assert out.token_ids == plain.token_ids, p
+        accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.target_forwards
+    assert accepted / proposed > 0.5  # trained on these texts: it drafts them well
+
+
+def test_tree_shapes(tiny):
+    lm = tiny("llama")
+    head = _head(lm.model, seed=4, scale=20.0)
+    ids = lm.tokenizer.encode(PROMPTS[1])
+    for sampling, opts, most in ((SamplingParams(), {"topk": 3, "total": 7}, 7),
+                                 (SamplingParams(temperature=1.0, seed=1), {"sample_children": 2, "sample_frontier": 2}, 2 + 3 * 4)):  # fmt: skip
+        d = Eagle3Drafter(lm.model, head=head, **opts)
+        seen = []
+        orig = d.propose
+
+        def spy(k, orig=orig):
+            draft = orig(k)
+            seen.append(draft)
+            return draft
+
+        d.propose = spy
+        engine.run(lm.model, ids, GenerationConfig(max_new_tokens=12, k=4, ignore_eos=True), sampling, d)
+        assert seen
+        for draft in seen:
+            depths = draft.depths()  # checks parents come first
+            assert max(depths) <= 4 and draft.tokens.numel() <= most
+            kids: dict[int, list[int]] = {}
+            for j, p in enumerate(draft.parents):
+                kids.setdefault(p, []).append(int(draft.tokens[j]))
+            assert all(len(set(v)) == len(v) for v in kids.values())  # siblings distinct
+            assert bool(head.t2d[draft.tokens].all())  # only draft-vocabulary tokens
+            if not sampling.greedy:
+                assert all(len(v) <= 2 for v in kids.values())
+                assert torch.allclose(draft.probs.sum(-1), torch.ones(draft.tokens.numel()))
+
+
+def _small_head(target) -> Eagle3Head:
+    cfg = HeadConfig("v8", V_SMALL, target.args.dim, target.args.n_heads, target.args.n_kv_heads, target.args.head_dim,
+                     16, 6, HeadConfig.default_feature_layers(target.args.n_layers), target.args.norm_eps,
+                     target.args.rope_theta, target.args.max_seq_len)  # fmt: skip
+    head = Eagle3Head(cfg)
+    head.init_weights(torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(40.0)  # a peaked draft distribution, as a trained head has
+    head.set_vocab(torch.tensor([0, 1, 2, 4, 5, 7]))  # two tokens the head can never draft
+    return attach_target(head, target)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+                                      SamplingParams(temperature=0.5)], ids=["T1", "T0.7-topk-topp", "T0.5"])  # fmt: skip
+def test_sampled_trees_keep_the_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
+    target, _ = small_vocab
+    drafter = Eagle3Drafter(target, head=_small_head(target), sample_children=2, sample_frontier=2)
+    counts = sample_joint(target, drafter, sampling, runs=3000, k=2, bounds=(0.05, 0.95))
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
+
+
+def test_wrong_sampled_tree_rule_fails_with_eagle3_trees(small_vocab, exact_joint, sample_joint, wrong_rule):
+    """Negative control: the rule that keeps a rejected child's mass in q must fail here."""
+    wrong_rule("sampled-tree")
+    target, _ = small_vocab
+    sampling = SamplingParams(temperature=0.5)
+    drafter = Eagle3Drafter(target, head=_small_head(target), sample_children=2, sample_frontier=2)
+    counts = sample_joint(target, drafter, sampling, runs=3000, k=2, bounds=(0.05, 0.95))
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
+
+
+# -- recipe, CLI, DDP -------------------------------------------------------------------------
+def _jsonl(path, n: int = 12) -> None:
+    rows = []
+    for i in range(n):
+        q = f"What is {i} plus {i}?"
+        rows.append({"id": f"c{i}", "category": "chat",
+                     "turns": [{"role": "user", "content": q}, {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * 3}]})  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _train_cmd(tiny_path, data, out) -> list[str]:
+    return ["train", "eagle3", "--target", str(tiny_path), "--data", str(data), "--out", str(out), "--tokens", "1000",
+            "--draft-vocab", "64", "--intermediate-size", "32", "--epochs", "2", "--seqs-per-step", "2",
+            "--no-progress"]  # fmt: skip
+
+
+def test_train_cli_writes_a_usable_head(tiny_dir, tmp_path, capsys):
+    from specdec.cli import main
+
+    data = tmp_path / "conv.jsonl"
+    _jsonl(data, 40)
+    out = tmp_path / "head"
+    assert main(_train_cmd(tiny_dir("llama"), data, out)) == 0
+    rec = Eagle3Head.training_record(out)
+    assert rec["data"] == str(data) and rec["seed"] == 0 and 1000 <= rec["feature_tokens"] < 1200 and rec["cpu_seconds"] > 0
+    assert "specdec train eagle3" in rec["command"] and len(rec["validation_top1_by_step"]) == 3
+    assert main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "eagle3", "--head", str(out),
+                 "--prompt", "What is 3 plus 3?", "--max-new-tokens", "8", "--json", "--dtype", "fp32"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["metrics"]["target_forwards"] > 0
+
+
+def test_eagle3_without_a_head_says_how_to_get_one(tiny_dir, capsys):
+    from specdec.cli import main
+
+    rc = main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "eagle3", "--prompt", "hi",
+               "--max-new-tokens", "4"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "specdec train eagle3" in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_runs_under_torchrun_with_two_processes(tiny_dir, tmp_path):
+    """Scale-out is DDP: two CPU processes (gloo) train one head; each takes half the data."""
+    data = tmp_path / "conv.jsonl"
+    _jsonl(data, 40)
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           "-m", "specdec.cli", *_train_cmd(tiny_dir("llama"), data, out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = Eagle3Head.training_record(out)
+    assert rec["world_size"] == 2
+    assert (out / "features" / "rank-0" / fe.MANIFEST).exists() and (out / "features" / "rank-1" / fe.MANIFEST).exists()
+    Eagle3Head.load(out)
