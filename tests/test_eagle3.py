@@ -14,6 +14,7 @@ import torch
 from conftest import EXACT_MODES
 from helpers import ALPHA, PROMPTS, V_SMALL, chi2_pvalue
 
+import specdec
 from specdec import engine
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import Eagle3Drafter, make_drafter
@@ -358,3 +359,72 @@ def test_train_runs_under_torchrun_with_two_processes(tiny_dir, tmp_path):
     assert rec["world_size"] == 2
     assert (out / "features" / "rank-0" / fe.MANIFEST).exists() and (out / "features" / "rank-1" / fe.MANIFEST).exists()
     Eagle3Head.load(out)
+
+
+# -- export -------------------------------------------------------------------------------------
+def _proposals(model, head, prompt_ids) -> list[list[int]]:
+    d = Eagle3Drafter(model, head=head, topk=3, total=8)
+    seen: list[list[int]] = []
+    orig = d.propose
+
+    def spy(k):
+        draft = orig(k)
+        seen.append(draft.tokens.tolist() + list(draft.parents))
+        return draft
+
+    d.propose = spy
+    engine.run(model, prompt_ids, GenerationConfig(max_new_tokens=16, k=4, ignore_eos=True), SamplingParams(), d)
+    return seen
+
+
+def test_export_writes_the_engines_layout_and_loads_back(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    from specdec.eagle3.export import WEIGHT_NAMES, export
+
+    lm = tiny("llama")
+    model = lm.model
+    head = _head(model, seed=3, scale=20.0)
+    c = head.cfg
+    H, nh, nkv, D, I, N, V = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                              c.intermediate_size, c.draft_vocab_size, c.target_vocab_size)  # fmt: skip
+    shapes = {  # as vLLM's and SGLang's Eagle3 Llama layers allocate them (q/k/v read embeds + hidden)
+        "midlayer.self_attn.q_proj.weight": (nh * D, 2 * H), "midlayer.self_attn.k_proj.weight": (nkv * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (nkv * D, 2 * H), "midlayer.self_attn.o_proj.weight": (H, nh * D),
+        "midlayer.mlp.gate_proj.weight": (I, H), "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I), "fc.weight": (H, 3 * H), "lm_head.weight": (N, H),
+        "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,), "norm.weight": (H,), "d2t": (N,), "t2d": (V,),
+    }  # fmt: skip
+    prompt = lm.tokenizer.encode(PROMPTS[0])
+    for fmt in ("vllm", "sglang"):
+        out = export(head, tmp_path / fmt, fmt, torch.float32)
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+        assert (cfg["draft_vocab_size"], cfg["vocab_size"], cfg["target_hidden_size"]) == (N, V, H)
+        assert cfg["tie_word_embeddings"] is False and cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in c.feature_layers]
+        tensors = load_file(str(out / "model.safetensors"))
+        assert set(tensors) == set(WEIGHT_NAMES) == set(shapes)
+        assert {k: tuple(v.shape) for k, v in tensors.items()} == shapes
+        assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+        assert torch.equal(tensors["d2t"] + torch.arange(N), head.draft_ids)  # target id = draft id + d2t
+        back = attach_target(Eagle3Head.load(out), model)
+        assert not back.cfg.tie_lm_head and back.cfg.feature_layers == c.feature_layers
+        assert _proposals(model, back, prompt) == _proposals(model, head, prompt)
+
+
+def test_export_cli(tiny_dir, tmp_path):
+    from specdec.cli import main
+
+    lm = specdec.load(tiny_dir("llama"), dtype="fp32", device="cpu")
+    head = _head(lm.model)
+    import dataclasses
+
+    # the head records the directory it was trained for: export attaches that target's rows
+    tied = Eagle3Head(dataclasses.replace(head.cfg, target=str(tiny_dir("llama"))))
+    tied.load_state_dict(head.state_dict(), strict=False)
+    tied.save(tmp_path / "h")
+    assert main(["export", "eagle3", str(tmp_path / "h"), "--format", "sglang", "--out", str(tmp_path / "x")]) == 0
+    assert json.loads((tmp_path / "x" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):  # argparse: one usage line naming the choices
+        main(["export", "eagle3", str(tmp_path / "h"), "--format", "tensorrt", "--out", str(tmp_path / "y")])

@@ -432,6 +432,34 @@ def _cmd_train_eagle3(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a trained draft head in the checkpoint layout another engine loads")
+    esub = p.add_subparsers(dest="export_cmd", required=True)
+    e = esub.add_parser("eagle3", help="an EAGLE-3 head for vLLM or SGLang (--speculative-config / --speculative-draft)",
+                        formatter_class=_Help)  # fmt: skip
+    e.add_argument("head", type=Path, help="head directory (from specdec train eagle3)")
+    e.add_argument("--format", default="vllm", choices=["vllm", "sglang"], help="the engine that will load it")
+    e.add_argument("--out", type=Path, required=True, help="directory to write (config.json, model.safetensors)")
+    e.add_argument("--target", help="the target model (default: the one the head was trained for); a tied head "
+                                    "exports the target's LM head rows")  # fmt: skip
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weight dtype")
+    e.set_defaults(func=_cmd_export_eagle3)
+
+
+def _cmd_export_eagle3(ns: argparse.Namespace) -> int:
+    from .eagle3.export import export
+    from .eagle3.head import Eagle3Head, attach_target
+    from .model import load_transformer
+
+    head = Eagle3Head.load(ns.head)
+    if head.cfg.tie_lm_head:
+        path = store.resolve(ns.target or head.cfg.target)
+        attach_target(head, load_transformer(path, dtype="fp32", device="cpu"), path)
+    out = export(head, ns.out, ns.format, getattr(torch, ns.dtype))
+    print(f"wrote {out} ({ns.format}: {len(list(out.iterdir()))} files)", file=sys.stderr)
+    return 0
+
+
 def _info_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="this machine: CPU, kernel path and why, memory, installed models",
                        description="What this machine has and what specdec runs on it: say which CPU and "
@@ -457,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     _data_parser(sub)
     _train_parser(sub)
+    _export_parser(sub)
     _info_parser(sub)
     return parser
 

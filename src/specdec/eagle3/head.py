@@ -224,6 +224,10 @@ class Eagle3Head(nn.Module):
         from safetensors.torch import load_file
 
         d = Path(directory)
+        if not (d / CONFIG_NAME).exists() and (d / "config.json").exists():
+            from .export import load_exported  # a checkpoint in the vLLM/SGLang layout
+
+            return load_exported(d)
         if not (d / CONFIG_NAME).exists() or not (d / WEIGHTS_NAME).exists():
             raise FileNotFoundError(f"{d} is not an EAGLE-3 head directory ({CONFIG_NAME} and {WEIGHTS_NAME} expected)")
         cfg = HeadConfig.from_json(json.loads((d / CONFIG_NAME).read_text()))
