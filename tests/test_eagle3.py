@@ -5,6 +5,7 @@ greedy identity of the drafter in the exact modes, the sampling law of its sampl
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -235,7 +236,8 @@ def test_greedy_identity_with_a_trained_head_on_smollm2(smollm2_exact, tmp_path)
     for p in PROMPTS:
         ids = lm.tokenizer.encode(p * 2)
         plain = engine.run(model, ids, gen, SamplingParams())
-        out = engine.run(model, ids, gen, SamplingParams(), make_drafter("eagle3", target=model, head=str(tmp_path)))
+        drafter = make_drafter("eagle3", target=model, head=str(tmp_path), total=24)
+        out = engine.run(model, ids, gen, SamplingParams(), drafter)
         assert out.token_ids == plain.token_ids, p
         accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.target_forwards
     assert accepted / proposed > 0.5  # trained on these texts: it drafts them well
@@ -270,6 +272,26 @@ def test_tree_shapes(tiny):
             if not sampling.greedy:
                 assert all(len(v) <= 2 for v in kids.values())
                 assert torch.allclose(draft.probs.sum(-1), torch.ones(draft.tokens.numel()))
+
+
+def test_cost_model_sizes_trees_by_the_price_of_rows(tiny):
+    """Free rows: send every candidate worth anything; dear rows: only the likeliest."""
+    from specdec.costs import Costs
+
+    model = tiny("llama").model
+    d = Eagle3Drafter(model, head=_head(model), max_total=20)
+    d._sizes, d._step_ms = [], 1.0
+    scores = [math.log(p) for p in (0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005)]
+    d.run.pass_ms = Costs({r: 10.0 for r in (1, 4, 8, 16, 21)})
+    assert d._tree_size(scores) == len(scores)
+    d.run.pass_ms = Costs({1: 10.0, 2: 15.0, 21: 110.0})  # each extra row costs half a token
+    cheap = d._tree_size(scores)
+    assert 1 <= cheap <= 3
+    d.run.accepted_sum, d.run.predicted_sum = 1.0, 10.0  # the head has been far too confident
+    assert d._tree_size(scores) <= cheap
+    assert d.info["tree_tokens_mean"] > 0
+    d.total = 4  # an explicit size is kept
+    assert d._tree_size(scores) == 4
 
 
 def _small_head(target) -> Eagle3Head:
@@ -428,3 +450,15 @@ def test_export_cli(tiny_dir, tmp_path):
     assert json.loads((tmp_path / "x" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     with pytest.raises(SystemExit):  # argparse: one usage line naming the choices
         main(["export", "eagle3", str(tmp_path / "h"), "--format", "tensorrt", "--out", str(tmp_path / "y")])
+
+
+def test_loss_fraction_draws_a_seeded_subset(tiny):
+    model = tiny("llama").model
+    head = _head(model)
+    ex = _examples(model, 1, 40, seed=9)[0]
+    full = sequence_loss(head, ex, 2, 64)[1]
+    a = sequence_loss(head, ex, 2, 64, 0.25, torch.Generator().manual_seed(1))[1]
+    b = sequence_loss(head, ex, 2, 64, 0.25, torch.Generator().manual_seed(1))[1]
+    assert a == b and all(0 < m < f for (_, m), (_, f) in zip(a, full, strict=True))
+    with pytest.raises(ValueError, match="loss_fraction"):
+        TrainConfig(loss_fraction=0.0)

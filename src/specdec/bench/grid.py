@@ -26,9 +26,10 @@ import torch
 from .. import __version__, registry
 from ..api import LoadedModel, encode_prompt, generate, load
 from ..config import DEFAULT_K
+from ..costs import Costs, measure_costs
 from ..drafters import DRAFTERS
 from ..engine import GenerationResult
-from .costmodel import Acceptance, Costs, Recommendation, measure_costs, recommend
+from .costmodel import Acceptance, Recommendation, recommend
 from .suite import Prompt, load_prompts, select
 
 METHODS = tuple(DRAFTERS)  # every registered drafter

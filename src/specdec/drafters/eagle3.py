@@ -11,7 +11,12 @@ Each proposal (see `specdec.eagle3.head` for the head itself):
    head call (each reads its token and its parent's head output, attending to the committed
    rows and its own ancestors), `topk` children each; after `depth` levels the `total` best
    nodes by cumulative log-probability (an ancestor-closed set) go to the target as one tree.
-   Greedy decoding verifies it with `tree_greedy_verify`.
+   Greedy decoding verifies it with `tree_greedy_verify`. Unless `total` is given, the cost
+   model picks it each step: a node's draft path probability exp(score) estimates its chance
+   of acceptance (EAGLE-2's observation), scaled by a running calibration (tokens accepted /
+   tokens predicted so far), so the best M nodes are expected to yield 1 + c * sum exp(score)
+   tokens for a target pass over 1 + M rows (timed once per target: `specdec.costs`) plus the
+   drafting time; M maximises their ratio. Cheap rows buy bigger trees.
 3. Sampling (T > 0), exactly: children are *drawn* from the head's distribution q (the
    sampling settings applied to the draft logits) without replacement (Gumbel top-k, which
    draws in order), `sample_children` per expanded node, the `sample_frontier` best frontier
@@ -83,6 +88,8 @@ class _Runner:
         self.dense = {k: v.detach().float() for k, v in w.items()}
         self.norms = {k: getattr(m, k).weight.detach().float() for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
         self.final_norm = head.norm.weight.detach().float()
+        self.pass_ms: Any = None  # specdec.costs.Costs of the target, timed at first use
+        self.accepted_sum, self.predicted_sum = 1.0, 1.0  # calibration of exp(score) as acceptance (greedy)
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         kern = self.kernels.get(name)
@@ -145,7 +152,8 @@ _RUNNERS: dict[tuple[int, int], _Runner] = {}  # (id(head), id(target)) -> runne
     options=(
         Option("head", "directory of a trained EAGLE-3 head (default: the one shipped for the target)", type=str),
         Option("topk", "greedy trees: children per expanded node, nodes expanded per depth", flag="--tree-topk"),
-        Option("total", "greedy trees: draft tokens sent to the target per step", flag="--tree-tokens"),
+        Option("total", "greedy trees: draft tokens sent to the target per step (unset: the cost model's choice)",
+               flag="--tree-tokens"),
         Option("sample_children", "sampling: children drawn per expanded node", flag="--tree-children"),
         Option("sample_frontier", "sampling: nodes expanded per depth", flag="--tree-frontier"),
     ),
@@ -153,8 +161,9 @@ _RUNNERS: dict[tuple[int, int], _Runner] = {}  # (id(head), id(target)) -> runne
 class Eagle3Drafter(Drafter):
     """`k` (the generation config's) is the tree depth."""
 
-    def __init__(self, target: Any, head: str | Path | Eagle3Head | None = None, topk: int = 8, total: int = 24,
-                 sample_children: int = 2, sample_frontier: int = 2) -> None:  # fmt: skip
+    def __init__(self, target: Any, head: str | Path | Eagle3Head | None = None, topk: int = 8,
+                 total: int | None = None, sample_children: int = 2, sample_frontier: int = 2,
+                 max_total: int = 48) -> None:  # fmt: skip
         super().__init__()
         if isinstance(head, Eagle3Head):
             self.head = head
@@ -166,13 +175,14 @@ class Eagle3Drafter(Drafter):
             self.head = Eagle3Head.load(where)
         if self.head.embed_weight.numel() == 0:
             attach_target(self.head, target, getattr(target, "source_dir", None))
-        if min(topk, total, sample_children, sample_frontier) < 1:
+        if min(topk, total or 1, sample_children, sample_frontier, max_total) < 1:
             raise ValueError("topk, total, sample_children and sample_frontier must be at least 1")
         self.target = target
         self.topk, self.total = topk, total
         self.sample_children, self.sample_frontier = sample_children, sample_frontier
         self.feature_layers = tuple(self.head.cfg.feature_layers)
-        self.scratch_rows = max(total, sample_children + 64 * sample_frontier * sample_children)
+        self.max_total = total or max_total
+        self.scratch_rows = max(self.max_total, sample_children + 64 * sample_frontier * sample_children)
         key = (id(self.head), id(target))
         if key not in _RUNNERS:
             from ..model.native import available
@@ -180,11 +190,17 @@ class Eagle3Drafter(Drafter):
             _RUNNERS[key] = _Runner(self.head, quantize=available() and target.mode in ("q4k", "int8"))
         self.run = _RUNNERS[key]
         c = self.head.cfg
-        self.info = {"head": c.target, "draft_vocab": c.draft_vocab_size, "topk": topk, "total": total}
+        self.info = {"head": c.target, "draft_vocab": c.draft_vocab_size, "topk": topk, "total": total or "cost model"}
 
     # -- lifecycle ------------------------------------------------------------------------
     def begin(self, session: DraftSession) -> None:
         c = self.head.cfg
+        if self.total is None and self.run.pass_ms is None:
+            from ..costs import measure_costs
+
+            self.run.pass_ms = measure_costs(self.target, max_rows=self.max_total + 1, repeats=2)
+        self._step_ms = 0.0
+        self._sizes: list[int] = []
         self.ctx = list(session.context)
         self.sampling = session.sampling
         self.gen = session.generator
@@ -196,6 +212,9 @@ class Eagle3Drafter(Drafter):
         self.v_cache = torch.zeros_like(self.k_cache)
 
     def accepted(self, feedback: Feedback) -> None:
+        if self.sampling.greedy:
+            self.run.accepted_sum += len(feedback.path)
+            self.run.predicted_sum += self._predicted
         rows = feedback.accepted_rows
         f = torch.cat([feedback.layers[i][rows] for i in self.head.cfg.feature_layers], -1).float()
         self.feats.append(f)
@@ -227,6 +246,34 @@ class Eagle3Drafter(Drafter):
         return sampling_probs(logits, self.sampling)
 
     def propose(self, k: int) -> Draft:
+        import time
+
+        t0 = time.perf_counter()
+        draft = self._propose(k)
+        ms = (time.perf_counter() - t0) * 1e3
+        self._step_ms = ms if not self._step_ms else 0.8 * self._step_ms + 0.2 * ms
+        return draft
+
+    def _tree_size(self, scores: list[float]) -> int:
+        """How many of the candidates (best first, `scores` their cumulative log-probabilities)
+        to send: the most expected tokens per unit of time under the cost model."""
+        if self.total is not None:
+            return min(self.total, len(scores))
+        costs = self.run.pass_ms
+        c = self.run.accepted_sum / self.run.predicted_sum
+        best, best_m, expected = -1.0, 1, 1.0
+        for m, sc in enumerate(scores[: self.max_total], start=1):
+            expected += c * math.exp(sc)
+            rate = expected / (costs.target(1 + m) + self._step_ms)
+            if rate > best:
+                best, best_m = rate, m
+        self._sizes.append(best_m)
+        self.info["tree_tokens_mean"] = round(sum(self._sizes) / len(self._sizes), 2)
+        self.info["calibration"] = round(c, 3)
+        return best_m
+
+    def _propose(self, k: int) -> Draft:
+        self._predicted = 0.0
         if k < 1:
             return Draft.empty()
         g_root, logits_root = self._catch_up()
@@ -298,10 +345,12 @@ class Eagle3Drafter(Drafter):
             # EAGLE-2: keep the topk best new candidates as the next frontier
             frontier = sorted(frontier, key=lambda j: -score[j])[: self.topk]
         keep = list(range(len(tok)))
-        if greedy and len(keep) > self.total:
-            # the `total` best by cumulative log-probability; a child never beats its parent, and
-            # ties go to the shallower node, so the set holds every kept node's ancestors
-            keep = sorted(keep, key=lambda j: (-score[j], depth[j]))[: self.total]
+        if greedy:
+            # the best by cumulative log-probability; a child never beats its parent, and ties go
+            # to the shallower node, so the set holds every kept node's ancestors
+            keep = sorted(keep, key=lambda j: (-score[j], depth[j]))
+            keep = keep[: self._tree_size([score[j] for j in keep])]
+        self._predicted = sum(math.exp(score[j]) for j in keep)
         # parents before children; siblings best first (greedy) or in draw order (sampling: the
         # without-replacement order the rejection rule walks them in)
         keep = sorted(keep, key=(lambda j: (depth[j], -score[j])) if greedy else (lambda j: (depth[j], j)))

@@ -47,10 +47,15 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     checkpoint_minutes: float = 10.0
+    # share of the counted predictions that enter the loss each step (a seeded random subset):
+    # the draft LM head dominates the cost, so fewer of them per step buys more steps per minute
+    loss_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.seqs_per_step < 1 or self.lr <= 0 or self.epochs <= 0:
             raise ValueError("steps, seqs_per_step, lr and epochs must be positive")
+        if not 0 < self.loss_fraction <= 1:
+            raise ValueError("loss_fraction must be in (0, 1]")
 
 
 @dataclass
@@ -94,8 +99,10 @@ def unroll(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, steps
     return outs
 
 
-def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Summed weighted loss of one sequence and, per step, (top-1 agreements, predictions)."""
+def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int, fraction: float = 1.0,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
+    """Summed weighted loss of one sequence and, per step, (top-1 agreements, predictions);
+    with `fraction` < 1, over a random subset of the predictions (drawn from `generator`)."""
     L = min(int(ex.tokens.numel()), max_len)
     # zero that still reaches every parameter: a backward (and DDP's all-reduce) always runs
     total = sum((p.reshape(-1)[0] * 0.0 for p in head.parameters() if p.requires_grad), torch.zeros(()))
@@ -110,6 +117,9 @@ def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int) -> tu
         lab = anchors + j
         valid = (lab + 1 <= L - 1) & mask[(lab + 1).clamp(max=L - 1)]
         idx = valid.nonzero()[:, 0]
+        if fraction < 1.0 and idx.numel() > 1:
+            keep = torch.rand(idx.numel(), generator=generator) < fraction
+            idx = idx[keep] if bool(keep.any()) else idx[:1]
         if idx.numel() == 0:
             stats.append((0, 0))
             continue
@@ -128,12 +138,13 @@ class _Loss(torch.nn.Module):
     """The head with the loss as its forward: what DistributedDataParallel wraps, so that
     gradient synchronisation follows every backward."""
 
-    def __init__(self, head: Eagle3Head, steps: int, max_len: int) -> None:
+    def __init__(self, head: Eagle3Head, cfg: TrainConfig, generator: torch.Generator) -> None:
         super().__init__()
-        self.head, self.steps, self.max_len = head, steps, max_len
+        self.head, self.cfg, self.generator = head, cfg, generator
 
     def forward(self, ex: Example) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        return sequence_loss(self.head, ex, self.steps, self.max_len)
+        c = self.cfg
+        return sequence_loss(self.head, ex, c.steps, c.max_len, c.loss_fraction, self.generator)
 
 
 def _dist() -> tuple[int, int]:
@@ -189,7 +200,8 @@ def train(
         opt.load_state_dict(state["opt"])
         step, history, cpu0, wall0 = state["step"], state["history"], state["cpu_seconds"], state["wall_seconds"]
         torch.set_rng_state(state["rng"])
-    model: torch.nn.Module = _Loss(head, cfg.steps, cfg.max_len)
+    sampler = torch.Generator().manual_seed(cfg.seed * 1000 + rank + step)  # loss subsets (resumes reseed by step)
+    model: torch.nn.Module = _Loss(head, cfg, sampler)
     if world > 1:
         # the buffers (target embedding, vocabulary maps) are frozen and equal on every rank
         model = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)
