@@ -221,8 +221,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="draft model for the draft-model method")
     p.add_argument("--pairs", nargs="+", metavar="TARGET[:DRAFT]",
                    help="several model pairs, one grid each (instead of --target/--draft)")  # fmt: skip
-    p.add_argument("--methods", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS),
-                   help="drafting methods to run, each beside plain decoding")  # fmt: skip
+    p.add_argument("--methods", nargs="+", choices=list(DRAFTERS),
+                   help="drafting methods to run, each beside plain decoding (default: every drafter; eagle3 "
+                        "where a head ships for the target)")  # fmt: skip
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("-k", type=int, default=DEFAULT_K, help="draft tokens per step")
     p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 40 with --quick)")
@@ -273,6 +274,11 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     from .bench.grid import QUICK, GridSettings, run_grid
 
     quick = QUICK if ns.quick else {}
+    if ns.methods is None:
+        from .drafters.eagle3 import shipped_for
+
+        named = [p.partition(":")[0] for p in ns.pairs] if ns.pairs else [ns.target]
+        ns.methods = [m for m in DRAFTERS if m != "eagle3" or all(shipped_for(t) for t in named)]
     pairs = [_pair(p, ns.methods) for p in ns.pairs] if ns.pairs else [(ns.target, ns.draft)]
     # every pair's settings are checked before the first (long) run starts
     settings = [GridSettings(

@@ -32,6 +32,7 @@ is built) where the native kernels exist, else in float32.
 from __future__ import annotations
 
 import math
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,20 @@ from ..sampling import probs as sampling_probs
 from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads that ship with specdec, one directory each
+
+
+def shipped_for(name: str) -> Path | None:
+    """The shipped head trained for a registered model name, if any."""
+    import json
+
+    from ..eagle3.head import CONFIG_NAME
+
+    if not SHIPPED.exists():
+        return None
+    for d in sorted(p for p in SHIPPED.iterdir() if (p / CONFIG_NAME).exists()):
+        if json.loads((d / CONFIG_NAME).read_text())["target"] == name:
+            return d
+    return None
 
 
 def shipped_head(target: Any) -> Path | None:
@@ -68,8 +83,7 @@ class _Runner:
     """The head's forward pieces with fast kernels (shared by every drafter of one head)."""
 
     def __init__(self, head: Eagle3Head, quantize: bool) -> None:
-        self.head = head
-        self.cfg = head.cfg
+        self.cfg = head.cfg  # (no reference to the head: runners are kept weakly by head)
         m = head.midlayer
         w = {
             "fc": head.fc.weight, "q": m.self_attn.q_proj.weight, "k": m.self_attn.k_proj.weight,
@@ -142,7 +156,9 @@ class _Runner:
         return h, self.linear("lm", F.rms_norm(h, (h.shape[-1],), self.final_norm, eps))
 
 
-_RUNNERS: dict[tuple[int, int], _Runner] = {}  # (id(head), id(target)) -> runner
+# per target (weakly: gone with it): loaded heads by directory, and runners by head
+_HEADS: weakref.WeakKeyDictionary[Any, dict[str, Eagle3Head]] = weakref.WeakKeyDictionary()
+_RUNNERS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
 
 
 @register(
@@ -172,7 +188,11 @@ class Eagle3Drafter(Drafter):
             if where is None:
                 raise ValueError("no EAGLE-3 head ships for this target; train one (`specdec train eagle3 --target NAME "
                                  "--out DIR`) and pass it with --head DIR")  # fmt: skip
-            self.head = Eagle3Head.load(where)
+            heads = _HEADS.setdefault(target, {})
+            key = str(Path(where).resolve())
+            if key not in heads:  # one load (and one quantization, one timing) per head and target
+                heads[key] = attach_target(Eagle3Head.load(where), target, getattr(target, "source_dir", None))
+            self.head = heads[key]
         if self.head.embed_weight.numel() == 0:
             attach_target(self.head, target, getattr(target, "source_dir", None))
         if min(topk, total or 1, sample_children, sample_frontier, max_total) < 1:
@@ -183,12 +203,12 @@ class Eagle3Drafter(Drafter):
         self.feature_layers = tuple(self.head.cfg.feature_layers)
         self.max_total = total or max_total
         self.scratch_rows = max(self.max_total, sample_children + 64 * sample_frontier * sample_children)
-        key = (id(self.head), id(target))
-        if key not in _RUNNERS:
+        runners = _RUNNERS.setdefault(target, weakref.WeakKeyDictionary())
+        if self.head not in runners:
             from ..model.native import available
 
-            _RUNNERS[key] = _Runner(self.head, quantize=available() and target.mode in ("q4k", "int8"))
-        self.run = _RUNNERS[key]
+            runners[self.head] = _Runner(self.head, quantize=available() and target.mode in ("q4k", "int8"))
+        self.run = runners[self.head]
         c = self.head.cfg
         self.info = {"head": c.target, "draft_vocab": c.draft_vocab_size, "topk": topk, "total": total or "cost model"}
 
