@@ -152,6 +152,18 @@ def test_kernel_dispatch_from_cpu_flags(monkeypatch, flags, amx_problem, build, 
         assert got == build and says in why
 
 
+def test_kernel_build_can_be_forced_for_a_before_after_comparison(monkeypatch):
+    monkeypatch.setattr(native, "_cpu_flags", lambda: set(AVX512_FLAGS))
+    monkeypatch.setenv("SPECDEC_KERNELS", "avx2")
+    assert native.dispatch() == (native.AVX2, "forced by SPECDEC_KERNELS=avx2.")
+    monkeypatch.setenv("SPECDEC_KERNELS", "avx512-amx")
+    with pytest.raises(native.NativeUnavailableError, match="needs amx_int8, amx_tile"):
+        native.dispatch()
+    monkeypatch.setenv("SPECDEC_KERNELS", "sse4")
+    with pytest.raises(native.NativeUnavailableError, match="not a kernel build"):
+        native.dispatch()
+
+
 def test_info_reports_the_machine_and_the_kernel_path():
     res = subprocess.run([sys.executable, "-m", "specdec.cli", "info", "--json", "--no-bandwidth"],
                          capture_output=True, text=True)  # fmt: skip

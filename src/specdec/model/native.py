@@ -72,6 +72,9 @@ def dispatch() -> tuple[str, str]:
     path passes its bitwise self-check against the AVX-512 path). Raises
     NativeUnavailableError where none can run."""
     flags = _cpu_flags()
+    forced = os.environ.get("SPECDEC_KERNELS", "").strip()
+    if forced:  # a before/after comparison on one machine (e.g. AVX-512 on an AMX CPU)
+        return _forced(forced, flags)
     missing = {"avx2", "fma", "f16c"} - flags
     if missing:
         raise NativeUnavailableError(
@@ -87,6 +90,20 @@ def dispatch() -> tuple[str, str]:
             return AMX, "the CPU has AMX (amx_tile, amx_int8) and AVX512-VNNI; the AMX path passed its self-check."
         return AVX512, f"the CPU has AVX512-F/BW/VL/VNNI and AMX, but AMX is not used: {why_not}."
     return AVX512, "the CPU has AVX512-F/BW/VL and AVX512-VNNI (no AMX)."
+
+
+def _forced(name: str, flags: set[str]) -> tuple[str, str]:
+    """The build SPECDEC_KERNELS names, where this CPU can run it."""
+    needs = {AVX2: {"avx2", "fma", "f16c"}, AVX512: {"avx2", "fma", "f16c"} | _AVX512_NEEDS,
+             AMX: {"avx2", "fma", "f16c", "amx_tile", "amx_int8"} | _AVX512_NEEDS}  # fmt: skip
+    if name not in needs:
+        raise NativeUnavailableError(f"SPECDEC_KERNELS={name!r} is not a kernel build; use one of {', '.join(needs)}")
+    lacking = needs[name] - flags
+    if lacking:
+        raise NativeUnavailableError(f"SPECDEC_KERNELS={name} needs {', '.join(sorted(lacking))}, which this CPU lacks")
+    if name == AMX and _amx_unusable() is not None:
+        raise NativeUnavailableError(f"SPECDEC_KERNELS={name}: {_amx_unusable()}")
+    return name, f"forced by SPECDEC_KERNELS={name}."
 
 
 @cache
