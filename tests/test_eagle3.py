@@ -462,3 +462,16 @@ def test_loss_fraction_draws_a_seeded_subset(tiny):
     assert a == b and all(0 < m < f for (_, m), (_, f) in zip(a, full, strict=True))
     with pytest.raises(ValueError, match="loss_fraction"):
         TrainConfig(loss_fraction=0.0)
+
+
+def test_training_in_bf16_autocast(tiny, tmp_path):
+    """What runs where the CPU has AMX (forced here): the same loop under bfloat16 autocast."""
+    model = tiny("llama").model
+    data = _examples(model, 8, 30, seed=10)
+    head = _head(model, width=128)
+    r = train(head, data, TrainConfig(steps=2, lr=3e-3, seqs_per_step=2, epochs=6, dtype="bf16"), tmp_path,
+              progress=False)  # fmt: skip
+    hist = r["history"]
+    assert r["compute_dtype"] == "bf16" and all(math.isfinite(h["loss"]) for h in hist)
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    assert all(p.dtype == torch.float32 for p in head.parameters())  # weights stay float32

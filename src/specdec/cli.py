@@ -415,6 +415,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--seqs-per-step", type=int, default=8, help="conversations per optimizer step (per process)")
     e.add_argument("--loss-fraction", type=float, default=1.0,
                    help="share of predictions in each step's loss (a seeded random subset; fewer = faster steps)")
+    e.add_argument("--compute-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="auto: bf16 autocast where the CPU has AMX (or on CUDA), else fp32")
     e.add_argument("--seed", type=int, default=0, help="initialisation and data order")
     e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -431,7 +433,8 @@ def _cmd_train_eagle3(ns: argparse.Namespace) -> int:
                     max_len=ns.max_len, draft_vocab=ns.draft_vocab, intermediate_size=ns.intermediate_size,
                     features=ns.features)  # fmt: skip
     tc = TrainConfig(steps=ns.ttt_steps, lr=ns.lr, seqs_per_step=ns.seqs_per_step, epochs=ns.epochs,
-                     minutes=ns.minutes, max_len=ns.max_len, seed=ns.seed, loss_fraction=ns.loss_fraction)  # fmt: skip
+                     minutes=ns.minutes, max_len=ns.max_len, seed=ns.seed, loss_fraction=ns.loss_fraction,
+                     dtype=ns.compute_dtype)  # fmt: skip
     result = run(recipe, tc, command="specdec " + " ".join(ns.argv), progress=ns.progress)
     acc = result.get("validation_top1_by_step")
     if acc is not None:
