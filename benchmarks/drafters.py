@@ -1,5 +1,5 @@
-"""Drafters that need no second model (prompt lookup, early-exit self-speculation, lookahead)
-against plain decoding of the same target, per task kind.
+"""Drafters that need no second model (prompt lookup, early-exit self-speculation, lookahead,
+EAGLE-3 heads) against plain decoding of the same target, per task kind.
 
 Input-grounded tasks (edit given code, answer from a given passage, summarise a given text)
 copy spans of their input; open-ended ones (chat, translation, math, code generation) do
@@ -9,6 +9,7 @@ end (prefill included) and decode-only.
 
     python benchmarks/drafters.py --out bench-out/drafters.json
     python benchmarks/drafters.py --methods prompt-lookup --tasks edit-code qa-passage summarise -k 4 8
+    python benchmarks/drafters.py --methods eagle3 -k 3 4 5 --tree-topk 4
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 import specdec
 from specdec.cli import add_drafter_options, drafter_options
+from specdec.drafters import DRAFTERS
 
 CODE = '''def load_records(path):
     records = []
@@ -66,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--methods", nargs="+", default=["prompt-lookup", "early-exit", "lookahead"],
-                    choices=["prompt-lookup", "early-exit", "lookahead"])  # fmt: skip
+                    choices=[m for m in DRAFTERS if m != "draft-model"])  # fmt: skip
     ap.add_argument("--tasks", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     ap.add_argument("-k", type=int, nargs="+", default=[4])
     add_drafter_options(ap)  # the drafters' own options, as the CLI has them
