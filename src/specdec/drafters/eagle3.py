@@ -220,6 +220,7 @@ class Eagle3Drafter(Drafter):
 
             self.run.pass_ms = measure_costs(self.target, max_rows=self.max_total + 1, repeats=2)
         self._step_ms = 0.0
+        self._predicted = 0.0
         self._sizes: list[int] = []
         self.ctx = list(session.context)
         self.sampling = session.sampling
@@ -235,6 +236,7 @@ class Eagle3Drafter(Drafter):
         if self.sampling.greedy:
             self.run.accepted_sum += len(feedback.path)
             self.run.predicted_sum += self._predicted
+        self._predicted = 0.0  # (a step without a proposal predicts nothing)
         rows = feedback.accepted_rows
         f = torch.cat([feedback.layers[i][rows] for i in self.head.cfg.feature_layers], -1).float()
         self.feats.append(f)
