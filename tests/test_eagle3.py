@@ -289,6 +289,8 @@ def test_cost_model_sizes_trees_by_the_price_of_rows(tiny):
     assert 1 <= cheap <= 3
     d.run.accepted_sum, d.run.predicted_sum = 1.0, 10.0  # the head has been far too confident
     assert d._tree_size(scores) <= cheap
+    d.run.pass_ms = Costs({1: 10.0, 2: 20.0, 21: 210.0})  # a row costs a whole token: no tree pays
+    assert d._tree_size(scores) == 0
     assert d.info["tree_tokens_mean"] > 0
     d.total = 4  # an explicit size is kept
     assert d._tree_size(scores) == 4
@@ -475,3 +477,21 @@ def test_training_in_bf16_autocast(tiny, tmp_path):
     assert r["compute_dtype"] == "bf16" and all(math.isfinite(h["loss"]) for h in hist)
     assert hist[-1]["loss"] < hist[0]["loss"]
     assert all(p.dtype == torch.float32 for p in head.parameters())  # weights stay float32
+
+
+def test_when_no_tree_pays_it_stops_drafting_and_stays_exact(tiny, monkeypatch):
+    """Rows that cost a whole token each: the cost model sends nothing and backs off (plain
+    steps without drafting), and the output is still plain decoding's."""
+    from specdec.costs import Costs
+
+    lm = tiny("llama", dtype=EXACT_MODES[-1])
+    model = lm.model
+    head = _head(model, seed=2, scale=20.0)
+    d = Eagle3Drafter(model, head=head)
+    d.run.pass_ms = Costs({1: 10.0, 2: 20.0, 49: 490.0})
+    ids = lm.tokenizer.encode(PROMPTS[0])
+    cfg = GenerationConfig(max_new_tokens=40, k=4, ignore_eos=True)
+    out = engine.run(model, ids, cfg, SamplingParams(), d)
+    assert out.token_ids == engine.run(model, ids, cfg, SamplingParams()).token_ids
+    # 40 plain steps; the head looked on steps 1, 3, 6, 11, 20, 37 only (backing off 1, 2, 4, 8, 16)
+    assert out.metrics.proposed == 0 and out.metrics.target_forwards == 39 and len(d._sizes) == 6

@@ -221,6 +221,7 @@ class Eagle3Drafter(Drafter):
             self.run.pass_ms = measure_costs(self.target, max_rows=self.max_total + 1, repeats=2)
         self._step_ms = 0.0
         self._predicted = 0.0
+        self._skip = self._backoff = 0
         self._sizes: list[int] = []
         self.ctx = list(session.context)
         self.sampling = session.sampling
@@ -283,7 +284,9 @@ class Eagle3Drafter(Drafter):
             return min(self.total, len(scores))
         costs = self.run.pass_ms
         c = self.run.accepted_sum / self.run.predicted_sum
-        best, best_m, expected = -1.0, 1, 1.0
+        # m = 0: send nothing (a plain step) when no tree is expected to pay for its rows
+        best_m, expected = 0, 1.0
+        best = expected / (costs.target(1) + self._step_ms)
         for m, sc in enumerate(scores[: self.max_total], start=1):
             expected += c * math.exp(sc)
             rate = expected / (costs.target(1 + m) + self._step_ms)
@@ -297,6 +300,10 @@ class Eagle3Drafter(Drafter):
     def _propose(self, k: int) -> Draft:
         self._predicted = 0.0
         if k < 1:
+            return Draft.empty()
+        if self._skip > 0:  # the cost model found no tree worth its rows lately: plain steps, no drafting
+            self._skip -= 1
+            self._last_tokens = torch.zeros(0, dtype=torch.long)
             return Draft.empty()
         g_root, logits_root = self._catch_up()
         greedy = self.sampling.greedy
@@ -377,6 +384,12 @@ class Eagle3Drafter(Drafter):
         # without-replacement order the rejection rule walks them in)
         keep = sorted(keep, key=(lambda j: (depth[j], -score[j])) if greedy else (lambda j: (depth[j], j)))
         new_index = {j: n for n, j in enumerate(keep)}
+        if not keep:  # back off: skip drafting for 1, 2, 4 ... 16 steps, then look again
+            self._backoff = min(16, 2 * self._backoff) if self._backoff else 1
+            self._skip = self._backoff
+            self._last_tokens = torch.zeros(0, dtype=torch.long)
+            return Draft.empty()
+        self._backoff = 0
         tokens = self.head.draft_ids[torch.tensor([tok[j] for j in keep], dtype=torch.long)]
         parents = [new_index[par[j]] if par[j] >= 0 else -1 for j in keep]
         self._last_tokens = tokens
