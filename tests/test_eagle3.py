@@ -495,3 +495,19 @@ def test_when_no_tree_pays_it_stops_drafting_and_stays_exact(tiny, monkeypatch):
     assert out.token_ids == engine.run(model, ids, cfg, SamplingParams()).token_ids
     # 40 plain steps; the head looked on steps 1, 3, 6, 11, 20, 37 only (backing off 1, 2, 4, 8, 16)
     assert out.metrics.proposed == 0 and out.metrics.target_forwards == 39 and len(d._sizes) == 6
+
+
+def test_pass_costs_are_timed_once_per_machine(tiny, tmp_path, monkeypatch):
+    from specdec import costs
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    model = tiny("llama").model
+    calls = []
+    real = costs._time_rows
+    monkeypatch.setattr(costs, "_time_rows", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    first = costs.pass_costs(model, 9)
+    again = costs.pass_costs(model, 9)
+    assert len(calls) == 1 and again.target_ms == pytest.approx(first.target_ms, abs=1e-3)
+    assert sorted(first.target_ms) == [1, 2, 3, 4, 6, 8, 9] and (tmp_path / "pass_costs.json").exists()
+    costs.pass_costs(model, 20)  # a wider range than stored: timed again
+    assert len(calls) == 2

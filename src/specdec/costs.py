@@ -61,3 +61,40 @@ def measure_costs(target: Transformer, draft: Transformer | None = None, *, max_
     if draft is not None:
         costs.draft_ms = _time_rows(draft, [1], context, repeats)[1]
     return costs
+
+
+def pass_costs(target: Transformer, max_rows: int) -> Costs:
+    """The target's pass time per row count on this machine, timed once and kept in the
+    specdec cache (`pass_costs.json`), keyed by model directory, mode, kernel build, CPU and
+    threads: a drafter that sizes its proposals by it pays the timing (a few seconds) once per
+    machine, not once per process. Re-timed where the key or the row range is new."""
+    import json
+
+    from . import store
+    from .model.native import cpu_info
+
+    try:
+        from .model.native import dispatch
+
+        build = dispatch()[0]
+    except Exception:  # noqa: BLE001 - no native kernels: the key says so
+        build = "none"
+    key = "|".join([str(getattr(target, "source_dir", None) or id(target)), target.mode, build,
+                    cpu_info().get("model name", "?"), str(torch.get_num_threads()), str(target.device)])  # fmt: skip
+    path = store.cache_root() / "pass_costs.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        table = {}
+    entry = table.get(key)
+    if isinstance(entry, dict) and max(map(int, entry)) >= max_rows:
+        return Costs({int(r): float(ms) for r, ms in entry.items()})
+    rows = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, max_rows} & set(range(1, max_rows + 1)))
+    costs = Costs(_time_rows(target, rows, context=128, repeats=2))
+    if getattr(target, "source_dir", None) is not None:  # (a model without a directory is not worth keeping)
+        table[key] = {str(r): round(ms, 3) for r, ms in costs.target_ms.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)
+    return costs

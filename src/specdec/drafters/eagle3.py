@@ -179,7 +179,7 @@ class Eagle3Drafter(Drafter):
 
     def __init__(self, target: Any, head: str | Path | Eagle3Head | None = None, topk: int = 8,
                  total: int | None = None, sample_children: int = 2, sample_frontier: int = 2,
-                 max_total: int = 48) -> None:  # fmt: skip
+                 max_total: int = 31) -> None:  # fmt: skip
         super().__init__()
         if isinstance(head, Eagle3Head):
             self.head = head
@@ -216,9 +216,9 @@ class Eagle3Drafter(Drafter):
     def begin(self, session: DraftSession) -> None:
         c = self.head.cfg
         if self.total is None and self.run.pass_ms is None:
-            from ..costs import measure_costs
+            from ..costs import pass_costs
 
-            self.run.pass_ms = measure_costs(self.target, max_rows=self.max_total + 1, repeats=2)
+            self.run.pass_ms = pass_costs(self.target, self.max_total + 1)
         self._step_ms = 0.0
         self._predicted = 0.0
         self._skip = self._backoff = 0
