@@ -284,9 +284,10 @@ class Eagle3Drafter(Drafter):
             return min(self.total, len(scores))
         costs = self.run.pass_ms
         c = self.run.accepted_sum / self.run.predicted_sum
-        # m = 0: send nothing (a plain step) when no tree is expected to pay for its rows
+        # m = 0: send nothing and stop drafting for a while (plain steps, no drafting cost) when
+        # no tree is expected to pay for its rows and for the drafting itself
         best_m, expected = 0, 1.0
-        best = expected / (costs.target(1) + self._step_ms)
+        best = expected / costs.target(1)
         for m, sc in enumerate(scores[: self.max_total], start=1):
             expected += c * math.exp(sc)
             rate = expected / (costs.target(1 + m) + self._step_ms)
