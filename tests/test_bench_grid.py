@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from specdec.bench import report
-from specdec.bench.grid import METHODS, GridSettings, run_grid
+from specdec.bench.grid import DEFAULT_METHODS as METHODS
+from specdec.bench.grid import GridSettings, run_grid
 
 PROMPTS = [
     {"id": "c1", "category": "chat", "turns": [{"role": "user", "content": "hello there, how are you?"}]},

@@ -33,13 +33,16 @@ from .costmodel import Acceptance, Recommendation, recommend
 from .suite import Prompt, load_prompts, select
 
 METHODS = tuple(DRAFTERS)  # every registered drafter
+# the default: every drafter that needs nothing trained for the target (eagle3 needs a head;
+# the CLI adds it where one ships for the target)
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "eagle3")
 
 
 @dataclass(frozen=True)
 class GridSettings:
     target: str = registry.DEFAULT_TARGET
     draft: str | None = registry.DEFAULT_DRAFT  # for the draft-model method
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     temperatures: tuple[float, ...] = (0.0, 1.0)
     k: int = DEFAULT_K
     max_new_tokens: int = 128
