@@ -28,7 +28,7 @@ def test_other_model_free_drafters_by_name(tiny, name):
 
 
 def test_unknown_or_model_drafter_names_are_refused(tiny):
-    with pytest.raises(ValueError, match="unknown drafter 'n-gram'; choose one of draft-model, early-exit, lookahead, prompt-lookup"):
+    with pytest.raises(ValueError, match="unknown drafter 'n-gram'; choose one of draft-model, eagle3, early-exit, lookahead, prompt-lookup"):
         specdec.generate(tiny("qwen2"), "ab", drafter="n-gram", max_new_tokens=2)
     with pytest.raises(ValueError, match="needs a draft model"):
         specdec.generate(tiny("qwen2"), "ab", drafter="draft-model", max_new_tokens=2)
@@ -44,12 +44,13 @@ def test_registry_declares_each_drafter_once():
     """Names, options and defaults come from one place; the CLI flags are built from it."""
     from specdec.cli import build_parser
 
-    assert list(specdec.DRAFTERS) == ["draft-model", "early-exit", "lookahead", "prompt-lookup"]
+    assert list(specdec.DRAFTERS) == ["draft-model", "eagle3", "early-exit", "lookahead", "prompt-lookup"]
     la = specdec.DRAFTERS["lookahead"]
     assert la.defaults() == {"window": 1, "ngram": 3, "guesses": 2} and la.needs == ""
     assert specdec.DRAFTERS["early-exit"].needs == "target" and specdec.DRAFTERS["draft-model"].needs == "draft"
     help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
-    for flag in ("--ngram-max", "--ngram-min", "--exit-layer", "--window", "--ngram", "--guesses"):
+    for flag in ("--ngram-max", "--ngram-min", "--exit-layer", "--window", "--ngram", "--guesses", "--head",
+                 "--tree-topk", "--tree-tokens", "--tree-children", "--tree-frontier"):
         assert flag in help_text
     built = specdec.make_drafter("lookahead", window=3)
     assert isinstance(built, specdec.LookaheadDrafter) and built.W == 3 and built.N == 3

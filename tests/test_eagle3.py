@@ -375,7 +375,7 @@ def test_train_runs_under_torchrun_with_two_processes(tiny_dir, tmp_path):
     _jsonl(data, 40)
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "specdec.cli", *_train_cmd(tiny_dir("llama"), data, out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
