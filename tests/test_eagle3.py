@@ -138,6 +138,7 @@ def test_training_learns_and_is_reproducible(tiny, tmp_path):
     assert all(a > b + 0.2 for a, b in zip(after, before, strict=True)), (before, after)
     hist = json.loads((tmp_path / "a" / "history.json").read_text())
     assert hist[-1]["loss"] < 0.7 * hist[0]["loss"]
+    assert (tmp_path / "a" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the learning curve
     for (n, p), (_, q) in zip(heads[0].named_parameters(), heads[1].named_parameters(), strict=True):
         assert torch.equal(p, q), n  # same seed, same data order: the same head
 
