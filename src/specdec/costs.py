@@ -71,15 +71,9 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     import json
 
     from . import store
-    from .model.native import cpu_info
+    from .model.native import build_name, cpu_info
 
-    try:
-        from .model.native import dispatch
-
-        build = dispatch()[0]
-    except Exception:  # noqa: BLE001 - no native kernels: the key says so
-        build = "none"
-    key = "|".join([str(getattr(target, "source_dir", None) or id(target)), target.mode, build,
+    key = "|".join([str(getattr(target, "source_dir", None) or id(target)), target.mode, build_name(),
                     cpu_info().get("model name", "?"), str(torch.get_num_threads()), str(target.device)])  # fmt: skip
     path = store.cache_root() / "pass_costs.json"
     try:

@@ -46,77 +46,68 @@ from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads that ship with specdec, one directory each
 
 
-def shipped_for(name: str) -> Path | None:
-    """The shipped head trained for a registered model name, if any."""
+def _shipped() -> dict[str, Path]:
+    """Target name -> directory of each head that ships with specdec."""
     import json
 
     from ..eagle3.head import CONFIG_NAME
 
     if not SHIPPED.exists():
-        return None
-    for d in sorted(p for p in SHIPPED.iterdir() if (p / CONFIG_NAME).exists()):
-        if json.loads((d / CONFIG_NAME).read_text())["target"] == name:
-            return d
-    return None
+        return {}
+    dirs = sorted(p for p in SHIPPED.iterdir() if (p / CONFIG_NAME).exists())
+    return {json.loads((d / CONFIG_NAME).read_text())["target"]: d for d in dirs}
+
+
+def shipped_for(name: str) -> Path | None:
+    """The shipped head trained for a registered model name, if any."""
+    return _shipped().get(name)
 
 
 def shipped_head(target: Any) -> Path | None:
     """The shipped head trained for this target (a registered model, matched by the directory
     the target was loaded from), if any."""
-    import json
-
-    from ..eagle3.head import CONFIG_NAME
     from ..registry import MODELS
     from ..store import converted_dir
 
     src = getattr(target, "source_dir", None)
-    if src is None or not SHIPPED.exists():
+    if src is None:
         return None
-    for d in sorted(p for p in SHIPPED.iterdir() if (p / CONFIG_NAME).exists()):
-        name = json.loads((d / CONFIG_NAME).read_text())["target"]
+    for name, d in _shipped().items():
         if name in MODELS and converted_dir(MODELS[name].sha256).resolve() == Path(src).resolve():
             return d
     return None
 
 
 class _Runner:
-    """The head's forward pieces with fast kernels (shared by every drafter of one head)."""
+    """The head's stages with its linear layers on specdec's q4k kernels (or its own float
+    weights where those cannot run), its measured costs and calibration: one per head and
+    target, shared by every drafter of them."""
 
     def __init__(self, head: Eagle3Head, quantize: bool) -> None:
-        self.cfg = head.cfg  # (no reference to the head: runners are kept weakly by head)
-        m = head.midlayer
-        w = {
-            "fc": head.fc.weight, "q": m.self_attn.q_proj.weight, "k": m.self_attn.k_proj.weight,
-            "v": m.self_attn.v_proj.weight, "o": m.self_attn.o_proj.weight, "gate": m.mlp.gate_proj.weight,
-            "up": m.mlp.up_proj.weight, "down": m.mlp.down_proj.weight,
-            "lm": head.lm_head_weight if head.cfg.tie_lm_head else head.lm_head.weight,
-        }  # fmt: skip
+        self.head = head
         self.kernels: dict[str, Any] = {}
         if quantize:
             from ..model import kquant as kq
 
-            for name, weight in w.items():
+            for name, weight in head.weights().items():
                 kind = kq.Q6K if name == "lm" else kq.Q4K
                 blocks = kq.quantize(weight.detach().float().numpy(), kind)
                 self.kernels[name] = kq.KQuantKernel.from_blocks(blocks, None, in_features=weight.shape[1])
-        self.dense = {k: v.detach().float() for k, v in w.items()}
-        self.norms = {k: getattr(m, k).weight.detach().float() for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
-        self.final_norm = head.norm.weight.detach().float()
         self.pass_ms: Any = None  # specdec.costs.Costs of the target, timed at first use
         self.accepted_sum, self.predicted_sum = 1.0, 1.0  # calibration of exp(score) as acceptance (greedy)
 
-    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        kern = self.kernels.get(name)
-        return kern(x) if kern is not None else F.linear(x, self.dense[name])
+    def linears(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """The head's `Linears` on the kernels (layers sharing an input in one call)."""
+        if not self.kernels:
+            return self.head.linears(names, x)
+        kernels = tuple(self.kernels[n] for n in names)
+        return type(kernels[0]).group(kernels, x)
 
-    def group(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
-        if all(n in self.kernels for n in names):
-            return type(self.kernels[names[0]]).group(tuple(self.kernels[n] for n in names), x)
-        return [self.linear(n, x) for n in names]
-
+    @torch.no_grad()  # drafting: the head's own weights (where no kernels run) build no graph
     def project(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.linear("fc", feats.float())
+        return self.head.project(feats.float(), self.linears)
 
+    @torch.no_grad()
     def step(
         self,
         emb: torch.Tensor,  # [R, H] token embeddings
@@ -126,39 +117,30 @@ class _Runner:
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # [R] cache slots the rows' keys/values go to
         mask: torch.Tensor,  # [R, S_used] bool: which slots each row attends to (its own included)
-        logits: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # next g [R, H], draft logits [R, N]
-        from ..eagle3.head import _rotate, rope_tables
-
-        c = self.cfg
-        eps = c.rms_norm_eps
-        x = torch.cat((F.rms_norm(emb, (emb.shape[-1],), self.norms["input_layernorm"], eps),
-                       F.rms_norm(g, (g.shape[-1],), self.norms["hidden_norm"], eps)), -1)  # fmt: skip
-        q, k, v = self.group(("q", "k", "v"), x)
-        R = x.shape[0]
-        q = q.view(R, c.num_attention_heads, c.head_dim)
-        k = k.view(R, c.num_key_value_heads, c.head_dim)
-        v = v.view(R, c.num_key_value_heads, c.head_dim)
-        tables = rope_tables(positions, c.head_dim, c.rope_theta)
-        q, k = _rotate(q, tables), _rotate(k, tables)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # next g [R, H], draft logits [R, N]
+        q, k, v = self.head.qkv(emb, g, positions, self.linears)  # [R, nh|nkv, D]
         k_cache[:, slots] = k.transpose(0, 1)
         v_cache[:, slots] = v.transpose(0, 1)
         S = mask.shape[1]
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k_cache[None, :, :S], v_cache[None, :, :S], attn_mask=mask[None, None], enable_gqa=True
         )[0].transpose(0, 1)  # [R, nh, D]
-        h = g + self.linear("o", attn.reshape(R, -1))
-        y = F.rms_norm(h, (h.shape[-1],), self.norms["post_attention_layernorm"], eps)
-        gate, up = self.group(("gate", "up"), y)
-        h = h + self.linear("down", F.silu(gate) * up)
-        if not logits:
-            return h, None
-        return h, self.linear("lm", F.rms_norm(h, (h.shape[-1],), self.final_norm, eps))
+        h, logits = self.head.finish(g, attn, linears=self.linears)
+        return h, logits  # type: ignore[return-value]
 
 
-# per target (weakly: gone with it): loaded heads by directory, and runners by head
+def _runner(head: Eagle3Head, target: Any) -> _Runner:
+    """The runner of `head` for `target`, kept on the head and weakly by target."""
+    runners = head.__dict__.setdefault("_runners", weakref.WeakKeyDictionary())
+    if target not in runners:
+        from ..model.native import available
+
+        runners[target] = _Runner(head, quantize=available() and target.mode in ("q4k", "int8"))
+    return runners[target]
+
+
+# loaded heads by directory, per target (weakly: gone with it)
 _HEADS: weakref.WeakKeyDictionary[Any, dict[str, Eagle3Head]] = weakref.WeakKeyDictionary()
-_RUNNERS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
 
 
 @register(
@@ -203,12 +185,7 @@ class Eagle3Drafter(Drafter):
         self.feature_layers = tuple(self.head.cfg.feature_layers)
         self.max_total = total or max_total
         self.scratch_rows = max(self.max_total, sample_children + 64 * sample_frontier * sample_children)
-        runners = _RUNNERS.setdefault(target, weakref.WeakKeyDictionary())
-        if self.head not in runners:
-            from ..model.native import available
-
-            runners[self.head] = _Runner(self.head, quantize=available() and target.mode in ("q4k", "int8"))
-        self.run = runners[self.head]
+        self.run = _runner(self.head, target)
         c = self.head.cfg
         self.info = {"head": c.target, "draft_vocab": c.draft_vocab_size, "topk": topk, "total": total or "cost model"}
 
@@ -308,7 +285,7 @@ class Eagle3Drafter(Drafter):
             return Draft.empty()
         g_root, logits_root = self._catch_up()
         greedy = self.sampling.greedy
-        P = self.n_feat - 1  # position of the last committed token's... predecessor row
+        P = self.n_feat - 1  # position of the root row (the last with target features); depth d sits at P + d
         base = self.n_feat  # first scratch slot
         # nodes: token (draft id), parent, depth, score, slot (when expanded), g (when expanded)
         tok: list[int] = []

@@ -24,6 +24,7 @@ the target's rows through d2t at load time.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -102,11 +103,17 @@ def _rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch
     return x * cos + torch.cat((x2, x1), -1) * sin
 
 
+# Applies the head's named linear layers ("fc", "q", "k", "v", "o", "gate", "up", "down", "lm")
+# to one input: the head's own float weights by default, specdec's q4k kernels when drafting.
+Linears = Callable[[tuple[str, ...], torch.Tensor], list[torch.Tensor]]
+
+
 class Eagle3Head(nn.Module):
     """The head's parameters and its three stages: `project` (target features -> g),
     `qkv` (token embedding + g -> rotated queries, keys, values), `finish` (attention output
     -> next g and draft logits). Training (`train.py`) and drafting (`drafters/eagle3.py`)
-    arrange the attention between them; both call these same stages."""
+    arrange the attention between them; both call these same stages (drafting passes its
+    quantized kernels as `linears`)."""
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
@@ -176,36 +183,52 @@ class Eagle3Head(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_weight)
 
-    def project(self, features: torch.Tensor) -> torch.Tensor:
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The linear layers' weights by the names `Linears` uses."""
+        m = self.midlayer
+        return {
+            "fc": self.fc.weight, "q": m.self_attn.q_proj.weight, "k": m.self_attn.k_proj.weight,
+            "v": m.self_attn.v_proj.weight, "o": m.self_attn.o_proj.weight, "gate": m.mlp.gate_proj.weight,
+            "up": m.mlp.up_proj.weight, "down": m.mlp.down_proj.weight,
+            "lm": self.lm_head_weight if self.cfg.tie_lm_head else self.lm_head.weight,
+        }  # fmt: skip
+
+    def linears(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """The default `Linears`: the head's own weights."""
+        w = self.weights()
+        return [F.linear(x, w[n]) for n in names]
+
+    def project(self, features: torch.Tensor, linears: Linears | None = None) -> torch.Tensor:
         """[..., 3H] target features -> g [..., H]."""
-        return self.fc(features)
+        return (linears or self.linears)(("fc",), features)[0]
 
     def qkv(
-        self, emb: torch.Tensor, g: torch.Tensor, positions: torch.Tensor
+        self, emb: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, linears: Linears | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """emb, g [B, T, H], positions [B, T] -> q [B, T, nh, D], k, v [B, T, nkv, D] (rotated)."""
+        """emb, g [..., T, H], positions [..., T] -> q [..., T, nh, D], k, v [..., T, nkv, D] (rotated)."""
         c, m = self.cfg, self.midlayer
         x = torch.cat((_rms(emb, m.input_layernorm.weight, c.rms_norm_eps), _rms(g, m.hidden_norm.weight, c.rms_norm_eps)), -1)
-        B, T, _ = x.shape
-        q = m.self_attn.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)
-        k = m.self_attn.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
-        v = m.self_attn.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
+        q, k, v = (linears or self.linears)(("q", "k", "v"), x)
+        lead = x.shape[:-1]
+        q = q.view(*lead, c.num_attention_heads, c.head_dim)
+        k = k.view(*lead, c.num_key_value_heads, c.head_dim)
+        v = v.view(*lead, c.num_key_value_heads, c.head_dim)
         tables = rope_tables(positions, c.head_dim, c.rope_theta)
         return _rotate(q, tables), _rotate(k, tables), v
 
-    def finish(self, g: torch.Tensor, attn: torch.Tensor, *, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """g [B, T, H] (the residual), attn [B, T, nh, D] -> (next g [B, T, H], draft logits
-        [B, T, N], or None without `logits`)."""
+    def finish(self, g: torch.Tensor, attn: torch.Tensor, *, logits: bool = True,
+               linears: Linears | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """g [..., T, H] (the residual), attn [..., T, nh, D] -> (next g [..., T, H], draft
+        logits [..., T, N], or None without `logits`)."""
         c, m = self.cfg, self.midlayer
-        h = g + m.self_attn.o_proj(attn.flatten(-2))
-        x = _rms(h, m.post_attention_layernorm.weight, c.rms_norm_eps)
-        h = h + m.mlp.down_proj(F.silu(m.mlp.gate_proj(x)) * m.mlp.up_proj(x))
-        return h, (self.logits(h) if logits else None)
+        lin = linears or self.linears
+        h = g + lin(("o",), attn.flatten(-2))[0]
+        gate, up = lin(("gate", "up"), _rms(h, m.post_attention_layernorm.weight, c.rms_norm_eps))
+        h = h + lin(("down",), F.silu(gate) * up)[0]
+        return h, (self.logits(h, lin) if logits else None)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        x = _rms(h, self.norm.weight, self.cfg.rms_norm_eps)
-        w = self.lm_head_weight if self.cfg.tie_lm_head else self.lm_head.weight
-        return F.linear(x, w)
+    def logits(self, h: torch.Tensor, linears: Linears | None = None) -> torch.Tensor:
+        return (linears or self.linears)(("lm",), _rms(h, self.norm.weight, self.cfg.rms_norm_eps))[0]
 
     # -- files ----------------------------------------------------------------------------
     def save(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:

@@ -131,10 +131,6 @@ def _data_record(source: str) -> str:
 
 
 def _cpu() -> str:
-    from ..model.native import cpu_info, dispatch
+    from ..model.native import build_name, cpu_info
 
-    try:
-        path = dispatch()[0]
-    except Exception:  # noqa: BLE001 - no native kernels: the record says so
-        path = "none"
-    return f"{cpu_info().get('model name', '?')} ({path})"
+    return f"{cpu_info().get('model name', '?')} ({build_name()})"

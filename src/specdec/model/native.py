@@ -130,6 +130,15 @@ def best_variant() -> str:
     return dispatch()[0]
 
 
+def build_name() -> str:
+    """The build `dispatch` picks, or "none" where no native kernels can run (for records
+    that say which path produced a number)."""
+    try:
+        return dispatch()[0]
+    except NativeUnavailableError:
+        return "none"
+
+
 def library(variant: str | None = None) -> ctypes.CDLL:
     """Compile (once per machine, variant and source version) and load the kernel library.
     Both variants compute bitwise the same results; AVX-512 is faster over several rows."""
