@@ -187,6 +187,26 @@ def test_conversation_mask_marks_the_answers(smollm2):
     assert short == ids[:10]
 
 
+def test_self_distillation_keeps_the_generating_passes_features(smollm2_exact):
+    """Self-distilled examples: the answers are the target's greedy continuations, and the
+    features and distributions kept from the batched generating passes are bitwise those of
+    one prefill over the finished sequence (batch-invariant mode); only answers are masked."""
+    lm = smollm2_exact
+    layers = HeadConfig.default_feature_layers(lm.model.args.n_layers)
+    convs = [[{"role": "user", "content": t}] for t in PROMPTS[:3]]
+    exs = list(fe.self_distill_examples(lm, convs, layers=layers, top_k=4, max_len=256, max_new_tokens=12, batch=2))
+    assert len(exs) == 3
+    for conv, ex in zip(convs, exs, strict=True):
+        P = len(lm.tokenizer.encode_chat(conv))
+        L = int(ex.tokens.numel())
+        assert ex.tokens[:P].tolist() == lm.tokenizer.encode_chat(conv) and 2 <= L - P <= 12
+        assert ex.mask.tolist() == [False] * P + [True] * (L - P)
+        ref = fe.target_features(lm.model, ex.tokens.tolist(), layers, 4)
+        assert torch.equal(ex.features[: L - 1], ref.features[: L - 1])
+        assert torch.equal(ex.top_ids[P - 1 : L - 1], ref.top_ids[P - 1 : L - 1])
+        assert ex.tokens[P:].tolist() == ref.top_ids[P - 1 : L - 1, 0].tolist()  # greedy
+
+
 def test_draft_vocabulary_prefers_what_the_target_predicts(tiny):
     model = tiny("llama").model
     ex = _examples(model, 3, 30, seed=8)

@@ -402,6 +402,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         "({id, category, turns}) file")  # fmt: skip
     e.add_argument("--data-mode", default="teacher", choices=["teacher", "self"],
                    help="teacher: the data's own answers; self: the target regenerates them (self-distillation)")
+    e.add_argument("--answer-tokens", type=int, default=384, help="self mode: longest generated answer")
+    e.add_argument("--gen-batch", type=int, default=32, help="self mode: conversations answered per target pass")
     e.add_argument("--out", type=Path, required=True, help="head directory to write (resumes from its checkpoint)")
     e.add_argument("--features", type=Path, help="feature cache directory (default: OUT/features)")
     e.add_argument("--tokens", type=int, default=150_000, help="target tokens of training data")
@@ -431,7 +433,7 @@ def _cmd_train_eagle3(ns: argparse.Namespace) -> int:
         torch.set_num_threads(ns.threads)
     recipe = Recipe(target=ns.target, out=ns.out, data=ns.data, data_mode=ns.data_mode, tokens=ns.tokens,
                     max_len=ns.max_len, draft_vocab=ns.draft_vocab, intermediate_size=ns.intermediate_size,
-                    features=ns.features)  # fmt: skip
+                    features=ns.features, regen_tokens=ns.answer_tokens, regen_batch=ns.gen_batch)  # fmt: skip
     tc = TrainConfig(steps=ns.ttt_steps, lr=ns.lr, seqs_per_step=ns.seqs_per_step, epochs=ns.epochs,
                      minutes=ns.minutes, max_len=ns.max_len, seed=ns.seed, loss_fraction=ns.loss_fraction,
                      dtype=ns.compute_dtype)  # fmt: skip

@@ -9,9 +9,11 @@ exact mode over all tokens and we keep, per position q:
 * whether token q is part of an assistant answer (the loss counts predictions of those).
 
 Two data modes: `teacher` keeps the dataset's own answers (EAGLE-1 style: one prefill per
-conversation); `self` has the target regenerate each conversation's first answer greedily
+conversation); `self` has the target answer each conversation's first user turn greedily
 (self-distillation, what EAGLE-3 and SpecForge recommend: the head then learns the target's
-own text; slower, batched). Shards are safetensors files of up to `shard_tokens` tokens.
+own text, which is what it drafts at inference), several conversations per target pass, the
+features kept from the generating passes. Shards are safetensors files of up to
+`shard_tokens` tokens.
 """
 
 from __future__ import annotations
@@ -85,43 +87,93 @@ def target_features(
     return Example(tokens, torch.zeros(len(ids), dtype=torch.bool), torch.cat(feats), torch.cat(tids), torch.cat(tps))
 
 
-def regenerate(target_lm: Any, conversations: Iterable[Messages], *, max_new_tokens: int, batch: int,
-               seed: int) -> Iterator[Messages]:  # fmt: skip
-    """Self-distillation: each conversation's first user turn with the target's own greedy
-    answer (several conversations per engine step)."""
-    from ..api import generate_batch
+def teacher_examples(target_lm: Any, conversations: Iterable[Messages], *, layers: tuple[int, int, int],
+                     top_k: int, max_len: int) -> Iterator[Example]:  # fmt: skip
+    """Teacher forcing: each conversation as written, one chunked prefill through the target."""
+    tok = target_lm.tokenizer
+    for messages in conversations:
+        ids, mask = tokenize_conversation(tok, messages, max_len)
+        if sum(mask) < 2 or len(ids) < 4:
+            continue
+        ex = target_features(target_lm.model, ids, layers, top_k)
+        ex.mask = torch.tensor(mask)
+        yield ex
 
-    pending: list[Messages] = []
 
-    def flush() -> Iterator[Messages]:
-        prompts = [[m for m in c[: c.index(next(m for m in c if m["role"] == "user")) + 1]] for c in pending]
-        results = generate_batch(target_lm, prompts, max_new_tokens=max_new_tokens, seed=seed)
-        for p, r in zip(prompts, results, strict=True):
-            yield [*p, {"role": "assistant", "content": r.text}]
-        pending.clear()
+@torch.inference_mode()
+def self_distill_examples(target_lm: Any, conversations: Iterable[Messages], *, layers: tuple[int, int, int],
+                          top_k: int, max_len: int, max_new_tokens: int, batch: int) -> Iterator[Example]:  # fmt: skip
+    """Self-distillation: each conversation's first user turn (chat template, generation
+    prompt) answered by the target itself, greedily, `batch` sequences per target pass; the
+    features and distributions are kept from the generating passes themselves, so no second
+    pass over the answers is needed. Prompts longer than half of `max_len` are skipped. The
+    answer (ending in the target's end-of-turn token when it stops) is the masked part."""
+    from ..model.transformer import Segment
 
-    for c in conversations:
-        pending.append(c)
-        if len(pending) == batch:
-            yield from flush()
-    if pending:
-        yield from flush()
+    model, tok = target_lm.model, target_lm.tokenizer
+    eos = tok.eos_ids
+
+    def prompts() -> Iterator[list[int]]:
+        for messages in conversations:
+            first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            ids = tok.encode_chat(messages[: first + 1]) if tok.has_chat_template else tok.encode(messages[first]["content"])
+            if 4 <= len(ids) <= max_len // 2:
+                yield ids
+
+    source = prompts()
+    live: list[dict[str, Any]] = []
+    exhausted = False
+    while True:
+        while not exhausted and len(live) < batch:
+            ids = next(source, None)
+            if ids is None:
+                exhausted = True
+                break
+            n_new = min(max_new_tokens, max_len - len(ids))
+            live.append({"ids": ids, "prompt": len(ids), "n_new": n_new, "cache": model.new_cache(len(ids) + n_new),
+                         "feats": [], "tids": [], "tps": [], "new": None})  # fmt: skip
+        if not live:
+            return
+        segs = [Segment(torch.tensor(s["ids"] if s["new"] is None else s["ids"][-1:], dtype=torch.long), s["cache"],
+                        last_only=True) for s in live]  # fmt: skip
+        outs = model.forward_batch(segs, output_layers=layers)
+        done = []
+        for s, out in zip(live, outs, strict=True):
+            s["feats"].append(torch.cat([out.layers[i][0] for i in layers], -1).half())
+            probs = torch.softmax(out.logits[0, -1].float(), -1)
+            p, i = probs.topk(top_k)
+            s["tids"].append(i[None])
+            s["tps"].append(p.half()[None])
+            nxt = int(i[0])  # greedy: the most probable token
+            s["new"] = 0 if s["new"] is None else s["new"] + 1
+            s["ids"].append(nxt)
+            if nxt in eos or s["new"] + 1 >= s["n_new"]:
+                done.append(s)
+        for s in done:
+            live.remove(s)
+            L, P = len(s["ids"]), s["prompt"]
+            feats = torch.cat([*s["feats"], s["feats"][0].new_zeros(1, s["feats"][0].shape[1])])  # [L, 3H]
+            k = s["tids"][0].shape[1]
+            # distributions exist for the prompt's last row and every generated row but the last
+            tids = torch.cat([torch.zeros(P - 1, k, dtype=torch.long), *s["tids"], torch.zeros(1, k, dtype=torch.long)])
+            tps = torch.cat([torch.zeros(P - 1, k, dtype=torch.float16), *s["tps"], torch.zeros(1, k, dtype=torch.float16)])
+            mask = torch.zeros(L, dtype=torch.bool)
+            mask[P:] = True
+            assert feats.shape[0] == L and tids.shape[0] == L
+            yield Example(torch.tensor(s["ids"], dtype=torch.long), mask, feats, tids, tps)
 
 
 def extract(
-    target_lm: Any,
-    conversations: Iterable[Messages],
+    examples: Iterable[Example],
     out_dir: str | Path,
     *,
-    layers: tuple[int, int, int],
     max_tokens: int,
-    max_len: int = 1024,
-    top_k: int = 8,
     shard_tokens: int = 32768,
     progress: bool = True,
     record: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Cache features for conversations until `max_tokens` tokens; returns the manifest."""
+    """Cache examples (from `teacher_examples` or `self_distill_examples`) in shards until
+    `max_tokens` tokens; returns the manifest (with `record`)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -146,18 +198,12 @@ def extract(
         buf.clear()
 
     bar = tqdm(total=max_tokens, unit="tok", desc="target features", disable=not progress)
-    tok = target_lm.tokenizer
-    for messages in conversations:
-        ids, mask = tokenize_conversation(tok, messages, max_len)
-        if sum(mask) < 2 or len(ids) < 4:
-            continue
-        ex = target_features(target_lm.model, ids, layers, top_k)
-        ex.mask = torch.tensor(mask)
+    for ex in examples:
         buf.append(ex)
         n_conv += 1
-        total += len(ids)
-        answer_tokens += sum(mask)
-        bar.update(len(ids))
+        total += int(ex.tokens.numel())
+        answer_tokens += int(ex.mask.sum())
+        bar.update(int(ex.tokens.numel()))
         if sum(e.tokens.numel() for e in buf) >= shard_tokens:
             flush()
         if total >= max_tokens:
@@ -165,8 +211,7 @@ def extract(
     flush()
     bar.close()
     manifest = {
-        "target": target_lm.name, "mode": target_lm.model.mode, "feature_layers": list(layers), "top_k": top_k,
-        "max_len": max_len, "conversations": n_conv, "tokens": total, "answer_tokens": answer_tokens,
+        "conversations": n_conv, "tokens": total, "answer_tokens": answer_tokens,
         "cpu_seconds": round(time.process_time() - t0, 1), "shards": shards, **(record or {}),
     }  # fmt: skip
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

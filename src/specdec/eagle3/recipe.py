@@ -37,14 +37,16 @@ class Recipe:
     intermediate_size: int = 1536
     top_k: int = 8
     features: Path | None = None  # default: out/features
-    regen_tokens: int = 256  # self-distillation: answer length
-    regen_batch: int = 8
+    regen_tokens: int = 384  # self-distillation: longest answer
+    regen_batch: int = 32  # self-distillation: conversations per target pass
 
     def __post_init__(self) -> None:
         if self.data_mode not in ("teacher", "self"):
             raise ValueError(f"--data-mode must be teacher or self, not {self.data_mode!r}")
         if self.tokens < 1000:
             raise ValueError("--tokens must be at least 1000")
+        if self.regen_tokens < 2 or self.regen_batch < 1:
+            raise ValueError("--answer-tokens must be at least 2 and --gen-batch at least 1")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -52,8 +54,11 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _manifest_key(r: Recipe, layers: tuple[int, ...], mode: str) -> dict[str, Any]:
-    return {"target": r.target, "data": r.data, "data_mode": r.data_mode, "tokens_wanted": r.tokens,
-            "max_len": r.max_len, "feature_layers": list(layers), "top_k": r.top_k, "mode": mode}  # fmt: skip
+    key = {"target": r.target, "data": r.data, "data_mode": r.data_mode, "tokens_wanted": r.tokens,
+           "max_len": r.max_len, "feature_layers": list(layers), "top_k": r.top_k, "mode": mode}  # fmt: skip
+    if r.data_mode == "self":
+        key["answer_tokens"] = r.regen_tokens  # greedy answers do not depend on the batch size
+    return key
 
 
 def build_features(r: Recipe, lm: Any, layers: tuple[int, int, int], *, progress: bool = True) -> list[Path]:
@@ -70,9 +75,12 @@ def build_features(r: Recipe, lm: Any, layers: tuple[int, int, int], *, progress
         convs = data.conversations(r.data, answered=r.data_mode == "teacher")
         convs = (c for i, c in enumerate(convs) if i % world == rank)
         if r.data_mode == "self":
-            convs = fe.regenerate(lm, convs, max_new_tokens=r.regen_tokens, batch=r.regen_batch, seed=rank)
-        fe.extract(lm, convs, mine, layers=layers, max_tokens=max(1, r.tokens // world), max_len=r.max_len,
-                   top_k=r.top_k, progress=progress and rank == 0, record=key)  # fmt: skip
+            examples = fe.self_distill_examples(lm, convs, layers=layers, top_k=r.top_k, max_len=r.max_len,
+                                                max_new_tokens=r.regen_tokens, batch=r.regen_batch)  # fmt: skip
+        else:
+            examples = fe.teacher_examples(lm, convs, layers=layers, top_k=r.top_k, max_len=r.max_len)
+        fe.extract(examples, mine, max_tokens=max(1, r.tokens // world), progress=progress and rank == 0,
+                   record=key)  # fmt: skip
     if world > 1:
         torch.distributed.barrier()
     return dirs
