@@ -381,6 +381,26 @@ def test_train_cli_writes_a_usable_head(tiny_dir, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["metrics"]["target_forwards"] > 0
 
 
+def test_train_cli_self_distillation(tiny_dir, tmp_path):
+    """--data-mode self: the target writes the answers; the manifest counts them and keys the
+    cache on the answer length (a second run with other training settings reuses it)."""
+    from specdec.cli import main
+
+    data = tmp_path / "conv.jsonl"
+    _jsonl(data, 40)
+    out = tmp_path / "head"
+    cmd = [*_train_cmd(tiny_dir("llama"), data, out), "--data-mode", "self", "--answer-tokens", "8", "--gen-batch", "3"]
+    assert main(cmd) == 0
+    manifest = json.loads((out / "features" / fe.MANIFEST).read_text())
+    _, examples = fe.load_examples(out / "features")
+    assert manifest["data_mode"] == "self" and manifest["max_answer_tokens"] == 8
+    assert manifest["answer_tokens"] == sum(int(e.mask.sum()) for e in examples) > 0
+    assert all(1 <= int(e.mask.sum()) <= 8 for e in examples)
+    mtime = (out / "features" / fe.MANIFEST).stat().st_mtime
+    assert main([*cmd[:-6], "--data-mode", "self", "--answer-tokens", "8", "--epochs", "1"]) == 0
+    assert (out / "features" / fe.MANIFEST).stat().st_mtime == mtime  # reused
+
+
 def test_eagle3_without_a_head_says_how_to_get_one(tiny_dir, capsys):
     from specdec.cli import main
 

@@ -57,7 +57,7 @@ def _manifest_key(r: Recipe, layers: tuple[int, ...], mode: str) -> dict[str, An
     key = {"target": r.target, "data": r.data, "data_mode": r.data_mode, "tokens_wanted": r.tokens,
            "max_len": r.max_len, "feature_layers": list(layers), "top_k": r.top_k, "mode": mode}  # fmt: skip
     if r.data_mode == "self":
-        key["answer_tokens"] = r.regen_tokens  # greedy answers do not depend on the batch size
+        key["max_answer_tokens"] = r.regen_tokens  # greedy answers do not depend on the batch size
     return key
 
 
