@@ -83,6 +83,88 @@ def test_calibration_picks_and_reports_a_layer(four_layers):
     assert drafter.info is not info and drafter.info["layer"] == best
 
 
+def _predict(monkeypatch, speedup: float) -> None:
+    """Calibration replaced by one whose best layer (2) is predicted at `speedup` of plain
+    (no calibration kept from before: neither in this process nor on disk)."""
+
+    def calibrate(self, context, k):
+        self.info = {"layer": 2, "n_layers": 4, "calibrated": True, "k": k, "plain_ms": 1.0,
+                     "candidates": {2: {"alpha": 0.5, "draft_ms": 1.0, "verify_ms": 1.0, "predicted_speedup": speedup},
+                                    3: {"alpha": 0.6, "draft_ms": 1.0, "verify_ms": 1.0,
+                                        "predicted_speedup": speedup - 0.1}}}  # fmt: skip
+        return 2
+
+    import weakref
+
+    from specdec.drafters import early_exit
+
+    monkeypatch.setattr(EarlyExitDrafter, "calibrate", calibrate)
+    monkeypatch.setattr(early_exit, "_CALIBRATED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(early_exit, "_stored_calibration", lambda model, key: None)
+
+
+@pytest.mark.parametrize("dtype", EXACT_MODES)
+def test_a_predicted_slowdown_falls_back_to_plain_decoding(four_layers, monkeypatch, dtype):
+    """Never slower than plain: a calibration that predicts < 1 turns drafting off for the
+    request (said in drafter_info); force=True drafts anyway; the output is plain decoding's."""
+    target = four_layers("llama", dtype)
+    _predict(monkeypatch, 0.6)
+    plain = specdec.generate(target, PROMPTS[0], max_new_tokens=16, ignore_eos=True)
+    off = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=3, max_new_tokens=16,
+                           ignore_eos=True)  # fmt: skip
+    assert off.token_ids == plain.token_ids
+    assert off.metrics.proposed == 0 and off.metrics.scored_rows == off.metrics.target_forwards
+    assert "plain decoding" in off.metrics.drafter_info["fallback"] and "--force" in off.metrics.drafter_info["fallback"]
+    forced = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model, force=True), k=3,
+                              max_new_tokens=16, ignore_eos=True)  # fmt: skip
+    assert forced.token_ids == plain.token_ids and forced.metrics.proposed > 0
+    assert "fallback" not in forced.metrics.drafter_info
+    _predict(monkeypatch, 1.3)  # a layer that pays is used
+    on = specdec.generate(target, PROMPTS[1], drafter=EarlyExitDrafter(target.model), k=3, max_new_tokens=16,
+                          ignore_eos=True)  # fmt: skip
+    assert on.metrics.proposed > 0 and "fallback" not in on.metrics.drafter_info
+
+
+def test_force_flag_and_the_fallback_line(four_layers, monkeypatch, capsys):
+    from specdec.cli import main
+
+    target = four_layers("llama", "fp32")
+    _predict(monkeypatch, 0.5)
+    base = ["generate", "--target", str(target.model.source_dir), "--drafter", "early-exit", "-k", "2", "--prompt",
+            "hello", "--max-new-tokens", "6", "--dtype", "fp32"]  # fmt: skip
+    assert main(base) == 0
+    err = capsys.readouterr().err
+    assert "plain decoding: early exit predicted 0.50x" in err and "--force" in err
+    assert main([*base, "--force"]) == 0
+    assert "plain decoding" not in capsys.readouterr().err
+    assert main(["generate", "--target", str(target.model.source_dir), "--drafter", "prompt-lookup", "--force",
+                 "--prompt", "hi", "--max-new-tokens", "2"]) == 2  # an option of another drafter  # fmt: skip
+    assert "--drafter early-exit" in capsys.readouterr().err
+
+
+def test_a_calibration_is_kept_for_later_processes(four_layers, monkeypatch, tmp_path):
+    """The calibration lands in the specdec cache; a new process (no calibration in memory)
+    reuses it instead of calibrating again."""
+    import weakref
+
+    from specdec.drafters import early_exit
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setattr(early_exit, "_CALIBRATED", weakref.WeakKeyDictionary())
+    target = four_layers("llama", "fp32")
+    first = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6)
+    assert (tmp_path / "early_exit.json").exists()
+    monkeypatch.setattr(early_exit, "_CALIBRATED", weakref.WeakKeyDictionary())  # "a new process"
+
+    def no_calibration(self, context, k):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(EarlyExitDrafter, "calibrate", no_calibration)
+    again = specdec.generate(target, PROMPTS[1], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6)
+    assert again.metrics.drafter_info["layer"] == first.metrics.drafter_info["layer"]
+    assert again.metrics.drafter_info["candidates"] == first.metrics.drafter_info["candidates"]
+
+
 def test_bad_layers_and_targets_are_refused(four_layers):
     target = four_layers("llama", "fp32")
     for bad in (0, 4, -1):

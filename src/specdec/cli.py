@@ -58,6 +58,10 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     """Every registered drafter's options, as declared once in the registry."""
     for spec in DRAFTERS.values():
         for opt, default in zip(spec.options, spec.defaults().values(), strict=True):
+            if isinstance(default, bool):  # a switch: given -> True, absent -> the drafter's default
+                p.add_argument(opt.cli_flag, dest=f"{spec.name}:{opt.name}", action="store_const", const=True,
+                               default=None, help=opt.help)  # fmt: skip
+                continue
             kind = opt.type or (type(default) if default is not None else int)
             p.add_argument(opt.cli_flag, dest=f"{spec.name}:{opt.name}", type=kind, default=None, metavar=opt.name.upper(),
                            help=opt.help if default is None else f"{opt.help} (default: {default})")  # fmt: skip
@@ -154,6 +158,8 @@ def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
         line += f"; early exit after layer {info['layer']} of {info['n_layers']} ({how})"
         if info.get("calibrated"):
             line += f", predicted speedup {info['candidates'][info['layer']]['predicted_speedup']:.2f}x"
+    if info.get("fallback"):
+        line += f"; {info['fallback']}"
     print(line + "]", file=sys.stderr)
 
 

@@ -5,9 +5,11 @@ from them (EAGLE-3's trees)."""
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,32 +65,61 @@ def measure_costs(target: Transformer, draft: Transformer | None = None, *, max_
     return costs
 
 
-def pass_costs(target: Transformer, max_rows: int) -> Costs:
-    """The target's pass time per row count on this machine, timed once and kept in the
-    specdec cache (`pass_costs.json`), keyed by model directory, mode, kernel build, CPU and
-    threads: a drafter that sizes its proposals by it pays the timing (a few seconds) once per
-    machine, not once per process. Re-timed where the key or the row range is new."""
+def machine_key(target: Transformer) -> str | None:
+    """What a measurement of `target` on this machine depends on: model directory, mode,
+    kernel build, CPU, threads, device (None for a model without a directory)."""
+    from .model.native import build_name, cpu_info
+
+    src = getattr(target, "source_dir", None)
+    if src is None:
+        return None
+    return "|".join([str(src), target.mode, build_name(), cpu_info().get("model name", "?"),
+                     str(torch.get_num_threads()), str(target.device)])  # fmt: skip
+
+
+def stored(name: str, key: str) -> Any:
+    """A measurement kept in the specdec cache's `name` table (None when absent)."""
     import json
 
     from . import store
-    from .model.native import build_name, cpu_info
 
-    key = "|".join([str(getattr(target, "source_dir", None) or id(target)), target.mode, build_name(),
-                    cpu_info().get("model name", "?"), str(torch.get_num_threads()), str(target.device)])  # fmt: skip
-    path = store.cache_root() / "pass_costs.json"
+    try:
+        return json.loads((store.cache_root() / name).read_text()).get(key)
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def store_measurement(name: str, key: str, value: Any) -> None:
+    """Keep a measurement in the specdec cache's `name` table (written atomically)."""
+    import json
+
+    from . import store
+
+    path = store.cache_root() / name
     try:
         table = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         table = {}
-    entry = table.get(key)
-    if isinstance(entry, dict) and max(map(int, entry)) >= max_rows:
+    if not isinstance(table, dict):
+        table = {}
+    table[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1))
+    tmp.replace(path)
+
+
+def pass_costs(target: Transformer, max_rows: int) -> Costs:
+    """The target's pass time per row count on this machine, timed once and kept in the
+    specdec cache (`pass_costs.json`), keyed by `machine_key`: a drafter that sizes its
+    proposals by it pays the timing (a few seconds) once per machine, not once per process.
+    Re-timed where the key or the row range is new."""
+    key = machine_key(target)
+    entry = stored("pass_costs.json", key) if key is not None else None
+    if isinstance(entry, dict) and entry and max(map(int, entry)) >= max_rows:
         return Costs({int(r): float(ms) for r, ms in entry.items()})
     rows = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, max_rows} & set(range(1, max_rows + 1)))
     costs = Costs(_time_rows(target, rows, context=128, repeats=2))
-    if getattr(target, "source_dir", None) is not None:  # (a model without a directory is not worth keeping)
-        table[key] = {str(r): round(ms, 3) for r, ms in costs.target_ms.items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(path)
+    if key is not None:  # (a model without a directory is not worth keeping)
+        store_measurement("pass_costs.json", key, {str(r): round(ms, 3) for r, ms in costs.target_ms.items()})
     return costs

@@ -13,7 +13,14 @@ L is chosen by a short measured calibration unless given: how often the exit at 
 candidate L agrees with the full model (teacher-forced on the end of the prompt), what a
 draft step and the remaining verification cost there (timed), and the expected-tokens
 formula of Leviathan et al. (E = (1 - a^(k+1)) / (1 - a)) give a predicted speedup; the best
-L wins. The choice and the figures are in `info` (and in the generation's metrics).
+L wins. The choice and the figures are in `info` (and in the generation's metrics), and kept
+in the specdec cache (`early_exit.json`, keyed by model, mode, kernel build, CPU, k): later
+processes on this machine reuse it instead of paying the calibration again.
+
+Never slower than plain decoding: where the calibration predicts that even the best L is
+slower than plain decoding (speedup < 1), the drafter proposes nothing for the request — the
+engine then runs plain steps — and says so in `info["fallback"]`, unless built with
+`force=True` (`--force`). An exit layer the user sets is used as given.
 """
 
 from __future__ import annotations
@@ -44,14 +51,18 @@ _CALIBRATED: weakref.WeakKeyDictionary[Transformer, dict[tuple, dict[str, Any]]]
     needs="target",
     help="the target's own first L layers draft (self-speculation); L calibrated unless --exit-layer",
     options=(Option("layer", "early-exit: draft with the target's first L layers (unset: calibrated, and reported)",
-                    "--exit-layer"),),
+                    "--exit-layer"),
+             Option("force", "early-exit: draft even where the calibration predicts a slowdown (default: plain "
+                             "decoding then)", "--force")),
 )  # fmt: skip
 class EarlyExitDrafter(Drafter):
     """Drafts with blocks [0, layer) of `target`, sharing its KV cache. `layer=None`:
     calibrated on the first proposal (for its k) and kept for later sequences of the target."""
 
-    def __init__(self, target: Transformer, layer: int | None = None, candidates: tuple[int, ...] | None = None) -> None:
+    def __init__(self, target: Transformer, layer: int | None = None, candidates: tuple[int, ...] | None = None,
+                 force: bool = False) -> None:  # fmt: skip
         super().__init__()
+        self.force = force
         n = target.args.n_layers
         if n < 2:
             raise ValueError("early-exit self-speculation needs a target with at least 2 layers")
@@ -85,12 +96,24 @@ class EarlyExitDrafter(Drafter):
             key = (max(k, 1), self.session.sampling.greedy, self.candidates)
             known = _CALIBRATED.setdefault(self.model, {}).get(key)
             if known is None:
+                known = _stored_calibration(self.model, key)
+            if known is None:
                 self.calibrate(self._context_tail, max(k, 1))
-                _CALIBRATED[self.model][key] = dict(self.info)
-            else:
-                self.info = dict(known)
+                _store_calibration(self.model, key, self.info)
+                known = dict(self.info)
+            _CALIBRATED[self.model][key] = known
+            self.info = dict(known)
             self.layer = self.info["layer"]
+            predicted = self.info["candidates"][self.layer]["predicted_speedup"]
+            if predicted < 1.0 and not self.force:
+                self.info["fallback"] = (f"plain decoding: early exit predicted {predicted:.2f}x of plain at best "
+                                         "(--force drafts anyway)")  # fmt: skip
         return self.layer
+
+    @property
+    def off(self) -> bool:
+        """The calibration found no layer that pays and the user did not force it."""
+        return "fallback" in self.info
 
     def batch_key(self) -> Hashable:
         return ("early-exit", id(self.model))
@@ -104,9 +127,13 @@ class EarlyExitDrafter(Drafter):
         every sequence's row (drafters with different exit layers in separate groups)."""
         group: list[EarlyExitDrafter] = cls._one_batch(drafters)  # one target
         by_layer: dict[int, list[int]] = {}
-        for i, (d, k) in enumerate(zip(group, ks, strict=True)):
-            by_layer.setdefault(d._ensure_layer(k), []).append(i)
         out: list[Draft | None] = [None] * len(group)
+        for i, (d, k) in enumerate(zip(group, ks, strict=True)):
+            L = d._ensure_layer(k)
+            if d.off:
+                out[i] = Draft.empty()  # a plain step
+            else:
+                by_layer.setdefault(L, []).append(i)
         for L, idx in by_layer.items():
             for i, draft in zip(idx, cls._draft([group[i] for i in idx], [ks[i] for i in idx], L), strict=True):
                 out[i] = draft
@@ -203,3 +230,33 @@ class EarlyExitDrafter(Drafter):
         self.info = {"layer": best, "n_layers": N, "calibrated": True, "k": k,
                      "plain_ms": round(1e3 * t_plain, 2), "candidates": table}  # fmt: skip
         return best
+
+
+def _disk_key(model: Transformer, key: tuple) -> str | None:
+    from ..costs import machine_key
+
+    base = machine_key(model)
+    return None if base is None else f"{base}|k={key[0]}|{'greedy' if key[1] else 'sampled'}|{list(key[2])}"
+
+
+def _stored_calibration(model: Transformer, key: tuple) -> dict[str, Any] | None:
+    """A calibration this machine did before for the same model, mode, build and k."""
+    from ..costs import stored
+
+    k = _disk_key(model, key)
+    entry = stored("early_exit.json", k) if k is not None else None
+    if not isinstance(entry, dict) or "candidates" not in entry:
+        return None
+    entry = dict(entry)
+    entry["candidates"] = {int(L): row for L, row in entry["candidates"].items()}
+    if entry.get("layer") not in entry["candidates"]:
+        return None
+    return entry
+
+
+def _store_calibration(model: Transformer, key: tuple, info: dict[str, Any]) -> None:
+    from ..costs import store_measurement
+
+    k = _disk_key(model, key)
+    if k is not None:
+        store_measurement("early_exit.json", k, {**info, "candidates": {str(L): r for L, r in info["candidates"].items()}})
