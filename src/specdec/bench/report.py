@@ -147,7 +147,10 @@ def plots(result: GridResult, out_dir: Path, suffix: str = "") -> list[str]:
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
     ax.set_title(f"acceptance by draft position, T = {temp:g}")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    else:  # no method drafted (e.g. every request fell back to plain decoding)
+        ax.text(0.5, 0.5, "no drafted tokens", ha="center", va="center", transform=ax.transAxes)
     names.append(_save(fig, out_dir / f"acceptance_by_position{suffix}.png"))
     return names
 
