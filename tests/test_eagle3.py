@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -546,7 +547,10 @@ def test_pass_costs_are_timed_once_per_machine(tiny, tmp_path, monkeypatch):
     calls = []
     real = costs._time_rows
     monkeypatch.setattr(costs, "_time_rows", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    monkeypatch.setattr(costs, "_PASS_COSTS", weakref.WeakKeyDictionary())  # nothing timed in this process yet
     first = costs.pass_costs(model, 9)
+    assert costs.pass_costs(model, 9) is first  # kept in this process
+    monkeypatch.setattr(costs, "_PASS_COSTS", weakref.WeakKeyDictionary())  # "a new process": read back from disk
     again = costs.pass_costs(model, 9)
     assert len(calls) == 1 and again.target_ms == pytest.approx(first.target_ms, abs=1e-3)
     assert sorted(first.target_ms) == [1, 2, 3, 4, 6, 8, 9] and (tmp_path / "pass_costs.json").exists()

@@ -160,6 +160,9 @@ def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
             line += f", predicted speedup {info['candidates'][info['layer']]['predicted_speedup']:.2f}x"
     if info.get("fallback"):
         line += f"; {info['fallback']}"
+    if info.get("adaptive_k"):
+        chosen = ", ".join(f"k={k}: {n}" for k, n in info["adaptive_k"]["k_chosen"].items())
+        line += f"; adaptive k chosen {chosen}"
     print(line + "]", file=sys.stderr)
 
 

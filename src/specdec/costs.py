@@ -8,6 +8,7 @@ import itertools
 import os
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,12 +115,20 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     specdec cache (`pass_costs.json`), keyed by `machine_key`: a drafter that sizes its
     proposals by it pays the timing (a few seconds) once per machine, not once per process.
     Re-timed where the key or the row range is new."""
+    known = _PASS_COSTS.get(target)
+    if known is not None and max(known.target_ms) >= max_rows:
+        return known
     key = machine_key(target)
     entry = stored("pass_costs.json", key) if key is not None else None
     if isinstance(entry, dict) and entry and max(map(int, entry)) >= max_rows:
-        return Costs({int(r): float(ms) for r, ms in entry.items()})
-    rows = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, max_rows} & set(range(1, max_rows + 1)))
-    costs = Costs(_time_rows(target, rows, context=128, repeats=2))
-    if key is not None:  # (a model without a directory is not worth keeping)
-        store_measurement("pass_costs.json", key, {str(r): round(ms, 3) for r, ms in costs.target_ms.items()})
+        costs = Costs({int(r): float(ms) for r, ms in entry.items()})
+    else:
+        rows = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, max_rows} & set(range(1, max_rows + 1)))
+        costs = Costs(_time_rows(target, rows, context=128, repeats=2))
+        if key is not None:  # (a model without a directory is kept in this process only)
+            store_measurement("pass_costs.json", key, {str(r): round(ms, 3) for r, ms in costs.target_ms.items()})
+    _PASS_COSTS[target] = costs
     return costs
+
+
+_PASS_COSTS: weakref.WeakKeyDictionary[Transformer, Costs] = weakref.WeakKeyDictionary()  # this process's

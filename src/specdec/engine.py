@@ -11,7 +11,9 @@ One `step` is: propose (every sequence's drafter; drafters of one draft model to
 one target pass over every live sequence's rows (a new sequence's prompt, or its last
 committed token and its draft) -> verify each sequence with its own generator -> commit or
 roll back. Plain decoding is the same loop for a sequence without a drafter (k = 0).
-Sequences join and leave between steps; each has its own KV cache, freed when it ends.
+Sequences join and leave between steps; each has its own KV cache, freed when it ends. With
+`adaptive_k`, a chain drafter's k is chosen each step by `specdec.adaptive.KController` (0 =
+a plain step where no k is predicted to beat plain decoding).
 
 Lossless: sampled output follows the target's distribution, and greedy output equals plain
 decoding token for token — bitwise in the batch-invariant modes (q4k, int8), where a
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .adaptive import KController
 from .config import GenerationConfig, SamplingParams
 from .drafters.base import Draft, Drafter, DraftSession, Feedback
 from .metrics import Metrics, timer
@@ -108,12 +111,22 @@ class _Sequence:
     started: float
     last: int | None = None  # last committed token, not yet in the cache (None: not prefilled)
     forwards_before: int = 0  # the drafter's forward count at begin
+    controller: KController | None = None  # adaptive_k: chooses each step's k
+    k_now: int = 0  # this step's k (planned once per step)
+    draft_ms: float = 0.0  # this step's drafting time (ms)
 
     def k(self) -> int:
-        """Draft tokens this step: a step commits up to k + 1 tokens, never past the budget."""
+        """Draft tokens at most: a step commits up to k + 1 tokens, never past the budget."""
         if self.drafter is None:
             return 0
         return max(0, min(self.cfg.k, self.stopper.limit - len(self.stopper.tokens) - 1))
+
+    def plan_k(self) -> int:
+        """This step's k: the budget's, or the controller's choice within it."""
+        k = self.k()
+        if k > 0 and self.controller is not None:
+            k = min(k, self.controller.choose())
+        return k
 
 
 class Engine:
@@ -136,12 +149,18 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**63 - 1)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else frozenset()
         scratch = drafter.scratch_rows if drafter is not None else 0
+        controller = None
+        if cfg.adaptive_k and drafter is not None and drafter.adaptive_k:
+            from .costs import pass_costs
+
+            controller = KController(cfg.k, pass_costs(self.target, cfg.k + 1))
         sid = self._next_id
         self._next_id += 1
         self._live[sid] = _Sequence(
             sid, list(prompt_ids), cfg, sampling, seed, make_generator(seed, self.target.device), drafter,
             StopChecker(cfg, n_new, self.tokenizer, eos), self.target.new_cache(len(prompt_ids) + n_new + scratch),
             Metrics(prompt_tokens=len(prompt_ids), k=cfg.k if drafter is not None else None), time.perf_counter(),
+            controller=controller,
         )  # fmt: skip
         return sid
 
@@ -171,6 +190,9 @@ class Engine:
         seqs = list(self._live.values())
         if not seqs:
             return []
+        for s in seqs:
+            s.k_now = s.plan_k() if s.last is not None else 0
+            s.draft_ms = 0.0
         drafts = self._propose([s for s in seqs if s.last is not None])
         segments = [self._segment(s, drafts.get(s.id)) for s in seqs]
         with timer(self.target.device) as t:
@@ -196,16 +218,17 @@ class Engine:
         """Every drafting sequence's proposal; drafters that share a batch key draft together."""
         groups: dict[Any, list[_Sequence]] = {}
         for s in seqs:
-            if s.drafter is not None and s.k() > 0:
+            if s.drafter is not None and s.k_now > 0:
                 key = s.drafter.batch_key()
                 groups.setdefault(key if key is not None else ("alone", s.id), []).append(s)
         drafts: dict[int, Draft] = {}
         for group in groups.values():
             with timer(self.target.device) as t:
-                ks = [s.k() for s in group]
+                ks = [s.k_now for s in group]
                 out = type(group[0].drafter).propose_batch([s.drafter for s in group], ks)  # type: ignore[arg-type]
             for s, k, draft in zip(group, ks, out, strict=True):
                 s.metrics.draft_time += t[0] / len(group)
+                s.draft_ms = 1e3 * t[0] / len(group)
                 if draft.depth() > k:
                     raise RuntimeError(f"drafter {s.drafter.name!r} proposed {draft.depth()} tokens in a row, more than k={k}")  # type: ignore[union-attr]
                 drafts[s.id] = draft
@@ -280,6 +303,8 @@ class Engine:
         m.scored_rows += logits.shape[0]
         if s.drafter is not None:
             m.record_step(draft.depth(), len(path))  # a drafter may offer fewer than k
+        if s.controller is not None:
+            s.controller.update(s.k_now, draft.depth(), len(path), s.draft_ms)
         committed = []
         tokens = draft.tokens.tolist()
         for token in [tokens[j] for j in path] + [nxt]:
@@ -302,6 +327,8 @@ class Engine:
         if s.drafter is not None:
             m.draft_forwards = s.drafter.forwards - s.forwards_before
             m.drafter_info = dict(s.drafter.info)
+            if s.controller is not None:
+                m.drafter_info["adaptive_k"] = s.controller.report()
             s.drafter.end()
         m.wall_time = time.perf_counter() - s.started
         m.new_tokens = len(s.stopper.tokens)

@@ -130,6 +130,9 @@ class Drafter:
     scratch_rows: int = 0  # most cache slots a pass needs beyond k + 1 (tree branches, extra rows)
     wants_hidden: bool = False  # Feedback.hidden: the target's final-normed hidden states
     feature_layers: tuple[int, ...] = ()  # Feedback.layers: the residual after these target layers
+    # a chain drafter whose k the engine may choose each step (`adaptive_k`); drafters that size
+    # their own proposals (trees, calibrated per k, extra rows) keep the k they are given
+    adaptive_k: bool = False
 
     def __init__(self) -> None:
         self.forwards = 0  # model forward calls made so far (0 for model-free drafters)

@@ -19,6 +19,8 @@ class DraftModelDrafter(Drafter):
     the last. Drafters of one draft model propose together: each of the k draft steps is one
     forward of the draft model over every sequence's pending rows."""
 
+    adaptive_k = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
+
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model = model

@@ -1,0 +1,131 @@
+"""Adaptive k (`GenerationConfig.adaptive_k`): the controller's choices from hand-set
+estimates, and exactness with k switching every step — greedy identity, and the sampled law
+(chi-square) with a wrong rule as the negative control."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import EXACT_MODES
+from helpers import ALPHA, PROMPTS, chi2_pvalue
+
+import specdec
+from specdec.adaptive import MAX_PROBE_WAIT, KController
+from specdec.config import SamplingParams
+from specdec.costs import Costs
+from specdec.drafters import DraftModelDrafter
+
+# a target pass: 30 ms for one row, +6 ms per extra row (the q4k 1.5B here, roughly)
+PASS = Costs({r: 30.0 + 6.0 * (r - 1) for r in range(1, 10)})
+
+
+def _feed(c: KController, steps: int, asked: int, accepted: int, draft_ms: float) -> None:
+    for _ in range(steps):
+        c.update(asked, asked, accepted, draft_ms)
+
+
+def test_cheap_accurate_drafts_get_long_proposals():
+    c = KController(4, PASS)
+    assert c.choose() == 4  # cost not measured yet: draft to measure it
+    _feed(c, 20, 4, 4, draft_ms=0.4)  # prompt lookup on a copy: ~free, all accepted
+    assert c.best() == 4 and c.choose() == 4
+
+
+def test_expensive_or_wrong_drafts_turn_drafting_off_and_probe():
+    c = KController(4, PASS)
+    for _ in range(10):  # a draft model at 19 ms a token whose first draft is accepted half of the time
+        _feed(c, 1, 4, 0, draft_ms=4 * 19.0)
+        _feed(c, 1, 4, 1, draft_ms=4 * 19.0)
+    assert c.rate(0) > max(c.rate(k) for k in range(1, 5))
+    picks = [c.choose() for _ in range(40)]
+    # plain steps, with a one-token probe after 4, then 8, 16 ... plain steps
+    assert picks[:5] == [0, 0, 0, 0, 1] and picks[5:14] == [0] * 8 + [1]
+    assert set(picks) == {0, 1} and c.wait <= MAX_PROBE_WAIT
+
+
+def test_the_estimates_follow_a_change_of_topic():
+    c = KController(4, PASS)
+    _feed(c, 30, 4, 4, draft_ms=4.0)
+    assert c.best() == 4
+    _feed(c, 30, 4, 0, draft_ms=4.0)  # the drafts stop being accepted
+    assert c.best() == 0
+    _feed(c, 30, 2, 2, draft_ms=2.0)  # and recover
+    assert c.best() >= 2
+
+
+def test_a_step_without_a_proposal_is_no_evidence():
+    c = KController(3, PASS)
+    _feed(c, 5, 3, 3, draft_ms=0.3)
+    before = c.alpha()
+    c.update(3, 0, 0, 0.1)  # prompt lookup found no match
+    assert c.alpha() == before
+
+
+def _switching(monkeypatch, seed: int, k_max: int) -> list[int]:
+    """The controller replaced by one that picks a seeded random k in 0..k_max every step."""
+    rng = random.Random(seed)
+    picks: list[int] = []
+
+    def choose(self) -> int:
+        picks.append(rng.randint(0, k_max))
+        return picks[-1]
+
+    monkeypatch.setattr(KController, "choose", choose)
+    return picks
+
+
+@pytest.mark.parametrize("dtype", EXACT_MODES)
+def test_greedy_identity_with_k_switching_every_step(tiny, monkeypatch, dtype):
+    target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
+    picks = _switching(monkeypatch, 0, 4)
+    for prompt in PROMPTS:
+        plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
+        for method in ("draft", "prompt-lookup"):
+            kw = {"assistant_model": draft} if method == "draft" else {"drafter": "prompt-lookup"}
+            out = specdec.generate(target, prompt, k=4, adaptive_k=True, max_new_tokens=24, ignore_eos=True, **kw)
+            assert out.token_ids == plain.token_ids, (prompt, method)
+    assert {0, 1, 4} <= set(picks)
+
+
+def test_the_real_controller_is_exact_and_reports(tiny):
+    target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
+    plain = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True)
+    out = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, adaptive_k=True, max_new_tokens=30,
+                           ignore_eos=True)  # fmt: skip
+    assert out.token_ids == plain.token_ids
+    rep = out.metrics.drafter_info["adaptive_k"]
+    # one choice per step with budget for a draft (the last step, one token left, has none)
+    assert out.metrics.target_forwards - 1 <= sum(rep["k_chosen"].values()) <= out.metrics.target_forwards
+    assert rep["draft_ms_per_token"] > 0
+    assert len(rep["alpha_by_position"]) == 4
+    fixed = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=30, ignore_eos=True)
+    assert "adaptive_k" not in fixed.metrics.drafter_info
+
+
+def _no_timing(monkeypatch) -> None:
+    from specdec import costs
+
+    monkeypatch.setattr(costs, "pass_costs", lambda target, max_rows: PASS)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
+                         ids=["T1", "T0.7-topk"])  # fmt: skip
+def test_sampling_law_with_k_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
+    target, draft = small_vocab
+    _no_timing(monkeypatch)
+    picks = _switching(monkeypatch, 1, 2)
+    counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
+    assert {0, 1, 2} <= set(picks)
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
+
+
+def test_wrong_rule_fails_with_k_switching(small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule):
+    """Negative control: the same test with a rule that recovers from p after a rejection."""
+    wrong_rule("rejection")
+    target, draft = small_vocab
+    _no_timing(monkeypatch)
+    _switching(monkeypatch, 1, 2)
+    sampling = SamplingParams(temperature=1.0)
+    counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
