@@ -12,7 +12,8 @@ followed:
 A step with k drafts is expected to commit E(k) = 1 + alpha_1 + ... + alpha_k tokens in
 k * draft_ms + pass(1 + k) ms; plain decoding commits 1 in pass(1). The controller picks the k
 in 0..k_max with the most tokens per millisecond — 0 (a plain step, no drafting) whenever no
-k beats plain decoding. After `probe_after` plain steps in a row it drafts one token (k = 1)
+k beats plain decoding by `margin` (3%: the estimates are noisy, and a step that drafts in
+vain costs more than a plain step that could have drafted). After `probe_after` plain steps in a row it drafts one token (k = 1)
 so the estimates can recover; each probe that finds nothing doubles the wait, up to 64.
 
 Exactness: the choice depends only on steps already verified, never on the step's own draws,
@@ -36,10 +37,11 @@ MAX_PROBE_WAIT = 64
 class KController:
     """Chooses each step's k for one sequence (see the module doc)."""
 
-    def __init__(self, k_max: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4) -> None:
-        if k_max < 1 or not 0 < gamma <= 1:
-            raise ValueError("k_max must be >= 1 and gamma in (0, 1]")
-        self.k_max, self.costs, self.gamma = k_max, costs, gamma
+    def __init__(self, k_max: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4,
+                 margin: float = 1.03) -> None:  # fmt: skip
+        if k_max < 1 or not 0 < gamma <= 1 or margin < 1:
+            raise ValueError("k_max must be >= 1, gamma in (0, 1] and margin >= 1")
+        self.k_max, self.costs, self.gamma, self.margin = k_max, costs, gamma, margin
         self.proposed = [0.0] * k_max  # discounted proposals that reached position j+1
         self.accepted = [0.0] * k_max  # ...whose token j+1 was accepted
         self.draft_ms: float | None = None  # per drafted token (EMA); None until measured
@@ -58,9 +60,11 @@ class KController:
         return expected / ((self.draft_ms or 0.0) * k + self.costs.target(1 + k))
 
     def best(self) -> int:
-        """The k with the most expected tokens per millisecond (0: plain decoding)."""
+        """The k with the most expected tokens per millisecond; 0 (plain decoding) unless a
+        k beats it by the margin."""
         rates = [self.rate(k) for k in range(self.k_max + 1)]
-        return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
+        k = max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
+        return k if rates[k] > self.margin * rates[0] else 0
 
     def choose(self) -> int:
         """This step's k (call once per step)."""
