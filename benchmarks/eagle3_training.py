@@ -22,7 +22,7 @@ import specdec
 from specdec import store
 from specdec.eagle3 import features as fe
 from specdec.eagle3.head import Eagle3Head, attach_target
-from specdec.eagle3.train import evaluate
+from specdec.eagle3.train import evaluate, moving_average
 
 
 def main() -> int:
@@ -82,8 +82,7 @@ def plot(rows: list[dict], window: int, path: Path, n_val: int) -> None:
         minutes = [e["minutes"] for e in h]
         color = f"C{c}"
         for j in range(min(3, len(h[0]["acc"]) if h else 0)):
-            xs = [e["acc"][j] for e in h]
-            smooth = [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
+            smooth = moving_average([e["acc"][j] for e in h], window)
             ax.plot(minutes, smooth, styles[j], color=color, label=f"{r['label']}: training batches, step {j + 1}")
         if minutes:
             for j, a in enumerate(r["heldout_top1_by_step"][:3]):

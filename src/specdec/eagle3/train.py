@@ -307,6 +307,10 @@ def evaluate(head: Eagle3Head, examples: list[Example], steps: int, max_len: int
     return [c / m if m else 0.0 for c, m in counts]
 
 
+def moving_average(xs: list[float], window: int) -> list[float]:
+    """Mean of each value with up to `window` - 1 values before it (training curves)."""
+    return [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
+
 
 def plot_history(history: list[dict[str, Any]], path: Path, window: int = 20) -> Path:
     """Top-1 agreement with the target by unrolled step against training minutes (a moving
@@ -317,18 +321,14 @@ def plot_history(history: list[dict[str, Any]], path: Path, window: int = 20) ->
     import matplotlib.pyplot as plt
 
     minutes = [h["minutes"] for h in history]
-
-    def smooth(xs: list[float]) -> list[float]:
-        return [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
-
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     for j in range(len(history[0]["acc"]) if history else 0):
-        a1.plot(minutes, smooth([h["acc"][j] for h in history]), label=f"draft step {j + 1}")
+        a1.plot(minutes, moving_average([h["acc"][j] for h in history], window), label=f"draft step {j + 1}")
     a1.set_xlabel("training minutes")
     a1.set_ylabel("top-1 agreement with the target")
     a1.set_title(f"training batches, mean of {window} steps", fontsize=9)
     a1.legend()
-    a2.plot(minutes, smooth([h["loss"] for h in history]))
+    a2.plot(minutes, moving_average([h["loss"] for h in history], window))
     a2.set_xlabel("training minutes")
     a2.set_ylabel("loss per answer token")
     fig.tight_layout()
