@@ -124,6 +124,11 @@ def run(r: Recipe, tc: TrainConfig, *, command: str | None = None, progress: boo
         acc = evaluate(head, val, tc.steps, tc.max_len)
         result["validation_top1_by_step"] = acc
         head.save(r.out, extra={k: v for k, v in result.items() if k != "history"})
+    if world > 1:
+        # every rank leaves together, after rank 0 has written the head, and closes the process
+        # group: a rank that exits with gloo's connections still open can abort (SIGABRT) at exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return result
 
 
