@@ -1,4 +1,5 @@
-"""Each step's draft length from what the request has shown so far (`adaptive_k`).
+"""Each step's draft length (`adaptive_k`) and drafter (`--drafter auto`) from what the request
+has shown so far.
 
 The expected-tokens cost model, online, per sequence. After every step the controller knows,
 discounted by `gamma` per new observation so that a change of topic within a request is
@@ -16,6 +17,12 @@ k beats plain decoding by `margin` (3%: the estimates are noisy, and a step that
 vain costs more than a plain step that could have drafted). After `probe_after` plain steps in a row it drafts one token (k = 1)
 so the estimates can recover; each probe that finds nothing doubles the wait, up to 64.
 
+`MethodChooser` does the same over several drafters at once (`specdec.drafters.auto`): it
+keeps the acceptance by position per drafter *and situation* (prompt lookup's is the length of
+the n-gram it matched: a 3-token match is accepted far more often than a 1-token one) and the
+cost per drafted token per drafter, and picks each step the (drafter, k) with the most expected
+tokens per millisecond, or a plain step.
+
 Exactness: the choice depends only on steps already verified, never on the step's own draws,
 and each step is verified by the same exact rule whatever its k; greedy output and the sampled
 distribution are those of plain decoding (tested, with switching, and with a wrong rule as a
@@ -25,6 +32,7 @@ negative control).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from .costs import Costs
@@ -32,6 +40,67 @@ from .costs import Costs
 PRIOR_WEIGHT = 1.0  # pseudo-proposals behind the prior alpha_j = PRIOR_ALPHA ** j
 PRIOR_ALPHA = 0.6
 MAX_PROBE_WAIT = 64
+PROBE_SWITCH_SHARE = 0.05  # a probe may cost catching up at most this share of the rest of the request
+
+Outlook = tuple[Hashable, int, float]  # (situation, most tokens it could propose now, switch ms)
+
+
+class Acceptance:
+    """alpha_j, the discounted chance that a proposal reaching draft position j has its token
+    j accepted, for j = 1..k_max, with a weak prior."""
+
+    def __init__(self, k_max: int, gamma: float) -> None:
+        self.gamma = gamma
+        self.proposed = [0.0] * k_max  # discounted proposals that reached position j+1
+        self.accepted = [0.0] * k_max  # ...whose token j+1 was accepted
+
+    def alpha(self) -> list[float]:
+        """Each position's estimate shrinks to a geometric prior: PRIOR_ALPHA at position 1,
+        then the previous position's estimate times alpha_1 (the model of Leviathan et al.),
+        so a position that was never proposed is predicted from those that were — copies
+        accepted 95% of the time at positions 1-2 make positions 3-4 worth trying."""
+        out: list[float] = []
+        for a, p in zip(self.accepted, self.proposed, strict=True):
+            prior = out[-1] * out[0] if out else PRIOR_ALPHA
+            out.append((a + PRIOR_WEIGHT * prior) / (p + PRIOR_WEIGHT))
+        return out
+
+    def expected(self, k: int) -> float:
+        """Expected tokens committed by a step with k drafts (the target's own token included)."""
+        return 1.0 + sum(self.alpha()[:k])
+
+    def update(self, proposed: int, accepted: int) -> None:
+        # forget only where there is new evidence: a position k no longer reaches keeps its
+        # estimate (decaying it would drag it to the prior and keep k short for no reason)
+        for j in range(min(proposed, len(self.proposed))):
+            self.proposed[j] = self.gamma * self.proposed[j] + 1.0
+            self.accepted[j] = self.gamma * self.accepted[j] + (1.0 if j < accepted else 0.0)
+
+
+class _Prober:
+    """After `wait` plain steps in a row, one probe; each probe that finds nothing doubles the
+    wait (up to MAX_PROBE_WAIT), a step chosen on its merits resets it."""
+
+    def __init__(self, probe_after: int) -> None:
+        self.first = self.wait = probe_after
+        self.plain_run = 0
+
+    def plain(self) -> bool:
+        """A step where nothing pays: True if it should probe instead."""
+        self.plain_run += 1
+        if self.plain_run > self.wait:
+            self.plain_run = 0
+            self.wait = min(MAX_PROBE_WAIT, 2 * self.wait)
+            return True
+        return False
+
+    def drafted(self) -> None:
+        self.plain_run = 0
+        self.wait = self.first
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else 0.7 * old + 0.3 * new
 
 
 class KController:
@@ -42,22 +111,21 @@ class KController:
         if k_max < 1 or not 0 < gamma <= 1 or margin < 1:
             raise ValueError("k_max must be >= 1, gamma in (0, 1] and margin >= 1")
         self.k_max, self.costs, self.gamma, self.margin = k_max, costs, gamma, margin
-        self.proposed = [0.0] * k_max  # discounted proposals that reached position j+1
-        self.accepted = [0.0] * k_max  # ...whose token j+1 was accepted
+        self.acceptance = Acceptance(k_max, gamma)
         self.draft_ms: float | None = None  # per drafted token (EMA); None until measured
-        self.first_probe_wait = probe_after
-        self.wait = probe_after
-        self.plain_run = 0
+        self.prober = _Prober(probe_after)
         self.chosen: Counter[int] = Counter()
 
+    @property
+    def wait(self) -> int:
+        return self.prober.wait
+
     def alpha(self) -> list[float]:
-        return [(a + PRIOR_WEIGHT * PRIOR_ALPHA ** (j + 1)) / (p + PRIOR_WEIGHT)
-                for j, (a, p) in enumerate(zip(self.accepted, self.proposed, strict=True))]  # fmt: skip
+        return self.acceptance.alpha()
 
     def rate(self, k: int) -> float:
         """Expected tokens per millisecond of a step with k drafts."""
-        expected = 1.0 + sum(self.alpha()[:k])
-        return expected / ((self.draft_ms or 0.0) * k + self.costs.target(1 + k))
+        return self.acceptance.expected(k) / ((self.draft_ms or 0.0) * k + self.costs.target(1 + k))
 
     def best(self) -> int:
         """The k with the most expected tokens per millisecond; 0 (plain decoding) unless a
@@ -73,30 +141,123 @@ class KController:
         else:
             k = self.best()
             if k == 0:
-                self.plain_run += 1
-                if self.plain_run > self.wait:  # probe: one drafted token refreshes the estimates
-                    self.plain_run = 0
-                    self.wait = min(MAX_PROBE_WAIT, 2 * self.wait)
+                if self.prober.plain():  # probe: one drafted token refreshes the estimates
                     k = 1
             else:
-                self.plain_run = 0
-                self.wait = self.first_probe_wait
+                self.prober.drafted()
         self.chosen[k] += 1
         return k
 
     def update(self, asked: int, proposed: int, accepted: int, draft_ms: float) -> None:
         """A verified step: asked for `asked` drafts, got `proposed`, `accepted` of them kept."""
         if asked > 0:
-            per_token = draft_ms / asked
-            self.draft_ms = per_token if self.draft_ms is None else 0.7 * self.draft_ms + 0.3 * per_token
-        if proposed == 0:
-            return  # nothing proposed (e.g. no match for prompt lookup): no evidence about acceptance
-        # forget only where there is new evidence: a position k no longer reaches keeps its
-        # estimate (decaying it would drag it to the prior and keep k short for no reason)
-        for j in range(min(proposed, self.k_max)):
-            self.proposed[j] = self.gamma * self.proposed[j] + 1.0
-            self.accepted[j] = self.gamma * self.accepted[j] + (1.0 if j < accepted else 0.0)
+            self.draft_ms = _ema(self.draft_ms, draft_ms / asked)
+        if proposed > 0:  # nothing proposed (e.g. no match for prompt lookup): no evidence about acceptance
+            self.acceptance.update(proposed, accepted)
 
     def report(self) -> dict[str, Any]:
         return {"k_chosen": dict(sorted(self.chosen.items())), "alpha_by_position": [round(a, 3) for a in self.alpha()],
                 "draft_ms_per_token": None if self.draft_ms is None else round(self.draft_ms, 3)}  # fmt: skip
+
+
+class MethodChooser:
+    """Chooses each step's drafter and k for one sequence among several drafters (see the
+    module doc). A drafter is offered each step with its *outlook*: the situation its proposal
+    would come from and how many tokens it could propose now (absent: nothing to propose)."""
+
+    def __init__(self, methods: list[str], k_max: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4,
+                 margin: float = 1.03, draft_ms: Mapping[str, float | None] | None = None) -> None:  # fmt: skip
+        if not methods or k_max < 1 or not 0 < gamma <= 1 or margin < 1:
+            raise ValueError("give at least one method; k_max must be >= 1, gamma in (0, 1] and margin >= 1")
+        self.methods, self.k_max, self.costs, self.gamma, self.margin = list(methods), k_max, costs, gamma, margin
+        self.acceptance: dict[tuple[str, Hashable], Acceptance] = {}
+        # per drafted token (EMA of the measured cost), starting from the drafter's own estimate
+        # where it has one (a draft model: its one-row pass time on this machine)
+        self.draft_ms: dict[str, float | None] = {m: (draft_ms or {}).get(m) for m in methods}
+        self.prober = _Prober(probe_after)
+        self.chosen: Counter[tuple[str, int]] = Counter()  # ("plain", 0) for plain steps
+        self.switches = 0  # drafting steps whose drafter differs from the previous drafting step's
+        self._last_method = "plain"
+        self._step = 0
+        self._last_drafted: dict[str, int] = {}  # method -> the last step it drafted
+
+    def _acc(self, method: str, situation: Hashable) -> Acceptance:
+        key = (method, situation)
+        if key not in self.acceptance:
+            self.acceptance[key] = Acceptance(self.k_max, self.gamma)
+        return self.acceptance[key]
+
+    def rate(self, method: str, situation: Hashable, k: int, switch_ms: float = 0.0,
+             remaining: int | None = None) -> float:  # fmt: skip
+        """Expected tokens per millisecond of a step with k drafts of `method` (k = 0: plain).
+        `switch_ms`: what the drafter must do first to catch up (a draft model feeding the
+        tokens it missed), spread over the steps that the `remaining` tokens take."""
+        if k == 0:
+            return 1.0 / self.costs.target(1)
+        expected = self._acc(method, situation).expected(k)
+        setup = switch_ms * expected / max(remaining, 1) if switch_ms and remaining is not None else 0.0
+        return expected / ((self.draft_ms[method] or 0.0) * k + self.costs.target(1 + k) + setup)
+
+    def ranked(self, outlook: Mapping[str, Outlook], remaining: int | None = None) -> list[tuple[float, str, int]]:
+        """(expected tokens/ms, method, k) of every method's best k, best first."""
+        out = []
+        for m in self.methods:
+            if m not in outlook:
+                continue
+            situation, most, switch_ms = outlook[m]
+            ks = range(1, min(self.k_max, most) + 1)
+            if ks:
+                rate = {k: self.rate(m, situation, k, switch_ms, remaining) for k in ks}
+                k = max(ks, key=lambda k: (rate[k], -k))
+                out.append((rate[k], m, k))
+        return sorted(out, key=lambda t: (-t[0], self.methods.index(t[1])))
+
+    def choose(self, outlook: Mapping[str, Outlook], remaining: int | None = None) -> tuple[str, int]:
+        """This step's (method, k); ("plain", 0) for a plain step. Call once per step.
+        `outlook`: per drafter that could propose now, (situation, most tokens, switch ms);
+        `remaining`: tokens left to generate (None: unknown)."""
+        choice = ("plain", 0)
+        unmeasured = [m for m in self.methods if m in outlook and outlook[m][1] > 0 and self.draft_ms[m] is None]
+        ranked = self.ranked(outlook, remaining)
+        plain_ms = self.costs.target(1)
+        if unmeasured:  # a drafter's cost is not known yet: draft once with it to measure it
+            m = unmeasured[0]
+            choice = (m, min(self.k_max, outlook[m][1]))
+        elif ranked and ranked[0][0] > self.margin * self.rate("plain", None, 0):
+            choice = (ranked[0][1], ranked[0][2])
+            self.prober.drafted()
+        elif ranked and self.prober.plain():
+            # probe with one token the drafter that drafted least recently (each gets its turn),
+            # unless catching it up would cost more than a small share of what the rest of the
+            # request takes anyway
+            cheap = [m for _, m, _ in ranked if outlook[m][2] <= PROBE_SWITCH_SHARE * plain_ms * max(remaining or 0, 1)]
+            if cheap:
+                choice = (min(cheap, key=lambda m: self._last_drafted.get(m, -1)), 1)
+        self.chosen[choice] += 1
+        self._step += 1
+        if choice[0] != "plain":
+            self._last_drafted[choice[0]] = self._step
+            self.switches += self._last_method not in ("plain", choice[0])
+            self._last_method = choice[0]
+        return choice
+
+    def update(self, method: str, situation: Hashable, asked: int, proposed: int, accepted: int,
+               draft_ms: float) -> None:  # fmt: skip
+        """A verified step of `method`: asked for `asked` drafts, got `proposed`, `accepted` kept."""
+        if asked > 0:
+            self.draft_ms[method] = _ema(self.draft_ms[method], draft_ms / asked)
+        if proposed > 0:
+            self._acc(method, situation).update(proposed, accepted)
+
+    def report(self) -> dict[str, Any]:
+        steps: dict[str, dict[str, int]] = {}
+        for (m, k), n in sorted(self.chosen.items(), key=lambda t: (t[0][0], t[0][1])):
+            steps.setdefault(m, {})[f"k={k}" if m != "plain" else "steps"] = n
+        return {
+            "methods": self.methods, "steps": steps, "switches": self.switches,
+            # per drafter[situation], the positions that were ever proposed
+            "alpha_by_position": {f"{m}[{s}]" if s != "" else m:
+                                  [round(a, 3) for a, p in zip(acc.alpha(), acc.proposed, strict=True) if p > 0]
+                                  for (m, s), acc in sorted(self.acceptance.items(), key=lambda t: str(t[0]))},
+            "draft_ms_per_token": {m: None if v is None else round(v, 3) for m, v in self.draft_ms.items()},
+        }  # fmt: skip

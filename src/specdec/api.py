@@ -88,10 +88,10 @@ def build_drafter(target: LoadedModel, assistant_model: LoadedModel | None = Non
     if drafter is not None and not isinstance(drafter, str):
         raise TypeError(f"drafter must be a name or a specdec.Drafter, got {type(drafter).__name__}")
     if assistant_model is not None:
-        if drafter not in (None, "draft-model"):
-            raise ValueError(f"pass either assistant_model or drafter={drafter!r}, not both")
+        if drafter not in (None, "draft-model", "auto"):
+            raise ValueError(f"pass either assistant_model or drafter={drafter!r}, not both (auto uses both)")
         check_same_tokenizer(target.tokenizer, assistant_model.tokenizer, names=(target.name, assistant_model.name))
-        drafter = "draft-model"
+        drafter = drafter or "draft-model"
     if drafter is None:
         given = sorted(k for k, v in options.items() if v is not None)
         if given:

@@ -101,8 +101,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     method = ns.drafter or ("draft-model" if ns.draft else None)
     if method == "draft-model" and not ns.draft:
         raise ValueError("--drafter draft-model needs --draft MODEL")
-    if method not in (None, "draft-model") and ns.draft:
-        raise ValueError(f"--draft is only used by the draft-model drafter; drop it or drop --drafter {method}")
+    if method not in (None, "draft-model", "auto") and ns.draft:
+        raise ValueError(f"--draft is only used by the draft-model and auto drafters; drop it or drop --drafter {method}")
     if ns.compare and method is None:
         raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
     if ns.stream and ns.json:
@@ -160,6 +160,10 @@ def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
             line += f", predicted speedup {info['candidates'][info['layer']]['predicted_speedup']:.2f}x"
     if info.get("fallback"):
         line += f"; {info['fallback']}"
+    if info.get("auto"):
+        auto = info["auto"]
+        chosen = "; ".join(f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items()) for name, ks in auto["steps"].items())
+        line += f"; auto steps: {chosen}"
     if info.get("adaptive_k"):
         chosen = ", ".join(f"k={k}: {n}" for k, n in info["adaptive_k"]["k_chosen"].items())
         line += f"; adaptive k chosen {chosen}"

@@ -34,6 +34,16 @@ class Costs:
                 return self.target_ms[lo] * (1 - w) + self.target_ms[hi] * w
         return self.target_ms[xs[0]]
 
+    def rows(self, rows: int) -> float:
+        """Pass time for any number of rows: interpolated, and past the largest measured count
+        extended along the last measured slope (passes over many rows are compute-bound)."""
+        xs = sorted(self.target_ms)
+        if rows <= xs[-1] or len(xs) < 2:
+            return self.target(rows)
+        lo, hi = xs[-2], xs[-1]
+        slope = (self.target_ms[hi] - self.target_ms[lo]) / (hi - lo)
+        return self.target_ms[hi] + slope * (rows - hi)
+
 
 def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) -> dict[int, float]:
     gen = torch.Generator().manual_seed(0)

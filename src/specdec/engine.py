@@ -325,11 +325,11 @@ class Engine:
     def _finish(self, s: _Sequence) -> None:
         m = s.metrics
         if s.drafter is not None:
+            s.drafter.end()  # (a drafter may complete its report there)
             m.draft_forwards = s.drafter.forwards - s.forwards_before
             m.drafter_info = dict(s.drafter.info)
             if s.controller is not None:
                 m.drafter_info["adaptive_k"] = s.controller.report()
-            s.drafter.end()
         m.wall_time = time.perf_counter() - s.started
         m.new_tokens = len(s.stopper.tokens)
         s.cache = None  # free the KV cache

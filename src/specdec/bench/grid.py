@@ -26,7 +26,7 @@ import torch
 from .. import __version__, registry
 from ..api import LoadedModel, encode_prompt, generate, load
 from ..config import DEFAULT_K
-from ..costs import Costs, measure_costs
+from ..costs import K_MAX, Costs, measure_costs, pass_costs
 from ..drafters import DRAFTERS
 from ..engine import GenerationResult
 from .costmodel import Acceptance, Recommendation, recommend
@@ -205,10 +205,14 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
     prompts = select(load_prompts(settings.prompts_file), list(settings.categories) if settings.categories else None,
                      settings.per_category)  # fmt: skip
     target = target or load(settings.target, dtype=settings.dtype)
-    if "draft-model" in settings.methods:
+    if "draft-model" in settings.methods or ("auto" in settings.methods and settings.draft):
         draft = draft or load(settings.draft, dtype=settings.dtype)  # type: ignore[arg-type]
     result = GridResult(settings, machine(), mode=target.model.mode)
     generate(target, [1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)  # warm-up: first-call costs
+    if "auto" in settings.methods:  # its cost model's inputs: timed once per machine, then kept
+        pass_costs(target.model, K_MAX + 1)
+        if draft is not None:
+            pass_costs(draft.model, 32)
     total = len(prompts) * len(settings.temperatures) * settings.repeats * (1 + len(settings.methods))
     t0 = time.perf_counter()
     plains: dict[tuple[str, int], GenerationResult] = {}  # greedy plain runs, the peers' reference
@@ -230,7 +234,8 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                         bar.set_postfix_str(f"{prompt.id} T={temp} {method}")
                         # a fresh drafter per run, with its default options (early exit's
                         # calibration is kept per target: done on the first prompt)
-                        res = generate(target, ids, drafter=method, assistant_model=draft if method == "draft-model"
+                        # auto chooses among prompt lookup and, where one is loaded, the draft model
+                        res = generate(target, ids, drafter=method, assistant_model=draft if method in ("draft-model", "auto")
                                        else None, **common)  # fmt: skip
                         result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
                         bar.update()

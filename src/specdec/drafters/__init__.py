@@ -1,3 +1,4 @@
+from .auto import AutoDrafter
 from .base import (
     DRAFTERS,
     Draft,
@@ -18,6 +19,7 @@ from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 __all__ = [
+    "AutoDrafter",
     "DRAFTERS",
     "Draft",
     "DraftModelDrafter",

@@ -150,6 +150,33 @@ class Drafter:
     def end(self) -> None:
         """The sequence is finished or cancelled."""
 
+    # -- hooks `--drafter auto` uses to switch between drafters (specdec.drafters.auto) ------
+    def outlook(self, k: int) -> tuple[Hashable, int] | None:
+        """What a proposal of up to k tokens would come from now: (situation, the most tokens
+        it could have), or None when there is nothing to propose. Acceptance is tracked per
+        drafter and situation (prompt lookup's is the length of its n-gram match). Default:
+        one situation, k tokens."""
+        return ("", k)
+
+    def catch_up(self, tokens: list[int]) -> None:
+        """`tokens` were committed without a proposal of this drafter (another drafter's, or a
+        plain step) since its last `begin`/`accepted`: follow them. Drafters that `--drafter
+        auto` can switch between implement it."""
+        raise NotImplementedError(f"the {self.name} drafter cannot follow tokens that another drafter proposed")
+
+    def cost_ms(self) -> float | None:
+        """Expected milliseconds per drafted token before any is measured (None: unknown;
+        auto then drafts once to measure it)."""
+        return None
+
+    def switch_ms(self) -> float:
+        """Expected milliseconds that `sync` would take now."""
+        return 0.0
+
+    def sync(self) -> None:
+        """Do any work deferred by `catch_up` now (a draft model feeds the tokens it missed), so
+        that the next proposal's time measures drafting alone. Default: nothing to do."""
+
     def batch_key(self) -> Hashable | None:
         """Drafters with the same key (not None) draft together through `propose_batch`."""
         return None
@@ -184,14 +211,15 @@ class Option:
         return self.flag or "--" + self.name.replace("_", "-")
 
 
-Needs = Literal["", "draft", "target"]
+Needs = Literal["", "draft", "target", "any"]
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
     name: str
     cls: type[Drafter]
-    needs: Needs  # "draft": built from a second model; "target": from the target model; "": model-free
+    needs: Needs  # "draft": built from a second model; "target": from the target model; "": model-free;
+    # "any": from the target and, where given, a draft model (auto)
     options: tuple[Option, ...]
     help: str
 
@@ -231,6 +259,10 @@ def make_drafter(name: str, *, target: Any = None, draft: Any = None, **options:
         raise ValueError(f"the {name} drafter has no option {unknown[0]!r}" +
                          (f"; its options: {', '.join(sorted(known))}" if known else " (it takes none)"))  # fmt: skip
     kwargs = {k: v for k, v in options.items() if v is not None}
+    if spec.needs == "any":
+        if target is None:
+            raise ValueError(f"the {name} drafter needs the target model")
+        return spec.cls(target, draft, **kwargs)
     if spec.needs == "draft":
         if draft is None:
             raise ValueError(f"the {name} drafter needs a draft model (--draft NAME, or assistant_model=)")

@@ -24,6 +24,9 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model = model
+        # False: `begin` leaves the prompt to the first proposal or `sync` (auto sets it, so a
+        # request that never uses the draft model never pays its prefill)
+        self.prefill_at_begin = True
         self.session: DraftSession | None = None  # set by `begin`
         self.cache: KVCache | None = None
         self._tokens: list[int] = []  # committed sequence
@@ -39,8 +42,8 @@ class DraftModelDrafter(Drafter):
         self.cache = self.model.new_cache(session.capacity)
         self._tokens = list(session.context)
         self._proposal = []
-        self.forwards += 1
-        self.model(torch.tensor([self._tokens[:-1]], device=self.model.device), self.cache, last_only=True)
+        if self.prefill_at_begin:
+            self.sync()
 
     def end(self) -> None:
         self.cache = None  # free the draft's KV cache
@@ -87,6 +90,34 @@ class DraftModelDrafter(Drafter):
                 q_all = torch.stack(qs[i]) if qs[i] else torch.zeros(0, model.args.vocab_size, device=model.device)
             drafts.append(Draft(toks, q_all))
         return drafts
+
+    def catch_up(self, tokens: list[int]) -> None:
+        if self._proposal:
+            raise RuntimeError("catch_up() while a proposal awaits its feedback")
+        self._tokens += tokens  # fed at the next proposal (or `sync`)
+
+    def _costs(self):
+        from ..costs import pass_costs  # (looked up at call time: tests replace it)
+
+        return pass_costs(self.model, 32)
+
+    def cost_ms(self) -> float:
+        """One draft step is about one one-row pass of the draft model on this machine."""
+        return self._costs().target(1)
+
+    def switch_ms(self) -> float:
+        behind = len(self._tokens) - 1 - (self.cache.length if self.cache is not None else 0)
+        return self._costs().rows(behind) if behind > 0 else 0.0
+
+    def sync(self) -> None:
+        """Feed the committed tokens the cache lacks, all but the last (the next proposal feeds
+        that one, as in steady decoding)."""
+        if self.cache is None:
+            raise RuntimeError("DraftModelDrafter.sync() called before begin()")
+        pending = self._tokens[self.cache.length : -1]
+        if pending:
+            self.forwards += 1
+            self.model(torch.tensor([pending], device=self.model.device), self.cache, last_only=True)
 
     def accepted(self, feedback: Feedback) -> None:
         assert self.cache is not None

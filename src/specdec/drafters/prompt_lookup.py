@@ -86,16 +86,31 @@ class PromptLookupDrafter(Drafter):
                         return out
         return out
 
-    def propose(self, k: int) -> Draft:
+    def _best(self, k: int) -> tuple[int, list[int]] | None:
+        """(n, the tokens `propose(k)` drafts) of the best match; None when nothing matches."""
         found = self.candidates(k, limit=1)
-        tokens: list[int] = []
-        if found:
-            n, tokens = found[0]
-            if n == 1:
-                tokens = tokens[: self.single_token_match_limit]
+        if not found:
+            return None
+        n, tokens = found[0]
+        return n, tokens[: self.single_token_match_limit] if n == 1 else tokens
+
+    def outlook(self, k: int) -> tuple[int, int] | None:
+        """The situation is the length n of the match (acceptance depends on it)."""
+        best = self._best(k)
+        return None if best is None else (best[0], len(best[1]))
+
+    def propose(self, k: int) -> Draft:
+        best = self._best(k)
+        tokens = best[1] if best is not None else []
         self._proposal = tokens
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self._device))
 
     def accepted(self, feedback: Feedback) -> None:
         self._extend([*self._proposal[: feedback.num_accepted], feedback.next_token])
         self._proposal = []
+
+    def catch_up(self, tokens: list[int]) -> None:
+        self._extend(tokens)
+
+    def cost_ms(self) -> float:
+        return 0.0  # a dictionary lookup

@@ -1,0 +1,192 @@
+"""`--drafter auto`: each step, the drafter and k predicted to give the most tokens per second —
+or a plain step where none is predicted to beat plain decoding.
+
+Candidates are the drafters that can follow tokens another drafter proposed (`catch_up`):
+prompt lookup always, the draft model when one is given (`--draft`). Each step every candidate
+says what it could propose now (`outlook`: prompt lookup has nothing without an n-gram match,
+and its situation is the match length), and `specdec.adaptive.MethodChooser` ranks (drafter,
+k) by the expected-tokens formula over this request's measured acceptance by position (per
+drafter and situation, discounted so that a change of topic is followed), each drafter's
+measured cost per drafted token, and the target's pass time per row count on this machine
+(`specdec.costs.pass_costs`). Plain steps probe the most promising drafter with one token now
+and then, so its estimates can recover.
+
+The chosen drafter proposes and gets the verification's feedback; the others are told the
+committed tokens (`catch_up`). A draft model that was not used for a while feeds the tokens it
+missed before it drafts (`sync`, timed apart: switching costs it once, drafting does not).
+
+Exactness: every step is verified by the same exact rule whatever drafter and k proposed it,
+and the choice depends only on steps already verified (never on the step's own draws), so
+greedy output equals plain decoding and the sampled distribution is the target's (tested with
+random switching, and with a wrong rule as a negative control). The choices, the estimates
+and the number of switches are reported in `info["auto"]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ..adaptive import MethodChooser
+from ..costs import K_MAX
+from ..metrics import timer
+from ..model.transformer import Transformer
+from ..sampling import make_generator
+from .base import DRAFTERS, Draft, Drafter, DraftSession, Feedback, Option, make_drafter, register
+from .draft_model import DraftModelDrafter
+
+
+def switchable() -> list[str]:
+    """Registered drafters that `auto` can switch between (they implement `catch_up`)."""
+    return [n for n, spec in DRAFTERS.items() if spec.cls.catch_up is not Drafter.catch_up]
+
+
+@register(
+    "auto",
+    needs="any",
+    help="choose the drafter (prompt lookup; the draft model with --draft) and k each step, or a plain step, by "
+         "predicted tokens per second",
+    options=(Option("methods", "auto: the drafters to choose from, comma-separated (default: prompt-lookup, and "
+                               "draft-model with --draft)", "--auto-methods", type=str),),
+)  # fmt: skip
+class AutoDrafter(Drafter):
+    """Switches between drafters step by step (see the module doc). `methods`: comma-separated
+    names (default: every switchable drafter whose model is given); `margin`: a drafter must
+    beat plain decoding's predicted tokens per second by this factor."""
+
+    def __init__(self, target: Transformer, draft: Transformer | None = None, methods: str | None = None,
+                 margin: float = 1.03) -> None:  # fmt: skip
+        super().__init__()
+        ok = switchable()
+        if methods is None:
+            names = [n for n in ok if DRAFTERS[n].needs != "draft" or draft is not None]
+        else:
+            names = [n.strip() for n in methods.split(",") if n.strip()]
+            if not names:
+                raise ValueError(f"--auto-methods is empty; give a comma-separated list of {', '.join(ok)}")
+            for n in names:
+                if n not in ok:
+                    raise ValueError(f"auto cannot switch to {n!r}; choose among {', '.join(ok)}")
+            if len(set(names)) < len(names):
+                raise ValueError("--auto-methods names a drafter twice")
+        drafter_needs = [n for n in names if DRAFTERS[n].needs == "draft"]
+        if drafter_needs and draft is None:
+            raise ValueError(f"auto with {drafter_needs[0]} needs a draft model (--draft NAME, or assistant_model=)")
+        if draft is not None and not drafter_needs:
+            raise ValueError("auto uses the draft model only with draft-model among its methods; drop --draft or "
+                             "add draft-model to --auto-methods")  # fmt: skip
+        self.target = target
+        self.subs: dict[str, Drafter] = {
+            n: make_drafter(n, target=target, draft=draft if DRAFTERS[n].needs == "draft" else None) for n in names
+        }
+        for sub in self.subs.values():
+            if isinstance(sub, DraftModelDrafter):
+                sub.prefill_at_begin = False  # prefilled when first chosen (`sync`), if ever
+        self.margin = margin
+        self.scratch_rows = max(s.scratch_rows for s in self.subs.values())
+        self.wants_hidden = any(s.wants_hidden for s in self.subs.values())
+        self.feature_layers = tuple(sorted({i for s in self.subs.values() for i in s.feature_layers}))
+        self.chooser: MethodChooser | None = None
+        self._plan: tuple[str, Hashable, int] | None = None  # this step's (method, situation, k)
+        self._proposal: list[int] = []
+        self._draft_ms = 0.0
+        self._sync_ms = 0.0
+        self._length = self._capacity = 0  # committed tokens; the most the sequence can reach
+
+    @property
+    def methods(self) -> list[str]:
+        return list(self.subs)
+
+    def begin(self, session: DraftSession) -> None:
+        from ..costs import pass_costs  # (looked up at call time: tests replace it)
+
+        self._plan, self._proposal, self._sync_ms = None, [], 0.0
+        self._length, self._capacity = len(session.context), session.capacity
+        for name, sub in self.subs.items():
+            # each drafter its own generator, seeded from the session's: reproducible, independent
+            seed = int(torch.randint(0, 2**62, (1,), generator=session.generator))
+            sub.begin(DraftSession(session.context, session.capacity, session.sampling,
+                                   make_generator(seed, session.generator.device), session.target,
+                                   session.target_cache, session.layers))  # fmt: skip
+        self.chooser = MethodChooser(self.methods, K_MAX, pass_costs(self.target, K_MAX + 1), margin=self.margin,
+                                     draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()})  # fmt: skip
+        self._report()
+
+    def end(self) -> None:
+        for sub in self.subs.values():
+            sub.end()
+        self._report()
+
+    def batch_key(self) -> Hashable:
+        return ("auto",)
+
+    def propose(self, k: int) -> Draft:
+        return self.propose_batch([self], [k])[0]
+
+    def _choose(self, k: int) -> None:
+        """Plan this step: the chooser picks from what each drafter could propose now."""
+        if self.chooser is None:
+            raise RuntimeError("AutoDrafter.propose() called before begin()")
+        outlook = {}
+        for name, sub in self.subs.items():
+            o = sub.outlook(k) if k > 0 else None
+            if o is not None and o[1] > 0:
+                outlook[name] = (o[0], min(o[1], k), sub.switch_ms())
+        method, kk = self.chooser.choose(outlook, remaining=self._capacity - self._length)
+        self._plan = (method, outlook[method][0] if method in outlook else None, kk)
+        self._proposal, self._draft_ms = [], 0.0
+
+    @classmethod
+    def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
+        """Each sequence's choice; then the chosen drafters propose, those that share a batch
+        key together (one draft-model forward per draft step serves every sequence that chose it)."""
+        group: list[AutoDrafter] = cls._one_batch(drafters)
+        out = [Draft.empty(d.target.device) for d in group]
+        by_key: dict[Hashable, list[int]] = {}
+        for i, (d, k) in enumerate(zip(group, ks, strict=True)):
+            d._choose(k)
+            method = d._plan[0]  # type: ignore[index]
+            if method == "plain":
+                continue
+            sub = d.subs[method]
+            with timer(d.target.device) as t:
+                sub.sync()
+            d._sync_ms += 1e3 * t[0]
+            key = sub.batch_key()
+            by_key.setdefault((method, key if key is not None else ("alone", i)), []).append(i)
+        for idx in by_key.values():
+            subs = [group[i].subs[group[i]._plan[0]] for i in idx]  # type: ignore[index]
+            with timer(group[idx[0]].target.device) as t:
+                drafts = type(subs[0]).propose_batch(subs, [group[i]._plan[2] for i in idx])  # type: ignore[index]
+            for i, draft in zip(idx, drafts, strict=True):
+                d = group[i]
+                if draft.parents is not None or draft.extra is not None:
+                    raise RuntimeError(f"auto switches between chain drafters; {d._plan[0]} proposed a tree")  # type: ignore[index]
+                d._draft_ms = 1e3 * t[0] / len(idx)
+                d._proposal = draft.tokens.tolist()
+                out[i] = draft
+        for d in group:
+            d.forwards = sum(sub.forwards for sub in d.subs.values())
+        return out
+
+    def accepted(self, feedback: Feedback) -> None:
+        assert self.chooser is not None
+        method, situation, k = self._plan if self._plan is not None else ("plain", None, 0)
+        if method != "plain":
+            self.subs[method].accepted(feedback)
+            self.chooser.update(method, situation, k, len(self._proposal), feedback.num_accepted, self._draft_ms)
+        committed = [self._proposal[j] for j in feedback.path] + [feedback.next_token]
+        self._length += len(committed)
+        for name, sub in self.subs.items():
+            if name != method:
+                sub.catch_up(committed)
+        self._plan, self._proposal = None, []
+
+    def _report(self) -> None:
+        self.forwards = sum(sub.forwards for sub in self.subs.values())
+        if self.chooser is not None:
+            report: dict[str, Any] = self.chooser.report()
+            report["sync_ms"] = round(self._sync_ms, 3)
+            self.info = {"auto": report}

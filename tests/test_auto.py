@@ -1,0 +1,203 @@
+"""`--drafter auto`: the chooser's decisions from hand-set estimates, and exactness with the
+drafter and k switching every step — greedy identity (one sequence and a batch), and the
+sampled law (chi-square) with a wrong rule as the negative control."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import EXACT_MODES
+from helpers import ALPHA, PROMPTS, chi2_pvalue
+
+import specdec
+from specdec.adaptive import MethodChooser
+from specdec.config import GenerationConfig, SamplingParams
+from specdec.costs import Costs
+from specdec.drafters import AutoDrafter
+from specdec.engine import Engine
+
+# a target pass: 30 ms for one row, +6 ms per extra row (the q4k 1.5B here, roughly)
+PASS = Costs({r: 30.0 + 6.0 * (r - 1) for r in range(1, 10)})
+LOOKUP, DRAFT = "prompt-lookup", "draft-model"
+
+
+def _feed(c: MethodChooser, method: str, situation, steps: int, asked: int, accepted: int, draft_ms: float) -> None:
+    for _ in range(steps):
+        c.update(method, situation, asked, asked, accepted, draft_ms)
+
+
+def test_each_drafter_is_measured_once_then_the_best_rate_wins():
+    c = MethodChooser([DRAFT, LOOKUP], 4, PASS)
+    both = {DRAFT: ("", 4, 0.0), LOOKUP: (3, 4, 0.0)}
+    assert c.choose(both) == (DRAFT, 4)  # costs unknown: draft once with each to measure them
+    _feed(c, DRAFT, "", 1, 4, 2, draft_ms=4 * 15.0)
+    assert c.choose(both) == (LOOKUP, 4)
+    _feed(c, LOOKUP, 3, 10, 4, 4, draft_ms=0.2)  # copies that are always accepted, nearly free
+    for accepted in [0, 1] * 5:  # a draft model at 15 ms a token whose first draft is right half the time
+        _feed(c, DRAFT, "", 1, 4, accepted, draft_ms=4 * 15.0)
+    assert c.choose(both) == (LOOKUP, 4)
+    # no n-gram match this step: the draft model only where it beats plain decoding
+    assert c.rate(DRAFT, "", 1) < c.rate("plain", None, 0)
+    assert c.choose({DRAFT: ("", 4, 0.0)}) == ("plain", 0)
+    _feed(c, DRAFT, "", 20, 2, 2, draft_ms=2 * 3.0)  # the draft becomes cheap and right
+    assert c.choose({DRAFT: ("", 4, 0.0)})[0] == DRAFT
+    report = c.report()
+    assert report["steps"]["plain"] == {"steps": 1} and report["switches"] >= 2
+
+
+def test_acceptance_is_kept_per_situation():
+    c = MethodChooser([LOOKUP], 4, PASS)
+    c.choose({LOOKUP: (1, 2, 0.0)})
+    _feed(c, LOOKUP, 1, 30, 2, 0, draft_ms=0.1)  # one-token matches: never accepted
+    _feed(c, LOOKUP, 3, 30, 4, 4, draft_ms=0.1)  # three-token matches: always accepted
+    assert c.choose({LOOKUP: (1, 2, 0.0)}) == ("plain", 0)
+    assert c.choose({LOOKUP: (3, 4, 0.0)}) == (LOOKUP, 4)
+    assert c.choose({LOOKUP: (3, 2, 0.0)}) == (LOOKUP, 2)  # never more than the drafter can propose
+    assert c.choose({}) == ("plain", 0)  # nothing to propose
+
+
+def test_plain_steps_probe_each_drafter_in_turn():
+    c = MethodChooser([DRAFT, LOOKUP], 4, PASS)
+    c.choose({DRAFT: ("", 4, 0.0)})
+    c.choose({LOOKUP: (2, 4, 0.0)})
+    for _ in range(10):
+        c.update(DRAFT, "", 4, 4, 0, 4 * 19.0)
+        c.update(LOOKUP, 2, 4, 4, 0, 0.1)
+    both = {DRAFT: ("", 4, 0.0), LOOKUP: (2, 4, 0.0)}
+    assert all(c.rate(m, s, k) < c.rate("plain", None, 0) for m, (s, _, _) in both.items() for k in range(1, 5))
+    picks = [c.choose(both, remaining=100) for _ in range(14)]
+    # one-token probes after 4, then 8 plain steps; the drafter that drafted least recently first
+    assert picks[:5] == [("plain", 0)] * 4 + [(DRAFT, 1)]
+    assert picks[5:14] == [("plain", 0)] * 8 + [(LOOKUP, 1)]
+
+
+def test_no_probe_where_catching_up_costs_too_much():
+    c = MethodChooser([DRAFT], 4, PASS, draft_ms={DRAFT: 19.0})
+    for _ in range(10):
+        c.update(DRAFT, "", 2, 2, 0, 2 * 19.0)
+    # the draft model is 500 tokens behind (a long prompt it never prefilled): 40 tokens to go
+    far = {DRAFT: ("", 4, 500.0)}
+    assert [c.choose(far, remaining=40) for _ in range(20)] == [("plain", 0)] * 20
+    near = {DRAFT: ("", 4, 5.0)}  # nearly caught up: probed again
+    assert (DRAFT, 1) in [c.choose(near, remaining=40) for _ in range(40)]
+
+
+def _switching(monkeypatch, seed: int) -> list[tuple[str, int]]:
+    """The chooser replaced by one that picks a seeded random drafter (or a plain step) and a
+    random k within what the drafter could propose, every step."""
+    rng = random.Random(seed)
+    picks: list[tuple[str, int]] = []
+
+    def choose(self, outlook, remaining=None):
+        options = [("plain", 0)] + [(m, rng.randint(1, most)) for m, (_, most, _) in sorted(outlook.items())]
+        picks.append(rng.choice(options))
+        return picks[-1]
+
+    monkeypatch.setattr(MethodChooser, "choose", choose)
+    return picks
+
+
+@pytest.mark.parametrize("dtype", EXACT_MODES)
+def test_greedy_identity_with_drafter_switching_every_step(tiny, monkeypatch, dtype):
+    target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
+    picks = _switching(monkeypatch, 0)
+    for prompt in PROMPTS:
+        plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
+        for kw in ({"drafter": "auto"}, {"drafter": "auto", "assistant_model": draft}):
+            out = specdec.generate(target, prompt, k=4, max_new_tokens=24, ignore_eos=True, **kw)
+            assert out.token_ids == plain.token_ids, (prompt, kw)
+    methods = {m for m, _ in picks}
+    assert methods == {"plain", LOOKUP, DRAFT} and {k for m, k in picks if m == DRAFT} >= {1, 4}
+
+
+def test_greedy_identity_in_a_batch_of_auto_sequences(tiny, monkeypatch):
+    """Several sequences with auto drafters in one engine: those that chose the draft model
+    draft together; every output is its plain decoding."""
+    dtype = EXACT_MODES[-1]
+    target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
+    _switching(monkeypatch, 3)
+    cfg = GenerationConfig(max_new_tokens=20, k=3, ignore_eos=True)
+    ids = [target.tokenizer.encode(p) for p in PROMPTS]
+    eng = Engine(target.model, target.tokenizer)
+    sids = [eng.add(i, cfg, SamplingParams(), AutoDrafter(target.model, draft.model)) for i in ids]
+    while eng.has_work():
+        eng.step()
+    for sid, i in zip(sids, ids, strict=True):
+        plain = specdec.generate(target, i, max_new_tokens=20, ignore_eos=True)
+        assert eng.result(sid).token_ids == plain.token_ids
+
+
+def test_the_real_chooser_is_exact_and_reports(tiny):
+    target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
+    plain = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True)
+    out = specdec.generate(target, PROMPTS[0], drafter="auto", assistant_model=draft, k=4, max_new_tokens=30,
+                           ignore_eos=True)  # fmt: skip
+    assert out.token_ids == plain.token_ids
+    rep = out.metrics.drafter_info["auto"]
+    assert rep["methods"] == [DRAFT, LOOKUP]
+    steps = sum(n for ks in rep["steps"].values() for n in ks.values())
+    # one choice per step with budget for a draft (the last step, one token left, has none)
+    assert out.metrics.target_forwards - 1 <= steps <= out.metrics.target_forwards
+    assert rep["draft_ms_per_token"][DRAFT] > 0  # known before it drafts: its one-row pass time
+    # the draft model runs only if chosen: not even its prefill otherwise
+    assert (out.metrics.draft_forwards > 0) == (DRAFT in rep["steps"])
+    assert out.metrics.proposed > 0
+
+
+def test_auto_without_a_draft_model_uses_prompt_lookup(tiny):
+    target = tiny("llama", dtype=EXACT_MODES[-1])
+    out = specdec.generate(target, PROMPTS[0], drafter="auto", k=4, max_new_tokens=12, ignore_eos=True)
+    assert out.metrics.drafter_info["auto"]["methods"] == [LOOKUP]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"methods": "lookahead"}, "auto cannot switch to 'lookahead'"),
+    ({"methods": " , "}, "--auto-methods is empty"),
+    ({"methods": "prompt-lookup,prompt-lookup"}, "names a drafter twice"),
+    ({"methods": "draft-model"}, "auto with draft-model needs a draft model"),
+])  # fmt: skip
+def test_bad_method_lists_are_one_clear_error(tiny, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AutoDrafter(tiny("llama").model, **kwargs)
+
+
+def test_a_draft_model_that_auto_would_not_use_is_refused(tiny):
+    with pytest.raises(ValueError, match="drop --draft or add draft-model"):
+        AutoDrafter(tiny("llama").model, tiny("llama", "close").model, methods="prompt-lookup")
+
+
+def _no_timing(monkeypatch) -> None:
+    from specdec import costs
+
+    monkeypatch.setattr(costs, "pass_costs", lambda target, max_rows: PASS)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
+                         ids=["T1", "T0.7-topk"])  # fmt: skip
+def test_sampling_law_with_drafter_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
+    target, draft = small_vocab
+    _no_timing(monkeypatch)
+    picks = _switching(monkeypatch, 1)
+    counts = sample_joint(target, AutoDrafter(target, draft), sampling, runs=3000)
+    assert {m for m, _ in picks} == {"plain", LOOKUP, DRAFT}
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
+
+
+@pytest.mark.parametrize("rule", ["rejection", "point-mass"])
+def test_wrong_rule_fails_with_drafter_switching(small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule, rule):
+    """Negative controls: the same test with a wrong rule for the draft model's steps (recovers
+    from p after a rejection) or for prompt lookup's (keeps the rejected token's mass)."""
+    wrong_rule(rule)
+    target, draft = small_vocab
+    _no_timing(monkeypatch)
+    _switching(monkeypatch, 1)
+    sampling = SamplingParams(temperature=1.0)
+    # (the point-mass rule's control switches between prompt lookup and plain steps only, so
+    # that enough steps go through the rule under test)
+    if rule == "rejection":
+        counts = sample_joint(target, AutoDrafter(target, draft), sampling, runs=3000)
+    else:
+        counts = sample_joint(target, AutoDrafter(target, methods=LOOKUP), sampling, runs=3000, k=3,
+                              expect_mixed=False)  # fmt: skip
+    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
