@@ -130,10 +130,12 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
         return known
     key = machine_key(target)
     entry = stored("pass_costs.json", key) if key is not None else None
-    if isinstance(entry, dict) and entry and max(map(int, entry)) >= max_rows:
+    # every row count a chain of up to K_MAX drafts can bring (the pass time is not linear in
+    # the rows: the q4k kernel's cost jumps between some counts), then sparser
+    rows = sorted(r for r in {*range(1, K_MAX + 2), 12, 16, 24, 32, max_rows} if r <= max_rows)
+    if isinstance(entry, dict) and entry and {str(r) for r in rows} <= set(entry):
         costs = Costs({int(r): float(ms) for r, ms in entry.items()})
     else:
-        rows = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, max_rows} & set(range(1, max_rows + 1)))
         costs = Costs(_time_rows(target, rows, context=128, repeats=2))
         if key is not None:  # (a model without a directory is kept in this process only)
             store_measurement("pass_costs.json", key, {str(r): round(ms, 3) for r, ms in costs.target_ms.items()})

@@ -144,6 +144,26 @@ class GridResult:
             out.append(recommend(r["method"], r["temperature"], r["category"], rs, self.costs, self.settings.k))
         return out
 
+    def auto_choices(self) -> list[dict[str, Any]]:
+        """How often `auto` chose each drafter (and k) or a plain step, per temperature and
+        category (plus "all"): shares of its steps, summed over the runs."""
+        rows = []
+        auto = [r for r in self.records if r["method"] == "auto" and "auto" in (r.get("drafter_info") or {})]
+        for temp in sorted({r["temperature"] for r in auto}):
+            cats = sorted({r["category"] for r in auto if r["temperature"] == temp})
+            for cat in [*cats, "all"]:
+                steps: dict[str, dict[str, int]] = {}
+                for r in auto:
+                    if r["temperature"] == temp and cat in (r["category"], "all"):
+                        for m, ks in r["drafter_info"]["auto"]["steps"].items():
+                            for k, n in ks.items():
+                                steps.setdefault(m, {}).setdefault(k, 0)
+                                steps[m][k] += n
+                total = sum(n for ks in steps.values() for n in ks.values())
+                share = {m: sum(ks.values()) / total for m, ks in steps.items()} if total else {}
+                rows.append({"temperature": temp, "category": cat, "steps": total, "share": share, "by_k": steps})
+        return rows
+
     def summary(self) -> list[dict[str, Any]]:
         """One row per (method, temperature, category), plus category "all"."""
         rows = []
@@ -162,6 +182,7 @@ class GridResult:
         costs = None if self.costs is None else asdict(self.costs)
         return {"settings": asdict(self.settings), "mode": self.mode, "machine": self.machine, "wall_time": self.wall_time,
                 "costs": costs, "peers_skipped": self.peers_skipped, "summary": self.summary(), "cost_model": recs,
+                "auto_choices": self.auto_choices(),
                 "records": self.records}  # fmt: skip
 
 

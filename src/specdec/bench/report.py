@@ -31,6 +31,7 @@ def table(result: GridResult) -> str:
             f"{_fmt(r['tokens_per_second'], '.1f'):>7s} {_fmt(r['plain_tokens_per_second'], '.1f'):>7s} "
             f"{_same([r])}"
         )  # fmt: skip
+    lines += _auto_lines(result)
     recs = [r for r in result.recommendations() if r.category == "all"]
     if recs:
         lines += ["", "cost model (all categories): measured vs predicted speedup at k, and the best k"]
@@ -38,6 +39,25 @@ def table(result: GridResult) -> str:
             lines.append(f"  {r.method:13s} T={r.temperature:<4g} measured {_fmt(r.measured_speedup, '.2f', 'x')}"
                          f"  predicted {r.predicted_speedup:.2f}x  best k {r.best_k} ({r.best_predicted:.2f}x)")  # fmt: skip
     return "\n".join(lines)
+
+
+def _choice(row: dict[str, Any]) -> str:
+    """'plain 40%, prompt-lookup 55% (k=2 30, k=4 12), draft-model 5% (k=1 3)'."""
+    parts = []
+    for m, share in sorted(row["share"].items(), key=lambda t: -t[1]):
+        ks = "" if m == "plain" else " (" + ", ".join(f"{k} {n}" for k, n in sorted(row["by_k"][m].items())) + ")"
+        parts.append(f"{m} {share:.0%}{ks}")
+    return ", ".join(parts)
+
+
+def _auto_lines(result: GridResult) -> list[str]:
+    rows = result.auto_choices()
+    if not rows:
+        return []
+    lines = ["", "auto's choices: share of its steps per drafter (steps per k)"]
+    for r in rows:
+        lines.append(f"  T={r['temperature']:<4g} {r['category']:15s} {_choice(r)}")
+    return lines
 
 
 def markdown(result: GridResult, plots: list[str]) -> str:
@@ -93,6 +113,13 @@ def markdown(result: GridResult, plots: list[str]) -> str:
                            + ", ".join(diff) + ".")  # fmt: skip
             if result.peers_skipped:
                 out.append("Peers skipped: " + "; ".join(f"{p}: {why}" for p, why in result.peers_skipped.items()) + ".")
+        out.append("")
+    choices = result.auto_choices()
+    if choices:
+        out += ["## What auto chose", "", "Share of auto's steps that each drafter proposed (or were plain steps), "
+                "with the number of steps per k, summed over the runs.", "",
+                "| T | category | steps | choices |", "|---|---|---|---|"]  # fmt: skip
+        out += [f"| {r['temperature']:g} | {r['category']} | {r['steps']} | {_choice(r)} |" for r in choices]
         out.append("")
     recs = result.recommendations()
     if recs:
