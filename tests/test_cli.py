@@ -64,6 +64,23 @@ def test_prompt_lookup_compare_json_as_written():
 
 
 @pytest.mark.real
+def test_auto_compare_json_as_written():
+    """`specdec generate --drafter auto [--draft NAME] --compare --json`: auto's choices in the
+    metrics and on stderr, output identical to plain decoding."""
+    res = specdec_cli("generate", "--target", "smollm2-135m", "--drafter", "auto", "--draft", "smollm2-135m", "-k", "4",
+                      "--max-new-tokens", "32", "--compare", "--json", "--no-chat",
+                      "--prompt", "one two three four five. one two three four five. one two")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip())
+    assert out["identical"] is True and out["drafter"] == "auto"
+    auto = out["speculative"]["metrics"]["drafter_info"]["auto"]
+    assert auto["methods"] == ["draft-model", "prompt-lookup"] and "prompt-lookup" in auto["steps"]
+    text = specdec_cli("generate", "--target", "smollm2-135m", "--drafter", "auto", "--max-new-tokens", "8",
+                       "--no-chat", "--prompt", "one two three one two three one two")  # fmt: skip
+    assert text.returncode == 0 and "auto steps:" in text.stderr
+
+
+@pytest.mark.real
 @pytest.mark.parametrize("drafter, extra", [("early-exit", []), ("early-exit", ["--exit-layer", "24"]),
                                             ("lookahead", ["--window", "3", "--ngram", "4", "--guesses", "3"])])
 def test_other_drafters_compare_json_as_written(drafter, extra):

@@ -7,13 +7,17 @@ says what it could propose now (`outlook`: prompt lookup has nothing without an 
 and its situation is the match length), and `specdec.adaptive.MethodChooser` ranks (drafter,
 k) by the expected-tokens formula over this request's measured acceptance by position (per
 drafter and situation, discounted so that a change of topic is followed), each drafter's
-measured cost per drafted token, and the target's pass time per row count on this machine
-(`specdec.costs.pass_costs`). Plain steps probe the most promising drafter with one token now
-and then, so its estimates can recover.
+measured cost per drafted token (starting from its own estimate, `cost_ms`: a draft model's
+one-row pass time on this machine), and the target's pass time per row count on this machine
+(`specdec.costs.pass_costs`). Plain steps probe the drafters in turn with one token now and
+then, so their estimates can recover.
 
 The chosen drafter proposes and gets the verification's feedback; the others are told the
-committed tokens (`catch_up`). A draft model that was not used for a while feeds the tokens it
-missed before it drafts (`sync`, timed apart: switching costs it once, drafting does not).
+committed tokens (`catch_up`). The draft model is not prefilled at `begin`: when chosen, it
+first feeds the tokens it missed (`sync`, timed apart from drafting). That cost (`switch_ms`)
+is charged to the step that would switch, spread over the tokens still to generate, and a
+probe may not spend more than 5% of the rest of the request on it: a long prompt with a short
+answer never pays the draft's prefill.
 
 Exactness: every step is verified by the same exact rule whatever drafter and k proposed it,
 and the choice depends only on steps already verified (never on the step's own draws), so
