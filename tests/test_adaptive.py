@@ -99,7 +99,8 @@ def test_the_real_controller_is_exact_and_reports(tiny):
     assert out.metrics.target_forwards - 1 <= sum(rep["k_chosen"].values()) <= out.metrics.target_forwards
     assert rep["draft_ms_per_token"] > 0
     assert len(rep["alpha_by_position"]) == 4
-    fixed = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=30, ignore_eos=True)
+    fixed = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=30, ignore_eos=True,
+                             adaptive_k=False)
     assert "adaptive_k" not in fixed.metrics.drafter_info
 
 
@@ -129,3 +130,38 @@ def test_wrong_rule_fails_with_k_switching(small_vocab, exact_joint, sample_join
     sampling = SamplingParams(temperature=1.0)
     counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
+
+
+# -- the step guard: drafters that size their own proposals (trees, extra rows) ---------------
+def test_step_guard_turns_slow_drafting_off_and_probes():
+    from specdec.adaptive import StepGuard
+
+    g = StepGuard(4, PASS)
+    assert g.choose() == 4  # no evidence yet: draft
+    for _ in range(5):  # 7 rows (a tree and a window), 4 ms drafting, 1.3 tokens a step: slower than plain
+        g.update(4, 2, 0 if _ % 3 else 1, draft_ms=4.0, rows=7)
+    assert not g.drafting_pays()
+    picks = [g.choose() for _ in range(14)]
+    assert picks[:5] == [0, 0, 0, 0, 4] and picks[5:14] == [0] * 8 + [4]
+    for _ in range(10):  # the probes find long accepted paths: drafting pays again
+        g.update(4, 4, 4, draft_ms=1.0, rows=5)
+    assert g.drafting_pays() and g.choose() == 4
+    rep = g.report()
+    assert rep["drafted_steps"] == 4 and rep["plain_steps"] == 12 and rep["drafted_tokens_per_ms"] > rep["plain_tokens_per_ms"]
+
+
+@pytest.mark.parametrize("dtype", EXACT_MODES)
+def test_guarded_tree_drafter_is_exact_and_reports(tiny, monkeypatch, dtype):
+    """Lookahead (a token tree plus window rows) under the guard, forced to switch between
+    drafted and plain steps at random: greedy output is plain decoding's."""
+    from specdec.adaptive import StepGuard
+
+    rng = random.Random(5)
+    monkeypatch.setattr(StepGuard, "drafting_pays", lambda self: rng.random() < 0.5)
+    target = tiny("llama", dtype=dtype)
+    for prompt in PROMPTS:
+        plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
+        out = specdec.generate(target, prompt, drafter="lookahead", k=3, max_new_tokens=24, ignore_eos=True)
+        assert out.token_ids == plain.token_ids, prompt
+        guard = out.metrics.drafter_info["guard"]
+        assert guard["drafted_steps"] > 0 and guard["plain_steps"] > 0

@@ -117,7 +117,7 @@ def test_greedy_identity_in_a_batch_of_auto_sequences(tiny, monkeypatch):
     dtype = EXACT_MODES[-1]
     target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
     _switching(monkeypatch, 3)
-    cfg = GenerationConfig(max_new_tokens=20, k=3, ignore_eos=True)
+    cfg = GenerationConfig(max_new_tokens=20, k=3, ignore_eos=True, adaptive_k=False)
     ids = [target.tokenizer.encode(p) for p in PROMPTS]
     eng = Engine(target.model, target.tokenizer)
     sids = [eng.add(i, cfg, SamplingParams(), AutoDrafter(target.model, draft.model)) for i in ids]
@@ -132,7 +132,7 @@ def test_the_real_chooser_is_exact_and_reports(tiny):
     target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True)
     out = specdec.generate(target, PROMPTS[0], drafter="auto", assistant_model=draft, k=4, max_new_tokens=30,
-                           ignore_eos=True)  # fmt: skip
+                           ignore_eos=True, adaptive_k=False)  # fmt: skip
     assert out.token_ids == plain.token_ids
     rep = out.metrics.drafter_info["auto"]
     assert rep["methods"] == [DRAFT, LOOKUP]
@@ -147,7 +147,8 @@ def test_the_real_chooser_is_exact_and_reports(tiny):
 
 def test_auto_without_a_draft_model_uses_prompt_lookup(tiny):
     target = tiny("llama", dtype=EXACT_MODES[-1])
-    out = specdec.generate(target, PROMPTS[0], drafter="auto", k=4, max_new_tokens=12, ignore_eos=True)
+    out = specdec.generate(target, PROMPTS[0], drafter="auto", k=4, max_new_tokens=12, ignore_eos=True,
+                           adaptive_k=False)
     assert out.metrics.drafter_info["auto"]["methods"] == [LOOKUP]
 
 

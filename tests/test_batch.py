@@ -77,7 +77,7 @@ def test_batched_greedy_equals_each_prompt_alone(tiny, arch, mode):
     proposed = 0
     for n, shift in ((1, 0), (2, 1), (3, 2), (5, 3), (6, 0)):
         idx = [(i + shift) % len(PROMPTS) for i in range(n)]
-        cfgs = [GenerationConfig(max_new_tokens=20, k=1 + j % 4, ignore_eos=True) for j in range(n)]
+        cfgs = [GenerationConfig(max_new_tokens=20, k=1 + j % 4, ignore_eos=True, adaptive_k=False) for j in range(n)]
         drafters = [make(KINDS[(j + shift) % len(KINDS)], target, draft) for j in range(n)]
         join = {j: 2 * j for j in range(n)} if n == 6 else None  # the last case: staggered joins
         outs = together(target, encode(target, [PROMPTS[i] for i in idx]), cfgs, [greedy] * n, drafters, join)
@@ -100,7 +100,7 @@ def test_batched_greedy_equals_alone_smollm2(smollm2_exact, mode):
         kinds = ["prompt-lookup", "plain", "draft-model", "silent", "early-exit"][:n]
         drafters = [make(k, target, target) if k != "early-exit" else EarlyExitDrafter(target.model, layer=20)
                     for k in kinds]  # fmt: skip
-        cfg = GenerationConfig(max_new_tokens=24, k=3)
+        cfg = GenerationConfig(max_new_tokens=24, k=3, adaptive_k=False)
         outs = together(target, prompts[:n], [cfg] * n, [SamplingParams()] * n, drafters)
         assert [o.token_ids for o in outs] == alone[:n], n
 
@@ -110,7 +110,7 @@ def test_sampled_sequence_same_alone_and_in_any_batch(tiny, arch):
     """A sampled sequence with a fixed seed gives the same tokens alone or in a batch."""
     mode = EXACT_MODES[-1]
     target, draft = tiny(arch, dtype=mode), tiny(arch, "close", dtype=mode)
-    cfg = GenerationConfig(max_new_tokens=16, k=3, ignore_eos=True)
+    cfg = GenerationConfig(max_new_tokens=16, k=3, ignore_eos=True, adaptive_k=False)
     sp = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i) for i in range(5)]
     prompts = encode(target, PROMPTS[:5])
     kinds = ["draft-model", "prompt-lookup", "plain", "early-exit", "lookahead"]
@@ -125,7 +125,7 @@ def in_flight(target, draft, sampling: SamplingParams, runs: int, width: int = 4
     """`runs` sampled sequences, `width` in flight at a time (a new one joins as one ends),
     drafters alternating between a draft model and early exit. Counts of the outputs, and the
     acceptance rate."""
-    cfg = GenerationConfig(max_new_tokens=4, k=2, ignore_eos=True)
+    cfg = GenerationConfig(max_new_tokens=4, k=2, ignore_eos=True, adaptive_k=False)
     eng = Engine(target)
     counts: Counter = Counter()
     started = accepted = proposed = 0
@@ -162,7 +162,7 @@ def test_wrong_rule_fails_with_sequences_in_flight(small_vocab, exact_joint, wro
 
 def test_cancel_frees_the_sequence_and_leaves_the_others_identical(tiny):
     target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
-    cfg = GenerationConfig(max_new_tokens=20, k=3, ignore_eos=True)
+    cfg = GenerationConfig(max_new_tokens=20, k=3, ignore_eos=True, adaptive_k=False)
     prompts = encode(target, PROMPTS[:3])
     alone = [specdec.generate(target, p, max_new_tokens=20, ignore_eos=True).token_ids for p in prompts]
     eng = Engine(target.model, target.tokenizer)
@@ -206,7 +206,7 @@ def test_draft_model_drafts_for_all_its_sequences_in_one_call_per_step(tiny):
 
     draft.model.forward_batch = counting  # type: ignore[method-assign]
     try:
-        cfg = GenerationConfig(max_new_tokens=12, k=3, ignore_eos=True)
+        cfg = GenerationConfig(max_new_tokens=12, k=3, ignore_eos=True, adaptive_k=False)
         outs = together(target, encode(target, PROMPTS[:4]), [cfg] * 4, [SamplingParams()] * 4,
                         [DraftModelDrafter(draft.model) for _ in range(4)])  # fmt: skip
     finally:
@@ -218,10 +218,10 @@ def test_draft_model_drafts_for_all_its_sequences_in_one_call_per_step(tiny):
 def test_generate_batch_api(tiny):
     target = tiny("gemma3", dtype=EXACT_MODES[-1])
     outs = specdec.generate_batch(target, PROMPTS[:3], drafter="prompt-lookup", k=3, max_new_tokens=12,
-                                  ignore_eos=True, chat=False, temperature=0.8, seed=5)  # fmt: skip
+                                  ignore_eos=True, chat=False, temperature=0.8, seed=5, adaptive_k=False)  # fmt: skip
     for i, out in enumerate(outs):
         alone = specdec.generate(target, PROMPTS[i], drafter="prompt-lookup", k=3, max_new_tokens=12, ignore_eos=True,
-                                 chat=False, temperature=0.8, seed=5 + i)  # fmt: skip
+                                 chat=False, temperature=0.8, seed=5 + i, adaptive_k=False)  # fmt: skip
         assert out.token_ids == alone.token_ids and out.seed == 5 + i
     with pytest.raises(ValueError, match="3 prompts but 2 seeds"):
         specdec.generate_batch(target, PROMPTS[:3], seed=[1, 2], max_new_tokens=2)
@@ -243,7 +243,7 @@ def test_early_exit_drafts_for_all_its_sequences_in_one_call_per_step(tiny):
 
     model.forward_batch = counting  # type: ignore[method-assign]
     try:
-        cfg = GenerationConfig(max_new_tokens=12, k=3, ignore_eos=True)
+        cfg = GenerationConfig(max_new_tokens=12, k=3, ignore_eos=True, adaptive_k=False)
         prompts = encode(target, PROMPTS[:4])
         outs = together(target, prompts, [cfg] * 4, [SamplingParams()] * 4,
                         [EarlyExitDrafter(model, layer=1) for _ in range(4)])  # fmt: skip

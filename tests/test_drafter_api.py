@@ -11,8 +11,10 @@ import specdec
 def test_drafter_by_name_matches_the_object(tiny):
     target = tiny("qwen2", dtype=EXACT_MODES[-1])
     prompt = "abcabcabcabc"
-    by_name = specdec.generate(target, prompt, drafter="prompt-lookup", k=3, max_new_tokens=16, ignore_eos=True)
-    by_obj = specdec.generate(target, prompt, drafter=specdec.PromptLookupDrafter(), k=3, max_new_tokens=16, ignore_eos=True)
+    by_name = specdec.generate(target, prompt, drafter="prompt-lookup", k=3, max_new_tokens=16, ignore_eos=True,
+                               adaptive_k=False)
+    by_obj = specdec.generate(target, prompt, drafter=specdec.PromptLookupDrafter(), k=3, max_new_tokens=16, ignore_eos=True,
+                              adaptive_k=False)
     plain = specdec.generate(target, prompt, max_new_tokens=16, ignore_eos=True)
     assert by_name.token_ids == by_obj.token_ids == plain.token_ids
     assert by_name.metrics.proposed == by_obj.metrics.proposed > 0
@@ -22,22 +24,23 @@ def test_drafter_by_name_matches_the_object(tiny):
 def test_other_model_free_drafters_by_name(tiny, name):
     target = tiny("llama", dtype=EXACT_MODES[-1])
     prompt = "abcabcabcabc"
-    out = specdec.generate(target, prompt, drafter=name, k=3, max_new_tokens=16, ignore_eos=True)
+    out = specdec.generate(target, prompt, drafter=name, k=3, max_new_tokens=16, ignore_eos=True, adaptive_k=False)
     assert out.token_ids == specdec.generate(target, prompt, max_new_tokens=16, ignore_eos=True).token_ids
     assert out.metrics.steps > 0
 
 
 def test_unknown_or_model_drafter_names_are_refused(tiny):
     with pytest.raises(ValueError, match="unknown drafter 'n-gram'; choose one of auto, draft-model, eagle3, early-exit, lookahead, prompt-lookup"):
-        specdec.generate(tiny("qwen2"), "ab", drafter="n-gram", max_new_tokens=2)
+        specdec.generate(tiny("qwen2"), "ab", drafter="n-gram", max_new_tokens=2, adaptive_k=False)
     with pytest.raises(ValueError, match="needs a draft model"):
-        specdec.generate(tiny("qwen2"), "ab", drafter="draft-model", max_new_tokens=2)
+        specdec.generate(tiny("qwen2"), "ab", drafter="draft-model", max_new_tokens=2, adaptive_k=False)
     with pytest.raises(ValueError, match="the prompt-lookup drafter has no option 'window'; its options: max_ngram, min_ngram"):
-        specdec.generate(tiny("qwen2"), "ab", drafter="prompt-lookup", window=2, max_new_tokens=2)
+        specdec.generate(tiny("qwen2"), "ab", drafter="prompt-lookup", window=2, max_new_tokens=2, adaptive_k=False)
     with pytest.raises(ValueError, match="unknown option 'max_tokens': generation options are"):
         specdec.generate(tiny("qwen2"), "ab", max_tokens=2)
     with pytest.raises(ValueError, match="a drafter object serves one sequence"):
-        specdec.generate_batch(tiny("qwen2"), ["ab", "cd"], drafter=specdec.PromptLookupDrafter(), max_new_tokens=2)
+        specdec.generate_batch(tiny("qwen2"), ["ab", "cd"], drafter=specdec.PromptLookupDrafter(), max_new_tokens=2,
+                               adaptive_k=False)
 
 
 def test_registry_declares_each_drafter_once():

@@ -223,7 +223,7 @@ def test_draft_vocabulary_prefers_what_the_target_predicts(tiny):
 def test_greedy_identity_on_tiny_models(tiny, arch, mode):
     lm = tiny(arch, dtype=mode)
     head = _head(lm.model, seed=2, scale=20.0)
-    cfg = GenerationConfig(max_new_tokens=24, k=4, ignore_eos=True)
+    cfg = GenerationConfig(max_new_tokens=24, k=4, ignore_eos=True, adaptive_k=False)
     accepted = 0
     for prompt in PROMPTS:
         ids = lm.tokenizer.encode(prompt)
@@ -253,7 +253,7 @@ def test_greedy_identity_with_a_trained_head_on_smollm2(smollm2_exact, tmp_path)
     head.set_vocab(fe.draft_vocabulary(data, 2048, model.args.vocab_size))
     attach_target(head, model, lm.path)
     train(head, data, TrainConfig(steps=2, lr=2e-3, warmup=2, seqs_per_step=2, epochs=15), tmp_path, progress=False)
-    gen = GenerationConfig(max_new_tokens=40, k=4, ignore_eos=True)
+    gen = GenerationConfig(max_new_tokens=40, k=4, ignore_eos=True, adaptive_k=False)
     accepted = proposed = 0
     for p in PROMPTS:
         ids = lm.tokenizer.encode(p * 2)
@@ -281,7 +281,8 @@ def test_tree_shapes(tiny):
             return draft
 
         d.propose = spy
-        engine.run(lm.model, ids, GenerationConfig(max_new_tokens=12, k=4, ignore_eos=True), sampling, d)
+        engine.run(lm.model, ids, GenerationConfig(max_new_tokens=12, k=4, ignore_eos=True,
+                                                   adaptive_k=False), sampling, d)
         assert seen
         for draft in seen:
             depths = draft.depths()  # checks parents come first
@@ -439,7 +440,8 @@ def _proposals(model, head, prompt_ids) -> list[list[int]]:
         return draft
 
     d.propose = spy
-    engine.run(model, prompt_ids, GenerationConfig(max_new_tokens=16, k=4, ignore_eos=True), SamplingParams(), d)
+    engine.run(model, prompt_ids, GenerationConfig(max_new_tokens=16, k=4, ignore_eos=True,
+                                                   adaptive_k=False), SamplingParams(), d)
     return seen
 
 
@@ -532,7 +534,7 @@ def test_when_no_tree_pays_it_stops_drafting_and_stays_exact(tiny, monkeypatch):
     d = Eagle3Drafter(model, head=head)
     d.run.pass_ms = Costs({1: 10.0, 2: 20.0, 49: 490.0})
     ids = lm.tokenizer.encode(PROMPTS[0])
-    cfg = GenerationConfig(max_new_tokens=40, k=4, ignore_eos=True)
+    cfg = GenerationConfig(max_new_tokens=40, k=4, ignore_eos=True, adaptive_k=False)
     out = engine.run(model, ids, cfg, SamplingParams(), d)
     assert out.token_ids == engine.run(model, ids, cfg, SamplingParams()).token_ids
     # 40 plain steps; the head looked on steps 1, 3, 6, 11, 20, 37 only (backing off 1, 2, 4, 8, 16)

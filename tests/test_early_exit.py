@@ -40,7 +40,8 @@ def test_greedy_identity_tiny(four_layers, arch, dtype):
         plain = specdec.generate(target, prompt, max_new_tokens=30, ignore_eos=True)
         for layer, k in ((1, 3), (2, 1), (3, 4), (None, 2)):
             drafter = EarlyExitDrafter(target.model, layer=layer)
-            out = specdec.generate(target, prompt, drafter=drafter, k=k, max_new_tokens=30, ignore_eos=True)
+            out = specdec.generate(target, prompt, drafter=drafter, k=k, max_new_tokens=30, ignore_eos=True,
+                                   adaptive_k=False)
             assert out.token_ids == plain.token_ids, (arch, prompt, layer, k)
             accepted += out.metrics.accepted
             rejected += out.metrics.proposed - out.metrics.accepted
@@ -57,7 +58,7 @@ def test_verification_does_not_recompute_early_blocks(four_layers):
              for i in range(4)]  # fmt: skip
     try:
         out = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model, layer=2), k=3,
-                               max_new_tokens=20, ignore_eos=True)  # fmt: skip
+                               max_new_tokens=20, ignore_eos=True, adaptive_k=False)  # fmt: skip
     finally:
         for h in hooks:
             h.remove()
@@ -71,7 +72,8 @@ def test_verification_does_not_recompute_early_blocks(four_layers):
 def test_calibration_picks_and_reports_a_layer(four_layers):
     target = four_layers("qwen2", "auto")
     drafter = EarlyExitDrafter(target.model)
-    out = specdec.generate(target, PROMPTS[1], drafter=drafter, k=3, max_new_tokens=12, ignore_eos=True)
+    out = specdec.generate(target, PROMPTS[1], drafter=drafter, k=3, max_new_tokens=12, ignore_eos=True,
+                           adaptive_k=False)
     info = out.metrics.drafter_info
     assert info["calibrated"] and info["k"] == 3 and set(info["candidates"]) == {2, 3}
     best = max(info["candidates"], key=lambda L: info["candidates"][L]["predicted_speedup"])
@@ -79,7 +81,7 @@ def test_calibration_picks_and_reports_a_layer(four_layers):
     for row in info["candidates"].values():
         assert 0 <= row["alpha"] <= 1 and row["draft_ms"] > 0 and row["verify_ms"] > 0
     # kept for the next generation: no second calibration
-    specdec.generate(target, PROMPTS[2], drafter=drafter, k=3, max_new_tokens=5, ignore_eos=True)
+    specdec.generate(target, PROMPTS[2], drafter=drafter, k=3, max_new_tokens=5, ignore_eos=True, adaptive_k=False)
     assert drafter.info is not info and drafter.info["layer"] == best
 
 
@@ -111,17 +113,17 @@ def test_a_predicted_slowdown_falls_back_to_plain_decoding(four_layers, monkeypa
     _predict(monkeypatch, 0.6)
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=16, ignore_eos=True)
     off = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=3, max_new_tokens=16,
-                           ignore_eos=True)  # fmt: skip
+                           ignore_eos=True, adaptive_k=False)  # fmt: skip
     assert off.token_ids == plain.token_ids
     assert off.metrics.proposed == 0 and off.metrics.scored_rows == off.metrics.target_forwards
     assert "plain decoding" in off.metrics.drafter_info["fallback"] and "--force" in off.metrics.drafter_info["fallback"]
     forced = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model, force=True), k=3,
-                              max_new_tokens=16, ignore_eos=True)  # fmt: skip
+                              max_new_tokens=16, ignore_eos=True, adaptive_k=False)  # fmt: skip
     assert forced.token_ids == plain.token_ids and forced.metrics.proposed > 0
     assert "fallback" not in forced.metrics.drafter_info
     _predict(monkeypatch, 1.3)  # a layer that pays is used
     on = specdec.generate(target, PROMPTS[1], drafter=EarlyExitDrafter(target.model), k=3, max_new_tokens=16,
-                          ignore_eos=True)  # fmt: skip
+                          ignore_eos=True, adaptive_k=False)  # fmt: skip
     assert on.metrics.proposed > 0 and "fallback" not in on.metrics.drafter_info
 
 
@@ -152,7 +154,8 @@ def test_a_calibration_is_kept_for_later_processes(four_layers, monkeypatch, tmp
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     monkeypatch.setattr(early_exit, "_CALIBRATED", weakref.WeakKeyDictionary())
     target = four_layers("llama", "fp32")
-    first = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6)
+    first = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6,
+                             adaptive_k=False)
     assert (tmp_path / "early_exit.json").exists()
     monkeypatch.setattr(early_exit, "_CALIBRATED", weakref.WeakKeyDictionary())  # "a new process"
 
@@ -160,7 +163,8 @@ def test_a_calibration_is_kept_for_later_processes(four_layers, monkeypatch, tmp
         raise AssertionError("calibrated again")
 
     monkeypatch.setattr(EarlyExitDrafter, "calibrate", no_calibration)
-    again = specdec.generate(target, PROMPTS[1], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6)
+    again = specdec.generate(target, PROMPTS[1], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6,
+                             adaptive_k=False)
     assert again.metrics.drafter_info["layer"] == first.metrics.drafter_info["layer"]
     assert again.metrics.drafter_info["candidates"] == first.metrics.drafter_info["candidates"]
 
@@ -174,7 +178,8 @@ def test_bad_layers_and_targets_are_refused(four_layers):
         EarlyExitDrafter(target.model, candidates=(1, 7))
     other = four_layers("qwen2", "fp32")
     with pytest.raises(ValueError, match="different target"):
-        specdec.generate(target, "abc", drafter=EarlyExitDrafter(other.model, layer=1), max_new_tokens=4)
+        specdec.generate(target, "abc", drafter=EarlyExitDrafter(other.model, layer=1), max_new_tokens=4,
+                         adaptive_k=False)
     with pytest.raises(ValueError, match="different target"):
         EarlyExitDrafter(target.model, layer=1).begin(
             DraftSession([1, 2], 8, SamplingParams(), torch.Generator()))
@@ -190,7 +195,7 @@ def test_greedy_identity_smollm2(smollm2_exact):
     for prompt in prompts:
         plain = specdec.generate(model, prompt, max_new_tokens=40)
         for d, k in ((drafter, 3), (EarlyExitDrafter(model.model, layer=20), 2)):
-            out = specdec.generate(model, prompt, drafter=d, k=k, max_new_tokens=40)
+            out = specdec.generate(model, prompt, drafter=d, k=k, max_new_tokens=40, adaptive_k=False)
             assert out.token_ids == plain.token_ids, (prompt, k)
             accepted += out.metrics.accepted
     assert accepted > 0 and 15 <= drafter.layer <= 29

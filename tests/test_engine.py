@@ -87,14 +87,16 @@ class CheckingDrafter(Drafter):
 def test_draft_cache_rollback(tiny, k):
     target, draft = tiny("llama"), tiny("llama", "close")
     checker = CheckingDrafter(draft.model)
-    out = specdec.generate(target, PROMPTS[1], drafter=checker, k=k, max_new_tokens=30, ignore_eos=True, chat=False)
+    out = specdec.generate(target, PROMPTS[1], drafter=checker, k=k, max_new_tokens=30, ignore_eos=True, chat=False,
+                           adaptive_k=False)
     assert checker.checks == out.metrics.steps > 1
     assert 0 < out.metrics.accepted < out.metrics.proposed  # partial acceptance happened
 
 
 def test_same_model_as_draft_accepts_everything(tiny):
     target = tiny("qwen2")
-    out = specdec.generate(target, PROMPTS[0], assistant_model=target, k=4, max_new_tokens=21, ignore_eos=True)
+    out = specdec.generate(target, PROMPTS[0], assistant_model=target, k=4, max_new_tokens=21, ignore_eos=True,
+                           adaptive_k=False)
     m = out.metrics
     assert m.acceptance_rate == 1.0 and m.mean_accepted_tokens == 5.0
     assert m.accepted_per_position == m.proposed_per_position == [4, 4, 4, 4]
@@ -125,7 +127,8 @@ def test_wrong_acceptance_rule_fails_end_to_end(small_vocab, exact_joint, sample
 def test_max_new_tokens_with_k_larger_than_budget(tiny):
     target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
     for n in (1, 2, 3):
-        out = specdec.generate(target, "hello", assistant_model=draft, k=8, max_new_tokens=n, ignore_eos=True)
+        out = specdec.generate(target, "hello", assistant_model=draft, k=8, max_new_tokens=n, ignore_eos=True,
+                               adaptive_k=False)
         plain = specdec.generate(target, "hello", max_new_tokens=n, ignore_eos=True)
         assert len(out.token_ids) == n and out.finish_reason == "length"
         assert out.token_ids == plain.token_ids
@@ -167,7 +170,7 @@ def test_stop_string_cuts_speculative_step(tiny):
     stop = full.text[10:13]
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True, stop=[stop])
     spec = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=6, max_new_tokens=30,
-                            ignore_eos=True, stop=[stop])  # fmt: skip
+                            ignore_eos=True, stop=[stop], adaptive_k=False)  # fmt: skip
     assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason == "stop"
     assert spec.text == full.text[: full.text.index(stop)]
     assert len(spec.token_ids) < 30
@@ -177,9 +180,9 @@ def test_context_policies(tiny):
     target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])  # context 512
     long_prompt = list(range(100)) * 5  # 500 tokens
     with pytest.raises(ContextOverflowError, match="--context-overflow truncate; API: context_overflow='truncate'"):
-        specdec.generate(target, long_prompt, assistant_model=draft, max_new_tokens=20)
+        specdec.generate(target, long_prompt, assistant_model=draft, max_new_tokens=20, adaptive_k=False)
     out = specdec.generate(target, long_prompt, assistant_model=draft, max_new_tokens=20, k=4,
-                           context_overflow="truncate", ignore_eos=True)  # fmt: skip
+                           context_overflow="truncate", ignore_eos=True, adaptive_k=False)  # fmt: skip
     plain = specdec.generate(target, long_prompt, max_new_tokens=20, context_overflow="truncate", ignore_eos=True)
     assert len(out.token_ids) == 12 and out.finish_reason == "length" and out.token_ids == plain.token_ids
     with pytest.raises(ContextOverflowError, match="shorten the prompt"):
@@ -211,7 +214,8 @@ def test_greedy_identity_smollm2(smollm2_exact, noisy_smollm2, k):
     rejected = 0
     for prompt in REAL_PROMPTS:
         plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=32)
-        spec = specdec.generate(smollm2_exact, prompt, drafter=DraftModelDrafter(noisy_smollm2), k=k, max_new_tokens=32)
+        spec = specdec.generate(smollm2_exact, prompt, drafter=DraftModelDrafter(noisy_smollm2), k=k, max_new_tokens=32,
+                                adaptive_k=False)
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.finish_reason == plain.finish_reason
         rejected += spec.metrics.proposed - spec.metrics.accepted
@@ -220,10 +224,11 @@ def test_greedy_identity_smollm2(smollm2_exact, noisy_smollm2, k):
 
 @pytest.mark.real
 def test_smollm2_stops_at_eos_and_stop_string(smollm2):
-    out = specdec.generate(smollm2, REAL_PROMPTS[0], assistant_model=smollm2, max_new_tokens=60)
+    out = specdec.generate(smollm2, REAL_PROMPTS[0], assistant_model=smollm2, max_new_tokens=60, adaptive_k=False)
     assert out.finish_reason == "eos" and out.token_ids[-1] in smollm2.tokenizer.eos_ids
     assert "Paris" in out.text
-    cut = specdec.generate(smollm2, REAL_PROMPTS[0], assistant_model=smollm2, max_new_tokens=60, stop=["Paris"])
+    cut = specdec.generate(smollm2, REAL_PROMPTS[0], assistant_model=smollm2, max_new_tokens=60, stop=["Paris"],
+                           adaptive_k=False)
     assert cut.finish_reason == "stop" and "Paris" not in cut.text and cut.text == out.text[: out.text.index("Paris")]
 
 
@@ -264,7 +269,7 @@ def test_drafter_offering_more_than_k_is_refused(tiny):
             return super().propose(self.limit)
 
     with pytest.raises(RuntimeError, match="proposed 3 tokens in a row, more than k=1"):
-        specdec.generate(tiny("llama"), "abc", drafter=Overeager(limit=3), k=1, max_new_tokens=5)
+        specdec.generate(tiny("llama"), "abc", drafter=Overeager(limit=3), k=1, max_new_tokens=5, adaptive_k=False)
 
 
 class FeatureRecorder(Drafter):
@@ -304,7 +309,7 @@ def test_drafter_sees_the_targets_features_on_the_committed_path(tiny, arch):
     model = target.model
     prompt = specdec.encode_prompt(target.tokenizer, PROMPTS[0], chat=False)
     rec = FeatureRecorder(tiny(arch, "close", dtype=EXACT_MODES[-1]).model)
-    out = specdec.generate(target, prompt, drafter=rec, k=3, max_new_tokens=20, ignore_eos=True)
+    out = specdec.generate(target, prompt, drafter=rec, k=3, max_new_tokens=20, ignore_eos=True, adaptive_k=False)
     assert 0 < out.metrics.accepted < out.metrics.proposed
     seq = prompt + out.token_ids
     cache = model.new_cache(len(seq))

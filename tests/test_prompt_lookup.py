@@ -86,7 +86,8 @@ def test_greedy_identity_tiny(tiny, arch, dtype):
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=40, ignore_eos=True)
         for k in (1, 3, 6):
-            out = specdec.generate(target, prompt, drafter=PromptLookupDrafter(), k=k, max_new_tokens=40, ignore_eos=True)
+            out = specdec.generate(target, prompt, drafter=PromptLookupDrafter(), k=k, max_new_tokens=40, ignore_eos=True,
+                                   adaptive_k=False)
             assert out.token_ids == plain.token_ids, (arch, prompt, k)
             proposed += out.metrics.proposed
     assert proposed > 0
@@ -103,7 +104,8 @@ def test_greedy_identity_smollm2(smollm2_exact):
     for prompt in prompts:
         plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=48)
         for k, n in ((3, 3), (6, 2)):
-            out = specdec.generate(smollm2_exact, prompt, drafter=PromptLookupDrafter(max_ngram=n), k=k, max_new_tokens=48)
+            out = specdec.generate(smollm2_exact, prompt, drafter=PromptLookupDrafter(max_ngram=n), k=k, max_new_tokens=48,
+                                   adaptive_k=False)
             assert out.token_ids == plain.token_ids, (prompt, k)
             accepted += out.metrics.accepted
     assert accepted > 0
@@ -137,7 +139,7 @@ def test_match_running_into_eos(smollm2_exact):
     prompt = "red, green, blue, yellow. red, green, blue, yellow. red, green,"
     plain = specdec.generate(model, prompt, max_new_tokens=30, chat=False)
     drafter = Recording(max_ngram=3)
-    out = specdec.generate(model, prompt, drafter=drafter, k=5, max_new_tokens=30, chat=False)
+    out = specdec.generate(model, prompt, drafter=drafter, k=5, max_new_tokens=30, chat=False, adaptive_k=False)
     assert out.token_ids == plain.token_ids and out.finish_reason == plain.finish_reason == "eos"
     assert out.token_ids[-1] == eos and any(eos in p[:-1] for p in drafter.proposals)  # EOS mid-draft
 

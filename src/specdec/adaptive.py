@@ -148,8 +148,9 @@ class KController:
         self.chosen[k] += 1
         return k
 
-    def update(self, asked: int, proposed: int, accepted: int, draft_ms: float) -> None:
-        """A verified step: asked for `asked` drafts, got `proposed`, `accepted` of them kept."""
+    def update(self, asked: int, proposed: int, accepted: int, draft_ms: float, rows: int = 1) -> None:
+        """A verified step: asked for `asked` drafts, got `proposed`, `accepted` of them kept
+        (`rows`: what the target scored, unused: a chain's cost is modelled from k)."""
         if asked > 0:
             self.draft_ms = _ema(self.draft_ms, draft_ms / asked)
         if proposed > 0:  # nothing proposed (e.g. no match for prompt lookup): no evidence about acceptance
@@ -261,3 +262,51 @@ class MethodChooser:
                                   for (m, s), acc in sorted(self.acceptance.items(), key=lambda t: str(t[0]))},
             "draft_ms_per_token": {m: None if v is None else round(v, 3) for m, v in self.draft_ms.items()},
         }  # fmt: skip
+
+
+class StepGuard:
+    """Never slower, for drafters that size their own proposals (token trees, extra rows,
+    self-speculation): each step either drafts as the drafter chooses or is a plain step.
+    Drafted steps' tokens per millisecond — committed tokens over the drafter's measured time
+    plus the target's pass time for the rows it brought (`costs`) — discounted by `gamma` per
+    drafted step, against plain decoding's one token per one-row pass. Plain steps wherever
+    drafting is not measured to keep up with plain decoding, with one drafted probe after 4, 8,
+    ... 64 plain steps so the estimate can recover."""
+
+    def __init__(self, k: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4) -> None:
+        if k < 1 or not 0 < gamma <= 1:
+            raise ValueError("k must be >= 1 and gamma in (0, 1]")
+        self.k, self.costs, self.gamma = k, costs, gamma
+        self.tokens = 0.0  # discounted tokens committed by drafted steps
+        self.ms = 0.0  # ...and their discounted cost
+        self.prober = _Prober(probe_after)
+        self.drafted_steps = self.plain_steps = 0
+
+    def drafting_pays(self) -> bool:
+        return self.ms == 0.0 or self.tokens / self.ms >= 1.0 / self.costs.target(1)
+
+    def choose(self) -> int:
+        """This step's k: the drafter's own, or 0 for a plain step."""
+        if self.drafting_pays():
+            self.prober.drafted()
+            k = self.k
+        else:
+            k = self.k if self.prober.plain() else 0
+        if k:
+            self.drafted_steps += 1
+        else:
+            self.plain_steps += 1
+        return k
+
+    def update(self, asked: int, proposed: int, accepted: int, draft_ms: float, rows: int = 1) -> None:
+        """A verified step that asked for drafts: `accepted` drafts kept (plus the target's own
+        token), `rows` rows scored by the target pass."""
+        if asked == 0:
+            return
+        self.tokens = self.gamma * self.tokens + accepted + 1
+        self.ms = self.gamma * self.ms + draft_ms + self.costs.target(rows)
+
+    def report(self) -> dict[str, Any]:
+        return {"drafted_steps": self.drafted_steps, "plain_steps": self.plain_steps,
+                "drafted_tokens_per_ms": round(self.tokens / self.ms, 4) if self.ms else None,
+                "plain_tokens_per_ms": round(1.0 / self.costs.target(1), 4)}  # fmt: skip

@@ -167,6 +167,9 @@ def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
     if info.get("adaptive_k"):
         chosen = ", ".join(f"k={k}: {n}" for k, n in info["adaptive_k"]["k_chosen"].items())
         line += f"; adaptive k chosen {chosen}"
+    if info.get("guard"):
+        g = info["guard"]
+        line += f"; guard: {g['drafted_steps']} drafted steps, {g['plain_steps']} plain steps"
     print(line + "]", file=sys.stderr)
 
 
@@ -247,6 +250,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="also run transformers and llama-cpp-python (where installed) on the same prompts, greedy")  # fmt: skip
     p.add_argument("--tune", action="store_true",
                    help="store the cost model's best k per method where `specdec generate` uses it when -k is unset")  # fmt: skip
+    p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the methods as `generate` does, never-slower guard on (--no-adaptive-k: k drafts every "
+                        "step, what the cost model's per-k predictions assume)")  # fmt: skip
     p.set_defaults(func=_cmd_bench)
     bsub = p.add_subparsers(dest="bench_cmd")
     fwd = bsub.add_parser("forward", help="ms per target forward for k new tokens, per precision/kernel mode",
@@ -300,7 +306,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         repeats=ns.repeats or quick.get("repeats", 3), seed=ns.seed,
         per_category=ns.per_category or quick.get("per_category"),
         categories=tuple(ns.categories) if ns.categories else None,
-        prompts_file=str(ns.prompts) if ns.prompts else None, dtype=ns.dtype, peers=ns.peers,
+        prompts_file=str(ns.prompts) if ns.prompts else None, dtype=ns.dtype, peers=ns.peers, adaptive_k=ns.adaptive_k,
     ) for target, draft in pairs]  # fmt: skip
     results = []
     for s in settings:

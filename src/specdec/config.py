@@ -51,9 +51,11 @@ class GenerationConfig:
         "-k", "--num-draft-tokens"))  # fmt: skip
     stop: tuple[str, ...] = field(default=(), metadata=_opt("stop string (repeatable); not included in the text"))
     ignore_eos: bool = field(default=False, metadata=_opt("keep generating past end-of-sequence tokens"))
-    adaptive_k: bool = field(default=False, metadata=_opt(
-        "choose each step's k (up to -k) from this request's measured acceptance and costs, 0 = a plain step "
-        "where drafting is not predicted to pay (draft-model, prompt-lookup)"))  # fmt: skip
+    adaptive_k: bool = field(default=True, metadata=_opt(
+        "never slower than plain decoding: each step's k (up to -k) is chosen from this request's measured "
+        "acceptance and costs, 0 = a plain step where drafting is not predicted to pay (draft-model, "
+        "prompt-lookup); other drafters' steps turn plain where drafting is measured slower (--no-adaptive-k: "
+        "draft k tokens every step)"))  # fmt: skip
     context_overflow: OverflowPolicy = field(
         default="error",
         metadata=_opt(

@@ -47,6 +47,7 @@ class Costs:
 
 def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) -> dict[int, float]:
     gen = torch.Generator().manual_seed(0)
+    context = max(1, min(context, model.args.max_seq_len - max(rows)))  # (a model with a short context)
     vocab = min(model.args.vocab_size, 30000)
     cache = model.new_cache(context + max(rows))
     model(torch.randint(0, vocab, (1, context), generator=gen).to(model.device), cache, last_only=True)

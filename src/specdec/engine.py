@@ -12,8 +12,11 @@ one target pass over every live sequence's rows (a new sequence's prompt, or its
 committed token and its draft) -> verify each sequence with its own generator -> commit or
 roll back. Plain decoding is the same loop for a sequence without a drafter (k = 0).
 Sequences join and leave between steps; each has its own KV cache, freed when it ends. With
-`adaptive_k`, a chain drafter's k is chosen each step by `specdec.adaptive.KController` (0 =
-a plain step where no k is predicted to beat plain decoding).
+`adaptive_k` (the default), a chain drafter's k is chosen each step by
+`specdec.adaptive.KController` (0 = a plain step where no k is predicted to beat plain
+decoding), and other drafters' steps are switched to plain steps by `specdec.adaptive.StepGuard`
+where drafting is measured not to keep up with plain decoding (drafters with `own_schedule`
+— auto, early exit's calibration — decide for themselves).
 
 Lossless: sampled output follows the target's distribution, and greedy output equals plain
 decoding token for token — bitwise in the batch-invariant modes (q4k, int8), where a
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .adaptive import KController
+from .adaptive import KController, StepGuard
 from .config import GenerationConfig, SamplingParams
 from .drafters.base import Draft, Drafter, DraftSession, Feedback
 from .metrics import Metrics, timer
@@ -111,7 +114,7 @@ class _Sequence:
     started: float
     last: int | None = None  # last committed token, not yet in the cache (None: not prefilled)
     forwards_before: int = 0  # the drafter's forward count at begin
-    controller: KController | None = None  # adaptive_k: chooses each step's k
+    controller: KController | StepGuard | None = None  # adaptive_k: chooses each step's k (0: plain)
     k_now: int = 0  # this step's k (planned once per step)
     draft_ms: float = 0.0  # this step's drafting time (ms)
 
@@ -149,11 +152,14 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**63 - 1)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else frozenset()
         scratch = drafter.scratch_rows if drafter is not None else 0
-        controller = None
-        if cfg.adaptive_k and drafter is not None and drafter.adaptive_k:
+        controller: KController | StepGuard | None = None
+        if cfg.adaptive_k and drafter is not None and not drafter.own_schedule:
             from .costs import pass_costs
 
-            controller = KController(cfg.k, pass_costs(self.target, cfg.k + 1))
+            if drafter.adaptive_k:
+                controller = KController(cfg.k, pass_costs(self.target, cfg.k + 1))
+            else:
+                controller = StepGuard(cfg.k, pass_costs(self.target, max(cfg.k + 1 + drafter.scratch_rows, 2)))
         sid = self._next_id
         self._next_id += 1
         self._live[sid] = _Sequence(
@@ -304,7 +310,7 @@ class Engine:
         if s.drafter is not None:
             m.record_step(draft.depth(), len(path))  # a drafter may offer fewer than k
         if s.controller is not None:
-            s.controller.update(s.k_now, draft.depth(), len(path), s.draft_ms)
+            s.controller.update(s.k_now, draft.depth(), len(path), s.draft_ms, rows=logits.shape[0])
         committed = []
         tokens = draft.tokens.tolist()
         for token in [tokens[j] for j in path] + [nxt]:
@@ -329,7 +335,7 @@ class Engine:
             m.draft_forwards = s.drafter.forwards - s.forwards_before
             m.drafter_info = dict(s.drafter.info)
             if s.controller is not None:
-                m.drafter_info["adaptive_k"] = s.controller.report()
+                m.drafter_info["adaptive_k" if isinstance(s.controller, KController) else "guard"] = s.controller.report()
         m.wall_time = time.perf_counter() - s.started
         m.new_tokens = len(s.stopper.tokens)
         s.cache = None  # free the KV cache

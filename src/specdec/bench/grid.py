@@ -53,6 +53,7 @@ class GridSettings:
     prompts_file: str | None = None  # None: the bundled suite
     dtype: str = "auto"
     peers: bool = True  # where installed: transformers and llama.cpp on the same prompts (greedy)
+    adaptive_k: bool = True  # the methods as shipped (never-slower guard on); False: k drafts every step
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -244,8 +245,8 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                 for temp in settings.temperatures:
                     seed = settings.seed + 1000 * rep + i
                     common = dict(k=settings.k, max_new_tokens=settings.max_new_tokens, temperature=temp, seed=seed,
-                                  context_overflow="truncate")  # fmt: skip
-                    plain_kw = {key: v for key, v in common.items() if key != "k"}
+                                  context_overflow="truncate", adaptive_k=settings.adaptive_k)  # fmt: skip
+                    plain_kw = {key: v for key, v in common.items() if key not in ("k", "adaptive_k")}
                     bar.set_postfix_str(f"{prompt.id} T={temp} plain")
                     plain = generate(target, ids, **plain_kw)
                     if temp == 0.0:

@@ -69,7 +69,9 @@ def markdown(result: GridResult, plots: list[str]) -> str:
         f"# specdec benchmark: {s.target}" + (f" + {s.draft}" if "draft-model" in s.methods else ""),
         "",
         f"Target `{s.target}`" + (f", draft `{s.draft}`" if "draft-model" in s.methods else "")
-        + f", mode `{result.mode}`, k = {s.k}, {s.max_new_tokens} new tokens, {s.repeats} repeat(s), seed {s.seed}.",
+        + f", mode `{result.mode}`, k = {s.k} ("
+        + ("adaptive: never-slower guard on" if s.adaptive_k else "fixed: k drafts every step")
+        + f"), {s.max_new_tokens} new tokens, {s.repeats} repeat(s), seed {s.seed}.",
         f"Machine: {mach['cpu']} ({mach['cpu_count']} CPUs, {mach['torch_threads']} torch threads), "
         f"torch {mach['torch']}, transformers {mach['transformers']}, specdec {mach['specdec']}"
         + (f" @ {mach['git_commit'][:10]}" if mach.get("git_commit") else "") + f"; {result.wall_time / 60:.1f} min.",

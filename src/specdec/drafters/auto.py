@@ -60,6 +60,8 @@ class AutoDrafter(Drafter):
     names (default: every switchable drafter whose model is given); `margin`: a drafter must
     beat plain decoding's predicted tokens per second by this factor."""
 
+    own_schedule = True  # it chooses plain steps itself
+
     def __init__(self, target: Transformer, draft: Transformer | None = None, methods: str | None = None,
                  margin: float = 1.03) -> None:  # fmt: skip
         super().__init__()

@@ -133,6 +133,9 @@ class Drafter:
     # a chain drafter whose k the engine may choose each step (`adaptive_k`); drafters that size
     # their own proposals (trees, calibrated per k, extra rows) keep the k they are given
     adaptive_k: bool = False
+    # the drafter decides itself when drafting pays (auto; early exit's calibration): the
+    # engine's guard (`adaptive_k`) leaves it alone
+    own_schedule: bool = False
 
     def __init__(self) -> None:
         self.forwards = 0  # model forward calls made so far (0 for model-free drafters)

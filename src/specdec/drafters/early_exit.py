@@ -59,6 +59,10 @@ class EarlyExitDrafter(Drafter):
     """Drafts with blocks [0, layer) of `target`, sharing its KV cache. `layer=None`:
     calibrated on the first proposal (for its k) and kept for later sequences of the target."""
 
+    # its calibration predicts whether drafting pays (plain decoding if not, unless forced);
+    # the engine's step guard would misjudge its steps, whose verification skips layers [0, L)
+    own_schedule = True
+
     def __init__(self, target: Transformer, layer: int | None = None, candidates: tuple[int, ...] | None = None,
                  force: bool = False) -> None:  # fmt: skip
         super().__init__()
