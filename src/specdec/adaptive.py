@@ -8,7 +8,9 @@ followed:
 * alpha_j, the chance that a proposal reaching position j has its token j accepted (which
   implies 1..j-1 were): accepted-at-j / proposed-at-j, with a weak prior;
 * the drafter's cost per drafted token (its measured time per step / the k it was asked for);
-* the target's pass time per row count on this machine (`specdec.costs.pass_costs`).
+* the target's pass time per row count on this machine (`specdec.costs.pass_costs`), scaled
+  online by how the engine's measured passes compare with it (`Costs.observe`: load, a
+  longer context).
 
 A step with k drafts is expected to commit E(k) = 1 + alpha_1 + ... + alpha_k tokens in
 k * draft_ms + pass(1 + k) ms; plain decoding commits 1 in pass(1). The controller picks the k
@@ -158,7 +160,8 @@ class KController:
 
     def report(self) -> dict[str, Any]:
         return {"k_chosen": dict(sorted(self.chosen.items())), "alpha_by_position": [round(a, 3) for a in self.alpha()],
-                "draft_ms_per_token": None if self.draft_ms is None else round(self.draft_ms, 3)}  # fmt: skip
+                "draft_ms_per_token": None if self.draft_ms is None else round(self.draft_ms, 3),
+                "pass_scale": round(self.costs.scale, 3)}  # fmt: skip
 
 
 class MethodChooser:
@@ -261,6 +264,7 @@ class MethodChooser:
                                   [round(a, 3) for a, p in zip(acc.alpha(), acc.proposed, strict=True) if p > 0]
                                   for (m, s), acc in sorted(self.acceptance.items(), key=lambda t: str(t[0]))},
             "draft_ms_per_token": {m: None if v is None else round(v, 3) for m, v in self.draft_ms.items()},
+            "pass_scale": round(self.costs.scale, 3),
         }  # fmt: skip
 
 
@@ -309,4 +313,4 @@ class StepGuard:
     def report(self) -> dict[str, Any]:
         return {"drafted_steps": self.drafted_steps, "plain_steps": self.plain_steps,
                 "drafted_tokens_per_ms": round(self.tokens / self.ms, 4) if self.ms else None,
-                "plain_tokens_per_ms": round(1.0 / self.costs.target(1), 4)}  # fmt: skip
+                "plain_tokens_per_ms": round(1.0 / self.costs.target(1), 4), "pass_scale": round(self.costs.scale, 3)}  # fmt: skip

@@ -23,9 +23,11 @@ K_MAX = 8  # largest k the benchmark's recommendations consider
 class Costs:
     target_ms: dict[int, float]  # rows in one pass -> median ms
     draft_ms: float | None = None  # one-token step of the draft model, ms
+    # how this machine runs now against the table (load, a longer context): measured / tabled
+    # pass time, followed online by `observe`; it scales every row count alike
+    scale: float = 1.0
 
-    def target(self, rows: float) -> float:
-        """Pass time for a (possibly fractional, mean) number of rows, linearly interpolated."""
+    def _table(self, rows: float) -> float:
         xs = sorted(self.target_ms)
         rows = min(max(rows, xs[0]), xs[-1])
         for lo, hi in itertools.pairwise(xs):
@@ -33,6 +35,15 @@ class Costs:
                 w = (rows - lo) / (hi - lo)
                 return self.target_ms[lo] * (1 - w) + self.target_ms[hi] * w
         return self.target_ms[xs[0]]
+
+    def target(self, rows: float) -> float:
+        """Pass time for a (possibly fractional, mean) number of rows, linearly interpolated."""
+        return self.scale * self._table(rows)
+
+    def observe(self, rows: int, ms: float, weight: float = 0.1) -> None:
+        """A measured pass over `rows` rows (within the table's range)."""
+        if 0 < rows <= max(self.target_ms) and ms > 0:
+            self.scale = (1 - weight) * self.scale + weight * ms / self._table(rows)
 
     def rows(self, rows: int) -> float:
         """Pass time for any number of rows: interpolated, and past the largest measured count
@@ -42,7 +53,7 @@ class Costs:
             return self.target(rows)
         lo, hi = xs[-2], xs[-1]
         slope = (self.target_ms[hi] - self.target_ms[lo]) / (hi - lo)
-        return self.target_ms[hi] + slope * (rows - hi)
+        return self.scale * (self.target_ms[hi] + slope * (rows - hi))
 
 
 def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) -> dict[int, float]:
@@ -145,3 +156,11 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
 
 
 _PASS_COSTS: weakref.WeakKeyDictionary[Transformer, Costs] = weakref.WeakKeyDictionary()  # this process's
+
+
+def observe_pass(target: Transformer, rows: int, ms: float) -> None:
+    """The engine's measured pass time for `rows` decode rows of `target`: followed by the cost
+    table this process uses for it (`pass_costs`), if any."""
+    costs = _PASS_COSTS.get(target)
+    if costs is not None:
+        costs.observe(rows, ms)

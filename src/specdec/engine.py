@@ -206,6 +206,11 @@ class Engine:
                 segments, return_hidden=any(s.drafter is not None and s.drafter.wants_hidden for s in seqs),
                 output_layers=tuple(sorted({i for s in seqs if s.drafter is not None for i in s.drafter.feature_layers})),
             )  # fmt: skip
+        if all(s.last is not None for s in seqs) and all(seg.lo == 0 for seg in segments):
+            # decode rows only, every layer: the online cost estimate follows this pass
+            from .costs import observe_pass
+
+            observe_pass(self.target, sum(int(seg.tokens.shape[0]) for seg in segments), 1e3 * t[0])
         deltas = []
         for s, out in zip(seqs, outs, strict=True):
             draft = drafts.get(s.id)
