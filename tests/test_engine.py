@@ -26,7 +26,7 @@ def test_greedy_identity_tiny(tiny, arch, draft_kind, dtype):
     for prompt, k in itertools.product(PROMPTS, (1, 2, 3, 5, 8)):
         kw = dict(max_new_tokens=24, ignore_eos=True, chat=False)
         plain = specdec.generate(target, prompt, **kw)
-        spec = specdec.generate(target, prompt, assistant_model=draft, k=k, **kw)
+        spec = specdec.generate(target, prompt, assistant_model=draft, k=k, adaptive_k=False, **kw)
         assert spec.token_ids == plain.token_ids, (prompt, k)
         assert spec.text == plain.text
         accepted += spec.metrics.accepted
@@ -46,7 +46,7 @@ def test_fp32_agrees_with_plain_decoding_mostly(tiny, arch):
     for prompt in PROMPTS:
         kw = dict(max_new_tokens=16, ignore_eos=True, chat=False)
         plain = specdec.generate(target, prompt, **kw).token_ids
-        spec = specdec.generate(target, prompt, assistant_model=draft, k=4, **kw).token_ids
+        spec = specdec.generate(target, prompt, assistant_model=draft, k=4, adaptive_k=False, **kw).token_ids
         agree += plain[:4] == spec[:4]
     assert agree >= len(PROMPTS) - 1
 
@@ -256,7 +256,7 @@ class RepeatLastDrafter(Drafter):
 def test_deterministic_drafter_offering_fewer_than_k(tiny, temperature):
     target = tiny("llama", dtype=EXACT_MODES[0])
     kw = dict(max_new_tokens=30, ignore_eos=True, temperature=temperature, seed=3)
-    out = specdec.generate(target, PROMPTS[2], drafter=RepeatLastDrafter(), k=5, **kw)
+    out = specdec.generate(target, PROMPTS[2], drafter=RepeatLastDrafter(), k=5, adaptive_k=False, **kw)
     assert len(out.metrics.proposed_per_position) == 2
     assert out.metrics.proposed <= 2 * out.metrics.steps and len(out.token_ids) == 30
     if temperature == 0.0:

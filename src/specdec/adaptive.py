@@ -13,17 +13,19 @@ followed:
   longer context).
 
 A step with k drafts is expected to commit E(k) = 1 + alpha_1 + ... + alpha_k tokens in
-k * draft_ms + pass(1 + k) ms; plain decoding commits 1 in pass(1). The controller picks the k
-in 0..k_max with the most tokens per millisecond — 0 (a plain step, no drafting) whenever no
-k beats plain decoding by `margin` (3%: the estimates are noisy, and a step that drafts in
-vain costs more than a plain step that could have drafted). After `probe_after` plain steps in a row it drafts one token (k = 1)
-so the estimates can recover; each probe that finds nothing doubles the wait, up to 64.
-
-`MethodChooser` does the same over several drafters at once (`specdec.drafters.auto`): it
-keeps the acceptance by position per drafter *and situation* (prompt lookup's is the length of
-the n-gram it matched: a 3-token match is accepted far more often than a 1-token one) and the
-cost per drafted token per drafter, and picks each step the (drafter, k) with the most expected
-tokens per millisecond, or a plain step.
+k * draft_ms + pass(1 + k) ms; plain decoding commits 1 in pass(1). `MethodChooser` picks the
+drafter and k with the most tokens per millisecond — a plain step (no drafting) whenever none
+beats plain decoding by `margin` (3%: the estimates are noisy, and a step that drafts in vain
+costs more than a plain step that could have drafted). Acceptance is kept per drafter *and
+situation* (prompt lookup's is the length of the n-gram it matched: a 3-token match is
+accepted far more often than a 1-token one); a drafter's cost starts from its own estimate (a
+draft model: its one-row pass time here); what a drafter must do before it can propose (a draft
+model feeding the tokens it missed) is charged to that step, spread over the tokens still to
+generate. After `probe_after` plain steps in a row it drafts one token with the drafter that
+drafted least recently, so the estimates can recover; each probe doubles the wait, up to 64.
+`KController` is the same over one drafter (`adaptive_k`, the default), and `--drafter auto`
+(`specdec.drafters.auto`) runs it over several. `StepGuard` is the on/off version for
+drafters that size their own proposals (token trees, extra rows).
 
 Exactness: the choice depends only on steps already verified, never on the step's own draws,
 and each step is verified by the same exact rule whatever its k; greedy output and the sampled
@@ -106,62 +108,36 @@ def _ema(old: float | None, new: float) -> float:
 
 
 class KController:
-    """Chooses each step's k for one sequence (see the module doc)."""
+    """`adaptive_k` for one chain drafter: `MethodChooser` over that drafter alone (its
+    situations, cost estimate and catch-up cost included). `choose` returns the step's k (0: a
+    plain step)."""
 
-    def __init__(self, k_max: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4,
-                 margin: float = 1.03) -> None:  # fmt: skip
-        if k_max < 1 or not 0 < gamma <= 1 or margin < 1:
-            raise ValueError("k_max must be >= 1, gamma in (0, 1] and margin >= 1")
-        self.k_max, self.costs, self.gamma, self.margin = k_max, costs, gamma, margin
-        self.acceptance = Acceptance(k_max, gamma)
-        self.draft_ms: float | None = None  # per drafted token (EMA); None until measured
-        self.prober = _Prober(probe_after)
-        self.chosen: Counter[int] = Counter()
+    def __init__(self, drafter: Any, k_max: int, costs: Costs, **kw: Any) -> None:
+        self.drafter, self.name = drafter, drafter.name or "drafter"
+        self.chooser = MethodChooser([self.name], k_max, costs, draft_ms={self.name: drafter.cost_ms()}, **kw)
+        self._situation: Hashable = None
 
-    @property
-    def wait(self) -> int:
-        return self.prober.wait
-
-    def alpha(self) -> list[float]:
-        return self.acceptance.alpha()
-
-    def rate(self, k: int) -> float:
-        """Expected tokens per millisecond of a step with k drafts."""
-        return self.acceptance.expected(k) / ((self.draft_ms or 0.0) * k + self.costs.target(1 + k))
-
-    def best(self) -> int:
-        """The k with the most expected tokens per millisecond; 0 (plain decoding) unless a
-        k beats it by the margin."""
-        rates = [self.rate(k) for k in range(self.k_max + 1)]
-        k = max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
-        return k if rates[k] > self.margin * rates[0] else 0
-
-    def choose(self) -> int:
-        """This step's k (call once per step)."""
-        if self.draft_ms is None:
-            k = self.k_max  # the drafter's cost is not measured yet: draft once to measure it
-        else:
-            k = self.best()
-            if k == 0:
-                if self.prober.plain():  # probe: one drafted token refreshes the estimates
-                    k = 1
-            else:
-                self.prober.drafted()
-        self.chosen[k] += 1
-        return k
+    def choose(self, k: int, remaining: int | None = None) -> int:
+        """This step's k, at most `k` (call once per step)."""
+        o = self.drafter.outlook(k) if k > 0 else None
+        outlook = {self.name: (o[0], min(o[1], k), self.drafter.switch_ms())} if o is not None and o[1] > 0 else {}
+        method, chosen = self.chooser.choose(outlook, remaining)
+        self._situation = outlook[method][0] if method in outlook else None
+        return chosen
 
     def update(self, asked: int, proposed: int, accepted: int, draft_ms: float, rows: int = 1) -> None:
-        """A verified step: asked for `asked` drafts, got `proposed`, `accepted` of them kept
-        (`rows`: what the target scored, unused: a chain's cost is modelled from k)."""
-        if asked > 0:
-            self.draft_ms = _ema(self.draft_ms, draft_ms / asked)
-        if proposed > 0:  # nothing proposed (e.g. no match for prompt lookup): no evidence about acceptance
-            self.acceptance.update(proposed, accepted)
+        """A verified step: asked for `asked` drafts, got `proposed`, `accepted` of them kept."""
+        self.chooser.update(self.name, self._situation, asked, proposed, accepted, draft_ms)
 
     def report(self) -> dict[str, Any]:
-        return {"k_chosen": dict(sorted(self.chosen.items())), "alpha_by_position": [round(a, 3) for a in self.alpha()],
-                "draft_ms_per_token": None if self.draft_ms is None else round(self.draft_ms, 3),
-                "pass_scale": round(self.costs.scale, 3)}  # fmt: skip
+        rep = self.chooser.report()
+        chosen = {0: rep["steps"].get("plain", {}).get("steps", 0)} | {
+            int(k.removeprefix("k=")): n for k, n in rep["steps"].get(self.name, {}).items()}
+        alpha = rep["alpha_by_position"]  # per situation ("drafter[situation]"), or one list
+        return {"k_chosen": {k: n for k, n in sorted(chosen.items()) if n},
+                "alpha_by_position": alpha.get(self.name, []) if set(alpha) <= {self.name} else alpha,
+                "draft_ms_per_token": rep["draft_ms_per_token"][self.name],
+                "pass_scale": rep["pass_scale"]}  # fmt: skip
 
 
 class MethodChooser:

@@ -127,7 +127,9 @@ class _Sequence:
     def plan_k(self) -> int:
         """This step's k: the budget's, or the controller's choice within it."""
         k = self.k()
-        if k > 0 and self.controller is not None:
+        if k > 0 and isinstance(self.controller, KController):
+            k = self.controller.choose(k, remaining=self.stopper.limit - len(self.stopper.tokens))
+        elif k > 0 and self.controller is not None:
             k = min(k, self.controller.choose())
         return k
 
@@ -157,7 +159,8 @@ class Engine:
             from .costs import pass_costs
 
             if drafter.adaptive_k:
-                controller = KController(cfg.k, pass_costs(self.target, cfg.k + 1))
+                controller = KController(drafter, cfg.k, pass_costs(self.target, cfg.k + 1))
+                drafter.lazy_begin = True  # its catch-up (a draft model's prefill) waits until it drafts
             else:
                 controller = StepGuard(cfg.k, pass_costs(self.target, max(cfg.k + 1 + drafter.scratch_rows, 2)))
         sid = self._next_id
@@ -233,6 +236,11 @@ class Engine:
                 key = s.drafter.batch_key()
                 groups.setdefault(key if key is not None else ("alone", s.id), []).append(s)
         drafts: dict[int, Draft] = {}
+        for s in seqs:
+            if s.drafter is not None and s.k_now > 0 and isinstance(s.controller, KController):
+                with timer(self.target.device) as t:
+                    s.drafter.sync()  # catching up is timed apart: the controller charged it separately
+                s.metrics.draft_time += t[0]
         for group in groups.values():
             with timer(self.target.device) as t:
                 ks = [s.k_now for s in group]

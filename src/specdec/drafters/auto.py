@@ -39,7 +39,6 @@ from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
 from .base import DRAFTERS, Draft, Drafter, DraftSession, Feedback, Option, make_drafter, register
-from .draft_model import DraftModelDrafter
 
 
 def switchable() -> list[str]:
@@ -88,8 +87,7 @@ class AutoDrafter(Drafter):
             n: make_drafter(n, target=target, draft=draft if DRAFTERS[n].needs == "draft" else None) for n in names
         }
         for sub in self.subs.values():
-            if isinstance(sub, DraftModelDrafter):
-                sub.prefill_at_begin = False  # prefilled when first chosen (`sync`), if ever
+            sub.lazy_begin = True  # caught up (a draft model prefilled) when first chosen, if ever
         self.margin = margin
         self.scratch_rows = max(s.scratch_rows for s in self.subs.values())
         self.wants_hidden = any(s.wants_hidden for s in self.subs.values())

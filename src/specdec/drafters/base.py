@@ -136,6 +136,9 @@ class Drafter:
     # the drafter decides itself when drafting pays (auto; early exit's calibration): the
     # engine's guard (`adaptive_k`) leaves it alone
     own_schedule: bool = False
+    # True: `begin` leaves catching up on the context (a draft model's prefill) to `sync`, which
+    # whoever sets it calls before each proposal (the engine under adaptive_k; auto)
+    lazy_begin: bool = False
 
     def __init__(self) -> None:
         self.forwards = 0  # model forward calls made so far (0 for model-free drafters)

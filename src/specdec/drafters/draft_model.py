@@ -24,9 +24,6 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model = model
-        # False: `begin` leaves the prompt to the first proposal or `sync` (auto sets it, so a
-        # request that never uses the draft model never pays its prefill)
-        self.prefill_at_begin = True
         self.session: DraftSession | None = None  # set by `begin`
         self.cache: KVCache | None = None
         self._tokens: list[int] = []  # committed sequence
@@ -42,7 +39,7 @@ class DraftModelDrafter(Drafter):
         self.cache = self.model.new_cache(session.capacity)
         self._tokens = list(session.context)
         self._proposal = []
-        if self.prefill_at_begin:
+        if not self.lazy_begin:  # (lazily: a request that never drafts never pays the prefill)
             self.sync()
 
     def end(self) -> None:
