@@ -29,8 +29,10 @@ def prompt_file(tmp_path):
 
 def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     target, draft = tiny("llama"), tiny("llama", "close")
+    # k drafts every step (adaptive_k=False), so that every method's acceptance figures are filled
     settings = GridSettings(target="tiny", draft="tiny-draft", temperatures=(0.0, 1.0), k=3, max_new_tokens=12,
-                            repeats=2, prompts_file=str(prompt_file), per_category=1, peers=False)  # fmt: skip
+                            repeats=2, prompts_file=str(prompt_file), per_category=1, peers=False,
+                            adaptive_k=False)  # fmt: skip
     result = run_grid(settings, target=target, draft=draft)
     # per_category=1: c1 and e1; 2 repeats x 2 temperatures x 4 methods
     assert len(result.records) == 2 * 2 * 2 * len(METHODS)
@@ -55,7 +57,10 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     assert all(1 <= r["best_k"] <= 8 and r["predicted_speedup"] > 0 for r in data["cost_model"])
     md = paths[1].read_text()
     assert "## Temperature 0 (greedy)" in md and "specdec's greedy output identical to plain decoding in every run: yes" in md
-    assert "## Cost model" in md
+    assert "## Cost model" in md and "## What auto chose" in md and "k = 3 (fixed: k drafts every step)" in md
+    auto = {(r["temperature"], r["category"]): r for r in data["auto_choices"]}
+    assert set(auto) == {(t, c) for t in (0.0, 1.0) for c in ("chat", "edit", "all")}
+    assert auto[(0.0, "all")]["steps"] > 0 and sum(auto[(0.0, "all")]["share"].values()) == pytest.approx(1.0)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths[2:])
     text = report.table(result)
     assert "prompt-lookup" in text and "edit" in text

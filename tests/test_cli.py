@@ -25,10 +25,18 @@ def test_generate_compare_json_as_written():
     out = json.loads(lines[0])
     for key in ("identical", "speedup", "acceptance_rate", "mean_accepted_tokens", "tokens_per_second"):
         assert key in out, key
+    assert out["identical"] is True and out["speedup"] > 0 and out["tokens_per_second"] > 0
+    # a draft as costly as the target cannot pay: the never-slower guard keeps (nearly) every
+    # step plain, and says so
+    chosen = out["speculative"]["metrics"]["drafter_info"]["adaptive_k"]["k_chosen"]
+    assert chosen.get("0", 0) >= sum(chosen.values()) - 3
+    fixed = specdec_cli("generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "-k", "4", "--no-adaptive-k",
+                        "--temperature", "0", "--max-new-tokens", "40", "--compare", "--json",
+                        "--prompt", "Name three planets of the solar system.")  # fmt: skip
+    out = json.loads(fixed.stdout)
     assert out["identical"] is True
     assert out["acceptance_rate"] == 1.0  # the draft is the target itself
     assert 1.0 < out["mean_accepted_tokens"] <= 5.0
-    assert out["speedup"] > 0 and out["tokens_per_second"] > 0
 
 
 @pytest.mark.real

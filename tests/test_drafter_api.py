@@ -47,7 +47,7 @@ def test_registry_declares_each_drafter_once():
     """Names, options and defaults come from one place; the CLI flags are built from it."""
     from specdec.cli import build_parser
 
-    assert list(specdec.DRAFTERS) == ["draft-model", "auto", "eagle3", "early-exit", "lookahead", "prompt-lookup"]
+    assert list(specdec.DRAFTERS) == ["auto", "draft-model", "eagle3", "early-exit", "lookahead", "prompt-lookup"]
     assert specdec.DRAFTERS["auto"].needs == "any"
     la = specdec.DRAFTERS["lookahead"]
     assert la.defaults() == {"window": 1, "ngram": 3, "guesses": 2} and la.needs == ""
