@@ -202,3 +202,26 @@ def test_wrong_rule_fails_with_drafter_switching(small_vocab, exact_joint, sampl
         counts = sample_joint(target, AutoDrafter(target, methods=LOOKUP), sampling, runs=3000, k=3,
                               expect_mixed=False)  # fmt: skip
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
+
+
+def test_draft_model_sync_feeds_only_what_a_proposal_would_not(tiny):
+    """`sync` prefills a lazily begun draft model, then does nothing in steady decoding (a
+    proposal's first forward feeds up to two committed tokens itself): no extra forward per step."""
+    from specdec.drafters import DraftModelDrafter, DraftSession
+    from specdec.sampling import make_generator
+
+    draft = tiny("llama", "close").model
+    d = DraftModelDrafter(draft)
+    d.lazy_begin = True
+    d.begin(DraftSession(list(range(1, 12)), 64, SamplingParams(), make_generator(0, draft.device)))
+    assert d.forwards == 0 and d.switch_ms() > 0  # nothing prefilled yet: catching up costs
+    d.sync()
+    assert d.forwards == 1 and d.cache.length == 10 and d.switch_ms() == 0.0
+    d.catch_up([5])  # two tokens behind: the next proposal feeds them
+    d.sync()
+    assert d.forwards == 1 and d.switch_ms() == 0.0
+    d.catch_up([6, 7])  # four behind: sync feeds three, the proposal the last
+    assert d.switch_ms() > 0
+    d.sync()
+    assert d.forwards == 2 and d.cache.length == 13
+    assert d.propose(2).tokens.shape[0] == 2 and d.cache.length == 15

@@ -44,7 +44,7 @@ from .costs import Costs
 PRIOR_WEIGHT = 1.0  # pseudo-proposals behind the prior alpha_j = PRIOR_ALPHA ** j
 PRIOR_ALPHA = 0.6
 MAX_PROBE_WAIT = 64
-PROBE_SWITCH_SHARE = 0.05  # a probe may cost catching up at most this share of the rest of the request
+PROBE_SWITCH_SHARE = 0.10  # a probe may cost catching up at most this share of the rest of the request
 
 Outlook = tuple[Hashable, int, float]  # (situation, most tokens it could propose now, switch ms)
 

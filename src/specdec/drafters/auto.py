@@ -16,7 +16,7 @@ The chosen drafter proposes and gets the verification's feedback; the others are
 committed tokens (`catch_up`). The draft model is not prefilled at `begin`: when chosen, it
 first feeds the tokens it missed (`sync`, timed apart from drafting). That cost (`switch_ms`)
 is charged to the step that would switch, spread over the tokens still to generate, and a
-probe may not spend more than 5% of the rest of the request on it: a long prompt with a short
+probe may not spend more than 10% of the rest of the request on it: a long prompt with a short
 answer never pays the draft's prefill.
 
 Exactness: every step is verified by the same exact rule whatever drafter and k proposed it,

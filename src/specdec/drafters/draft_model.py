@@ -102,18 +102,25 @@ class DraftModelDrafter(Drafter):
         """One draft step is about one one-row pass of the draft model on this machine."""
         return self._costs().target(1)
 
+    def _behind(self) -> int:
+        """Committed tokens the cache lacks beyond what a proposal's first forward feeds anyway
+        (up to 2 in steady decoding: the last accepted draft, never fed, and the target's token)."""
+        missing = len(self._tokens) - (self.cache.length if self.cache is not None else 0)
+        return missing - 1 if missing > 2 else 0
+
     def switch_ms(self) -> float:
-        behind = len(self._tokens) - 1 - (self.cache.length if self.cache is not None else 0)
+        behind = self._behind()
         return self._costs().rows(behind) if behind > 0 else 0.0
 
     def sync(self) -> None:
         """Feed the committed tokens the cache lacks, all but the last (the next proposal feeds
-        that one, as in steady decoding)."""
+        that one, as in steady decoding); nothing in steady decoding, where the proposal's first
+        forward feeds at most two."""
         if self.cache is None:
             raise RuntimeError("DraftModelDrafter.sync() called before begin()")
-        pending = self._tokens[self.cache.length : -1]
-        if pending:
+        if self._behind() > 0:
             self.forwards += 1
+            pending = self._tokens[self.cache.length : -1]
             self.model(torch.tensor([pending], device=self.model.device), self.cache, last_only=True)
 
     def accepted(self, feedback: Feedback) -> None:
