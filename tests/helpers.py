@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
+from specdec.costs import Costs
 from specdec.drafters import Feedback
 
 ALPHA = 1e-3  # significance level of every statistical test; all runs are seeded
@@ -64,3 +65,14 @@ def verify_vs_decode(model, prompt_len: int, k: int, seed: int = 0):
     cache.truncate(prompt_len)
     alone = torch.cat([model(ids[:, i : i + 1], cache).logits for i in range(prompt_len, prompt_len + k)], 1)
     return together, alone
+
+
+# a target pass: 30 ms for one row, +6 ms per extra row (the q4k 1.5B here, roughly)
+PASS = Costs({r: 30.0 + 6.0 * (r - 1) for r in range(1, 10)})
+
+
+def no_timing(monkeypatch) -> None:
+    """Every model's pass costs are `PASS`: the controllers decide without timing anything."""
+    from specdec import costs
+
+    monkeypatch.setattr(costs, "pass_costs", lambda target, max_rows: PASS)

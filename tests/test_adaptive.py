@@ -8,16 +8,13 @@ import random
 
 import pytest
 from conftest import EXACT_MODES
-from helpers import ALPHA, PROMPTS, chi2_pvalue
+from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing
 
 import specdec
 from specdec.adaptive import MAX_PROBE_WAIT, KController
 from specdec.config import SamplingParams
 from specdec.costs import Costs
 from specdec.drafters import Drafter, DraftModelDrafter
-
-# a target pass: 30 ms for one row, +6 ms per extra row (the q4k 1.5B here, roughly)
-PASS = Costs({r: 30.0 + 6.0 * (r - 1) for r in range(1, 10)})
 
 
 class _Chain(Drafter):
@@ -130,17 +127,11 @@ def test_the_real_controller_is_exact_and_reports(tiny):
     assert "adaptive_k" not in fixed.metrics.drafter_info
 
 
-def _no_timing(monkeypatch) -> None:
-    from specdec import costs
-
-    monkeypatch.setattr(costs, "pass_costs", lambda target, max_rows: PASS)
-
-
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
                          ids=["T1", "T0.7-topk"])  # fmt: skip
 def test_sampling_law_with_k_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
     target, draft = small_vocab
-    _no_timing(monkeypatch)
+    no_timing(monkeypatch)
     picks = _switching(monkeypatch, 1, 2)
     counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
     assert {0, 1, 2} <= set(picks)
@@ -151,7 +142,7 @@ def test_wrong_rule_fails_with_k_switching(small_vocab, exact_joint, sample_join
     """Negative control: the same test with a rule that recovers from p after a rejection."""
     wrong_rule("rejection")
     target, draft = small_vocab
-    _no_timing(monkeypatch)
+    no_timing(monkeypatch)
     _switching(monkeypatch, 1, 2)
     sampling = SamplingParams(temperature=1.0)
     counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)

@@ -8,17 +8,14 @@ import random
 
 import pytest
 from conftest import EXACT_MODES
-from helpers import ALPHA, PROMPTS, chi2_pvalue
+from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing
 
 import specdec
 from specdec.adaptive import MethodChooser
 from specdec.config import GenerationConfig, SamplingParams
-from specdec.costs import Costs
 from specdec.drafters import AutoDrafter
 from specdec.engine import Engine
 
-# a target pass: 30 ms for one row, +6 ms per extra row (the q4k 1.5B here, roughly)
-PASS = Costs({r: 30.0 + 6.0 * (r - 1) for r in range(1, 10)})
 LOOKUP, DRAFT = "prompt-lookup", "draft-model"
 
 
@@ -168,17 +165,11 @@ def test_a_draft_model_that_auto_would_not_use_is_refused(tiny):
         AutoDrafter(tiny("llama").model, tiny("llama", "close").model, methods="prompt-lookup")
 
 
-def _no_timing(monkeypatch) -> None:
-    from specdec import costs
-
-    monkeypatch.setattr(costs, "pass_costs", lambda target, max_rows: PASS)
-
-
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
                          ids=["T1", "T0.7-topk"])  # fmt: skip
 def test_sampling_law_with_drafter_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
     target, draft = small_vocab
-    _no_timing(monkeypatch)
+    no_timing(monkeypatch)
     picks = _switching(monkeypatch, 1)
     counts = sample_joint(target, AutoDrafter(target, draft), sampling, runs=3000)
     assert {m for m, _ in picks} == {"plain", LOOKUP, DRAFT}
@@ -191,7 +182,7 @@ def test_wrong_rule_fails_with_drafter_switching(small_vocab, exact_joint, sampl
     from p after a rejection) or for prompt lookup's (keeps the rejected token's mass)."""
     wrong_rule(rule)
     target, draft = small_vocab
-    _no_timing(monkeypatch)
+    no_timing(monkeypatch)
     _switching(monkeypatch, 1)
     sampling = SamplingParams(temperature=1.0)
     # (the point-mass rule's control switches between prompt lookup and plain steps only, so

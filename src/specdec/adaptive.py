@@ -103,6 +103,13 @@ class _Prober:
         self.wait = self.first
 
 
+def outlook_of(drafter: Any, k: int) -> Outlook | None:
+    """What `drafter` could propose now within k tokens, as the chooser takes it: (situation,
+    most tokens, switch ms); None when it has nothing to propose."""
+    o = drafter.outlook(k) if k > 0 else None
+    return (o[0], min(o[1], k), drafter.switch_ms()) if o is not None and o[1] > 0 else None
+
+
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else 0.7 * old + 0.3 * new
 
@@ -119,8 +126,8 @@ class KController:
 
     def choose(self, k: int, remaining: int | None = None) -> int:
         """This step's k, at most `k` (call once per step)."""
-        o = self.drafter.outlook(k) if k > 0 else None
-        outlook = {self.name: (o[0], min(o[1], k), self.drafter.switch_ms())} if o is not None and o[1] > 0 else {}
+        o = outlook_of(self.drafter, k)
+        outlook = {self.name: o} if o is not None else {}
         method, chosen = self.chooser.choose(outlook, remaining)
         self._situation = outlook[method][0] if method in outlook else None
         return chosen
@@ -131,10 +138,8 @@ class KController:
 
     def report(self) -> dict[str, Any]:
         rep = self.chooser.report()
-        chosen = {0: rep["steps"].get("plain", {}).get("steps", 0)} | {
-            int(k.removeprefix("k=")): n for k, n in rep["steps"].get(self.name, {}).items()}
         alpha = rep["alpha_by_position"]  # per situation ("drafter[situation]"), or one list
-        return {"k_chosen": {k: n for k, n in sorted(chosen.items()) if n},
+        return {"k_chosen": {k: n for (_, k), n in sorted(self.chooser.chosen.items(), key=lambda t: t[0][1])},
                 "alpha_by_position": alpha.get(self.name, []) if set(alpha) <= {self.name} else alpha,
                 "draft_ms_per_token": rep["draft_ms_per_token"][self.name],
                 "pass_scale": rep["pass_scale"]}  # fmt: skip

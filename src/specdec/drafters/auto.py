@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import MethodChooser
+from ..adaptive import MethodChooser, outlook_of
 from ..costs import K_MAX
 from ..metrics import timer
 from ..model.transformer import Transformer
@@ -116,7 +116,6 @@ class AutoDrafter(Drafter):
                                    session.target_cache, session.layers))  # fmt: skip
         self.chooser = MethodChooser(self.methods, K_MAX, pass_costs(self.target, K_MAX + 1), margin=self.margin,
                                      draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()})  # fmt: skip
-        self._report()
 
     def end(self) -> None:
         for sub in self.subs.values():
@@ -133,11 +132,7 @@ class AutoDrafter(Drafter):
         """Plan this step: the chooser picks from what each drafter could propose now."""
         if self.chooser is None:
             raise RuntimeError("AutoDrafter.propose() called before begin()")
-        outlook = {}
-        for name, sub in self.subs.items():
-            o = sub.outlook(k) if k > 0 else None
-            if o is not None and o[1] > 0:
-                outlook[name] = (o[0], min(o[1], k), sub.switch_ms())
+        outlook = {name: o for name, sub in self.subs.items() if (o := outlook_of(sub, k)) is not None}
         method, kk = self.chooser.choose(outlook, remaining=self._capacity - self._length)
         self._plan = (method, outlook[method][0] if method in outlook else None, kk)
         self._proposal, self._draft_ms = [], 0.0
