@@ -91,12 +91,12 @@ def measure_costs(target: Transformer, draft: Transformer | None = None, *, max_
 def machine_key(target: Transformer) -> str | None:
     """What a measurement of `target` on this machine depends on: model directory, mode,
     kernel build, CPU, threads, device (None for a model without a directory)."""
-    from .model.native import build_name, cpu_info
+    from .model.native import build_id, cpu_info
 
     src = getattr(target, "source_dir", None)
     if src is None:
         return None
-    return "|".join([str(src), target.mode, build_name(), cpu_info().get("model name", "?"),
+    return "|".join([str(src), target.mode, build_id(), cpu_info().get("model name", "?"),
                      str(torch.get_num_threads()), str(target.device)])  # fmt: skip
 
 

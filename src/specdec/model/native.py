@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -154,17 +155,34 @@ def available() -> bool:
     return True
 
 
-@cache
-def _library(variant: str) -> ctypes.CDLL:
-    from ..store import cache_root
+def build_id() -> str:
+    """`build_name` plus the hash of the kernel sources, flags and compiler: what a timing of the
+    native kernels depends on (a stored pass-time table is re-measured when the kernels change)."""
+    try:
+        variant = dispatch()[0]
+        return f"{variant}-{_build(variant)[1].hexdigest()[:12]}"
+    except NativeUnavailableError:
+        return "none"
 
+
+@cache
+def _build(variant: str) -> tuple[list[str], Any]:
+    """The compile command (without sources and output) and the hash of everything it reads."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise NativeUnavailableError("specdec's CPU kernels are compiled at first use and need gcc; install it or use --dtype int8")
     cmd = [cc, *_BASE_FLAGS, *_VARIANT_FLAGS[variant]]
     sources = [_CSRC / name for name in _SOURCES]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(cmd).encode() + version.encode())
+    return cmd, hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(cmd).encode() + version.encode())
+
+
+@cache
+def _library(variant: str) -> ctypes.CDLL:
+    from ..store import cache_root
+
+    cmd, key = _build(variant)
+    sources = [_CSRC / name for name in _SOURCES]
     out = cache_root() / "kernels" / key.hexdigest()[:16] / "libspecdec_cpu.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -145,12 +145,21 @@ static inline int32_t load4(const void *p) {
     return v;
 }
 
-/* The hardware prefetchers alone leave DRAM bandwidth unused here; asking for the tile-block
- * after next keeps them ahead. (Prefetches past the end of the weights never fault.) */
-static inline void prefetch_ahead(const void *t, size_t bytes) {
-    const char *p = (const char *)t + 2 * bytes;
-    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+/* The hardware prefetchers alone leave DRAM bandwidth unused here, so each tile-block asks for
+ * the one PF_AHEAD blocks further on (the same tile, or the next tile this thread takes: tiles
+ * lie back to back). The requests are spread over the block's scale groups, a few lines each:
+ * asked for all at once, at the start of the block, they stalled the loop until the memory
+ * system took them, and a pass over several rows cost the memory time *plus* the compute time
+ * (1.5B MLP, 8 rows: 0.45 ms per matrix against 0.17 ms for one row; spread: 0.20 ms). Spread,
+ * memory and compute overlap, and up to ~6 rows cost what one does.
+ * (Prefetches past the end of the weights never fault.) */
+#define PF_AHEAD 4
+static inline __attribute__((always_inline)) void prefetch_part(const void *t, size_t bytes, int part, int parts) {
+    const char *p = (const char *)t + PF_AHEAD * bytes;
+    const size_t lines = bytes / 64;  /* both tile-blocks are whole cache lines */
+    for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
+_Static_assert(sizeof(tile_q4k) % 64 == 0 && sizeof(tile_q6k) % 64 == 0, "tile-blocks are whole cache lines");
 
 /* Per row and output, both builds do the same integer sums and then the same float operations
  * in the same order (one fmadd per block, a final subtraction and bias add), so the AVX2 and
@@ -164,7 +173,6 @@ static inline __attribute__((always_inline)) void half_dot_q4k(
     for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm256_setzero_ps();
     for (int b = 0; b < xq->nb; b++) {
         const tile_q4k *t = w + b;
-        prefetch_ahead(t, sizeof(tile_q4k));
         __m256i iacc[MAXRB], imin[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
@@ -175,6 +183,7 @@ static inline __attribute__((always_inline)) void half_dot_q4k(
             }
         }
         for (int j = 0; j < 8; j++) {
+            if (h == 0) prefetch_part(t, sizeof(tile_q4k), j, 8);  /* (the second half finds the tile in cache) */
             const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[j][8 * h]));
             __m256i c[8];
             for (int v = 0; v < 4; v++) {
@@ -212,10 +221,10 @@ static inline __attribute__((always_inline)) void half_dot_q6k(
     for (int r = 0; r < rb; r++) facc[r] = _mm256_setzero_ps();
     for (int b = 0; b < xq->nb; b++) {
         const tile_q6k *t = w + b;
-        prefetch_ahead(t, sizeof(tile_q6k));
         __m256i iacc[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = _mm256_setzero_si256();
         for (int s = 0; s < 16; s++) {
+            if (h == 0) prefetch_part(t, sizeof(tile_q6k), s, 16);
             const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[s][8 * h]));
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)&t->sub[s].ql[0][32 * h]);
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)&t->sub[s].ql[1][32 * h]);
@@ -288,11 +297,11 @@ static inline __attribute__((always_inline)) void tile_dot_q4k(
     for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm512_setzero_ps();
     for (int b = 0; b < xq->nb; b++) {
         const tile_q4k *t = w + b;
-        prefetch_ahead(t, sizeof(tile_q4k));
         __m512i iacc[MAXRB], imin[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
         q4k_mins512(t, xq, r0, rb, b, imin);
         for (int j = 0; j < 8; j++) {
+            prefetch_part(t, sizeof(tile_q4k), j, 8);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
             __m512i c[8];
             q4k_codes512(t, j, c);
@@ -322,10 +331,10 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
     for (int r = 0; r < rb; r++) facc[r] = _mm512_setzero_ps();
     for (int b = 0; b < xq->nb; b++) {
         const tile_q6k *t = w + b;
-        prefetch_ahead(t, sizeof(tile_q6k));
         __m512i iacc[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = _mm512_setzero_si512();
         for (int s = 0; s < 16; s++) {
+            prefetch_part(t, sizeof(tile_q6k), s, 16);
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)t->sc[s]));
             const __m512i l0 = _mm512_loadu_si512((const void *)t->sub[s].ql[0]);
             const __m512i l1 = _mm512_loadu_si512((const void *)t->sub[s].ql[1]);
@@ -463,11 +472,11 @@ static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, fl
     amx_config(rb);
     for (int b = 0; b < xq->nb; b++) {
         const tile_q4k *t = w + b;
-        prefetch_ahead(t, sizeof(tile_q4k));
         __m512i iacc[AMX_ROWS], imin[AMX_ROWS];
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
         q4k_mins512(t, xq, r0, rb, b, imin);
         for (int j = 0; j < 8; j++) {
+            prefetch_part(t, sizeof(tile_q4k), j, 8);
             __m512i c[8];  /* the group's 8 code vectors: B in VNNI layout */
             q4k_codes512(t, j, c);
             for (int v = 0; v < 8; v++) _mm512_store_si512((void *)bbuf[v], c[v]);
@@ -495,10 +504,10 @@ static void amx_tile_q6k(const tile_q6k *w, const xquant *xq, int r0, int rb, fl
     amx_config(rb);
     for (int b = 0; b < xq->nb; b++) {
         const tile_q6k *t = w + b;
-        prefetch_ahead(t, sizeof(tile_q6k));
         __m512i iacc[AMX_ROWS];
         for (int r = 0; r < rb; r++) iacc[r] = _mm512_setzero_si512();
         for (int s = 0; s < 16; s++) {
+            prefetch_part(t, sizeof(tile_q6k), s, 16);
             const __m512i l0 = _mm512_loadu_si512((const void *)t->sub[s].ql[0]);
             const __m512i l1 = _mm512_loadu_si512((const void *)t->sub[s].ql[1]);
             const __m512i hb = _mm512_loadu_si512((const void *)t->sub[s].qh);
