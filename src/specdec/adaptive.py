@@ -295,3 +295,21 @@ class StepGuard:
         return {"drafted_steps": self.drafted_steps, "plain_steps": self.plain_steps,
                 "drafted_tokens_per_ms": round(self.tokens / self.ms, 4) if self.ms else None,
                 "plain_tokens_per_ms": round(1.0 / self.costs.target(1), 4), "pass_scale": round(self.costs.scale, 3)}  # fmt: skip
+
+
+def batch_drafting_pays(costs: Costs, batch: int, k: float, alpha: float, draft_ms_per_token: float = 0.0) -> bool:
+    """Several sequences decoding in one target pass (a server's continuous batch): does
+    drafting `k` tokens each, accepted at rate `alpha` each, commit more tokens per ms than a
+    plain step for all of them? A plain step commits `batch` tokens in a pass over `batch`
+    rows; a drafting step batch * E(alpha, k) (E = 1 + alpha + ... + alpha^k) in a pass over
+    batch * (1 + k) rows plus the drafting. One row costs about as much as a few (the pass
+    is memory-bound), so drafting pays for a small batch; a large batch already fills the pass
+    with rows, and each drafted row then costs its full compute. With one sequence its own
+    controller decides (True here)."""
+    if batch <= 1 or k <= 0:
+        return True
+    alpha = min(max(alpha, 0.0), 1.0)
+    expected = sum(alpha**j for j in range(int(round(k)) + 1))
+    plain = batch / costs.rows(batch)
+    drafting = batch * expected / (costs.rows(int(round(batch * (1 + k)))) + batch * k * draft_ms_per_token)
+    return drafting > plain

@@ -286,6 +286,24 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     bat.add_argument("--out", type=Path, help="write DIR/batch.json and DIR/batch.png")
     bat.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bat.set_defaults(func=_cmd_bench_batch)
+    srv = bsub.add_parser("serve", help="load-test a running `specdec serve` on this machine",
+                          description="Streaming chat requests at each concurrency level (prompts of the bundled "
+                                      "suite); throughput, time to first token and latency percentiles as a table, "
+                                      "DIR/serve.json and DIR/serve.png. Localhost only; bounded in count and time.",
+                          formatter_class=_Help)  # fmt: skip
+    srv.add_argument("--url", default="http://127.0.0.1:8000", help="the server (a loopback address)")
+    srv.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16], help="requests in flight, per level")
+    srv.add_argument("--requests", type=int, default=32, help="requests per level (at most 1000)")
+    srv.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
+    srv.add_argument("--model", help="model id (default: the server's first)")
+    srv.add_argument("--method", help="send \"speculative\": {\"method\": METHOD} (e.g. none, prompt-lookup; "
+                                      "default: the server's own)")  # fmt: skip
+    srv.add_argument("-k", type=int, help="with --method: draft tokens per step")
+    srv.add_argument("--temperature", type=float, default=0.0)
+    srv.add_argument("--api-key", help="the server's API key")
+    srv.add_argument("--timeout", type=float, default=600.0, help="seconds per level, at most")
+    srv.add_argument("--out", type=Path, default=Path("bench-out/serve"), help="output directory")
+    srv.set_defaults(func=_cmd_bench_serve)
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
@@ -363,6 +381,21 @@ def _cmd_bench_batch(ns: argparse.Namespace) -> int:
     print(json.dumps(result.to_dict()) if ns.json else table(result))
     if ns.out is not None:
         write(result, ns.out)
+    return 0
+
+
+def _cmd_bench_serve(ns: argparse.Namespace) -> int:
+    from .bench import serve as sb
+
+    if ns.k is not None and ns.method is None:
+        raise ValueError("-k goes with --method (the server's own k applies otherwise)")
+    spec = None if ns.method is None else {"method": ns.method, **({"k": ns.k} if ns.k is not None else {})}
+    settings = sb.ServeBenchSettings(url=ns.url, concurrency=tuple(ns.concurrency), requests=ns.requests,
+                                     max_tokens=ns.max_tokens, model=ns.model, speculative=spec,
+                                     temperature=ns.temperature, api_key=ns.api_key, level_timeout_s=ns.timeout)  # fmt: skip
+    result = sb.run(settings, progress=lambda msg: print(msg, file=sys.stderr))
+    print(sb.table(result))
+    sb.write(result, ns.out)
     return 0
 
 
@@ -492,6 +525,62 @@ def _cmd_export_eagle3(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat/completions, streaming, metrics)",
+                       formatter_class=_Help,
+                       description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. "
+                                   "Requests decode together (continuous batching); each may choose its own method "
+                                   "with the extra body field \"speculative\": {\"method\": NAME, \"k\": K}.")  # fmt: skip
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
+    p.add_argument("--draft", help="draft model for the draft-model and auto methods")
+    p.add_argument("--drafter", choices=sorted(DRAFTERS),
+                   help="the server's default method (unset: draft-model when --draft is given, else plain decoding)")
+    add_drafter_options(p)
+    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=DEFAULT_K,
+                   help="draft tokens per step, unless a request says otherwise")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (anything but loopback exposes the server)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together at most; more wait in order")
+    p.add_argument("--max-tokens", dest="default_max_tokens", type=int, default=512,
+                   help="max_tokens of a request that gives none")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
+    p.add_argument("--served-model-name", help="the model id clients send (default: --target)")
+    p.add_argument("--batch-guard", action=argparse.BooleanOptionalAction, default=True,
+                   help="turn drafting off for steps whose batch is large enough that it no longer pays")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="precision/kernel mode")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from .api import load
+    from .server import ServeSettings, serve
+
+    method = ns.drafter or ("draft-model" if ns.draft else None)
+    if method == "draft-model" and not ns.draft:
+        raise ValueError("--drafter draft-model needs --draft MODEL")
+    if ns.k < 1 or ns.max_batch < 1 or ns.default_max_tokens < 1 or ns.max_body_bytes < 1:
+        raise ValueError("-k, --max-batch, --max-tokens and --max-body-bytes must be at least 1")
+    if not 0 < ns.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {ns.port}")
+    options = drafter_options(ns, method)
+    if ns.host not in ("127.0.0.1", "localhost", "::1") and ns.api_key is None:
+        print(f"specdec: warning: serving on {ns.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)  # fmt: skip
+    target = load(ns.target, dtype=ns.dtype, device=ns.device)
+    draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
+    if method is not None:  # fail now, not on the first request
+        from .api import build_drafter
+
+        build_drafter(target, draft if method in ("draft-model", "auto") else None, method, **options)
+    settings = ServeSettings(ns.served_model_name or ns.target, method, options, ns.k, ns.max_batch,
+                             default_max_tokens=ns.default_max_tokens, api_key=ns.api_key,
+                             max_body_bytes=ns.max_body_bytes, batch_guard=ns.batch_guard)  # fmt: skip
+    serve(target, draft, settings, ns.host, ns.port)
+    return 0
+
+
 def _info_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="this machine: CPU, kernel path and why, memory, installed models",
                        description="What this machine has and what specdec runs on it: say which CPU and "
@@ -518,6 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     _data_parser(sub)
     _train_parser(sub)
     _export_parser(sub)
+    _serve_parser(sub)
     _info_parser(sub)
     return parser
 

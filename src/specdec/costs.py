@@ -63,19 +63,20 @@ def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) 
     cache = model.new_cache(context + max(rows))
     model(torch.randint(0, vocab, (1, context), generator=gen).to(model.device), cache, last_only=True)
     new = torch.randint(0, vocab, (1, max(rows)), generator=gen).to(model.device)
-    out = {}
-    for r in rows:
-        times = []
-        for i in range(repeats + 1):  # the first call warms up this shape
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    # Round by round over all the row counts, not count by count: a passing slowdown of a shared
+    # machine then lands on every count alike (the engine's online `scale` absorbs that), instead
+    # of making a few counts look dear for good in the stored table.
+    for i in range(repeats + 1):  # the first round warms up every shape
+        for r in rows:
             cache.truncate(context)
             t0 = time.perf_counter()
             model(new[:, :r], cache)
             if model.device.type == "cuda":
                 torch.cuda.synchronize()
             if i:
-                times.append((time.perf_counter() - t0) * 1e3)
-        out[r] = statistics.median(times)
-    return out
+                times[r].append((time.perf_counter() - t0) * 1e3)
+    return {r: statistics.median(t) for r, t in times.items()}
 
 
 def measure_costs(target: Transformer, draft: Transformer | None = None, *, max_rows: int = 2 * K_MAX + 1,
@@ -148,7 +149,7 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     if isinstance(entry, dict) and entry and {str(r) for r in rows} <= set(entry):
         costs = Costs({int(r): float(ms) for r, ms in entry.items()})
     else:
-        costs = Costs(_time_rows(target, rows, context=128, repeats=2))
+        costs = Costs(_time_rows(target, rows, context=128, repeats=3))
         if key is not None:  # (a model without a directory is kept in this process only)
             store_measurement("pass_costs.json", key, {str(r): round(ms, 3) for r, ms in costs.target_ms.items()})
     _PASS_COSTS[target] = costs

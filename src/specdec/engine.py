@@ -194,13 +194,15 @@ class Engine:
         return self._done.pop(seq_id)
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self) -> list[Delta]:
-        """One propose -> target pass -> verify -> commit over every live sequence."""
+    def step(self, drafting: bool = True) -> list[Delta]:
+        """One propose -> target pass -> verify -> commit over every live sequence.
+        `drafting=False`: a plain step for every sequence (a server turns drafting off where a
+        large batch leaves no room for it; exactness is unchanged, as with any k = 0 step)."""
         seqs = list(self._live.values())
         if not seqs:
             return []
         for s in seqs:
-            s.k_now = s.plan_k() if s.last is not None else 0
+            s.k_now = s.plan_k() if s.last is not None and drafting else 0
             s.draft_ms = 0.0
         drafts = self._propose([s for s in seqs if s.last is not None])
         segments = [self._segment(s, drafts.get(s.id)) for s in seqs]

@@ -1,0 +1,283 @@
+"""`specdec serve`: a real server on a free localhost port, driven by the official `openai`
+client (unchanged) and by raw HTTP for the error cases. SmolLM2-135M in its exact mode, so
+greedy outputs are asserted equal to `specdec generate`'s token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import specdec
+from specdec.adaptive import batch_drafting_pays
+from specdec.cli import main
+from specdec.costs import Costs
+from specdec.server import ServeSettings, create_app
+
+KEY = "test-key"
+PROMPTS = [
+    "Write a Python function that returns the sum of a list of numbers.",
+    "List three colours of the rainbow.",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "What is the capital of France? Answer in one sentence.",
+]
+
+
+class Running:
+    """A uvicorn server for an app, in a thread, on a free port."""
+
+    def __init__(self, app) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 120
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def models(smollm2_exact):
+    draft = specdec.load("smollm2-135m", dtype=smollm2_exact.model.mode, device="cpu")  # its own copy as the draft
+    return smollm2_exact, draft
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    target, draft = models
+    app = create_app(target, draft, ServeSettings("smollm2-135m", "prompt-lookup", {}, k=4, max_batch=8,
+                                                  api_key=KEY, max_body_bytes=64 * 1024))  # fmt: skip
+    running = Running(app)
+    yield running
+    running.close()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _reference(target, draft, prompt: str, method: str, n: int, chat: bool = True) -> str:
+    kw = {"none": {}, "prompt-lookup": {"drafter": "prompt-lookup"}, "draft-model": {"assistant_model": draft}}[method]
+    p = [{"role": "user", "content": prompt}] if chat else prompt
+    return specdec.generate(target, p, max_new_tokens=n, temperature=0.0, k=4, chat=chat, **kw).text
+
+
+def _spec(method: str) -> dict:
+    return {"speculative": {"method": method, "k": 4}}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["none", "prompt-lookup", "draft-model"])
+def test_openai_client_greedy_equals_generate(client, models, method):
+    target, draft = models
+    prompt = PROMPTS[2]
+    want = _reference(target, draft, prompt, method, 24)
+    assert want == _reference(target, draft, prompt, "none", 24)  # the same with and without speculation
+    chat = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=24, temperature=0, extra_body=_spec(method))  # fmt: skip
+    assert chat.choices[0].message.content == want
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 0
+    spec = chat.usage.model_extra["speculative"]
+    assert spec["method"] == method and (spec["target_passes"] > 0) == (method != "none")
+    stream = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=_spec(method))  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [chat.choices[0].finish_reason]  # fmt: skip
+    want_raw = _reference(target, draft, "def fibonacci(n):", method, 20, chat=False)
+    comp = client.completions.create(model="smollm2-135m", prompt="def fibonacci(n):", max_tokens=20, temperature=0,
+                                     extra_body=_spec(method))  # fmt: skip
+    assert comp.choices[0].text == want_raw
+    streamed = client.completions.create(model="smollm2-135m", prompt="def fibonacci(n):", max_tokens=20,
+                                         temperature=0, stream=True, extra_body=_spec(method))  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == want_raw
+
+
+@pytest.mark.real
+def test_server_default_method_and_seeded_sampling(client):
+    # no "speculative" field: the server's default (prompt lookup); a seed reproduces a sampled answer
+    kw = {"model": "smollm2-135m", "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 16,
+          "temperature": 0.8, "top_p": 0.9, "seed": 7, "extra_body": {"top_k": 40}}  # fmt: skip
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.model_extra["speculative"]["method"] == "prompt-lookup"
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m"]
+
+
+@pytest.mark.real
+def test_32_concurrent_streaming_clients(server, models, capsys):
+    target, draft = models
+    methods = ["none", "prompt-lookup", "draft-model"]
+    lengths = [8, 24]
+    jobs = [(PROMPTS[i % 4], methods[i % 3], lengths[(i // 4) % 2]) for i in range(32)]
+    want = {(p, n): _reference(target, draft, p, "none", n) for p, _, n in jobs}
+
+    async def one(aclient, prompt, method, n):
+        t0 = time.perf_counter()
+        first = None
+        text = []
+        stream = await aclient.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": prompt}], max_tokens=n, temperature=0,
+            stream=True, extra_body=_spec(method))  # fmt: skip
+        async for c in stream:
+            if c.choices and c.choices[0].delta.content:
+                first = first or time.perf_counter() - t0
+                text.append(c.choices[0].delta.content)
+        return "".join(text), first, time.perf_counter() - t0
+
+    async def everyone():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(aclient, *j) for j in jobs))
+
+    results = asyncio.run(everyone())
+    assert len(results) == 32
+    for (prompt, method, n), (text, _, _) in zip(jobs, results, strict=True):
+        assert text == want[(prompt, n)], (method, n)
+    ttft = sorted(r[1] for r in results if r[1] is not None)
+    total = sorted(r[2] for r in results)
+    with capsys.disabled():
+        print(f"\n32 concurrent streams: TTFT p50 {statistics.median(ttft):.2f} s p99 {ttft[-1]:.2f} s; "
+              f"latency p50 {statistics.median(total):.2f} s p99 {total[-1]:.2f} s")
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "specdec_time_to_first_token_seconds_count" in metrics and "specdec_batch_size" in metrics
+    assert 'specdec_draft_tokens_total{method="draft-model"}' in metrics
+    assert "specdec_drafting_enabled" in metrics and 'specdec_steps_total{drafting="on"}' in metrics
+
+
+def _post(server, path: str, body, headers=None, **kw) -> httpx.Response:
+    h = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=data, headers={"Content-Type": "application/json", **h}, timeout=60,
+                      **kw)  # fmt: skip
+
+
+CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("change, status, param", [
+    ({"model": "gpt-9"}, 404, "model"),
+    ({"speculative": {"method": "prompt-lookup", "k": 0}}, 400, "speculative.k"),
+    ({"speculative": {"method": "telepathy"}}, 400, "speculative.method"),
+    ({"speculative": {"method": "prompt-lookup", "bogus_option": 3}}, 400, "speculative"),
+    ({"temperature": -0.5}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"top_p": 1.5}, 400, "top_p"),
+    ({"max_tokens": 10**6}, 400, "max_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"n": 2}, 400, "n"),
+    ({"messages": []}, 400, "messages"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"presence_penalty": 1.0}, 400, "presence_penalty"),
+])  # fmt: skip
+def test_bad_requests_get_openai_errors(server, change, status, param):
+    r = _post(server, "/v1/chat/completions", {**CHAT, **change})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+
+
+@pytest.mark.real
+def test_transport_errors_and_keys(server, client):
+    r = _post(server, "/v1/chat/completions", b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = _post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 70000}]})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the limit still holds
+        for _ in range(80):
+            yield b"x" * 1024
+
+    r = httpx.post(server.url + "/v1/completions", content=chunked(), headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 413
+    assert _post(server, "/v1/chat/completions", CHAT, headers={}).status_code == 401
+    assert _post(server, "/v1/chat/completions", CHAT, headers={"Authorization": "Bearer nope"}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"  # open without the key
+    # and it still serves
+    assert client.chat.completions.create(**CHAT).choices[0].message.content is not None
+
+
+@pytest.mark.real
+def test_a_client_that_disconnects_frees_its_sequence(server, client):
+    body = {**CHAT, "max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "speculative": {"method": "none"}}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:  # fmt: skip
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    deadline = time.time() + 30
+    while httpx.get(server.url + "/health").json()["batch"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/health").json()["batch"] == 0  # gone long before its 400 tokens
+    assert client.chat.completions.create(**CHAT).choices[0].finish_reason in ("stop", "length")
+
+
+def test_drafting_stops_paying_as_the_batch_grows():
+    # one row costs about what 8 do (memory-bound), then each row adds its compute
+    costs = Costs({1: 20.0, 2: 20.5, 4: 21.0, 8: 23.0, 16: 40.0, 32: 74.0})
+    assert batch_drafting_pays(costs, 1, 4, 0.0)  # one sequence: its own controller decides
+    assert batch_drafting_pays(costs, 2, 4, 0.7)
+    assert not batch_drafting_pays(costs, 2, 4, 0.0)  # nothing accepted never pays
+    assert not batch_drafting_pays(costs, 8, 4, 0.7)  # 40 rows against 8
+    small = [b for b in range(1, 17) if batch_drafting_pays(costs, b, 3, 0.6)]
+    assert small == list(range(1, small[-1] + 1)) and 2 <= small[-1] < 16  # on up to some size, off beyond
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--port", "0"],
+    ["serve", "--drafter", "draft-model"],
+    ["serve", "--max-batch", "0"],
+    ["serve", "-k", "0"],
+])  # fmt: skip
+def test_serve_cli_bad_values(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error:") and "Traceback" not in err
+
+
+@pytest.mark.real
+def test_bench_serve_load_test(server, tmp_path, capsys):
+    out = tmp_path / "serve"
+    assert main(["bench", "serve", "--url", server.url, "--concurrency", "1", "3", "--requests", "3",
+                 "--max-tokens", "8", "--api-key", KEY, "--method", "prompt-lookup", "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "TTFT p50" in printed
+    result = json.loads((out / "serve.json").read_text())
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
+    for lv in result["levels"]:
+        assert lv["failed"] == 0 and lv["completion_tokens"] > 0 and lv["ttft_s"]["p50"] > 0
+    assert (out / "serve.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("url", ["http://example.com:8000", "ftp://127.0.0.1", "http://10.1.2.3:8000"])
+def test_bench_serve_is_localhost_only(url, capsys):
+    assert main(["bench", "serve", "--url", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: --url") and "Traceback" not in err
