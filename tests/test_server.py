@@ -34,11 +34,12 @@ PROMPTS = [
 class Running:
     """A uvicorn server for an app, in a thread, on a free port."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, graceful_s: float | None = None) -> None:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_s)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 120
@@ -237,6 +238,44 @@ def test_a_client_that_disconnects_frees_its_sequence(server, client):
         time.sleep(0.1)
     assert httpx.get(server.url + "/health").json()["batch"] == 0  # gone long before its 400 tokens
     assert client.chat.completions.create(**CHAT).choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.real
+def test_graceful_shutdown_finishes_or_cancels_in_flight_requests(models):
+    # a stream in flight when the server is told to stop still ends properly: within the grace
+    # period it runs to its end; past it, it is cancelled and the engine thread stops
+    target, draft = models
+    for graceful_s, max_tokens in ((30.0, 24), (0.5, 2000)):
+        app = create_app(target, draft, ServeSettings("smollm2-135m", max_batch=2))
+        running = Running(app, graceful_s)
+        got: list[str] = []
+        body = {**CHAT, "max_tokens": max_tokens, "stream": True, "messages": [{"role": "user", "content": PROMPTS[0]}],
+                "speculative": {"method": "none"}}  # fmt: skip
+
+        def read() -> None:
+            try:
+                with httpx.stream("POST", running.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                    got.extend(r.iter_lines())
+            except httpx.HTTPError as exc:  # a cancelled stream may end abruptly
+                got.append(f"closed: {type(exc).__name__}")
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.time() + 60
+        while not any(line.startswith("data: ") for line in got) and time.time() < deadline:
+            time.sleep(0.02)
+        assert got, "the stream did not start"
+        t0 = time.time()
+        running.close()
+        reader.join(60)
+        assert not reader.is_alive() and time.time() - t0 < 30 + 10
+        if max_tokens == 24:  # finished inside the grace period: the whole answer and [DONE]
+            assert [line for line in got if line][-1] == "data: [DONE]"
+        else:  # cancelled: no [DONE], the connection closed
+            assert "data: [DONE]" not in got
+        assert not app.state.worker.thread.is_alive()  # the engine thread ended with the app
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(running.url + "/health", timeout=5)
 
 
 def test_drafting_stops_paying_as_the_batch_grows():
