@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -276,6 +279,42 @@ def test_graceful_shutdown_finishes_or_cancels_in_flight_requests(models):
         assert not app.state.worker.thread.is_alive()  # the engine thread ended with the app
         with pytest.raises(httpx.HTTPError):
             httpx.get(running.url + "/health", timeout=5)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.real
+def test_specdec_serve_command_serves_and_stops_on_sigterm(smollm2_exact):
+    # the command as a user runs it: the engine on the main thread, uvicorn beside it; SIGTERM
+    # ends it cleanly (exit 0); a port already taken is one clear line, exit 2
+    port = _free_port()
+    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--target", "smollm2-135m", "--dtype", smollm2_exact.model.mode,
+           "--drafter", "prompt-lookup", "--port", str(port), "--max-batch", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        out = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120).chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=16, temperature=0)
+        assert out.choices[0].message.content == _reference(smollm2_exact, None, PROMPTS[2], "prompt-lookup", 16)
+        taken = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert taken.returncode == 2 and "Traceback" not in taken.stderr
+        assert taken.stderr.startswith(f"specdec: error: cannot listen on 127.0.0.1:{port}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, log[-2000:]
+    assert "Traceback" not in log
 
 
 def test_drafting_stops_paying_as_the_batch_grows():

@@ -9,11 +9,15 @@ events in the OpenAI chunk format, or not), `GET /v1/models`, `GET /health`, `GE
 ``"speculative": {"method": "prompt-lookup", "k": 6}`` (``{"method": "none"}``: plain
 decoding); the server's own method (`--drafter`/`--draft`) is the default.
 
-Two threads: the ASGI event loop (uvicorn) parses, validates and streams; one worker thread
+Two threads: the ASGI event loop (uvicorn) parses, validates and streams; the engine thread
 owns the `Engine` and steps every live sequence together (continuous batching: a request
 joins the batch at the next step and leaves it when it ends; at most `max_batch` decode at
-once, the rest wait in order). The worker hands each step's deltas to the request's asyncio
-queue. Each step it asks the cost model whether drafting still pays at this batch size
+once, the rest wait in order). The engine thread hands each step's deltas to the request's
+asyncio queue. All torch work happens on that one thread (drafters are built there too):
+OpenMP keeps a thread pool per calling thread, and on a machine with as many cores as one
+pool has threads, a second pool throttles the spinning of both, which cost a third of the
+decoding speed here. `serve` therefore runs the engine on the main thread, the one that
+loaded the models, and uvicorn beside it. Each step it asks the cost model whether drafting still pays at this batch size
 (`adaptive.batch_drafting_pays`: a large batch fills the target pass with rows already) and
 runs a plain step for all when it does not — exactly as lossless as any other step.
 
@@ -271,26 +275,28 @@ class Worker:
                  metrics: ServerMetrics) -> None:  # fmt: skip
         self.target, self.draft, self.settings, self.metrics = target, draft, settings, metrics
         self.engine = Engine(target.model, target.tokenizer)
-        self.inbox: queue.Queue[tuple[str, Job | None]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.waiting: deque[Job] = deque()
         self.jobs: dict[int, Job] = {}
         self.costs: Any = None  # the target's pass time per row count, for the batch guard
         self.drafting_on = True
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self.running = threading.Event()  # set while the loop runs (whichever thread runs it)
+        self.finished = threading.Event()
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
-        if self.settings.batch_guard and self.settings.max_batch > 1:
-            from .costs import pass_costs
-
-            self.costs = pass_costs(self.target.model, min(64, self.settings.max_batch * (self.settings.k + 1)))
+        """Run the loop in a thread of its own (`run` runs it in the caller's thread)."""
+        self.thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
         self.thread.start()
 
+    def alive(self) -> bool:
+        return self.running.is_set() and not self.finished.is_set()
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is still running or waiting, and end the thread."""
-        self._stop.set()
+        """Cancel what is still running or waiting, and end the loop."""
         self.inbox.put(("stop", None))
-        self.thread.join(timeout)
+        if self.running.is_set():
+            self.finished.wait(timeout)
 
     def submit(self, job: Job) -> None:
         if len(self.waiting) + self.inbox.qsize() >= self.settings.max_queue:
@@ -301,13 +307,35 @@ class Worker:
         job.cancelled = True
         self.inbox.put(("cancel", job))
 
+    async def call(self, fn: Any) -> Any:
+        """`fn()` on the engine thread between two steps (building a drafter may run torch)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self.inbox.put(("call", (fn, loop, future)))
+        return await future
+
     # -- the thread ------------------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self, keep_going: Any = None) -> None:
+        """The loop, in the calling thread, until `stop` (or until `keep_going()` turns false,
+        checked while idle: the HTTP thread died)."""
+        self.running.set()
+        try:
+            if self.settings.batch_guard and self.settings.max_batch > 1:
+                from .costs import pass_costs
+
+                self.costs = pass_costs(self.target.model, min(64, self.settings.max_batch * (self.settings.k + 1)))
+            self._loop(keep_going)
+        finally:
+            self.finished.set()
+
+    def _loop(self, keep_going: Any) -> None:
         while True:
             idle = not self.engine.has_work() and not self.waiting
             try:
                 self._take(block=idle)
             except _Stop:
+                break
+            if idle and keep_going is not None and not keep_going():
                 break
             self._admit()
             self.metrics.batch.set(len(self.engine.live()))
@@ -322,17 +350,18 @@ class Worker:
         self.waiting.clear()
 
     def _take(self, block: bool) -> None:
-        """Everything in the inbox (waiting for the first item when idle)."""
+        """Everything in the inbox (waiting up to a second for the first item when idle)."""
         try:
-            item = self.inbox.get(block=block, timeout=None if block else 0)
+            item = self.inbox.get(block=block, timeout=1.0 if block else 0)
         except queue.Empty:
             return
         while True:
             kind, job = item
             if kind == "stop":
                 raise _Stop
-            assert job is not None
-            if kind == "add":
+            if kind == "call":
+                self._call(*job)
+            elif kind == "add":
                 self.waiting.append(job)
             elif kind == "cancel":
                 if job in self.waiting:
@@ -345,6 +374,18 @@ class Worker:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    @staticmethod
+    def _call(fn: Any, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> None:
+        def settle(ok: bool, value: Any) -> None:
+            if not future.done():
+                (future.set_result if ok else future.set_exception)(value)
+
+        try:
+            value, ok = fn(), True
+        except Exception as exc:  # (handed to the request that asked)
+            value, ok = exc, False
+        loop.call_soon_threadsafe(settle, ok, value)
 
     def _admit(self) -> None:
         while self.waiting and len(self.engine.live()) < self.settings.max_batch:
@@ -461,8 +502,11 @@ class Gate:
 
 
 # -- the app -------------------------------------------------------------------------------
-def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings) -> FastAPI:
-    """The ASGI app; its worker thread runs from startup to shutdown."""
+def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings,
+               engine_thread: bool = True) -> FastAPI:  # fmt: skip
+    """The ASGI app. `engine_thread`: its worker runs in a thread of its own from startup to
+    shutdown; otherwise the caller runs `app.state.worker.run()` (as `serve` does, on the main
+    thread) and shutdown stops it."""
     import contextlib
 
     metrics = ServerMetrics()
@@ -471,7 +515,8 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        if engine_thread:
+            worker.start()
         try:
             yield
         finally:
@@ -528,9 +573,8 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
         drafter = None
         if method != NONE:
             helper = draft if method in ("draft-model", "auto") else None
-            try:  # (in a thread: a head is loaded from disk the first time it is asked for)
-                drafter = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: build_drafter(target, helper, method, **options))
+            try:  # (on the engine thread: a head is loaded from disk the first time it is asked for)
+                drafter = await worker.call(lambda: build_drafter(target, helper, method, **options))
             except (ValueError, TypeError) as exc:
                 raise APIError(400, f"speculative: {exc}", param="speculative") from exc
         return Job(prompt_ids, cfg, sampling, method, drafter, asyncio.get_running_loop(), asyncio.Queue())
@@ -682,8 +726,7 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        alive = worker.thread.is_alive()
-        if not alive:
+        if not worker.alive():
             raise APIError(503, "the engine thread is not running", type="server_error")
         return {"status": "ok", "model": settings.model_name, "batch": len(worker.jobs), "queue": len(worker.waiting)}
 
@@ -697,9 +740,31 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
 
 def serve(target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings, host: str, port: int) -> None:
     """Run the server until interrupted (Ctrl-C / SIGTERM: in-flight requests get up to 30 s to
-    finish, then are cancelled)."""
+    finish, then are cancelled). The engine runs on this (the main) thread, uvicorn beside it."""
+    import signal
+    import socket
+
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = create_app(target, draft, settings)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host") from exc
+    app = create_app(target, draft, settings, engine_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30))
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specdec-http", daemon=True)
+
+    def shut(signum: int, frame: Any) -> None:  # uvicorn in a thread installs no handlers: ours tell it
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, shut)
+    http.start()
+    log.info("serving %s on http://%s:%d/v1", settings.model_name, host if ":" not in host else f"[{host}]", port)
+    app.state.worker.run(keep_going=http.is_alive)
+    http.join(60)
