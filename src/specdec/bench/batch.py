@@ -23,6 +23,7 @@ from ..api import LoadedModel, build_drafter, load
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams
 from ..engine import Engine
 from .grid import machine, prompt_ids
+from . import save_figure
 from .suite import load_prompts
 
 PLAIN = "plain"
@@ -206,9 +207,6 @@ def write(result: BatchResult, out_dir: Path) -> list[Path]:
         ax.set_xticks(list(result.settings.batches), [str(b) for b in result.settings.batches])
         ax.legend()
     fig.suptitle(f"{result.settings.target} ({result.mode}), {result.machine.get('cpu', '')}", fontsize=9)
-    fig.tight_layout()
-    png = out_dir / "batch.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    png = save_figure(fig, out_dir / "batch.png")
     print(f"wrote {path}\nwrote {png}", file=sys.stderr)
     return [path, png]

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import save_figure
 from .grid import GridResult
 
 
@@ -164,7 +165,7 @@ def plots(result: GridResult, out_dir: Path, suffix: str = "") -> list[str]:
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title(f"{result.settings.target}, T = {temp:g}, k = {result.settings.k}")
     ax.legend(fontsize=8)
-    names.append(_save(fig, out_dir / f"speedup_by_category{suffix}.png"))
+    names.append(save_figure(fig, out_dir / f"speedup_by_category{suffix}.png").name)
 
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
     for m in methods:
@@ -180,18 +181,8 @@ def plots(result: GridResult, out_dir: Path, suffix: str = "") -> list[str]:
         ax.legend(fontsize=8)
     else:  # no method drafted (e.g. every request fell back to plain decoding)
         ax.text(0.5, 0.5, "no drafted tokens", ha="center", va="center", transform=ax.transAxes)
-    names.append(_save(fig, out_dir / f"acceptance_by_position{suffix}.png"))
+    names.append(save_figure(fig, out_dir / f"acceptance_by_position{suffix}.png").name)
     return names
-
-
-def _save(fig: Any, path: Path) -> str:
-    """Write a figure, free it, and return its file name (for report.md)."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
 
 
 def write(results: GridResult | list[GridResult], out_dir: Path) -> list[Path]:

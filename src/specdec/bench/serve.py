@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from . import save_figure
 from .suite import load_prompts
 
 MAX_REQUESTS = 1000
@@ -235,9 +236,6 @@ def write(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_xticks(cs, [str(c) for c in cs])
     ax2.legend(fontsize=8)
     fig.suptitle(f"{result['model']} ({result['settings']['url']})", fontsize=9)
-    fig.tight_layout()
-    png = out_dir / "serve.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    png = save_figure(fig, out_dir / "serve.png")
     print(f"wrote {path}\nwrote {png}", file=sys.stderr)
     return [path, png]
