@@ -261,6 +261,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[tuple[str, Any]]  # ("delta", Delta) | ("done", GenerationResult) | ("error", APIError)
     arrived: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None  # when its latest tokens reached the handler (None: none yet)
     seq_id: int | None = None
     cancelled: bool = False
 
@@ -406,8 +407,8 @@ class Worker:
         drafting = [j for j in live if j.method != NONE]
         if self.costs is None or len(live) <= 1 or not drafting:
             return True
-        k = sum(j.config.k for j in drafting) / len(drafting)
-        return batch_drafting_pays(self.costs, len(live), k * len(drafting) / len(live), self.metrics.acceptance())
+        k = sum(j.config.k for j in drafting) / len(live)  # drafts per sequence, the plain ones counted as 0
+        return batch_drafting_pays(self.costs, len(live), k, self.metrics.acceptance())
 
     def _step(self) -> None:
         drafting = self._drafting()
@@ -613,7 +614,6 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
                              "usage": usage(job, result)})  # fmt: skip
 
     async def _drain(job: Job, texts: list[str]) -> GenerationResult:
-        first = True
         while True:
             kind, value = await job.events.get()
             if kind == "error":
@@ -621,31 +621,24 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
             if kind == "done":
                 metrics.e2e.observe(time.perf_counter() - job.arrived)
                 return value
-            first = observe_delta(job, value, first)
+            observe_delta(job, value)
             texts.append(value.text)
 
     async def _disconnected(request: Request) -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(0.25)
 
-    last_token: dict[int, float] = {}
-
-    def observe_delta(job: Job, d: Delta, first: bool) -> bool:
+    def observe_delta(job: Job, d: Delta) -> None:
         now = time.perf_counter()
         n = len(d.token_ids)
         if n:
             metrics.generated.inc(n)
-            if first:
+            if job.last_token_at is None:
                 metrics.ttft.observe(now - job.arrived)
-                n -= 1
-            elif id(job) in last_token:
+            else:
                 for _ in range(n):
-                    metrics.itl.observe((now - last_token[id(job)]) / n)
-            last_token[id(job)] = now
-            first = False
-        if d.finished:
-            last_token.pop(id(job), None)
-        return first
+                    metrics.itl.observe((now - job.last_token_at) / n)
+            job.last_token_at = now
 
     async def stream(job: Job, rid: str, created: int, kind: str, include_usage: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -664,7 +657,6 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
         try:
             if kind == "chat":
                 yield chunk([choice("", None, role=True)])
-            first = True
             while True:
                 ev, value = await job.events.get()
                 if ev == "error":
@@ -676,7 +668,7 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
                     if include_usage:
                         yield chunk([], usage=usage(job, value))
                     break
-                first = observe_delta(job, value, first)
+                observe_delta(job, value)
                 if value.text:
                     yield chunk([choice(value.text, None)])
             finished = True
@@ -684,7 +676,6 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
         finally:
             if not finished:  # the client disconnected mid-stream: its sequence ends at the next step
                 worker.cancel(job)
-                last_token.pop(id(job), None)
 
     def usage(job: Job, result: GenerationResult) -> dict[str, Any]:
         m = result.metrics
