@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from .costs import Costs
+from .costs import Costs, expected_tokens
 
 PRIOR_WEIGHT = 1.0  # pseudo-proposals behind the prior alpha_j = PRIOR_ALPHA ** j
 PRIOR_ALPHA = 0.6
@@ -309,7 +309,7 @@ def batch_drafting_pays(costs: Costs, batch: int, k: float, alpha: float, draft_
     if batch <= 1 or k <= 0:
         return True
     alpha = min(max(alpha, 0.0), 1.0)
-    expected = sum(alpha**j for j in range(int(round(k)) + 1))
+    expected = expected_tokens(alpha, int(round(k)))
     plain = batch / costs.rows(batch)
     drafting = batch * expected / (costs.rows(int(round(batch * (1 + k)))) + batch * k * draft_ms_per_token)
     return drafting > plain

@@ -56,6 +56,12 @@ class Costs:
         return self.scale * (self.target_ms[hi] + slope * (rows - hi))
 
 
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one step commits with k drafts each accepted with probability alpha, independently
+    (Leviathan et al.): 1 + alpha + ... + alpha^k, the target's own token included."""
+    return sum(alpha**j for j in range(k + 1))
+
+
 def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) -> dict[int, float]:
     gen = torch.Generator().manual_seed(0)
     context = max(1, min(context, model.args.max_seq_len - max(rows)))  # (a model with a short context)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..costs import expected_tokens
 from ..model.cache import KVCache
 from ..model.transformer import Segment, Transformer
 from ..sampling import probs, sample
@@ -225,7 +226,7 @@ class EarlyExitDrafter(Drafter):
             t_early = timed(lambda L=L: model(one, scratch, blocks=(0, L), head=False))
             t_late = timed(lambda L=L, h=h: model(rows, scratch, blocks=(L, N), hidden_in=h))
             a = min(alphas[L], 0.999)
-            expected = (1 - a ** (k + 1)) / (1 - a)  # tokens per step, i.i.d. acceptance
+            expected = expected_tokens(a, k)
             step = k * t_draft + t_early + t_late
             table[L] = {"alpha": round(alphas[L], 3), "draft_ms": round(1e3 * t_draft, 2),
                         "verify_ms": round(1e3 * (t_early + t_late), 2),
