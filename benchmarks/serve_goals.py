@@ -175,11 +175,10 @@ def _gen(target: Any, messages: list[dict[str, str]], n: int, **kw: Any) -> dict
 
 
 def specdec_machine() -> dict[str, Any]:
+    from specdec.bench.grid import machine
     from specdec.model import native
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "?")  # fmt: skip
-    return {"cpu": cpu, "kernel_build": native.build_id(), "threads": os.cpu_count()}
+    return {**machine(), "kernel_build": native.build_id()}
 
 
 def llama(ns: argparse.Namespace, convs: list[list[dict[str, str]]]) -> dict[str, Any]:
@@ -213,7 +212,8 @@ def llama(ns: argparse.Namespace, convs: list[list[dict[str, str]]]) -> dict[str
 def table(r: dict[str, Any]) -> str:
     s = r["single_stream_tokens_per_s"]
     c = r["concurrent"]
-    lines = [f"{r['target']}, {r['prompts']} prompts x {r['max_tokens']} tokens, greedy; {r['machine']}",
+    where = f"{r['machine']['cpu']}, {r['machine']['torch_threads']} threads, kernels {r['machine']['kernel_build']}"
+    lines = [f"{r['target']}, {r['prompts']} prompts x {r['max_tokens']} tokens, greedy; {where}",
              f"{'':34s} {'tokens/s':>9s}",
              f"{'generate, plain':34s} {s['generate_plain']:9.2f}",
              f"{'serve, plain, 1 stream':34s} {s['serve_plain']:9.2f}   x{r['serve_over_generate']['plain']:.3f} of generate",
