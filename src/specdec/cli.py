@@ -14,7 +14,7 @@ import torch
 from . import registry, store
 from .config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments, from_namespace, resolve_k
 from .data import DataNotInstalledError
-from .drafters import DRAFTERS
+from .drafters import DRAFTERS, uses_draft_model
 from .model.kernels import AUTO, MODES
 
 
@@ -101,7 +101,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     method = ns.drafter or ("draft-model" if ns.draft else None)
     if method == "draft-model" and not ns.draft:
         raise ValueError("--drafter draft-model needs --draft MODEL")
-    if method not in (None, "draft-model", "auto") and ns.draft:
+    if method is not None and not uses_draft_model(method) and ns.draft:
         raise ValueError(f"--draft is only used by the draft-model and auto drafters; drop it or drop --drafter {method}")
     if ns.compare and method is None:
         raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
@@ -573,7 +573,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     if method is not None:  # fail now, not on the first request
         from .api import build_drafter
 
-        build_drafter(target, draft if method in ("draft-model", "auto") else None, method, **options)
+        build_drafter(target, draft if uses_draft_model(method) else None, method, **options)
     settings = ServeSettings(ns.served_model_name or ns.target, method, options, ns.k, ns.max_batch,
                              default_max_tokens=ns.default_max_tokens, api_key=ns.api_key,
                              max_body_bytes=ns.max_body_bytes, batch_guard=ns.batch_guard)  # fmt: skip

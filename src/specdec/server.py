@@ -50,7 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .adaptive import PRIOR_ALPHA, batch_drafting_pays
 from .api import LoadedModel, build_drafter, encode_prompt
 from .config import GenerationConfig, SamplingParams
-from .drafters import DRAFTERS
+from .drafters import DRAFTERS, uses_draft_model
 from .drafters.base import Drafter
 from .engine import Delta, Engine, GenerationResult
 
@@ -573,7 +573,7 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
             raise APIError(400, str(exc)) from exc
         drafter = None
         if method != NONE:
-            helper = draft if method in ("draft-model", "auto") else None
+            helper = draft if uses_draft_model(method) else None
             try:  # (on the engine thread: a head is loaded from disk the first time it is asked for)
                 drafter = await worker.call(lambda: build_drafter(target, helper, method, **options))
             except (ValueError, TypeError) as exc:

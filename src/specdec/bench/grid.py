@@ -27,7 +27,7 @@ from .. import __version__, registry
 from ..api import LoadedModel, encode_prompt, generate, load
 from ..config import DEFAULT_K
 from ..costs import K_MAX, Costs, measure_costs, pass_costs
-from ..drafters import DRAFTERS
+from ..drafters import DRAFTERS, uses_draft_model
 from ..engine import GenerationResult
 from .costmodel import Acceptance, Recommendation, recommend
 from .suite import Prompt, load_prompts, select
@@ -257,7 +257,7 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                         # a fresh drafter per run, with its default options (early exit's
                         # calibration is kept per target: done on the first prompt)
                         # auto chooses among prompt lookup and, where one is loaded, the draft model
-                        res = generate(target, ids, drafter=method, assistant_model=draft if method in ("draft-model", "auto")
+                        res = generate(target, ids, drafter=method, assistant_model=draft if uses_draft_model(method)
                                        else None, **common)  # fmt: skip
                         result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
                         bar.update()

@@ -11,6 +11,7 @@ from .base import (
     make_drafter,
     point_mass,
     register,
+    uses_draft_model,
 )
 from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter
@@ -36,4 +37,5 @@ __all__ = [
     "make_drafter",
     "point_mass",
     "register",
+    "uses_draft_model",
 ]  # fmt: skip

@@ -237,6 +237,13 @@ class DrafterSpec:
 DRAFTERS: dict[str, DrafterSpec] = {}
 
 
+def uses_draft_model(name: str | None) -> bool:
+    """Whether the drafter registered as `name` takes a draft model (draft-model; auto, where
+    one is given)."""
+    spec = DRAFTERS.get(name) if name is not None else None
+    return spec is not None and spec.needs in ("draft", "any")
+
+
 def register(name: str, *, help: str, needs: Needs = "", options: tuple[Option, ...] = ()) -> Callable[[type], type]:
     def deco(cls: type) -> type:
         if name in DRAFTERS:
