@@ -470,7 +470,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--loss-fraction", type=float, default=1.0,
                    help="share of predictions in each step's loss (a seeded random subset; fewer = faster steps)")
     e.add_argument("--compute-dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="auto: bf16 autocast where the CPU has AMX (or on CUDA), else fp32")
+                   help="auto: bf16 autocast where the CPU has AMX or AVX512-BF16 (or on CUDA), else fp32")
     e.add_argument("--seed", type=int, default=0, help="initialisation and data order")
     e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

@@ -50,8 +50,9 @@ class TrainConfig:
     # share of the counted predictions that enter the loss each step (a seeded random subset):
     # the draft LM head dominates the cost, so fewer of them per step buys more steps per minute
     loss_fraction: float = 1.0
-    # "auto": bfloat16 autocast where the CPU has AMX (oneDNN runs bf16 matmuls on its tiles) or
-    # on CUDA, float32 elsewhere (bf16 without AMX is no faster on a CPU); or "bf16" / "fp32"
+    # "auto": bfloat16 autocast where the CPU has bf16 matmul instructions (oneDNN runs bf16 on
+    # AMX tiles or AVX512-BF16's dot products: 2.2x fp32's matmul throughput measured on a Zen 4
+    # EPYC) or on CUDA, float32 elsewhere (bf16 emulated on AVX2 is no faster); or "bf16" / "fp32"
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -67,7 +68,8 @@ class TrainConfig:
             return self.dtype == "bf16"
         from ..model.native import cpu_info
 
-        return torch.cuda.is_available() or "amx_bf16" in cpu_info().get("flags", "").split()
+        flags = set(cpu_info().get("flags", "").split())
+        return torch.cuda.is_available() or bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 @dataclass
