@@ -403,6 +403,60 @@ def test_train_cli_self_distillation(tiny_dir, tmp_path):
     assert (out / "features" / fe.MANIFEST).stat().st_mtime == mtime  # reused
 
 
+@pytest.mark.parametrize("mode", ["teacher", "self"])
+def test_a_stopped_extraction_resumes_where_it_was(tiny, tmp_path, mode):
+    """Killed after some shards, rerun with the same record: the shards written are kept, only
+    the other conversations are extracted, and the cache holds what one uninterrupted run
+    gives (the same examples per conversation; batch-invariant mode, so an answer does not
+    depend on what shares its passes); a larger token count grows a finished cache."""
+    lm = tiny("llama", dtype=EXACT_MODES[-1])
+    layers = HeadConfig.default_feature_layers(lm.model.args.n_layers)
+    convs = [[{"role": "user", "content": f"What is {i} plus {i}?"},
+              {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * (1 + i % 3)}] for i in range(14)]  # fmt: skip
+
+    def examples(done):
+        if mode == "self":
+            return fe.self_distill_examples(lm, convs, layers=layers, top_k=4, max_len=128, max_new_tokens=6, batch=3,
+                                            skip=done)  # fmt: skip
+        return fe.teacher_examples(lm, convs, layers=layers, top_k=4, max_len=128, skip=done)
+
+    def killed_after(n):
+        def make(done):
+            for i, ex in enumerate(examples(done)):
+                if i == n:
+                    raise KeyboardInterrupt
+                yield ex
+        return make
+
+    record = {"data": "test", "tokens_wanted": 10**6}
+    whole = fe.extract(examples, tmp_path / "whole", max_tokens=10**6, shard_tokens=60, progress=False, record=record)
+    with pytest.raises(KeyboardInterrupt):
+        fe.extract(killed_after(7), tmp_path / "cut", max_tokens=10**6, shard_tokens=60, progress=False, record=record)
+    partial = json.loads((tmp_path / "cut" / fe.PARTIAL).read_text())
+    assert 0 < partial["conversations"] < 7 and not (tmp_path / "cut" / fe.MANIFEST).exists()
+    with pytest.raises(KeyboardInterrupt):  # a second stop, after none of the rest is written
+        fe.extract(killed_after(0), tmp_path / "cut", max_tokens=10**6, shard_tokens=60, progress=False, record=record)
+    resumed = fe.extract(examples, tmp_path / "cut", max_tokens=10**6, shard_tokens=60, progress=False, record=record)
+    assert not (tmp_path / "cut" / fe.PARTIAL).exists()
+    for key in ("conversations", "tokens", "answer_tokens", "sources"):
+        assert resumed[key] == whole[key], key
+    by_source = {e.source: e for e in fe.load_examples(tmp_path / "whole")[1]}
+    got = fe.load_examples(tmp_path / "cut")[1]
+    assert sorted(e.source for e in got) == sorted(by_source) == list(range(len(convs)))
+    for e in got:
+        ref = by_source[e.source]
+        assert torch.equal(e.tokens, ref.tokens) and torch.equal(e.features, ref.features)
+        assert torch.equal(e.mask, ref.mask) and torch.equal(e.top_ids, ref.top_ids)
+    # a finished cache with fewer tokens than now wanted grows; another record starts anew
+    small = fe.extract(examples, tmp_path / "grow", max_tokens=100, shard_tokens=60, progress=False,
+                       record={**record, "tokens_wanted": 100})  # fmt: skip
+    grown = fe.extract(examples, tmp_path / "grow", max_tokens=10**6, shard_tokens=60, progress=False, record=record)
+    assert small["conversations"] < grown["conversations"] == len(convs) and grown["sources"] == whole["sources"]
+    other = fe.extract(examples, tmp_path / "grow", max_tokens=100, shard_tokens=60, progress=False,
+                       record={**record, "data": "other"})  # fmt: skip
+    assert other["conversations"] == small["conversations"] and other["shards"] == small["shards"]
+
+
 def test_eagle3_without_a_head_says_how_to_get_one(tiny_dir, capsys):
     from specdec.cli import main
 
@@ -521,6 +575,20 @@ def test_training_in_bf16_autocast(tiny, tmp_path):
     assert r["compute_dtype"] == "bf16" and all(math.isfinite(h["loss"]) for h in hist)
     assert hist[-1]["loss"] < hist[0]["loss"]
     assert all(p.dtype == torch.float32 for p in head.parameters())  # weights stay float32
+
+
+@pytest.mark.parametrize(("flags", "expected"), [("avx2 fma amx_tile amx_bf16 amx_int8", True),
+                                               ("avx2 avx512f avx512_bf16 avx512_vnni", True),
+                                               ("avx2 avx512f avx512_vnni", False), ("avx2 fma", False)])
+def test_auto_compute_dtype_is_bf16_where_the_cpu_has_bf16_matmuls(monkeypatch, flags, expected):
+    """bf16 autocast where oneDNN has bf16 instructions (AMX tiles, AVX512-BF16), fp32 elsewhere;
+    an explicit choice overrides the CPU."""
+    from specdec.model import native
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(native, "cpu_info", lambda: {"flags": flags})
+    assert TrainConfig().autocast_bf16() is expected
+    assert TrainConfig(dtype="fp32").autocast_bf16() is False and TrainConfig(dtype="bf16").autocast_bf16() is True
 
 
 def test_when_no_tree_pays_it_stops_drafting_and_stays_exact(tiny, monkeypatch):

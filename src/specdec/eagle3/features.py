@@ -13,14 +13,16 @@ conversation); `self` has the target answer each conversation's first user turn 
 (self-distillation, what EAGLE-3 and SpecForge recommend: the head then learns the target's
 own text, which is what it drafts at inference), several conversations per target pass, the
 features kept from the generating passes. Shards are safetensors files of up to
-`shard_tokens` tokens.
+`shard_tokens` tokens; each example records which conversation it came from (its index in the
+stream of conversations given), so an extraction that was stopped resumes where it was
+(`extract`).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ import torch
 from ..tokenizer import Messages, Tokenizer
 
 MANIFEST = "manifest.json"
+PARTIAL = "partial.json"  # the shards written so far by an extraction that has not finished
 
 
 def tokenize_conversation(tok: Tokenizer, messages: Messages, max_len: int) -> tuple[list[int], list[bool]]:
@@ -67,6 +70,7 @@ class Example:
     features: torch.Tensor  # [L, 3H] float16
     top_ids: torch.Tensor  # [L, K] int64: the target's most probable next tokens after position q
     top_p: torch.Tensor  # [L, K] float16: their probabilities
+    source: int = -1  # index of the conversation it came from in the stream given (-1: unknown)
 
 
 @torch.inference_mode()
@@ -88,50 +92,61 @@ def target_features(
 
 
 def teacher_examples(target_lm: Any, conversations: Iterable[Messages], *, layers: tuple[int, int, int],
-                     top_k: int, max_len: int) -> Iterator[Example]:  # fmt: skip
-    """Teacher forcing: each conversation as written, one chunked prefill through the target."""
+                     top_k: int, max_len: int, skip: Collection[int] = ()) -> Iterator[Example]:  # fmt: skip
+    """Teacher forcing: each conversation as written, one chunked prefill through the target
+    (conversations whose index is in `skip` are left out: done already)."""
     tok = target_lm.tokenizer
-    for messages in conversations:
+    for n, messages in enumerate(conversations):
+        if n in skip:
+            continue
         ids, mask = tokenize_conversation(tok, messages, max_len)
         if sum(mask) < 2 or len(ids) < 4:
             continue
         ex = target_features(target_lm.model, ids, layers, top_k)
         ex.mask = torch.tensor(mask)
+        ex.source = n
         yield ex
 
 
 @torch.inference_mode()
 def self_distill_examples(target_lm: Any, conversations: Iterable[Messages], *, layers: tuple[int, int, int],
-                          top_k: int, max_len: int, max_new_tokens: int, batch: int) -> Iterator[Example]:  # fmt: skip
+                          top_k: int, max_len: int, max_new_tokens: int, batch: int,
+                          skip: Collection[int] = ()) -> Iterator[Example]:  # fmt: skip
     """Self-distillation: each conversation's first user turn (chat template, generation
     prompt) answered by the target itself, greedily, `batch` sequences per target pass; the
     features and distributions are kept from the generating passes themselves, so no second
     pass over the answers is needed. Prompts longer than half of `max_len` are skipped. The
-    answer (ending in the target's end-of-turn token when it stops) is the masked part."""
+    answer (ending in the target's end-of-turn token when it stops) is the masked part.
+    Conversations whose index is in `skip` are left out (done already); in the batch-invariant
+    modes an answer does not depend on which others share its passes."""
     from ..model.transformer import Segment
 
     model, tok = target_lm.model, target_lm.tokenizer
     eos = tok.eos_ids
 
-    def prompts() -> Iterator[list[int]]:
-        for messages in conversations:
+    def prompts() -> Iterator[tuple[int, list[int]]]:
+        for n, messages in enumerate(conversations):
+            if n in skip:
+                continue
             first = next(i for i, m in enumerate(messages) if m["role"] == "user")
             ids = tok.encode_chat(messages[: first + 1]) if tok.has_chat_template else tok.encode(messages[first]["content"])
             if 4 <= len(ids) <= max_len // 2:
-                yield ids
+                yield n, ids
 
-    source = prompts()
+    pending = prompts()
     live: list[dict[str, Any]] = []
     exhausted = False
     while True:
         while not exhausted and len(live) < batch:
-            ids = next(source, None)
-            if ids is None:
+            item = next(pending, None)
+            if item is None:
                 exhausted = True
                 break
+            n, ids = item
             n_new = min(max_new_tokens, max_len - len(ids))
-            live.append({"ids": ids, "prompt": len(ids), "n_new": n_new, "cache": model.new_cache(len(ids) + n_new),
-                         "feats": [], "tids": [], "tps": [], "new": None})  # fmt: skip
+            live.append({"source": n, "ids": ids, "prompt": len(ids), "n_new": n_new,
+                         "cache": model.new_cache(len(ids) + n_new), "feats": [], "tids": [], "tps": [],
+                         "new": None})  # fmt: skip
         if not live:
             return
         segs = [Segment(torch.tensor(s["ids"] if s["new"] is None else s["ids"][-1:], dtype=torch.long), s["cache"],
@@ -160,11 +175,11 @@ def self_distill_examples(target_lm: Any, conversations: Iterable[Messages], *, 
             mask = torch.zeros(L, dtype=torch.bool)
             mask[P:] = True
             assert feats.shape[0] == L and tids.shape[0] == L
-            yield Example(torch.tensor(s["ids"], dtype=torch.long), mask, feats, tids, tps)
+            yield Example(torch.tensor(s["ids"], dtype=torch.long), mask, feats, tids, tps, s["source"])
 
 
 def extract(
-    examples: Iterable[Example],
+    make_examples: Callable[[frozenset[int]], Iterable[Example]],
     out_dir: str | Path,
     *,
     max_tokens: int,
@@ -172,17 +187,31 @@ def extract(
     progress: bool = True,
     record: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Cache examples (from `teacher_examples` or `self_distill_examples`) in shards until
-    `max_tokens` tokens; returns the manifest (with `record`)."""
+    """Cache examples in shards until `max_tokens` tokens; returns the manifest (with `record`).
+    `make_examples(done)`: the examples (`teacher_examples` or `self_distill_examples`) of the
+    conversations not in `done`.
+
+    Resumable: every shard written is listed in `partial.json` with `record`, so a rerun with
+    the same record (`max_tokens` aside: the cache may also grow) keeps those shards and
+    extracts only the conversations they do not hold; a finished cache that holds fewer tokens
+    than wanted grows the same way. Anything else in `out_dir` is extracted anew."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, Any]] = []
+    record = record or {}
+    state = _resumable(out, record, max_tokens)
+    shards: list[dict[str, Any]] = state["shards"]
+    total, answer_tokens, n_conv = state["tokens"], state["answer_tokens"], state["conversations"]
+    done: set[int] = set(state["sources"])
     buf: list[Example] = []
-    total = answer_tokens = n_conv = 0
-    t0 = time.process_time()
+    t0, cpu_before = time.process_time(), state["cpu_seconds"]
+
+    def summary() -> dict[str, Any]:
+        return {"conversations": n_conv, "tokens": total, "answer_tokens": answer_tokens,
+                "cpu_seconds": round(cpu_before + time.process_time() - t0, 1), "shards": shards,
+                "sources": sorted(done), **record}  # fmt: skip
 
     def flush() -> None:
         if not buf:
@@ -193,29 +222,58 @@ def extract(
             "tokens": torch.cat([e.tokens for e in buf]), "mask": torch.cat([e.mask for e in buf]),
             "features": torch.cat([e.features for e in buf]), "top_ids": torch.cat([e.top_ids for e in buf]),
             "top_p": torch.cat([e.top_p for e in buf]), "lengths": lengths,
+            "sources": torch.tensor([e.source for e in buf], dtype=torch.long),
         }, str(out / name))  # fmt: skip
         shards.append({"file": name, "sequences": len(buf), "tokens": int(lengths.sum())})
+        done.update(e.source for e in buf)
         buf.clear()
+        _write_json(out / PARTIAL, summary())
 
-    bar = tqdm(total=max_tokens, unit="tok", desc="target features", disable=not progress)
-    for ex in examples:
-        buf.append(ex)
-        n_conv += 1
-        total += int(ex.tokens.numel())
-        answer_tokens += int(ex.mask.sum())
-        bar.update(int(ex.tokens.numel()))
-        if sum(e.tokens.numel() for e in buf) >= shard_tokens:
-            flush()
-        if total >= max_tokens:
-            break
+    bar = tqdm(total=max_tokens, initial=min(total, max_tokens), unit="tok", desc="target features",
+               disable=not progress)  # fmt: skip
+    if total < max_tokens:
+        for ex in make_examples(frozenset(done)):
+            buf.append(ex)
+            n_conv += 1
+            total += int(ex.tokens.numel())
+            answer_tokens += int(ex.mask.sum())
+            bar.update(int(ex.tokens.numel()))
+            if sum(e.tokens.numel() for e in buf) >= shard_tokens:
+                flush()
+            if total >= max_tokens:
+                break
     flush()
     bar.close()
-    manifest = {
-        "conversations": n_conv, "tokens": total, "answer_tokens": answer_tokens,
-        "cpu_seconds": round(time.process_time() - t0, 1), "shards": shards, **(record or {}),
-    }  # fmt: skip
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest = summary()
+    _write_json(out / MANIFEST, manifest)
+    (out / PARTIAL).unlink(missing_ok=True)
     return manifest
+
+
+def _resumable(out: Path, record: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """What an earlier extraction into `out` with this record left to build on: its shards,
+    counts and conversations; nothing (and its files removed) where the record differs or a
+    finished cache already holds `max_tokens`."""
+    fresh = {"shards": [], "tokens": 0, "answer_tokens": 0, "conversations": 0, "cpu_seconds": 0.0, "sources": []}
+    same = lambda d: {k: d.get(k) for k in record if k != "tokens_wanted"} == {k: v for k, v in record.items()
+                                                                                if k != "tokens_wanted"}  # fmt: skip
+    for name in (PARTIAL, MANIFEST):
+        try:
+            found = json.loads((out / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        usable = same(found) and "sources" in found and all((out / sh["file"]).exists() for sh in found["shards"])
+        if usable and (name == PARTIAL or found["tokens"] < max_tokens):
+            return {k: found[k] for k in fresh}
+    for old in [*out.glob("shard-*.safetensors"), out / PARTIAL, out / MANIFEST]:
+        old.unlink(missing_ok=True)
+    return fresh
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def load_examples(directory: str | Path) -> tuple[dict[str, Any], list[Example]]:
@@ -230,11 +288,12 @@ def load_examples(directory: str | Path) -> tuple[dict[str, Any], list[Example]]
     for shard in manifest["shards"]:
         t = load_file(str(d / shard["file"]))
         ends = t["lengths"].cumsum(0).tolist()
+        sources = t["sources"].tolist() if "sources" in t else [-1] * len(ends)
         start = 0
-        for end in ends:
+        for end, source in zip(ends, sources, strict=True):
             sl = slice(start, end)
             examples.append(Example(t["tokens"][sl].long(), t["mask"][sl], t["features"][sl], t["top_ids"][sl].long(),
-                                    t["top_p"][sl]))  # fmt: skip
+                                    t["top_p"][sl], source))  # fmt: skip
             start = end
     return manifest, examples
 

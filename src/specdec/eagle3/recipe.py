@@ -1,8 +1,9 @@
 """`specdec train eagle3`: the whole recipe, from conversations to a head directory.
 
 1. features: the target (its exact mode) over `tokens` tokens of conversations, cached in
-   `out/features` (reused when the manifest matches: same target, data, mode, layers);
-   under torchrun each rank extracts every world-th conversation into its own sub-directory;
+   `out/features` (reused when the manifest matches: same target, data, mode, layers; a
+   stopped extraction resumes, and a larger `tokens` grows the cache); under torchrun each
+   rank extracts every world-th conversation into its own sub-directory;
 2. the draft vocabulary: the `draft_vocab` tokens the target most often predicts in the data;
 3. a seeded head shaped after the target, trained with the training-time test (`train.py`);
 4. the head, its config and the training record (command, data, seed, CPU time) in `out`.
@@ -14,6 +15,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,13 +74,15 @@ def build_features(r: Recipe, lm: Any, layers: tuple[int, int, int], *, progress
     mine = dirs[rank]
     manifest = mine / fe.MANIFEST
     if not (manifest.exists() and {k: json.loads(manifest.read_text()).get(k) for k in key} == key):
-        convs = data.conversations(r.data, answered=r.data_mode == "teacher")
-        convs = (c for i, c in enumerate(convs) if i % world == rank)
-        if r.data_mode == "self":
-            examples = fe.self_distill_examples(lm, convs, layers=layers, top_k=r.top_k, max_len=r.max_len,
-                                                max_new_tokens=r.regen_tokens, batch=r.regen_batch)  # fmt: skip
-        else:
-            examples = fe.teacher_examples(lm, convs, layers=layers, top_k=r.top_k, max_len=r.max_len)
+
+        def examples(done: frozenset[int]) -> Iterator[fe.Example]:
+            convs = data.conversations(r.data, answered=r.data_mode == "teacher")
+            mine_only = (c for i, c in enumerate(convs) if i % world == rank)
+            if r.data_mode == "self":
+                return fe.self_distill_examples(lm, mine_only, layers=layers, top_k=r.top_k, max_len=r.max_len,
+                                                max_new_tokens=r.regen_tokens, batch=r.regen_batch, skip=done)  # fmt: skip
+            return fe.teacher_examples(lm, mine_only, layers=layers, top_k=r.top_k, max_len=r.max_len, skip=done)
+
         fe.extract(examples, mine, max_tokens=max(1, r.tokens // world), progress=progress and rank == 0,
                    record=key)  # fmt: skip
     if world > 1:
