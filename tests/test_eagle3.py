@@ -609,6 +609,43 @@ def test_when_no_tree_pays_it_stops_drafting_and_stays_exact(tiny, monkeypatch):
     assert out.metrics.proposed == 0 and out.metrics.target_forwards == 39 and len(d._sizes) == 6
 
 
+def test_a_deeper_level_is_drafted_only_where_it_can_pay(tiny):
+    """Each depth of the tree costs a head call: another level is drafted only where its best
+    case (a child as likely as each expanded parent) beats the candidates at hand in expected
+    tokens per ms; a head that has not timed a call yet times one; fixed trees keep their depth.
+    In a run where a call costs five tokens, every step stops at the first level (the
+    catch-up's call only) and greedy output is plain decoding's."""
+    import time
+
+    from specdec.costs import Costs
+
+    model = tiny("llama").model
+    d = Eagle3Drafter(model, head=_head(model), max_total=20)
+    d._t0 = time.perf_counter()  # a proposal has just begun
+    scores = [math.log(p) for p in (0.9, 0.5, 0.2)]
+    d.run.pass_ms = Costs({1: 10.0, 40: 10.0})  # rows are free
+    d.run.call_ms = None
+    assert d._deeper_pays(scores, scores[:2])
+    d.run.call_ms = 0.5
+    assert d._deeper_pays(scores, scores[:2])
+    d.run.call_ms = 50.0  # a call costs more than the best it could add
+    assert not d._deeper_pays(scores, scores[:2])
+    d.run.pass_ms, d.run.call_ms = Costs({1: 10.0, 2: 20.0, 40: 400.0}), 0.5  # a row costs a token: no tree pays
+    assert not d._deeper_pays(scores, scores[:2])
+    d.total = 4
+    assert d._deeper_pays(scores, scores[:2])
+
+    lm = tiny("llama", dtype=EXACT_MODES[-1])
+    head = _head(lm.model, seed=2, scale=20.0)
+    ids = lm.tokenizer.encode(PROMPTS[1])
+    cfg = GenerationConfig(max_new_tokens=24, k=4, ignore_eos=True, adaptive_k=False)
+    d = Eagle3Drafter(lm.model, head=head)
+    d.run.pass_ms, d.run.call_ms = Costs({1: 10.0, 2: 10.5, 40: 30.0}), 50.0
+    out = engine.run(lm.model, ids, cfg, SamplingParams(), d)
+    assert out.token_ids == engine.run(lm.model, ids, cfg, SamplingParams()).token_ids
+    assert len(d._sizes) > 0 and d.forwards == len(d._sizes)  # one call (the catch-up) per look
+
+
 def test_pass_costs_are_timed_once_per_machine(tiny, tmp_path, monkeypatch):
     from specdec import costs
 

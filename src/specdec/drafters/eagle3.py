@@ -16,7 +16,10 @@ Each proposal (see `specdec.eagle3.head` for the head itself):
    of acceptance (EAGLE-2's observation), scaled by a running calibration (tokens accepted /
    tokens predicted so far), so the best M nodes are expected to yield 1 + c * sum exp(score)
    tokens for a target pass over 1 + M rows (timed once per target: `specdec.costs`) plus the
-   drafting time; M maximises their ratio. Cheap rows buy bigger trees.
+   drafting time; M maximises their ratio. Cheap rows buy bigger trees. The depth (at most
+   k) is the cost model's too: each level costs a head call (timed), and a level is drafted
+   only where its best case — a child as likely as each node it expands — would beat the
+   candidates at hand; where rows are dear the tree stays one level deep.
 3. Sampling (T > 0), exactly: children are *drawn* from the head's distribution q (the
    sampling settings applied to the draft logits) without replacement (Gumbel top-k, which
    draws in order), `sample_children` per expanded node, the `sample_frontier` best frontier
@@ -32,6 +35,7 @@ is built) where the native kernels exist, else in float32.
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -95,6 +99,7 @@ class _Runner:
                 self.kernels[name] = kq.KQuantKernel.from_blocks(blocks, None, in_features=weight.shape[1])
         self.pass_ms: Any = None  # specdec.costs.Costs of the target, timed at first use
         self.accepted_sum, self.predicted_sum = 1.0, 1.0  # calibration of exp(score) as acceptance (greedy)
+        self.call_ms: float | None = None  # one head call over a depth's nodes, ms (a moving average)
 
     def linears(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """The head's `Linears` on the kernels (layers sharing an input in one call)."""
@@ -246,34 +251,50 @@ class Eagle3Drafter(Drafter):
         return sampling_probs(logits, self.sampling)
 
     def propose(self, k: int) -> Draft:
-        import time
-
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         draft = self._propose(k)
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - self._t0) * 1e3
         self._step_ms = ms if not self._step_ms else 0.8 * self._step_ms + 0.2 * ms
         return draft
+
+    def _best(self, probs: list[float], draft_ms: float) -> tuple[int, float]:
+        """Under the cost model: how many of the candidates (their path probabilities, best
+        first) to send, and the expected tokens per ms of that step; 0 (a plain step, without
+        drafting cost) where no tree is expected to pay for its rows and `draft_ms`."""
+        costs = self.run.pass_ms
+        c = self.run.accepted_sum / self.run.predicted_sum
+        best_m, expected = 0, 1.0
+        best = expected / costs.target(1)
+        for m, p in enumerate(probs[: self.max_total], start=1):
+            expected += c * p
+            rate = expected / (costs.target(1 + m) + draft_ms)
+            if rate > best:
+                best, best_m = rate, m
+        return best_m, best
 
     def _tree_size(self, scores: list[float]) -> int:
         """How many of the candidates (best first, `scores` their cumulative log-probabilities)
         to send: the most expected tokens per unit of time under the cost model."""
         if self.total is not None:
             return min(self.total, len(scores))
-        costs = self.run.pass_ms
-        c = self.run.accepted_sum / self.run.predicted_sum
-        # m = 0: send nothing and stop drafting for a while (plain steps, no drafting cost) when
-        # no tree is expected to pay for its rows and for the drafting itself
-        best_m, expected = 0, 1.0
-        best = expected / costs.target(1)
-        for m, sc in enumerate(scores[: self.max_total], start=1):
-            expected += c * math.exp(sc)
-            rate = expected / (costs.target(1 + m) + self._step_ms)
-            if rate > best:
-                best, best_m = rate, m
+        best_m = self._best([math.exp(sc) for sc in scores], self._step_ms)[0]
         self._sizes.append(best_m)
         self.info["tree_tokens_mean"] = round(sum(self._sizes) / len(self._sizes), 2)
-        self.info["calibration"] = round(c, 3)
+        self.info["calibration"] = round(self.run.accepted_sum / self.run.predicted_sum, 3)
         return best_m
+
+    def _deeper_pays(self, scores: list[float], expand: list[float]) -> bool:
+        """Is another depth worth a head call? Its nodes are at most as likely as their parents
+        (`expand`, the scores of the nodes it would expand), so the best step it can give is
+        today's candidates plus one child per expanded node as likely as its parent, drafted in
+        the time spent so far plus one more call; expand only if that beats the best step
+        from the candidates at hand. Fixed trees (`total`) keep the depth asked for."""
+        if self.total is not None or self.run.call_ms is None:  # (a call not timed yet: time one)
+            return True
+        spent = (time.perf_counter() - self._t0) * 1e3
+        now = sorted((math.exp(sc) for sc in scores), reverse=True)
+        then = sorted([*now, *(math.exp(sc) for sc in expand)], reverse=True)
+        return self._best(then, spent + self.run.call_ms)[1] > self._best(now, spent)[1]
 
     def _propose(self, k: int) -> Draft:
         self._predicted = 0.0
@@ -294,37 +315,40 @@ class Eagle3Drafter(Drafter):
         score: list[float] = []
         qrows: list[torch.Tensor] = []  # sampling: q of each node's parent (over draft ids)
 
-        def children(parent: int, logits: torch.Tensor, parent_score: float, n: int) -> list[int]:
+        def add(parent: int, token: int, logp: float, q: torch.Tensor | None) -> int:
+            tok.append(token)
+            par.append(parent)
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+            score.append((score[parent] if parent >= 0 else 0.0) + logp)
+            if q is not None:
+                qrows.append(q)
+            return len(tok) - 1
+
+        def children(parents: list[int], logits: torch.Tensor, n: int) -> list[int]:
+            """`n` children of each parent from its row of draft logits [R, N], best first
+            (greedy: the top n, all rows in one call) or in draw order (sampling)."""
             if greedy:
-                lp = torch.log_softmax(logits.float(), -1)
-                val, idx = lp.topk(n)
-                q = None
-            else:
-                q = self._q(logits[None])[0]
-                n = min(n, int((q > 0).sum()))
+                val, idx = torch.log_softmax(logits.float(), -1).topk(n, -1)  # [R, n]
+                return [add(p, i, v, None) for p, vs, ids in zip(parents, val.tolist(), idx.tolist(), strict=True)
+                        for v, i in zip(vs, ids, strict=True)]  # fmt: skip
+            new = []
+            for p, row in zip(parents, logits, strict=True):
+                q = self._q(row[None])[0]
+                m = min(n, int((q > 0).sum()))
                 u = torch.rand(q.shape, generator=self.gen).clamp_min(1e-20)
                 keys = torch.where(q > 0, q.log() - torch.log(-torch.log(u)), torch.full_like(q, -math.inf))
-                idx = keys.topk(n).indices  # Gumbel top-k: n draws without replacement, in draw order
-                val = q[idx].log()
-            new = []
-            for v, i in zip(val.tolist(), idx.tolist(), strict=True):
-                tok.append(i)
-                par.append(parent)
-                depth.append(1 if parent < 0 else depth[parent] + 1)
-                score.append(parent_score + v)
-                if q is not None:
-                    qrows.append(q)
-                new.append(len(tok) - 1)
+                idx = keys.topk(m).indices  # Gumbel top-k: m draws without replacement, in draw order
+                new += [add(p, i, v, q) for v, i in zip(q[idx].log().tolist(), idx.tolist(), strict=True)]
             return new
 
         width = self.topk if greedy else self.sample_children
-        frontier = children(-1, logits_root, 0.0, width)
+        frontier = children([-1], logits_root[None], width)
         g_of: dict[int, torch.Tensor] = {-1: g_root}
         slot_of: dict[int, int] = {}
         for d in range(2, k + 1):
             n_expand = self.topk if greedy else self.sample_frontier
             expand = sorted(frontier, key=lambda j: -score[j])[:n_expand]
-            if not expand:
+            if not expand or (greedy and not self._deeper_pays(score, [score[j] for j in expand])):
                 break
             R = len(expand)
             slots = torch.arange(base + len(slot_of), base + len(slot_of) + R)
@@ -341,12 +365,14 @@ class Eagle3Drafter(Drafter):
             emb = self.head.embed(self.head.draft_ids[torch.tensor([tok[j] for j in expand])])
             g_in = torch.stack([g_of[par[j]] for j in expand])
             pos = torch.tensor([P + depth[j] for j in expand])
+            t_call = time.perf_counter()
             g, logits = self.run.step(emb, g_in, pos, self.k_cache, self.v_cache, slots, mask)
+            ms = (time.perf_counter() - t_call) * 1e3
+            self.run.call_ms = ms if self.run.call_ms is None else 0.8 * self.run.call_ms + 0.2 * ms
             self.forwards += 1
-            frontier = []
             for r, j in enumerate(expand):
                 g_of[j] = g[r]
-                frontier += children(j, logits[r], score[j], width)  # type: ignore[index]
+            frontier = children(expand, logits, width)  # type: ignore[arg-type]
             if not greedy:
                 continue
             # EAGLE-2: keep the topk best new candidates as the next frontier
