@@ -19,7 +19,9 @@ Each proposal (see `specdec.eagle3.head` for the head itself):
    drafting time; M maximises their ratio. Cheap rows buy bigger trees. The depth (at most
    k) is the cost model's too: each level costs a head call (timed), and a level is drafted
    only where its best case — a child as likely as each node it expands — would beat the
-   candidates at hand; where rows are dear the tree stays one level deep.
+   candidates at hand; where rows are dear the tree stays one level deep. (Sampled trees
+   too: the decision reads only nodes drawn before, so each node's children, when drawn,
+   are still a whole without-replacement sample from its q.)
 3. Sampling (T > 0), exactly: children are *drawn* from the head's distribution q (the
    sampling settings applied to the draft logits) without replacement (Gumbel top-k, which
    draws in order), `sample_children` per expanded node, the `sample_frontier` best frontier
@@ -348,7 +350,7 @@ class Eagle3Drafter(Drafter):
         for d in range(2, k + 1):
             n_expand = self.topk if greedy else self.sample_frontier
             expand = sorted(frontier, key=lambda j: -score[j])[:n_expand]
-            if not expand or (greedy and not self._deeper_pays(score, [score[j] for j in expand])):
+            if not expand or not self._deeper_pays(score, [score[j] for j in expand]):
                 break
             R = len(expand)
             slots = torch.arange(base + len(slot_of), base + len(slot_of) + R)
