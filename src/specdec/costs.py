@@ -5,7 +5,6 @@ from them (EAGLE-3's trees)."""
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 import time
 import weakref
@@ -133,10 +132,7 @@ def store_measurement(name: str, key: str, value: Any) -> None:
     if not isinstance(table, dict):
         table = {}
     table[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
+    store.write_json(path, table)
 
 
 def pass_costs(target: Transformer, max_rows: int) -> Costs:

@@ -16,6 +16,7 @@ checked.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -27,6 +28,15 @@ from pathlib import Path
 from .registry import MODELS, ModelSpec, PackagedFile, WheelPart, get_spec
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+
+
+def write_json(path: Path, value: object, indent: int = 1) -> None:
+    """Write JSON whole or not at all: to a file of this process beside `path`, then renamed
+    over it (a reader, or a writer in another process, never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=indent) + "\n")
+    tmp.replace(path)
 
 
 class ModelNotInstalledError(RuntimeError):

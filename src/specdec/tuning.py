@@ -47,11 +47,7 @@ def save(result: Any) -> dict[str, Any]:
                  "written": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
         written[key(s.target, r.method, s.draft, result.mode)] = entry
     table.update(written)
-    path = tuned_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
+    store.write_json(tuned_path(), table)
     return written
 
 

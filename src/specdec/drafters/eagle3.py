@@ -103,6 +103,11 @@ class _Runner:
         self.accepted_sum, self.predicted_sum = 1.0, 1.0  # calibration of exp(score) as acceptance (greedy)
         self.call_ms: float | None = None  # one head call over a depth's nodes, ms (a moving average)
 
+    @property
+    def calibration(self) -> float:
+        """Tokens accepted per token the path probabilities predicted (greedy steps so far)."""
+        return self.accepted_sum / self.predicted_sum
+
     def linears(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """The head's `Linears` on the kernels (layers sharing an input in one call)."""
         if not self.kernels:
@@ -263,8 +268,7 @@ class Eagle3Drafter(Drafter):
         """Under the cost model: how many of the candidates (their path probabilities, best
         first) to send, and the expected tokens per ms of that step; 0 (a plain step, without
         drafting cost) where no tree is expected to pay for its rows and `draft_ms`."""
-        costs = self.run.pass_ms
-        c = self.run.accepted_sum / self.run.predicted_sum
+        costs, c = self.run.pass_ms, self.run.calibration
         best_m, expected = 0, 1.0
         best = expected / costs.target(1)
         for m, p in enumerate(probs[: self.max_total], start=1):
@@ -282,7 +286,7 @@ class Eagle3Drafter(Drafter):
         best_m = self._best([math.exp(sc) for sc in scores], self._step_ms)[0]
         self._sizes.append(best_m)
         self.info["tree_tokens_mean"] = round(sum(self._sizes) / len(self._sizes), 2)
-        self.info["calibration"] = round(self.run.accepted_sum / self.run.predicted_sum, 3)
+        self.info["calibration"] = round(self.run.calibration, 3)
         return best_m
 
     def _deeper_pays(self, scores: list[float], expand: list[float]) -> bool:

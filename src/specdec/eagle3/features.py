@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..store import write_json
 from ..tokenizer import Messages, Tokenizer
 
 MANIFEST = "manifest.json"
@@ -227,7 +228,7 @@ def extract(
         shards.append({"file": name, "sequences": len(buf), "tokens": int(lengths.sum())})
         done.update(e.source for e in buf)
         buf.clear()
-        _write_json(out / PARTIAL, summary())
+        write_json(out / PARTIAL, summary(), indent=2)
 
     bar = tqdm(total=max_tokens, initial=min(total, max_tokens), unit="tok", desc="target features",
                disable=not progress)  # fmt: skip
@@ -245,7 +246,7 @@ def extract(
     flush()
     bar.close()
     manifest = summary()
-    _write_json(out / MANIFEST, manifest)
+    write_json(out / MANIFEST, manifest, indent=2)
     (out / PARTIAL).unlink(missing_ok=True)
     return manifest
 
@@ -268,12 +269,6 @@ def _resumable(out: Path, record: dict[str, Any], max_tokens: int) -> dict[str, 
     for old in [*out.glob("shard-*.safetensors"), out / PARTIAL, out / MANIFEST]:
         old.unlink(missing_ok=True)
     return fresh
-
-
-def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def load_examples(directory: str | Path) -> tuple[dict[str, Any], list[Example]]:
