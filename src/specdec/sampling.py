@@ -33,9 +33,42 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x.softmax(-1)
 
 
-def sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row: p [B, V] -> [B]."""
-    return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+BLOCK = 512  # tokens per block of the two-level inverse CDF in `sample`
+
+
+def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one index per row with probability proportional to `weights` (non-negative, not
+    necessarily normalised): [B, V] -> [B], or [V] -> a 0-dim tensor.
+
+    Inverse CDF in two levels, in float64: one uniform u picks the block of BLOCK tokens whose
+    cumulative mass first exceeds u, then the token inside it by the block's own cumulative
+    sums. The same law as `torch.multinomial(weights, 1)` (a zero weight is never drawn) at a
+    small fraction of its CPU cost on a large vocabulary, which every sampled decoding step and
+    every residual draw of a verification pays (see the README's sampling note). Two levels keep each token's share exact to float64 rounding of sums of at most a few hundred
+    terms, where one float32 cumsum over the whole vocabulary would blur tokens of
+    probability ~1e-7."""
+    one = weights.dim() == 1
+    w = weights[None] if one else weights  # [B, V]
+    B, V = w.shape
+    n = -(-V // BLOCK)
+    blocks = torch.nn.functional.pad(w, (0, n * BLOCK - V)).view(B, n, BLOCK)  # [B, n, BLOCK]
+    f64 = torch.float64 if w.device.type != "mps" else torch.float32
+    mass = blocks.sum(-1, dtype=f64)  # [B, n]
+    cdf = mass.cumsum(-1)  # [B, n]
+    total = cdf[:, -1:]  # [B, 1]
+    if bool((total <= 0).any()) or bool(torch.isnan(total).any()):
+        raise ValueError("cannot sample from weights that are all zero (or NaN)")
+    u = torch.rand(B, 1, generator=generator, dtype=f64, device=w.device) * total  # [B, 1]
+    # first block whose cumulative mass exceeds u (it has mass > 0); rounding may push u past
+    # the end: then the last block with mass
+    last_block = (n - 1) - (mass > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)  # [B, 1]
+    b = torch.minimum(torch.searchsorted(cdf, u, right=True), last_block)  # [B, 1]
+    u = u - torch.where(b > 0, cdf.gather(1, (b - 1).clamp_min(0)), torch.zeros_like(u))
+    row = blocks.gather(1, b[..., None].expand(B, 1, BLOCK)).squeeze(1)  # [B, BLOCK]
+    last_token = (BLOCK - 1) - (row > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)  # [B, 1]
+    i = torch.minimum(torch.searchsorted(row.to(f64).cumsum(-1), u, right=True), last_token)  # [B, 1]
+    out = (b * BLOCK + i).squeeze(-1)  # [B]
+    return out[0] if one else out
 
 
 def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling import sample
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -69,7 +71,7 @@ def rejection_sample(
     mass = residual.sum(-1, keepdim=True)
     # A rejection implies p(x̃) < q(x̃), hence some y with p(y) > q(y): mass > 0. Guard rounding.
     residual = torch.where(mass > 0, residual, p.gather(1, idx).squeeze(1))
-    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    next_token = sample(residual, generator)
     return Verdict(num_accepted, next_token)
 
 
@@ -106,7 +108,7 @@ def point_mass_sample(
     mass = residual.sum(-1, keepdim=True)
     # A rejection implies p(x̃) < 1, hence mass elsewhere. Guard rounding.
     residual = torch.where(mass > 0, residual, p_next)
-    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    next_token = sample(residual, generator)
     return Verdict(num_accepted, next_token)
 
 
@@ -185,7 +187,7 @@ def tree_point_mass_sample(
         if not moved:
             if float(r.sum()) <= 0:  # rounding: every token was tried and removed
                 r = p[row]
-            return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
+            return TreeVerdict(path, int(sample(r, generator)))
 
 
 def tree_rejection_sample(
@@ -233,4 +235,4 @@ def tree_rejection_sample(
                     total = float(s.sum())
                     s = s / total if total > 0 else s
         if not moved:
-            return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
+            return TreeVerdict(path, int(sample(r, generator)))
