@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from specdec.costs import Costs
 from specdec.drafters import Feedback
+from specdec.eagle3.head import Eagle3Head, HeadConfig, attach_target, config_for_target
 
 ALPHA = 1e-3  # significance level of every statistical test; all runs are seeded
 
@@ -76,3 +77,37 @@ def no_timing(monkeypatch) -> None:
     from specdec import costs
 
     monkeypatch.setattr(costs, "pass_costs", lambda target, max_rows: PASS)
+
+
+# -- EAGLE-3 heads ---------------------------------------------------------------------------
+def random_head(model, seed: int = 0, draft_vocab: int | None = None, scale: float = 1.0, model_dir=None,
+                width: int = 32) -> Eagle3Head:
+    """A seeded random head for `model` (draft vocabulary: every other token, or the first n)."""
+    V = model.args.vocab_size
+    cfg = config_for_target(model, "test", draft_vocab_size=draft_vocab or V // 2, intermediate_size=width)
+    head = Eagle3Head(cfg)
+    head.init_weights(torch.Generator().manual_seed(seed))
+    if scale != 1.0:
+        with torch.no_grad():
+            for p in head.parameters():
+                if p.dim() == 2:
+                    p.mul_(scale)
+    ids = torch.arange(cfg.draft_vocab_size) * (V // cfg.draft_vocab_size)
+    head.set_vocab(ids)
+    attach_target(head, model, model_dir)
+    return head
+
+
+def small_head(target) -> Eagle3Head:
+    """A peaked random head for the `small_vocab` target (the statistical tests)."""
+    cfg = HeadConfig("v8", V_SMALL, target.args.dim, target.args.n_heads, target.args.n_kv_heads, target.args.head_dim,
+                     16, 6, HeadConfig.default_feature_layers(target.args.n_layers), target.args.norm_eps,
+                     target.args.rope_theta, target.args.max_seq_len)  # fmt: skip
+    head = Eagle3Head(cfg)
+    head.init_weights(torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(40.0)  # a peaked draft distribution, as a trained head has
+    head.set_vocab(torch.tensor([0, 1, 2, 4, 5, 7]))  # two tokens the head can never draft
+    return attach_target(head, target)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 from conftest import EXACT_MODES
-from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing
+from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing, random_head, small_head
 
 import specdec
 from specdec.adaptive import MethodChooser
@@ -16,7 +16,7 @@ from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import AutoDrafter
 from specdec.engine import Engine
 
-LOOKUP, DRAFT = "prompt-lookup", "draft-model"
+LOOKUP, DRAFT, EAGLE3 = "prompt-lookup", "draft-model", "eagle3"
 
 
 def _feed(c: MethodChooser, method: str, situation, steps: int, asked: int, accepted: int, draft_ms: float) -> None:
@@ -216,3 +216,50 @@ def test_draft_model_sync_feeds_only_what_a_proposal_would_not(tiny):
     d.sync()
     assert d.forwards == 2 and d.cache.length == 13
     assert d.propose(2).tokens.shape[0] == 2 and d.cache.length == 15
+
+
+# -- an EAGLE-3 head among auto's drafters (chains of the head's most likely or drawn tokens) --
+@pytest.mark.parametrize("dtype", EXACT_MODES)
+def test_greedy_identity_with_eagle3_among_the_switching_drafters(tiny, monkeypatch, dtype):
+    """The head follows what prompt lookup and plain steps commit (from the target's features
+    of those rows) and drafts chains of the k chosen: greedy output is plain decoding's."""
+    target = tiny("qwen2", dtype=dtype)
+    head = random_head(target.model, seed=2, scale=20.0)
+    picks = _switching(monkeypatch, 4)
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
+        out = specdec.generate(target, prompt, drafter="auto", head=head, k=4, max_new_tokens=24, ignore_eos=True)
+        assert out.token_ids == plain.token_ids, prompt
+        assert out.metrics.drafter_info["auto"]["methods"] == [EAGLE3, LOOKUP]
+        accepted += out.metrics.accepted
+    assert {m for m, _ in picks} == {"plain", LOOKUP, EAGLE3} and {k for m, k in picks if m == EAGLE3} >= {1, 4}
+    assert accepted > 0
+
+
+def test_auto_takes_eagle3_only_with_a_head(tiny):
+    target = tiny("llama").model
+    assert AutoDrafter(target).methods == [LOOKUP]  # no head ships for a tiny model
+    assert AutoDrafter(target, head=random_head(target)).methods == [EAGLE3, LOOKUP]
+    with pytest.raises(ValueError, match="add eagle3 to --auto-methods"):
+        AutoDrafter(target, methods=LOOKUP, head=random_head(target))
+    with pytest.raises(ValueError, match="--auto-head DIR"):
+        AutoDrafter(target, methods=EAGLE3)
+
+
+@pytest.mark.parametrize("rule", ["exact", "rejection"])
+def test_sampling_law_with_eagle3_chains_switching(small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule,
+                                                    rule):  # fmt: skip
+    """The head's drawn chains, switching with prompt lookup and plain steps, keep the target's
+    law; the negative control (a rejection recovered from p) must fail the same test."""
+    if rule != "exact":
+        wrong_rule(rule)
+    target, _ = small_vocab
+    no_timing(monkeypatch)
+    picks = _switching(monkeypatch, 5)
+    sampling = SamplingParams(temperature=0.7)
+    drafter = AutoDrafter(target, methods=f"{EAGLE3},{LOOKUP}", head=small_head(target))
+    counts = sample_joint(target, drafter, sampling, runs=3000, bounds=(0.05, 0.95))
+    assert EAGLE3 in {m for m, _ in picks}
+    p = chi2_pvalue(counts, exact_joint(target, sampling, 4))
+    assert p > ALPHA if rule == "exact" else p <= ALPHA, p

@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 from conftest import EXACT_MODES
-from helpers import ALPHA, PROMPTS, V_SMALL, chi2_pvalue
+from helpers import ALPHA, PROMPTS, chi2_pvalue, random_head, small_head
 
 import specdec
 from specdec import engine
@@ -24,24 +24,6 @@ from specdec.drafters.eagle3 import _Runner
 from specdec.eagle3 import features as fe
 from specdec.eagle3.head import Eagle3Head, HeadConfig, attach_target, config_for_target
 from specdec.eagle3.train import TrainConfig, evaluate, sequence_loss, train, unroll
-
-
-def _head(model, seed: int = 0, draft_vocab: int | None = None, scale: float = 1.0, model_dir=None,
-          width: int = 32) -> Eagle3Head:
-    """A seeded random head for `model` (draft vocabulary: every other token, or the first n)."""
-    V = model.args.vocab_size
-    cfg = config_for_target(model, "test", draft_vocab_size=draft_vocab or V // 2, intermediate_size=width)
-    head = Eagle3Head(cfg)
-    head.init_weights(torch.Generator().manual_seed(seed))
-    if scale != 1.0:
-        with torch.no_grad():
-            for p in head.parameters():
-                if p.dim() == 2:
-                    p.mul_(scale)
-    ids = torch.arange(cfg.draft_vocab_size) * (V // cfg.draft_vocab_size)
-    head.set_vocab(ids)
-    attach_target(head, model, model_dir)
-    return head
 
 
 def _examples(model, n: int, length: int, seed: int) -> list[fe.Example]:
@@ -59,7 +41,7 @@ def _examples(model, n: int, length: int, seed: int) -> list[fe.Example]:
 # -- the head ---------------------------------------------------------------------------------
 def test_vocabulary_maps_follow_the_eagle3_format(tiny):
     model = tiny("llama").model
-    head = _head(model)
+    head = random_head(model)
     ids = torch.tensor([7, 3, 250, 11] + list(range(20, 20 + head.cfg.draft_vocab_size - 4)))
     head.set_vocab(ids)
     want = ids.sort().values
@@ -72,7 +54,7 @@ def test_vocabulary_maps_follow_the_eagle3_format(tiny):
 
 def test_head_files_round_trip(tiny, tmp_path):
     lm = tiny("llama")
-    head = _head(lm.model, seed=3)
+    head = random_head(lm.model, seed=3)
     head.save(tmp_path / "h", extra={"seed": 3})
     back = attach_target(Eagle3Head.load(tmp_path / "h"), lm.model, lm.path)
     assert back.cfg == head.cfg and Eagle3Head.training_record(tmp_path / "h") == {"seed": 3}
@@ -88,7 +70,7 @@ def test_head_files_round_trip(tiny, tmp_path):
 def test_a_head_refuses_another_target(tiny):
     import dataclasses
 
-    head = _head(tiny("llama").model)
+    head = random_head(tiny("llama").model)
     wider = Eagle3Head(dataclasses.replace(head.cfg, hidden_size=2 * head.cfg.hidden_size))
     with pytest.raises(ValueError, match="trained for"):
         attach_target(wider, tiny("llama").model)
@@ -100,7 +82,7 @@ def test_training_layout_is_what_drafting_computes(tiny):
     each anchor's own chain) give, for an anchor i, exactly what the drafter computes: the
     committed rows 0..i through the head's cache, then a chain of draft rows."""
     model = tiny("llama").model
-    head = _head(model, seed=1, scale=20.0)
+    head = random_head(model, seed=1, scale=20.0)
     ex = _examples(model, 1, 24, seed=2)[0]
     steps = 3
     gs = unroll(head, ex.tokens, ex.features, steps)
@@ -127,11 +109,11 @@ def test_training_learns_and_is_reproducible(tiny, tmp_path):
     lm = tiny("llama")
     model = lm.model
     data = _examples(model, 12, 32, seed=5)
-    before = evaluate(_head(model, seed=0, width=128), data, 2, 64)
+    before = evaluate(random_head(model, seed=0, width=128), data, 2, 64)
     cfg = TrainConfig(steps=2, lr=3e-3, warmup=5, seqs_per_step=4, epochs=20, seed=0)
     heads = []
     for run in ("a", "b"):
-        head = _head(model, seed=0, width=128)
+        head = random_head(model, seed=0, width=128)
         result = train(head, data, cfg, tmp_path / run, progress=False)
         heads.append(head)
     after = evaluate(heads[0], data, 2, 64)
@@ -147,14 +129,14 @@ def test_training_learns_and_is_reproducible(tiny, tmp_path):
 def test_training_resumes_from_its_checkpoint(tiny, tmp_path):
     model = tiny("llama").model
     data = _examples(model, 8, 30, seed=6)
-    full = _head(model)
+    full = random_head(model)
     train(full, data, TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1), tmp_path / "full", progress=False)
-    part = _head(model)
+    part = random_head(model)
     # stop after about half the steps (a budget of 0 minutes stops after the first step)
     r = train(part, data, TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1, minutes=0.0), tmp_path / "part",
               progress=False)  # fmt: skip
     assert r["optimizer_steps"] == 1 and (tmp_path / "part" / "checkpoint.pt").exists()
-    resumed = _head(model)
+    resumed = random_head(model)
     r = train(resumed, data, TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1), tmp_path / "part", progress=False)
     assert r["optimizer_steps"] == 8 and not (tmp_path / "part" / "checkpoint.pt").exists()
     for (n, p), (_, q) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
@@ -163,7 +145,7 @@ def test_training_resumes_from_its_checkpoint(tiny, tmp_path):
 
 def test_loss_counts_only_answer_tokens(tiny):
     model = tiny("llama").model
-    head = _head(model)
+    head = random_head(model)
     ex = _examples(model, 1, 20, seed=7)[0]
     ex.mask = torch.zeros(20, dtype=torch.bool)
     loss, stats = sequence_loss(head, ex, 2, 64)
@@ -222,7 +204,7 @@ def test_draft_vocabulary_prefers_what_the_target_predicts(tiny):
 @pytest.mark.parametrize("mode", EXACT_MODES)
 def test_greedy_identity_on_tiny_models(tiny, arch, mode):
     lm = tiny(arch, dtype=mode)
-    head = _head(lm.model, seed=2, scale=20.0)
+    head = random_head(lm.model, seed=2, scale=20.0)
     cfg = GenerationConfig(max_new_tokens=24, k=4, ignore_eos=True, adaptive_k=False)
     accepted = 0
     for prompt in PROMPTS:
@@ -267,7 +249,7 @@ def test_greedy_identity_with_a_trained_head_on_smollm2(smollm2_exact, tmp_path)
 
 def test_tree_shapes(tiny):
     lm = tiny("llama")
-    head = _head(lm.model, seed=4, scale=20.0)
+    head = random_head(lm.model, seed=4, scale=20.0)
     ids = lm.tokenizer.encode(PROMPTS[1])
     for sampling, opts, most in ((SamplingParams(), {"topk": 3, "total": 7}, 7),
                                  (SamplingParams(temperature=1.0, seed=1), {"sample_children": 2, "sample_frontier": 2}, 2 + 3 * 4)):  # fmt: skip
@@ -302,7 +284,7 @@ def test_cost_model_sizes_trees_by_the_price_of_rows(tiny):
     from specdec.costs import Costs
 
     model = tiny("llama").model
-    d = Eagle3Drafter(model, head=_head(model), max_total=20)
+    d = Eagle3Drafter(model, head=random_head(model), max_total=20)
     d._sizes, d._step_ms = [], 1.0
     scores = [math.log(p) for p in (0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005)]
     d.run.pass_ms = Costs({r: 10.0 for r in (1, 4, 8, 16, 21)})
@@ -319,25 +301,11 @@ def test_cost_model_sizes_trees_by_the_price_of_rows(tiny):
     assert d._tree_size(scores) == 4
 
 
-def _small_head(target) -> Eagle3Head:
-    cfg = HeadConfig("v8", V_SMALL, target.args.dim, target.args.n_heads, target.args.n_kv_heads, target.args.head_dim,
-                     16, 6, HeadConfig.default_feature_layers(target.args.n_layers), target.args.norm_eps,
-                     target.args.rope_theta, target.args.max_seq_len)  # fmt: skip
-    head = Eagle3Head(cfg)
-    head.init_weights(torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() == 2:
-                p.mul_(40.0)  # a peaked draft distribution, as a trained head has
-    head.set_vocab(torch.tensor([0, 1, 2, 4, 5, 7]))  # two tokens the head can never draft
-    return attach_target(head, target)
-
-
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
                                       SamplingParams(temperature=0.5)], ids=["T1", "T0.7-topk-topp", "T0.5"])  # fmt: skip
 def test_sampled_trees_keep_the_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
-    drafter = Eagle3Drafter(target, head=_small_head(target), sample_children=2, sample_frontier=2)
+    drafter = Eagle3Drafter(target, head=small_head(target), sample_children=2, sample_frontier=2)
     counts = sample_joint(target, drafter, sampling, runs=3000, k=2, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
@@ -347,7 +315,7 @@ def test_wrong_sampled_tree_rule_fails_with_eagle3_trees(small_vocab, exact_join
     wrong_rule("sampled-tree")
     target, _ = small_vocab
     sampling = SamplingParams(temperature=0.5)
-    drafter = Eagle3Drafter(target, head=_small_head(target), sample_children=2, sample_frontier=2)
+    drafter = Eagle3Drafter(target, head=small_head(target), sample_children=2, sample_frontier=2)
     counts = sample_joint(target, drafter, sampling, runs=3000, k=2, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
@@ -506,7 +474,7 @@ def test_export_writes_the_engines_layout_and_loads_back(tiny, tmp_path):
 
     lm = tiny("llama")
     model = lm.model
-    head = _head(model, seed=3, scale=20.0)
+    head = random_head(model, seed=3, scale=20.0)
     c = head.cfg
     H, nh, nkv, D, I, N, V = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                               c.intermediate_size, c.draft_vocab_size, c.target_vocab_size)  # fmt: skip
@@ -539,7 +507,7 @@ def test_export_cli(tiny_dir, tmp_path):
     from specdec.cli import main
 
     lm = specdec.load(tiny_dir("llama"), dtype="fp32", device="cpu")
-    head = _head(lm.model)
+    head = random_head(lm.model)
     import dataclasses
 
     # the head records the directory it was trained for: export attaches that target's rows
@@ -554,7 +522,7 @@ def test_export_cli(tiny_dir, tmp_path):
 
 def test_loss_fraction_draws_a_seeded_subset(tiny):
     model = tiny("llama").model
-    head = _head(model)
+    head = random_head(model)
     ex = _examples(model, 1, 40, seed=9)[0]
     full = sequence_loss(head, ex, 2, 64)[1]
     a = sequence_loss(head, ex, 2, 64, 0.25, torch.Generator().manual_seed(1))[1]
@@ -568,7 +536,7 @@ def test_training_in_bf16_autocast(tiny, tmp_path):
     """What runs where the CPU has AMX (forced here): the same loop under bfloat16 autocast."""
     model = tiny("llama").model
     data = _examples(model, 8, 30, seed=10)
-    head = _head(model, width=128)
+    head = random_head(model, width=128)
     r = train(head, data, TrainConfig(steps=2, lr=3e-3, seqs_per_step=2, epochs=6, dtype="bf16"), tmp_path,
               progress=False)  # fmt: skip
     hist = r["history"]
@@ -598,7 +566,7 @@ def test_when_no_tree_pays_it_stops_drafting_and_stays_exact(tiny, monkeypatch):
 
     lm = tiny("llama", dtype=EXACT_MODES[-1])
     model = lm.model
-    head = _head(model, seed=2, scale=20.0)
+    head = random_head(model, seed=2, scale=20.0)
     d = Eagle3Drafter(model, head=head)
     d.run.pass_ms = Costs({1: 10.0, 2: 20.0, 49: 490.0})
     ids = lm.tokenizer.encode(PROMPTS[0])
@@ -620,7 +588,7 @@ def test_a_deeper_level_is_drafted_only_where_it_can_pay(tiny):
     from specdec.costs import Costs
 
     model = tiny("llama").model
-    d = Eagle3Drafter(model, head=_head(model), max_total=20)
+    d = Eagle3Drafter(model, head=random_head(model), max_total=20)
     d._t0 = time.perf_counter()  # a proposal has just begun
     scores = [math.log(p) for p in (0.9, 0.5, 0.2)]
     d.run.pass_ms = Costs({1: 10.0, 40: 10.0})  # rows are free
@@ -636,7 +604,7 @@ def test_a_deeper_level_is_drafted_only_where_it_can_pay(tiny):
     assert d._deeper_pays(scores, scores[:2])
 
     lm = tiny("llama", dtype=EXACT_MODES[-1])
-    head = _head(lm.model, seed=2, scale=20.0)
+    head = random_head(lm.model, seed=2, scale=20.0)
     ids = lm.tokenizer.encode(PROMPTS[1])
     cfg = GenerationConfig(max_new_tokens=24, k=4, ignore_eos=True, adaptive_k=False)
     d = Eagle3Drafter(lm.model, head=head)

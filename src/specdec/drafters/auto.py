@@ -2,7 +2,9 @@
 or a plain step where none is predicted to beat plain decoding.
 
 Candidates are the drafters that can follow tokens another drafter proposed (`catch_up`):
-prompt lookup always, the draft model when one is given (`--draft`). Each step every candidate
+prompt lookup always, the draft model when one is given (`--draft`), and an EAGLE-3 head where
+one ships for the target or is given (`--auto-head DIR`); a tree drafter proposes chains here
+(`chain_only`: its most likely chain of the k chosen), since the chooser prices chains. Each step every candidate
 says what it could propose now (`outlook`: prompt lookup has nothing without an n-gram match,
 and its situation is the match length), and `specdec.adaptive.MethodChooser` ranks (drafter,
 k) by the expected-tokens formula over this request's measured acceptance by position (per
@@ -49,10 +51,13 @@ def switchable() -> list[str]:
 @register(
     "auto",
     needs="any",
-    help="choose the drafter (prompt lookup; the draft model with --draft) and k each step, or a plain step, by "
-         "predicted tokens per second",
-    options=(Option("methods", "auto: the drafters to choose from, comma-separated (default: prompt-lookup, and "
-                               "draft-model with --draft)", "--auto-methods", type=str),),
+    help="choose the drafter (prompt lookup; the draft model with --draft; an EAGLE-3 head where one ships or is "
+         "given) and k each step, or a plain step, by predicted tokens per second",
+    options=(Option("methods", "auto: the drafters to choose from, comma-separated (default: prompt-lookup, "
+                               "draft-model with --draft, eagle3 where a head ships for the target or --auto-head "
+                               "is given)", "--auto-methods", type=str),
+             Option("head", "auto: directory of the EAGLE-3 head to include (default: the one shipped for the "
+                            "target, if any)", "--auto-head", type=str)),
 )  # fmt: skip
 class AutoDrafter(Drafter):
     """Switches between drafters step by step (see the module doc). `methods`: comma-separated
@@ -62,11 +67,14 @@ class AutoDrafter(Drafter):
     own_schedule = True  # it chooses plain steps itself
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, methods: str | None = None,
-                 margin: float = 1.03) -> None:  # fmt: skip
+                 head: Any = None, margin: float = 1.03) -> None:  # fmt: skip
         super().__init__()
+        from .eagle3 import shipped_head
+
         ok = switchable()
         if methods is None:
-            names = [n for n in ok if DRAFTERS[n].needs != "draft" or draft is not None]
+            has_head = head is not None or shipped_head(target) is not None
+            names = [n for n in ok if (DRAFTERS[n].needs != "draft" or draft is not None) and (n != "eagle3" or has_head)]
         else:
             names = [n.strip() for n in methods.split(",") if n.strip()]
             if not names:
@@ -83,11 +91,16 @@ class AutoDrafter(Drafter):
             raise ValueError("auto uses the draft model only with draft-model among its methods; drop --draft or "
                              "add draft-model to --auto-methods")  # fmt: skip
         self.target = target
+        if head is not None and "eagle3" not in names:
+            raise ValueError("--auto-head gives auto an EAGLE-3 head; add eagle3 to --auto-methods or drop it")
         self.subs: dict[str, Drafter] = {
-            n: make_drafter(n, target=target, draft=draft if DRAFTERS[n].needs == "draft" else None) for n in names
-        }
+            n: make_drafter(n, target=target, draft=draft if DRAFTERS[n].needs == "draft" else None,
+                            **({"head": head} if n == "eagle3" else {}))
+            for n in names
+        }  # fmt: skip
         for sub in self.subs.values():
             sub.lazy_begin = True  # caught up (a draft model prefilled) when first chosen, if ever
+            sub.chain_only = True  # the chooser sizes chains
         self.margin = margin
         self.scratch_rows = max(s.scratch_rows for s in self.subs.values())
         self.wants_hidden = any(s.wants_hidden for s in self.subs.values())
@@ -180,7 +193,7 @@ class AutoDrafter(Drafter):
         self._length += len(committed)
         for name, sub in self.subs.items():
             if name != method:
-                sub.catch_up(committed)
+                sub.catch_up(committed, feedback)
         self._plan, self._proposal = None, []
 
     def _report(self) -> None:

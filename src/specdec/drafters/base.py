@@ -139,6 +139,9 @@ class Drafter:
     # True: `begin` leaves catching up on the context (a draft model's prefill) to `sync`, which
     # whoever sets it calls before each proposal (the engine under adaptive_k; auto)
     lazy_begin: bool = False
+    # True: propose a chain of exactly the k asked for (a tree drafter drafts its most likely
+    # chain): whoever sets it sized k itself (auto, which switches between chain drafters)
+    chain_only: bool = False
 
     def __init__(self) -> None:
         self.forwards = 0  # model forward calls made so far (0 for model-free drafters)
@@ -164,10 +167,12 @@ class Drafter:
         one situation, k tokens."""
         return ("", k)
 
-    def catch_up(self, tokens: list[int]) -> None:
+    def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         """`tokens` were committed without a proposal of this drafter (another drafter's, or a
-        plain step) since its last `begin`/`accepted`: follow them. Drafters that `--drafter
-        auto` can switch between implement it."""
+        plain step) since its last `begin`/`accepted`: follow them. `feedback`: the pass that
+        committed them, whose `layers` carry the target's features of their rows (the
+        drafter's `feature_layers`, as with `accepted`). Drafters that `--drafter auto` can
+        switch between implement it."""
         raise NotImplementedError(f"the {self.name} drafter cannot follow tokens that another drafter proposed")
 
     def cost_ms(self) -> float | None:

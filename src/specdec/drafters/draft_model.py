@@ -88,7 +88,7 @@ class DraftModelDrafter(Drafter):
             drafts.append(Draft(toks, q_all))
         return drafts
 
-    def catch_up(self, tokens: list[int]) -> None:
+    def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         if self._proposal:
             raise RuntimeError("catch_up() while a proposal awaits its feedback")
         self._tokens += tokens  # fed at the next proposal (or `sync`)

@@ -30,6 +30,11 @@ Each proposal (see `specdec.eagle3.head` for the head itself):
    get children depends only on draws made before those children, so each node's children are
    a fresh without-replacement sample from its own q, as the rule requires.
 
+4. Under `--drafter auto` (`chain_only`): a chain of exactly the k auto chose, the most likely
+   child (greedy) or one drawn child (sampling) per depth, verified like any chain; the head
+   follows the tokens other drafters and plain steps commit (`catch_up`) from the target's
+   features of their rows.
+
 The head's linear layers run through specdec's q4k kernel (quantized once when the drafter
 is built) where the native kernels exist, else in float32.
 """
@@ -181,7 +186,7 @@ class Eagle3Drafter(Drafter):
             where = Path(head) if head is not None else shipped_head(target)
             if where is None:
                 raise ValueError("no EAGLE-3 head ships for this target; train one (`specdec train eagle3 --target NAME "
-                                 "--out DIR`) and pass it with --head DIR")  # fmt: skip
+                                 "--out DIR`) and pass it with --head DIR (with --drafter auto: --auto-head DIR)")  # fmt: skip
             heads = _HEADS.setdefault(target, {})
             key = str(Path(where).resolve())
             if key not in heads:  # one load (and one quantization, one timing) per head and target
@@ -223,15 +228,33 @@ class Eagle3Drafter(Drafter):
         self.v_cache = torch.zeros_like(self.k_cache)
 
     def accepted(self, feedback: Feedback) -> None:
-        if self.sampling.greedy:
+        if self.sampling.greedy and not self.chain_only:  # (the calibration is of the trees it sizes)
             self.run.accepted_sum += len(feedback.path)
             self.run.predicted_sum += self._predicted
+        self._follow([int(self._last_tokens[j]) for j in feedback.path] + [feedback.next_token], feedback)
+
+    def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
+        """Tokens another drafter proposed (or a plain step) committed: the head reads the
+        target's features of their rows at its next proposal, as it does after its own."""
+        if feedback is None or any(i not in feedback.layers for i in self.head.cfg.feature_layers):
+            raise ValueError("eagle3 follows committed tokens only with the target's features of their rows "
+                             "(the feedback of the pass that committed them)")  # fmt: skip
+        if len(feedback.accepted_rows) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens committed, but the pass accepted {len(feedback.accepted_rows)} rows")
+        self._follow(tokens, feedback)
+
+    def _follow(self, committed: list[int], feedback: Feedback) -> None:
+        """Append the committed rows' target features and the committed tokens."""
         self._predicted = 0.0  # (a step without a proposal predicts nothing)
         rows = feedback.accepted_rows
         f = torch.cat([feedback.layers[i][rows] for i in self.head.cfg.feature_layers], -1).float()
         self.feats.append(f)
         self.n_feat += f.shape[0]
-        self.ctx += [int(self._last_tokens[j]) for j in feedback.path] + [feedback.next_token]
+        self.ctx += committed
+
+    def cost_ms(self) -> float | None:
+        """Per drafted token of a chain: about one head call (None until one is timed)."""
+        return self.run.call_ms
 
     def end(self) -> None:
         self.k_cache = self.v_cache = torch.zeros(0)
@@ -306,7 +329,8 @@ class Eagle3Drafter(Drafter):
         self._predicted = 0.0
         if k < 1:
             return Draft.empty()
-        if self._skip > 0:  # the cost model found no tree worth its rows lately: plain steps, no drafting
+        chain = self.chain_only  # exactly k tokens, the most likely (greedy) or drawn (sampling) one per depth
+        if self._skip > 0 and not chain:  # the cost model found no tree worth its rows lately: plain steps
             self._skip -= 1
             self._last_tokens = torch.zeros(0, dtype=torch.long)
             return Draft.empty()
@@ -347,14 +371,14 @@ class Eagle3Drafter(Drafter):
                 new += [add(p, i, v, q) for v, i in zip(q[idx].log().tolist(), idx.tolist(), strict=True)]
             return new
 
-        width = self.topk if greedy else self.sample_children
+        width = 1 if chain else self.topk if greedy else self.sample_children
         frontier = children([-1], logits_root[None], width)
         g_of: dict[int, torch.Tensor] = {-1: g_root}
         slot_of: dict[int, int] = {}
         for d in range(2, k + 1):
-            n_expand = self.topk if greedy else self.sample_frontier
+            n_expand = 1 if chain else self.topk if greedy else self.sample_frontier
             expand = sorted(frontier, key=lambda j: -score[j])[:n_expand]
-            if not expand or not self._deeper_pays(score, [score[j] for j in expand]):
+            if not expand or not (chain or self._deeper_pays(score, [score[j] for j in expand])):
                 break
             R = len(expand)
             slots = torch.arange(base + len(slot_of), base + len(slot_of) + R)
@@ -384,7 +408,7 @@ class Eagle3Drafter(Drafter):
             # EAGLE-2: keep the topk best new candidates as the next frontier
             frontier = sorted(frontier, key=lambda j: -score[j])[: self.topk]
         keep = list(range(len(tok)))
-        if greedy:
+        if greedy and not chain:
             # the best by cumulative log-probability; a child never beats its parent, and ties go
             # to the shallower node, so the set holds every kept node's ancestors
             keep = sorted(keep, key=lambda j: (-score[j], depth[j]))
@@ -408,4 +432,4 @@ class Eagle3Drafter(Drafter):
             V = self.head.cfg.target_vocab_size
             q_full = torch.zeros(len(keep), V)
             q_full[:, self.head.draft_ids] = torch.stack([qrows[j] for j in keep])
-        return Draft(tokens, q_full, parents)
+        return Draft(tokens, q_full, None if chain else parents)

@@ -109,7 +109,7 @@ class PromptLookupDrafter(Drafter):
         self._extend([*self._proposal[: feedback.num_accepted], feedback.next_token])
         self._proposal = []
 
-    def catch_up(self, tokens: list[int]) -> None:
+    def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         self._extend(tokens)
 
     def cost_ms(self) -> float:
