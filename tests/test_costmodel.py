@@ -49,3 +49,17 @@ def test_recommend_picks_the_k_with_the_best_prediction():
     by_k = {k: (1 - 0.6 ** (k + 1)) / 0.4 * 10 / (10 + 2 * k) for k in range(1, 9)}
     assert rec.best_k == max(by_k, key=by_k.get) == 2
     assert rec.by_k[3] == pytest.approx(by_k[3], rel=2e-3) and rec.measured_speedup == 1.1
+
+
+@pytest.mark.parametrize("ms, expected", [
+    # one slow moment made 1 row look dearer than 2, 3 and 4 (measured like this): pooled
+    ({1: 83.8, 2: 73.5, 3: 76.7, 4: 77.3, 5: 83.8}, {1: 77.825, 2: 77.825, 3: 77.825, 4: 77.825, 5: 83.8}),
+    ({1: 30.0, 2: 36.0, 4: 46.0, 8: 68.0}, {1: 30.0, 2: 36.0, 4: 46.0, 8: 68.0}),  # already monotone: as is
+    ({1: 2.0, 2: 1.0, 3: 3.0, 4: 2.0}, {1: 1.5, 2: 1.5, 3: 2.5, 4: 2.5}),
+])  # fmt: skip
+def test_pass_time_tables_are_made_monotone_in_rows(ms, expected):
+    from specdec.costs import monotone
+
+    got = monotone(ms)
+    assert got == pytest.approx(expected)
+    assert [got[r] for r in sorted(got)] == sorted(got.values())

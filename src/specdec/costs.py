@@ -5,7 +5,6 @@ from them (EAGLE-3's trees)."""
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
 import weakref
 from dataclasses import dataclass
@@ -69,9 +68,11 @@ def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) 
     model(torch.randint(0, vocab, (1, context), generator=gen).to(model.device), cache, last_only=True)
     new = torch.randint(0, vocab, (1, max(rows)), generator=gen).to(model.device)
     times: dict[int, list[float]] = {r: [] for r in rows}
-    # Round by round over all the row counts, not count by count: a passing slowdown of a shared
-    # machine then lands on every count alike (the engine's online `scale` absorbs that), instead
-    # of making a few counts look dear for good in the stored table.
+    # Round by round over all the row counts, not count by count, and the fastest round of each:
+    # a shared machine's interference only ever adds time, so the minimum is the pass's own
+    # cost (the engine's online `scale` follows the load of the moment). A median of a few
+    # rounds let one slow moment make 1 row look dearer than 2 here, and every drafted token
+    # then looked free.
     for i in range(repeats + 1):  # the first round warms up every shape
         for r in rows:
             cache.truncate(context)
@@ -81,7 +82,25 @@ def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) 
                 torch.cuda.synchronize()
             if i:
                 times[r].append((time.perf_counter() - t0) * 1e3)
-    return {r: statistics.median(t) for r, t in times.items()}
+    return monotone({r: min(t) for r, t in times.items()})
+
+
+def monotone(ms: dict[int, float]) -> dict[int, float]:
+    """The closest table (least squares) in which more rows never cost less: adjacent counts
+    that violate it are pooled to their mean (pool adjacent violators). A pass over r + 1 rows
+    does all the work of one over r, so a smaller time is noise, and a cost model reading it
+    would price an extra row below zero."""
+    blocks: list[list[float]] = []  # [mean, weight] per pooled run of counts, in row order
+    for r in sorted(ms):
+        blocks.append([ms[r], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    out, it = {}, iter(sorted(ms))
+    for mean, w in blocks:
+        for _ in range(int(w)):
+            out[next(it)] = mean
+    return out
 
 
 def measure_costs(target: Transformer, draft: Transformer | None = None, *, max_rows: int = 2 * K_MAX + 1,
@@ -135,25 +154,30 @@ def store_measurement(name: str, key: str, value: Any) -> None:
     store.write_json(path, table)
 
 
+# v2: the fastest of a few rounds per row count, monotone in rows (`_time_rows`); the medians
+# of the first version's tables are not read
+PASS_COSTS_FILE = "pass_costs-v2.json"
+
+
 def pass_costs(target: Transformer, max_rows: int) -> Costs:
     """The target's pass time per row count on this machine, timed once and kept in the
-    specdec cache (`pass_costs.json`), keyed by `machine_key`: a drafter that sizes its
+    specdec cache (`PASS_COSTS_FILE`), keyed by `machine_key`: a drafter that sizes its
     proposals by it pays the timing (a few seconds) once per machine, not once per process.
     Re-timed where the key or the row range is new."""
     known = _PASS_COSTS.get(target)
     if known is not None and max(known.target_ms) >= max_rows:
         return known
     key = machine_key(target)
-    entry = stored("pass_costs.json", key) if key is not None else None
+    entry = stored(PASS_COSTS_FILE, key) if key is not None else None
     # every row count a chain of up to K_MAX drafts can bring (the pass time is not linear in
     # the rows: the q4k kernel's cost jumps between some counts), then sparser
     rows = sorted(r for r in {*range(1, K_MAX + 2), 12, 16, 24, 32, max_rows} if r <= max_rows)
     if isinstance(entry, dict) and entry and {str(r) for r in rows} <= set(entry):
         costs = Costs({int(r): float(ms) for r, ms in entry.items()})
     else:
-        costs = Costs(_time_rows(target, rows, context=128, repeats=3))
+        costs = Costs(_time_rows(target, rows, context=128, repeats=5))
         if key is not None:  # (a model without a directory is kept in this process only)
-            store_measurement("pass_costs.json", key, {str(r): round(ms, 3) for r, ms in costs.target_ms.items()})
+            store_measurement(PASS_COSTS_FILE, key, {str(r): round(ms, 3) for r, ms in costs.target_ms.items()})
     _PASS_COSTS[target] = costs
     return costs
 

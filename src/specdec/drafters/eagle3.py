@@ -134,10 +134,17 @@ class _Runner:
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # [R] cache slots the rows' keys/values go to
         mask: torch.Tensor,  # [R, S_used] bool: which slots each row attends to (its own included)
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # next g [R, H], draft logits [R, N]
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # next g [R, H], draft logits [R, N] (R = 1 with last_only)
+        """Write every row's keys and values to the head's cache; the output and draft logits
+        of every row, or with `last_only` of the last row alone (catching up on committed
+        positions needs only their keys and values: attention, MLP and LM head for one row
+        instead of all, a tenth of the head's work per row)."""
         q, k, v = self.head.qkv(emb, g, positions, self.linears)  # [R, nh|nkv, D]
         k_cache[:, slots] = k.transpose(0, 1)
         v_cache[:, slots] = v.transpose(0, 1)
+        if last_only:
+            q, g, mask = q[-1:], g[-1:], mask[-1:]
         S = mask.shape[1]
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k_cache[None, :, :S], v_cache[None, :, :S], attn_mask=mask[None, None], enable_gqa=True
@@ -271,7 +278,8 @@ class Eagle3Drafter(Drafter):
         toks = torch.tensor(self.ctx[lo + 1 : hi + 1])
         g_in = self.run.project(feats[lo:hi])
         mask = torch.ones(hi - lo, hi, dtype=torch.bool).tril(lo)
-        g, logits = self.run.step(self.head.embed(toks), g_in, pos, self.k_cache, self.v_cache, pos, mask)
+        g, logits = self.run.step(self.head.embed(toks), g_in, pos, self.k_cache, self.v_cache, pos, mask,
+                                  last_only=True)  # fmt: skip
         self.forwards += 1
         self.n_done = hi
         return g[-1], logits[-1]  # type: ignore[index]
