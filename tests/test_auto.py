@@ -237,9 +237,9 @@ def test_greedy_identity_with_eagle3_among_the_switching_drafters(tiny, monkeypa
     assert accepted > 0
 
 
-def test_auto_takes_eagle3_only_with_a_head(tiny):
+def test_auto_takes_eagle3_only_when_asked(tiny):
     target = tiny("llama").model
-    assert AutoDrafter(target).methods == [LOOKUP]  # no head ships for a tiny model
+    assert AutoDrafter(target).methods == [LOOKUP]  # the head only when asked for (no head ships for it anyway)
     assert AutoDrafter(target, head=random_head(target)).methods == [EAGLE3, LOOKUP]
     with pytest.raises(ValueError, match="add eagle3 to --auto-methods"):
         AutoDrafter(target, methods=LOOKUP, head=random_head(target))

@@ -2,9 +2,12 @@
 or a plain step where none is predicted to beat plain decoding.
 
 Candidates are the drafters that can follow tokens another drafter proposed (`catch_up`):
-prompt lookup always, the draft model when one is given (`--draft`), and an EAGLE-3 head where
-one ships for the target or is given (`--auto-head DIR`); a tree drafter proposes chains here
-(`chain_only`: its most likely chain of the k chosen), since the chooser prices chains. Each step every candidate
+prompt lookup always, the draft model when one is given (`--draft`), and an EAGLE-3 head when
+asked for (eagle3 in `methods`: the head shipped for the target, or `--auto-head DIR`). The
+head is not among the defaults: with the shipped head's agreement, auto with it was no faster
+than without it on the quick suite (and slower where prompt lookup copies well), on a CPU
+whose extra rows are dear. A tree drafter proposes chains here (`chain_only`: its most likely
+chain of the k chosen), since the chooser prices chains. Each step every candidate
 says what it could propose now (`outlook`: prompt lookup has nothing without an n-gram match,
 and its situation is the match length), and `specdec.adaptive.MethodChooser` ranks (drafter,
 k) by the expected-tokens formula over this request's measured acceptance by position (per
@@ -51,13 +54,12 @@ def switchable() -> list[str]:
 @register(
     "auto",
     needs="any",
-    help="choose the drafter (prompt lookup; the draft model with --draft; an EAGLE-3 head where one ships or is "
-         "given) and k each step, or a plain step, by predicted tokens per second",
+    help="choose the drafter (prompt lookup; the draft model with --draft; an EAGLE-3 head if asked for) and k "
+         "each step, or a plain step, by predicted tokens per second",
     options=(Option("methods", "auto: the drafters to choose from, comma-separated (default: prompt-lookup, "
-                               "draft-model with --draft, eagle3 where a head ships for the target or --auto-head "
-                               "is given)", "--auto-methods", type=str),
-             Option("head", "auto: directory of the EAGLE-3 head to include (default: the one shipped for the "
-                            "target, if any)", "--auto-head", type=str)),
+                               "draft-model with --draft, eagle3 with --auto-head)", "--auto-methods", type=str),
+             Option("head", "auto: include this EAGLE-3 head (directory; with eagle3 in --auto-methods, default: "
+                            "the head shipped for the target)", "--auto-head", type=str)),
 )  # fmt: skip
 class AutoDrafter(Drafter):
     """Switches between drafters step by step (see the module doc). `methods`: comma-separated
@@ -69,12 +71,9 @@ class AutoDrafter(Drafter):
     def __init__(self, target: Transformer, draft: Transformer | None = None, methods: str | None = None,
                  head: Any = None, margin: float = 1.03) -> None:  # fmt: skip
         super().__init__()
-        from .eagle3 import shipped_head
-
         ok = switchable()
         if methods is None:
-            has_head = head is not None or shipped_head(target) is not None
-            names = [n for n in ok if (DRAFTERS[n].needs != "draft" or draft is not None) and (n != "eagle3" or has_head)]
+            names = [n for n in ok if (DRAFTERS[n].needs != "draft" or draft is not None) and (n != "eagle3" or head is not None)]
         else:
             names = [n.strip() for n in methods.split(",") if n.strip()]
             if not names:
