@@ -44,21 +44,21 @@ def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     cumulative mass first exceeds u, then the token inside it by the block's own cumulative
     sums. The same law as `torch.multinomial(weights, 1)` (a zero weight is never drawn) at a
     small fraction of its CPU cost on a large vocabulary, which every sampled decoding step and
-    every residual draw of a verification pays (see the README's sampling note). Two levels keep each token's share exact to float64 rounding of sums of at most a few hundred
-    terms, where one float32 cumsum over the whole vocabulary would blur tokens of
-    probability ~1e-7."""
+    every residual draw of a verification pays (see the README's sampling note). Two levels
+    keep each token's share exact to float64 rounding of sums of at most a few hundred terms,
+    where one float32 cumsum over the whole vocabulary would blur tokens of probability ~1e-7."""
     one = weights.dim() == 1
     w = weights[None] if one else weights  # [B, V]
     B, V = w.shape
     n = -(-V // BLOCK)
     blocks = torch.nn.functional.pad(w, (0, n * BLOCK - V)).view(B, n, BLOCK)  # [B, n, BLOCK]
-    f64 = torch.float64 if w.device.type != "mps" else torch.float32
-    mass = blocks.sum(-1, dtype=f64)  # [B, n]
+    acc = torch.float64 if w.device.type != "mps" else torch.float32  # (MPS has no float64)
+    mass = blocks.sum(-1, dtype=acc)  # [B, n]
     cdf = mass.cumsum(-1)  # [B, n]
     total = cdf[:, -1:]  # [B, 1]
     if bool((total <= 0).any()) or bool(torch.isnan(total).any()):
         raise ValueError("cannot sample from weights that are all zero (or NaN)")
-    u = torch.rand(B, 1, generator=generator, dtype=f64, device=w.device) * total  # [B, 1]
+    u = torch.rand(B, 1, generator=generator, dtype=acc, device=w.device) * total  # [B, 1]
     # first block whose cumulative mass exceeds u (it has mass > 0); rounding may push u past
     # the end: then the last block with mass
     last_block = (n - 1) - (mass > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)  # [B, 1]
@@ -66,7 +66,7 @@ def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     u = u - torch.where(b > 0, cdf.gather(1, (b - 1).clamp_min(0)), torch.zeros_like(u))
     row = blocks.gather(1, b[..., None].expand(B, 1, BLOCK)).squeeze(1)  # [B, BLOCK]
     last_token = (BLOCK - 1) - (row > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)  # [B, 1]
-    i = torch.minimum(torch.searchsorted(row.to(f64).cumsum(-1), u, right=True), last_token)  # [B, 1]
+    i = torch.minimum(torch.searchsorted(row.to(acc).cumsum(-1), u, right=True), last_token)  # [B, 1]
     out = (b * BLOCK + i).squeeze(-1)  # [B]
     return out[0] if one else out
 

@@ -73,7 +73,9 @@ class AutoDrafter(Drafter):
         super().__init__()
         ok = switchable()
         if methods is None:
-            names = [n for n in ok if (DRAFTERS[n].needs != "draft" or draft is not None) and (n != "eagle3" or head is not None)]
+            # the draft model when one is given; the EAGLE-3 head only when one is given (see above)
+            names = [n for n in ok if (draft is not None if DRAFTERS[n].needs == "draft" else
+                                       head is not None if n == "eagle3" else True)]  # fmt: skip
         else:
             names = [n.strip() for n in methods.split(",") if n.strip()]
             if not names:
