@@ -27,6 +27,16 @@ EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_acceptance_memory():
+    """Each test starts as a new process would: no acceptance remembered from other tests'
+    requests (`specdec.adaptive.acceptance_memory`), so no test depends on the order."""
+    from specdec import adaptive
+
+    adaptive._MEMORY.clear()
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """Per-architecture tiny target directories, built once."""

@@ -54,6 +54,28 @@ def test_acceptance_is_kept_per_situation():
     assert c.choose({}) == ("plain", 0)  # nothing to propose
 
 
+def test_earlier_requests_acceptance_is_the_next_ones_prior():
+    """One-token matches never accepted in a request: the next request with the same memory
+    starts with plain steps there, where a fresh chooser (prior alpha_1 = 0.6) tries them; an
+    unseen situation and a drafter with a model of its own start from the prior either way."""
+    memory: dict = {}
+    first = MethodChooser([LOOKUP, DRAFT], 4, PASS, draft_ms={LOOKUP: 0.1, DRAFT: 15.0}, memory=memory,
+                          remembered=frozenset({LOOKUP}))  # fmt: skip
+    _feed(first, LOOKUP, 1, 30, 2, 0, draft_ms=0.2)
+    _feed(first, DRAFT, "", 30, 2, 0, draft_ms=30.0)
+    assert set(memory) == {(LOOKUP, 1)}  # the draft model's acceptance is its own, not the target's
+
+    def chooser(mem):
+        return MethodChooser([LOOKUP, DRAFT], 4, PASS, draft_ms={LOOKUP: 0.1, DRAFT: 3.0}, memory=mem,
+                             remembered=frozenset({LOOKUP}))  # fmt: skip
+
+    one_token = {LOOKUP: (1, 2, 0.0)}
+    assert chooser(memory).choose(one_token) == ("plain", 0)
+    assert chooser(None).choose(one_token)[0] == LOOKUP
+    assert chooser(memory).choose({LOOKUP: (3, 4, 0.0)})[0] == LOOKUP  # never seen: the prior
+    assert chooser(memory).choose({DRAFT: ("", 4, 0.0)})[0] == DRAFT  # not remembered: the prior
+
+
 def test_plain_steps_probe_each_drafter_in_turn():
     c = MethodChooser([DRAFT, LOOKUP], 4, PASS)
     c.choose({DRAFT: ("", 4, 0.0)})

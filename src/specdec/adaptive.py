@@ -35,6 +35,7 @@ negative control).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Hashable, Mapping
 from typing import Any
@@ -51,21 +52,24 @@ Outlook = tuple[Hashable, int, float]  # (situation, most tokens it could propos
 
 class Acceptance:
     """alpha_j, the discounted chance that a proposal reaching draft position j has its token
-    j accepted, for j = 1..k_max, with a weak prior."""
+    j accepted, for j = 1..k_max, with a weak prior (`prior`: what earlier requests measured
+    for these positions, see `acceptance_memory`)."""
 
-    def __init__(self, k_max: int, gamma: float) -> None:
+    def __init__(self, k_max: int, gamma: float, prior: list[float] | None = None) -> None:
         self.gamma = gamma
+        self.prior = prior or []
         self.proposed = [0.0] * k_max  # discounted proposals that reached position j+1
         self.accepted = [0.0] * k_max  # ...whose token j+1 was accepted
 
     def alpha(self) -> list[float]:
-        """Each position's estimate shrinks to a geometric prior: PRIOR_ALPHA at position 1,
-        then the previous position's estimate times alpha_1 (the model of Leviathan et al.),
-        so a position that was never proposed is predicted from those that were — copies
-        accepted 95% of the time at positions 1-2 make positions 3-4 worth trying."""
+        """Each position's estimate shrinks to a prior: earlier requests' estimate where there
+        is one, else a geometric one — PRIOR_ALPHA at position 1, then the previous position's
+        estimate times alpha_1 (the model of Leviathan et al.), so a position that was never
+        proposed is predicted from those that were: copies accepted 95% of the time at
+        positions 1-2 make positions 3-4 worth trying."""
         out: list[float] = []
-        for a, p in zip(self.accepted, self.proposed, strict=True):
-            prior = out[-1] * out[0] if out else PRIOR_ALPHA
+        for j, (a, p) in enumerate(zip(self.accepted, self.proposed, strict=True)):
+            prior = self.prior[j] if j < len(self.prior) else out[-1] * out[0] if out else PRIOR_ALPHA
             out.append((a + PRIOR_WEIGHT * prior) / (p + PRIOR_WEIGHT))
         return out
 
@@ -79,6 +83,29 @@ class Acceptance:
         for j in range(min(proposed, len(self.proposed))):
             self.proposed[j] = self.gamma * self.proposed[j] + 1.0
             self.accepted[j] = self.gamma * self.accepted[j] + (1.0 if j < accepted else 0.0)
+
+
+MEMORY_GAMMA = 0.99  # discount per new observation in the memory kept across requests (~100 proposals)
+# per target, per sampling kind (greedy or not): (drafter, situation) -> acceptance over recent requests
+_MEMORY: weakref.WeakKeyDictionary[Any, dict[bool, dict[tuple[str, Hashable], Acceptance]]] = (
+    weakref.WeakKeyDictionary())  # fmt: skip
+
+
+def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], Acceptance]:
+    """What the requests decoded so far in this process with `target` measured, per drafter
+    and situation: the prior of the next request's estimates. Without it every request starts
+    from the geometric prior (alpha_1 = 0.6), and where a situation is worse — a one-token
+    n-gram match is accepted ~20% of the time — it pays for a few failed drafts to learn that
+    again. Exact as before: what the memory holds comes from verified steps only."""
+    return _MEMORY.setdefault(target, {}).setdefault(greedy, {})
+
+
+def remembered(methods: list[str]) -> frozenset[str]:
+    """The drafters among `methods` whose acceptance `acceptance_memory` keeps across requests:
+    the model-free ones (what they propose depends on the target's text alone)."""
+    from .drafters.base import DRAFTERS
+
+    return frozenset(m for m in methods if m in DRAFTERS and DRAFTERS[m].needs == "")
 
 
 class _Prober:
@@ -151,11 +178,18 @@ class MethodChooser:
     would come from and how many tokens it could propose now (absent: nothing to propose)."""
 
     def __init__(self, methods: list[str], k_max: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4,
-                 margin: float = 1.03, draft_ms: Mapping[str, float | None] | None = None) -> None:  # fmt: skip
+                 margin: float = 1.03, draft_ms: Mapping[str, float | None] | None = None,
+                 memory: dict[tuple[str, Hashable], Acceptance] | None = None,
+                 remembered: frozenset[str] = frozenset()) -> None:  # fmt: skip
         if not methods or k_max < 1 or not 0 < gamma <= 1 or margin < 1:
             raise ValueError("give at least one method; k_max must be >= 1, gamma in (0, 1] and margin >= 1")
         self.methods, self.k_max, self.costs, self.gamma, self.margin = list(methods), k_max, costs, gamma, margin
         self.acceptance: dict[tuple[str, Hashable], Acceptance] = {}
+        # earlier requests' acceptance (`acceptance_memory`), for the `remembered` methods: those
+        # whose acceptance depends on the target and the text alone (not on a draft model or
+        # head that another request may not share)
+        self.memory = memory if memory is not None else {}
+        self.remembered = remembered
         # per drafted token (EMA of the measured cost), starting from the drafter's own estimate
         # where it has one (a draft model: its one-row pass time on this machine)
         self.draft_ms: dict[str, float | None] = {m: (draft_ms or {}).get(m) for m in methods}
@@ -169,7 +203,8 @@ class MethodChooser:
     def _acc(self, method: str, situation: Hashable) -> Acceptance:
         key = (method, situation)
         if key not in self.acceptance:
-            self.acceptance[key] = Acceptance(self.k_max, self.gamma)
+            known = self.memory.get(key) if method in self.remembered else None
+            self.acceptance[key] = Acceptance(self.k_max, self.gamma, known.alpha() if known is not None else None)
         return self.acceptance[key]
 
     def rate(self, method: str, situation: Hashable, k: int, switch_ms: float = 0.0,
@@ -233,6 +268,11 @@ class MethodChooser:
             self.draft_ms[method] = _ema(self.draft_ms[method], draft_ms / asked)
         if proposed > 0:
             self._acc(method, situation).update(proposed, accepted)
+            if method in self.remembered:
+                key = (method, situation)
+                if key not in self.memory:
+                    self.memory[key] = Acceptance(self.k_max, MEMORY_GAMMA)
+                self.memory[key].update(proposed, accepted)
 
     def report(self) -> dict[str, Any]:
         steps: dict[str, dict[str, int]] = {}

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .adaptive import KController, StepGuard
+from .adaptive import KController, StepGuard, acceptance_memory, remembered
 from .config import GenerationConfig, SamplingParams
 from .drafters.base import Draft, Drafter, DraftSession, Feedback
 from .metrics import Metrics, timer
@@ -159,7 +159,9 @@ class Engine:
             from .costs import pass_costs
 
             if drafter.adaptive_k:
-                controller = KController(drafter, cfg.k, pass_costs(self.target, cfg.k + 1))
+                controller = KController(drafter, cfg.k, pass_costs(self.target, cfg.k + 1),
+                                         memory=acceptance_memory(self.target, sampling.greedy),
+                                         remembered=remembered([drafter.name]))  # fmt: skip
                 drafter.lazy_begin = True  # its catch-up (a draft model's prefill) waits until it drafts
             else:
                 controller = StepGuard(cfg.k, pass_costs(self.target, max(cfg.k + 1 + drafter.scratch_rows, 2)))

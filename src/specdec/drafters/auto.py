@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import MethodChooser, outlook_of
+from ..adaptive import MethodChooser, acceptance_memory, outlook_of, remembered
 from ..costs import K_MAX
 from ..metrics import timer
 from ..model.transformer import Transformer
@@ -129,7 +129,9 @@ class AutoDrafter(Drafter):
                                    make_generator(seed, session.generator.device), session.target,
                                    session.target_cache, session.layers))  # fmt: skip
         self.chooser = MethodChooser(self.methods, K_MAX, pass_costs(self.target, K_MAX + 1), margin=self.margin,
-                                     draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()})  # fmt: skip
+                                     draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()},
+                                     memory=acceptance_memory(self.target, session.sampling.greedy),
+                                     remembered=remembered(self.methods))  # fmt: skip
 
     def end(self) -> None:
         for sub in self.subs.values():
