@@ -86,18 +86,20 @@ class Acceptance:
 
 
 MEMORY_GAMMA = 0.99  # discount per new observation in the memory kept across requests (~100 proposals)
-# per target, per sampling kind (greedy or not): (drafter, situation) -> acceptance over recent requests
+# per target, greedy requests only: (drafter, situation) -> acceptance over recent requests
 _MEMORY: weakref.WeakKeyDictionary[Any, dict[bool, dict[tuple[str, Hashable], Acceptance]]] = (
     weakref.WeakKeyDictionary())  # fmt: skip
 
 
-def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], Acceptance]:
-    """What the requests decoded so far in this process with `target` measured, per drafter
-    and situation: the prior of the next request's estimates. Without it every request starts
-    from the geometric prior (alpha_1 = 0.6), and where a situation is worse — a one-token
-    n-gram match is accepted ~20% of the time — it pays for a few failed drafts to learn that
-    again. Exact as before: what the memory holds comes from verified steps only."""
-    return _MEMORY.setdefault(target, {}).setdefault(greedy, {})
+def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], Acceptance] | None:
+    """What the greedy requests decoded so far in this process with `target` measured, per
+    drafter and situation: the prior of the next request's estimates. Without it every request
+    starts from the geometric prior (alpha_1 = 0.6), and where a situation is worse — a
+    one-token n-gram match is accepted ~20% of the time — it pays for a few failed drafts to
+    learn that again. Exact as before: what the memory holds comes from verified steps only.
+    None for sampled requests: a seeded request must give the same answer every time, and the
+    draft lengths it chooses decide which random numbers its verification draws."""
+    return _MEMORY.setdefault(target, {}).setdefault(True, {}) if greedy else None
 
 
 def remembered(methods: list[str]) -> frozenset[str]:
