@@ -285,3 +285,17 @@ def test_sampling_law_with_eagle3_chains_switching(small_vocab, exact_joint, sam
     assert EAGLE3 in {m for m, _ in picks}
     p = chi2_pvalue(counts, exact_joint(target, sampling, 4))
     assert p > ALPHA if rule == "exact" else p <= ALPHA, p
+
+
+def test_a_seeded_sampled_requests_choices_take_no_timing():
+    """`reproducible`: the same verified steps give the same choices whatever the clock says
+    (the stored table unscaled, the drafters' own cost estimates kept), so a seeded sampled
+    request draws the same random numbers every time."""
+    import dataclasses
+
+    costs = dataclasses.replace(PASS)
+    c = MethodChooser([LOOKUP, DRAFT], 4, costs, draft_ms={LOOKUP: 0.1, DRAFT: None}, reproducible=True)
+    costs.observe(1, 10 * costs.target_ms[1], weight=1.0)  # the shared table follows a slow moment
+    _feed(c, DRAFT, "", 5, 2, 2, draft_ms=500.0)  # a slow measured draft
+    assert c.draft_ms == {LOOKUP: 0.1, DRAFT: 0.0} and c.costs.scale == 1.0
+    assert c.choose({DRAFT: ("", 4, 0.0)})[0] == DRAFT  # as if neither had happened

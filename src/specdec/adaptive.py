@@ -182,10 +182,16 @@ class MethodChooser:
     def __init__(self, methods: list[str], k_max: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4,
                  margin: float = 1.03, draft_ms: Mapping[str, float | None] | None = None,
                  memory: dict[tuple[str, Hashable], Acceptance] | None = None,
-                 remembered: frozenset[str] = frozenset()) -> None:  # fmt: skip
+                 remembered: frozenset[str] = frozenset(), reproducible: bool = False) -> None:  # fmt: skip
         if not methods or k_max < 1 or not 0 < gamma <= 1 or margin < 1:
             raise ValueError("give at least one method; k_max must be >= 1, gamma in (0, 1] and margin >= 1")
         self.methods, self.k_max, self.costs, self.gamma, self.margin = list(methods), k_max, costs, gamma, margin
+        # `reproducible` (a seeded sampled request): no timing enters the choices — the stored
+        # pass-time table unscaled, each drafter's own cost estimate never updated — so the draft
+        # lengths, and with them the random numbers verification draws, are the same every time
+        self.reproducible = reproducible
+        if reproducible:
+            self.costs = Costs(dict(costs.target_ms), costs.draft_ms)
         self.acceptance: dict[tuple[str, Hashable], Acceptance] = {}
         # earlier requests' acceptance (`acceptance_memory`), for the `remembered` methods: those
         # whose acceptance depends on the target and the text alone (not on a draft model or
@@ -195,6 +201,8 @@ class MethodChooser:
         # per drafted token (EMA of the measured cost), starting from the drafter's own estimate
         # where it has one (a draft model: its one-row pass time on this machine)
         self.draft_ms: dict[str, float | None] = {m: (draft_ms or {}).get(m) for m in methods}
+        if reproducible:
+            self.draft_ms = {m: v or 0.0 for m, v in self.draft_ms.items()}
         self.prober = _Prober(probe_after)
         self.chosen: Counter[tuple[str, int]] = Counter()  # ("plain", 0) for plain steps
         self.switches = 0  # drafting steps whose drafter differs from the previous drafting step's
@@ -266,7 +274,7 @@ class MethodChooser:
     def update(self, method: str, situation: Hashable, asked: int, proposed: int, accepted: int,
                draft_ms: float) -> None:  # fmt: skip
         """A verified step of `method`: asked for `asked` drafts, got `proposed`, `accepted` kept."""
-        if asked > 0:
+        if asked > 0 and not self.reproducible:
             self.draft_ms[method] = _ema(self.draft_ms[method], draft_ms / asked)
         if proposed > 0:
             self._acc(method, situation).update(proposed, accepted)

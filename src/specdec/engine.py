@@ -161,7 +161,8 @@ class Engine:
             if drafter.adaptive_k:
                 controller = KController(drafter, cfg.k, pass_costs(self.target, cfg.k + 1),
                                          memory=acceptance_memory(self.target, sampling.greedy),
-                                         remembered=remembered([drafter.name]))  # fmt: skip
+                                         remembered=remembered([drafter.name]),
+                                         reproducible=not sampling.greedy and sampling.seed is not None)  # fmt: skip
                 drafter.lazy_begin = True  # its catch-up (a draft model's prefill) waits until it drafts
             else:
                 controller = StepGuard(cfg.k, pass_costs(self.target, max(cfg.k + 1 + drafter.scratch_rows, 2)))

@@ -131,7 +131,8 @@ class AutoDrafter(Drafter):
         self.chooser = MethodChooser(self.methods, K_MAX, pass_costs(self.target, K_MAX + 1), margin=self.margin,
                                      draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()},
                                      memory=acceptance_memory(self.target, session.sampling.greedy),
-                                     remembered=remembered(self.methods))  # fmt: skip
+                                     remembered=remembered(self.methods),
+                                     reproducible=not session.sampling.greedy and session.sampling.seed is not None)  # fmt: skip
 
     def end(self) -> None:
         for sub in self.subs.values():
