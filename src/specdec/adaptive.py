@@ -87,8 +87,7 @@ class Acceptance:
 
 MEMORY_GAMMA = 0.99  # discount per new observation in the memory kept across requests (~100 proposals)
 # per target, greedy requests only: (drafter, situation) -> acceptance over recent requests
-_MEMORY: weakref.WeakKeyDictionary[Any, dict[bool, dict[tuple[str, Hashable], Acceptance]]] = (
-    weakref.WeakKeyDictionary())  # fmt: skip
+_MEMORY: weakref.WeakKeyDictionary[Any, dict[tuple[str, Hashable], Acceptance]] = weakref.WeakKeyDictionary()
 
 
 def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], Acceptance] | None:
@@ -99,7 +98,7 @@ def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], A
     learn that again. Exact as before: what the memory holds comes from verified steps only.
     None for sampled requests: a seeded request must give the same answer every time, and the
     draft lengths it chooses decide which random numbers its verification draws."""
-    return _MEMORY.setdefault(target, {}).setdefault(True, {}) if greedy else None
+    return _MEMORY.setdefault(target, {}) if greedy else None
 
 
 def remembered(methods: list[str]) -> frozenset[str]:
