@@ -10,7 +10,7 @@ import pytest
 
 from specdec.bench import report
 from specdec.bench.grid import DEFAULT_METHODS as METHODS
-from specdec.bench.grid import GridSettings, run_grid
+from specdec.bench.grid import NOISE, GridSettings, run_grid
 
 PROMPTS = [
     {"id": "c1", "category": "chat", "turns": [{"role": "user", "content": "hello there, how are you?"}]},
@@ -34,15 +34,20 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
                             repeats=2, prompts_file=str(prompt_file), per_category=1, peers=False,
                             adaptive_k=False)  # fmt: skip
     result = run_grid(settings, target=target, draft=draft)
-    # per_category=1: c1 and e1; 2 repeats x 2 temperatures x 4 methods
-    assert len(result.records) == 2 * 2 * 2 * len(METHODS)
+    # per_category=1: c1 and e1; 2 repeats x 2 temperatures x (every method + the plain-again control)
+    assert len(result.records) == 2 * 2 * 2 * (len(METHODS) + 1)
     assert {r["prompt_id"] for r in result.records} == {"c1", "e1"}
     for r in result.records:
-        assert r["speedup"] > 0 and r["new_tokens"] == 12 and r["steps"] >= 1
+        assert r["speedup"] > 0 and r["new_tokens"] == 12
+        assert r["steps"] >= 1 if r["method"] != NOISE else r["steps"] == 0 and r["proposed"] == 0
+        # plain decoding twice gives the same greedy tokens (the control checks determinism too)
         assert (r["identical"] is True) if r["temperature"] == 0 else (r["identical"] is None)
+    # each method ran untimed before the suite (its first-use costs are reported apart)
+    assert set(result.first_use) == set(METHODS) and all(s > 0 for s in result.first_use.values())
     summary = result.summary()
     assert {(r["method"], r["category"]) for r in summary if r["temperature"] == 0} == {
-        (m, c) for m in METHODS for c in ("chat", "edit", "all")}
+        (m, c) for m in (*METHODS, NOISE) for c in ("chat", "edit", "all")}
+    assert [r["method"] for r in summary if (r["temperature"], r["category"]) == (0.0, "all")][-1] == NOISE
     draft_all = next(r for r in summary if (r["method"], r["temperature"], r["category"]) == ("draft-model", 0.0, "all"))
     assert draft_all["runs"] == 4 and 0 <= draft_all["acceptance_rate"] <= 1
     assert len(draft_all["acceptance_by_position"]) == 3 and draft_all["identical"] is True
@@ -53,11 +58,13 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     assert data["settings"]["k"] == 3 and data["machine"]["torch"] and len(data["records"]) == len(result.records)
     assert set(data["costs"]["target_ms"]) == {"1", "2", "3", "4", "5", "6", "7"}  # up to 2k + 1 rows
     cm = {(r["method"], r["temperature"], r["category"]) for r in data["cost_model"]}
-    assert ("draft-model", 0.0, "all") in cm and not any(m == "early-exit" for m, _, _ in cm)
+    assert ("draft-model", 0.0, "all") in cm and not any(m in ("early-exit", NOISE) for m, _, _ in cm)
+    assert set(data["first_use_seconds"]) == set(METHODS)
     assert all(1 <= r["best_k"] <= 8 and r["predicted_speedup"] > 0 for r in data["cost_model"])
     md = paths[1].read_text()
     assert "## Temperature 0 (greedy)" in md and "specdec's greedy output identical to plain decoding in every run: yes" in md
     assert "## Cost model" in md and "## What auto chose" in md and "k = 3 (fixed: k drafts every step)" in md
+    assert f"`{NOISE}` is plain decoding run again" in md and "untimed, on the shortest prompt" in md
     auto = {(r["temperature"], r["category"]): r for r in data["auto_choices"]}
     assert set(auto) == {(t, c) for t in (0.0, 1.0) for c in ("chat", "edit", "all")}
     assert auto[(0.0, "all")]["steps"] > 0 and sum(auto[(0.0, "all")]["share"].values()) == pytest.approx(1.0)
@@ -87,17 +94,18 @@ def test_cli_bench_quick_as_written(tiny_dir, prompt_file, tmp_path):
                                                "acceptance_by_position.png"}  # fmt: skip
     data = json.loads((out / "results.json").read_text())
     assert data["settings"]["repeats"] == 1 and data["settings"]["per_category"] == 1
-    assert len(data["records"]) == 2 * len(METHODS) and "speedup" in res.stdout
+    assert len(data["records"]) == 2 * (len(METHODS) + 1) and "speedup" in res.stdout and "first use" in res.stdout
     two = tmp_path / "two"
     res = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--quick", "--out", str(two),
                           "--prompts", str(prompt_file), "--no-peers", "--max-new-tokens", "6", "--temperatures", "0",
-                          "--methods", "draft-model", "prompt-lookup", "--pairs",
+                          "--no-noise-control", "--methods", "draft-model", "prompt-lookup", "--pairs",
                           f"{tiny_dir('llama')}:{tiny_dir('llama', 'close')}",
                           f"{tiny_dir('qwen2')}:{tiny_dir('qwen2', 'close')}"],
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stderr
     data = json.loads((two / "results.json").read_text())
     assert [p["settings"]["target"] for p in data["pairs"]] == [str(tiny_dir("llama")), str(tiny_dir("qwen2"))]
+    assert all({r["method"] for r in p["records"]} == {"draft-model", "prompt-lookup"} for p in data["pairs"])
     assert (two / "speedup_by_category-2.png").exists() and (two / "report.md").read_text().count("# specdec benchmark") == 2
     bad = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--pairs", "a:"],
                          capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -80,6 +80,7 @@ def test_calibration_picks_and_reports_a_layer(four_layers):
     assert info["layer"] == best == drafter.layer
     for row in info["candidates"].values():
         assert 0 <= row["alpha"] <= 1 and row["draft_ms"] > 0 and row["verify_ms"] > 0
+    assert info["timed_layers"] == [2, 3]
     # kept for the next generation: no second calibration
     specdec.generate(target, PROMPTS[2], drafter=drafter, k=3, max_new_tokens=5, ignore_eos=True, adaptive_k=False)
     assert drafter.info is not info and drafter.info["layer"] == best

@@ -101,6 +101,12 @@ def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], A
     return _MEMORY.setdefault(target, {}) if greedy else None
 
 
+def forget(target: Any) -> None:
+    """Drop what `acceptance_memory` holds for `target` (a benchmark's untimed warm-up runs
+    must not inform its timed ones)."""
+    _MEMORY.pop(target, None)
+
+
 def remembered(methods: list[str]) -> frozenset[str]:
     """The drafters among `methods` whose acceptance `acceptance_memory` keeps across requests:
     the model-free ones (what they propose depends on the target's text alone)."""

@@ -253,6 +253,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
                    help="run the methods as `generate` does, never-slower guard on (--no-adaptive-k: k drafts every "
                         "step, what the cost model's per-k predictions assume)")  # fmt: skip
+    p.add_argument("--noise-control", action=argparse.BooleanOptionalAction, default=True,
+                   help="run plain decoding again after the methods of every prompt (`plain-again`, timed against "
+                        "the first plain run): the spread of its ratios is this run's noise floor")  # fmt: skip
     p.set_defaults(func=_cmd_bench)
     bsub = p.add_subparsers(dest="bench_cmd")
     fwd = bsub.add_parser("forward", help="ms per target forward for k new tokens, per precision/kernel mode",
@@ -325,6 +328,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         per_category=ns.per_category or quick.get("per_category"),
         categories=tuple(ns.categories) if ns.categories else None,
         prompts_file=str(ns.prompts) if ns.prompts else None, dtype=ns.dtype, peers=ns.peers, adaptive_k=ns.adaptive_k,
+        noise_control=ns.noise_control,
     ) for target, draft in pairs]  # fmt: skip
     results = []
     for s in settings:

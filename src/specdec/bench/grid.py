@@ -2,7 +2,12 @@
 
 For each prompt, temperature and repeat, plain decoding of the target runs once and every
 method (draft model, prompt lookup, early exit, lookahead) runs right after it on the same
-prompt with the same seed, so each speedup is a ratio measured in the same run. Results are
+prompt with the same seed, so each speedup is a ratio measured in the same run; then plain
+decoding runs once more (`plain-again`, timed against the first plain run like a method): the
+spread of its ratios is what noise alone does to a speedup in this run. Before the timed runs
+each method runs once, short and untimed, so what it does once per process or machine (early
+exit's calibration, loading a head, first calls of new row counts) is reported as its
+first-use time instead of landing in the first category's speedup. Results are
 kept per run (`records`) and summarised per method, temperature and category: median
 speedup, pooled acceptance α, tokens per pass τ, acceptance by draft position and, for
 greedy runs, whether every output equalled plain decoding.
@@ -36,6 +41,8 @@ METHODS = tuple(DRAFTERS)  # every registered drafter
 # the default: every drafter that needs nothing trained for the target (eagle3 needs a head;
 # the CLI adds it where one ships for the target)
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "eagle3")
+NOISE = "plain-again"  # the noise control: plain decoding again, timed against the first plain run
+WARM_UP_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class GridSettings:
     dtype: str = "auto"
     peers: bool = True  # where installed: transformers and llama.cpp on the same prompts (greedy)
     adaptive_k: bool = True  # the methods as shipped (never-slower guard on); False: k drafts every step
+    noise_control: bool = True  # plain decoding again after the methods (NOISE): the run's noise floor
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -129,6 +137,7 @@ class GridResult:
     costs: Costs | None = None  # measured pass times (the cost model's input)
     peers_skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it did not run
     mode: str = ""  # the precision/kernel mode the target ran in ("auto" resolved)
+    first_use: dict[str, float] = field(default_factory=dict)  # method -> seconds of its untimed warm-up runs
 
     def recommendations(self) -> list[Recommendation]:
         """Cost-model predictions vs measurements and the best k, per method, temperature and
@@ -138,7 +147,7 @@ class GridResult:
             return []
         out = []
         for r in self.summary():
-            if r["method"] == "early-exit" or r["method"].startswith("peer:"):
+            if r["method"] in ("early-exit", NOISE) or r["method"].startswith("peer:"):
                 continue
             rs = [x for x in self.records if x["method"] == r["method"] and x["temperature"] == r["temperature"]
                   and (r["category"] == "all" or x["category"] == r["category"])]  # fmt: skip
@@ -182,18 +191,21 @@ class GridResult:
         recs = [asdict(r) for r in self.recommendations()]
         costs = None if self.costs is None else asdict(self.costs)
         return {"settings": asdict(self.settings), "mode": self.mode, "machine": self.machine, "wall_time": self.wall_time,
-                "costs": costs, "peers_skipped": self.peers_skipped, "summary": self.summary(), "cost_model": recs,
+                "costs": costs, "peers_skipped": self.peers_skipped, "first_use_seconds": self.first_use,
+                "summary": self.summary(), "cost_model": recs,
                 "auto_choices": self.auto_choices(),
                 "records": self.records}  # fmt: skip
 
 
 def _order(method: str) -> int:
-    """Our methods in METHODS order, then the peers in theirs."""
+    """Our methods in METHODS order, the noise control, then the peers in theirs."""
     from .peers import PEERS
 
     if method in METHODS:
         return METHODS.index(method)
-    return len(METHODS) + PEERS.index(method.removeprefix("peer:"))
+    if method == NOISE:
+        return len(METHODS)
+    return len(METHODS) + 1 + PEERS.index(method.removeprefix("peer:"))
 
 
 def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -235,7 +247,9 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
         pass_costs(target.model, K_MAX + 1)
         if draft is not None:
             pass_costs(draft.model, 32)
-    total = len(prompts) * len(settings.temperatures) * settings.repeats * (1 + len(settings.methods))
+    _warm_up(settings, target, draft, prompts, result)
+    total = len(prompts) * len(settings.temperatures) * settings.repeats * (1 + len(settings.methods)
+                                                                           + settings.noise_control)  # fmt: skip
     t0 = time.perf_counter()
     plains: dict[tuple[str, int], GenerationResult] = {}  # greedy plain runs, the peers' reference
     with tqdm(total=total, desc="specdec bench", unit="run", file=sys.stderr, disable=progress is None) as bar:
@@ -261,6 +275,11 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                                        else None, **common)  # fmt: skip
                         result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
                         bar.update()
+                    if settings.noise_control:
+                        bar.set_postfix_str(f"{prompt.id} T={temp} {NOISE}")
+                        again = generate(target, ids, **plain_kw)
+                        result.records.append(_record(prompt, NOISE, temp, rep, seed, again, plain))
+                        bar.update()
     if progress is not None:
         progress("measuring pass times for the cost model")
     result.costs = measure_costs(target.model, draft.model if draft is not None else None,
@@ -269,6 +288,25 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
         _run_peers(settings, target, draft, prompts, plains, result, bar_progress=progress)
     result.wall_time = time.perf_counter() - t0
     return result
+
+
+def _warm_up(settings: GridSettings, target: LoadedModel, draft: LoadedModel | None, prompts: list[Prompt],
+             result: GridResult) -> None:  # fmt: skip
+    """Each method once per temperature, short and untimed, on the shortest prompt: what it does
+    once per process or machine (early exit's calibration, a head's loading and quantizing,
+    the kernels' first calls for its row counts) goes to `result.first_use` instead of into
+    the first category's speedup. What the warm-up taught the acceptance memory is dropped."""
+    from ..adaptive import forget
+
+    ids = min((prompt_ids(target, p) for p in prompts), key=len)
+    for method in settings.methods:
+        t0 = time.perf_counter()
+        for temp in settings.temperatures:
+            generate(target, ids, drafter=method, assistant_model=draft if uses_draft_model(method) else None,
+                     k=settings.k, max_new_tokens=WARM_UP_TOKENS, temperature=temp, seed=settings.seed,
+                     context_overflow="truncate", adaptive_k=settings.adaptive_k)  # fmt: skip
+        result.first_use[method] = time.perf_counter() - t0
+    forget(target.model)
 
 
 def _gguf_for(name: str) -> Path | None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from . import save_figure
-from .grid import GridResult
+from .grid import NOISE, GridResult
 
 
 def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
@@ -32,7 +32,7 @@ def table(result: GridResult) -> str:
             f"{_fmt(r['tokens_per_second'], '.1f'):>7s} {_fmt(r['plain_tokens_per_second'], '.1f'):>7s} "
             f"{_same([r])}"
         )  # fmt: skip
-    lines += _auto_lines(result)
+    lines += _auto_lines(result) + _first_use_lines(result)
     recs = [r for r in result.recommendations() if r.category == "all"]
     if recs:
         lines += ["", "cost model (all categories): measured vs predicted speedup at k, and the best k"]
@@ -40,6 +40,23 @@ def table(result: GridResult) -> str:
             lines.append(f"  {r.method:13s} T={r.temperature:<4g} measured {_fmt(r.measured_speedup, '.2f', 'x')}"
                          f"  predicted {r.predicted_speedup:.2f}x  best k {r.best_k} ({r.best_predicted:.2f}x)")  # fmt: skip
     return "\n".join(lines)
+
+
+def _first_use_lines(result: GridResult) -> list[str]:
+    if not result.first_use:
+        return []
+    return ["", "first use (untimed warm-up runs before the suite: calibrations, head loading, first calls): "
+            + ", ".join(f"{m} {s:.1f} s" for m, s in result.first_use.items())]  # fmt: skip
+
+
+def _noise_note(result: GridResult) -> str:
+    """What the plain-again control says about this run's noise."""
+    again = [r["speedup"] for r in result.records if r["method"] == NOISE and r["speedup"] is not None]
+    if not again:
+        return ""
+    return (f" `{NOISE}` is plain decoding run again after the methods and timed against the first plain run: "
+            f"its ratios ({min(again):.2f}–{max(again):.2f}× over {len(again)} runs here) are what noise alone "
+            "does to a speedup in this run.")  # fmt: skip
 
 
 def _choice(row: dict[str, Any]) -> str:
@@ -80,9 +97,14 @@ def markdown(result: GridResult, plots: list[str]) -> str:
         ("Speedup = specdec's plain decoding time per token / the method's, measured side by side in the same run"
          " (median over prompts and repeats); α = accepted / proposed draft tokens; τ = tokens per target pass."
          " Peers (`peer:`, greedy only) are timed against the same plain decoding; their identity check is"
-         " against their own plain decoding."),
+         " against their own plain decoding." + _noise_note(result)),
         "",
     ]  # fmt: skip
+    if result.first_use:
+        out += ["Before the timed runs each method ran once per temperature, untimed, on the shortest prompt ("
+                + ", ".join(f"{m} {s:.1f} s" for m, s in result.first_use.items())
+                + "): what a method does once per process or machine (early exit's calibration, a head's loading,"
+                " first calls of new row counts) is in these times, not in the speedups.", ""]  # fmt: skip
     for temp in s.temperatures:
         rows = {(r["method"], r["category"]): r for r in summary if r["temperature"] == temp}
         out += [f"## Temperature {temp:g}" + (" (greedy)" if temp == 0 else ""), ""]
