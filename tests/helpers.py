@@ -111,3 +111,25 @@ def small_head(target) -> Eagle3Head:
                 p.mul_(40.0)  # a peaked draft distribution, as a trained head has
     head.set_vocab(torch.tensor([0, 1, 2, 4, 5, 7]))  # two tokens the head can never draft
     return attach_target(head, target)
+
+
+# -- Medusa / Hydra heads --------------------------------------------------------------------
+def random_heads(model, kind: str = "medusa", seed: int = 0, num_heads: int = 3, noise: float = 0.02,
+                 draft_vocab: int | None = None, hydra_inner: int = 16, vocab_ids=None, model_dir=None):  # fmt: skip
+    """Seeded heads for `model`: Medusa's initialisation (each head starts as the target's own
+    LM head) plus `noise` on every weight; draft vocabulary every other token, or `vocab_ids`."""
+    from specdec.medusa.heads import MedusaHeads
+    from specdec.medusa.heads import attach_target as attach_heads
+    from specdec.medusa.heads import config_for_target as heads_config
+
+    V = model.args.vocab_size
+    n = len(vocab_ids) if vocab_ids is not None else draft_vocab or V // 2
+    heads = MedusaHeads(heads_config(model, "test", kind, num_heads=num_heads, draft_vocab_size=n,
+                                     hydra_inner=hydra_inner))  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    heads.init_weights(g)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=g))
+    heads.set_vocab(torch.as_tensor(vocab_ids) if vocab_ids is not None else torch.arange(n) * (V // n))
+    return attach_heads(heads, model, model_dir)

@@ -54,33 +54,48 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
-def add_drafter_options(p: argparse.ArgumentParser) -> None:
-    """Every registered drafter's options, as declared once in the registry."""
+def _drafter_flags() -> dict[str, list[tuple[Any, Any, Any]]]:
+    """Each command-line flag of the registered drafters' options -> (spec, option, default) of
+    every drafter that declares it (EAGLE-3, Medusa and Hydra share --head and the tree flags)."""
+    flags: dict[str, list[tuple[Any, Any, Any]]] = {}
     for spec in DRAFTERS.values():
         for opt, default in zip(spec.options, spec.defaults().values(), strict=True):
-            if isinstance(default, bool):  # a switch: given -> True, absent -> the drafter's default
-                p.add_argument(opt.cli_flag, dest=f"{spec.name}:{opt.name}", action="store_const", const=True,
-                               default=None, help=opt.help)  # fmt: skip
-                continue
-            kind = opt.type or (type(default) if default is not None else int)
-            p.add_argument(opt.cli_flag, dest=f"{spec.name}:{opt.name}", type=kind, default=None, metavar=opt.name.upper(),
-                           help=opt.help if default is None else f"{opt.help} (default: {default})")  # fmt: skip
+            flags.setdefault(opt.cli_flag, []).append((spec, opt, default))
+    return flags
+
+
+def add_drafter_options(p: argparse.ArgumentParser) -> None:
+    """Every registered drafter's options, as declared once in the registry; a flag several
+    drafters declare is one argument, given to whichever of them runs."""
+    for flag, users in _drafter_flags().items():
+        spec, opt, default = users[0]
+        helps = [f"{s.name}: {o.help}" + ("" if d is None or isinstance(d, bool) else f" (default: {d})")
+                 for s, o, d in users] if len(users) > 1 else [
+                 opt.help if default is None or isinstance(default, bool) else f"{opt.help} (default: {default})"]  # fmt: skip
+        if isinstance(default, bool):  # a switch: given -> True, absent -> the drafter's default
+            p.add_argument(flag, dest=f"drafter-option:{flag}", action="store_const", const=True, default=None,
+                           help="; ".join(helps))  # fmt: skip
+            continue
+        kind = opt.type or (type(default) if default is not None else int)
+        p.add_argument(flag, dest=f"drafter-option:{flag}", type=kind, default=None, metavar=opt.name.upper(),
+                       help="; ".join(helps))  # fmt: skip
 
 
 def drafter_options(ns: argparse.Namespace, method: str | None, strict: bool = True) -> dict[str, Any]:
     """The options given for `method`; with `strict`, an option of another drafter is an error."""
     out = {}
-    for spec in DRAFTERS.values():
-        for opt in spec.options:
-            value = getattr(ns, f"{spec.name}:{opt.name}", None)
-            if value is None:
+    for flag, users in _drafter_flags().items():
+        value = getattr(ns, f"drafter-option:{flag}", None)
+        if value is None:
+            continue
+        mine = [opt for spec, opt, _ in users if spec.name == method]
+        if not mine:
+            if not strict:
                 continue
-            if spec.name != method:
-                if not strict:
-                    continue
-                raise ValueError(f"{opt.cli_flag} is an option of the {spec.name} drafter; add --drafter {spec.name} "
-                                 "or drop it")  # fmt: skip
-            out[opt.name] = value
+            names = " / ".join(spec.name for spec, _, _ in users)
+            raise ValueError(f"{flag} is an option of the {names} drafter; add --drafter "
+                             f"{users[0][0].name} or drop it")  # fmt: skip
+        out[mine[0].name] = value
     return out
 
 
@@ -122,7 +137,11 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
                   k_source)  # fmt: skip
     header = {"target": ns.target, "drafter": method, "draft": ns.draft, "k": k if drafter else None,
               "k_source": k_source, "dtype": target.model.mode, "temperature": sampling.temperature,
-              "top_k": sampling.top_k, "top_p": sampling.top_p}  # fmt: skip
+              "top_k": sampling.top_k, "top_p": sampling.top_p, "exact": sampling.exact or drafter is None}  # fmt: skip
+    if not header["exact"]:
+        print(f"specdec: NOT EXACT: typical acceptance (epsilon {sampling.epsilon}, delta {sampling.delta}) verifies "
+              "the drafts; the output is not distributed as the target's own (drop --acceptance typical for exact "
+              "sampling)", file=sys.stderr)  # fmt: skip
     show = (lambda d: print(d.text, end="", flush=True)) if ns.stream else None
     if ns.compare:
         cmp = compare_requests(target, req, draft, on_delta=show)
@@ -170,6 +189,8 @@ def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
     if info.get("guard"):
         g = info["guard"]
         line += f"; guard: {g['drafted_steps']} drafted steps, {g['plain_steps']} plain steps"
+    if not m.exact:
+        line += "; NOT EXACT (typical acceptance)"
     print(line + "]", file=sys.stderr)
 
 
@@ -238,8 +259,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pairs", nargs="+", metavar="TARGET[:DRAFT]",
                    help="several model pairs, one grid each (instead of --target/--draft)")  # fmt: skip
     p.add_argument("--methods", nargs="+", choices=list(DRAFTERS),
-                   help="drafting methods to run, each beside plain decoding (default: every drafter; eagle3 "
-                        "where a head ships for the target)")  # fmt: skip
+                   help="drafting methods to run, each beside plain decoding (default: every drafter; eagle3, "
+                        "medusa and hydra where heads ship for the target)")  # fmt: skip
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("-k", type=int, default=DEFAULT_K, help="draft tokens per step")
     p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 40 with --quick)")
@@ -315,10 +336,10 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
 
     quick = QUICK if ns.quick else {}
     if ns.methods is None:
-        from .drafters.eagle3 import shipped_for
+        from .bench.grid import shipped
 
         named = [p.partition(":")[0] for p in ns.pairs] if ns.pairs else [ns.target]
-        ns.methods = [m for m in DRAFTERS if m != "eagle3" or all(shipped_for(t) for t in named)]
+        ns.methods = [m for m in DRAFTERS if all(shipped(m, t) for t in named)]
     pairs = [_pair(p, ns.methods) for p in ns.pairs] if ns.pairs else [(ns.target, ns.draft)]
     # every pair's settings are checked before the first (long) run starts
     settings = [GridSettings(
@@ -452,6 +473,26 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         description="Caches the target's features over the data, picks the draft vocabulary, "
                                     "trains, and writes a head directory (--drafter eagle3 --head DIR). Runs "
                                     "under torchrun for several processes (DDP: gloo on CPU, NCCL on GPU).")  # fmt: skip
+    _head_training_args(e)
+    e.add_argument("--intermediate-size", type=int, default=1536, help="the head's MLP width")
+    e.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps per position (training-time test)")
+    e.set_defaults(func=_cmd_train_eagle3)
+    for kind, what in (("medusa", "Medusa-1 heads (one residual block each on the target's last hidden state)"),
+                       ("hydra", "Hydra heads (each also reads the tokens guessed before it)")):  # fmt: skip
+        m = tsub.add_parser(kind, help=what, formatter_class=_Help,
+                            description=f"{what}, the target frozen. Caches the target's last-layer features over "
+                                        "the data, picks the draft vocabulary, trains, measures each head's top-k "
+                                        f"accuracy (the tree's input) and writes a head directory (--drafter {kind} "
+                                        "--head DIR). Runs under torchrun for several processes (DDP).")  # fmt: skip
+        _head_training_args(m)
+        m.add_argument("--heads", type=int, default=4, help="heads: head d guesses token t + 1 + d")
+        if kind == "hydra":
+            m.add_argument("--hydra-inner", type=int, default=512, help="each Hydra head's MLP width")
+        m.set_defaults(func=_cmd_train_medusa, kind=kind)
+
+
+def _head_training_args(e: argparse.ArgumentParser) -> None:
+    """What every head's training takes: target, data, budget, optimizer, seed, progress."""
     e.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     e.add_argument("--data", default="sharegpt",
                    help="installed data set (specdec data install sharegpt) or a .json (ShareGPT) / .jsonl "
@@ -465,8 +506,6 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--tokens", type=int, default=150_000, help="target tokens of training data")
     e.add_argument("--max-len", type=int, default=1024, help="tokens per conversation, at most")
     e.add_argument("--draft-vocab", type=int, default=32_000, help="draft vocabulary size")
-    e.add_argument("--intermediate-size", type=int, default=1536, help="the head's MLP width")
-    e.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps per position (training-time test)")
     e.add_argument("--epochs", type=float, default=1.0, help="passes over the data")
     e.add_argument("--minutes", type=float, help="stop training after this many minutes (checkpointed)")
     e.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
@@ -478,7 +517,29 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--seed", type=int, default=0, help="initialisation and data order")
     e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    e.set_defaults(func=_cmd_train_eagle3)
+
+
+def _cmd_train_medusa(ns: argparse.Namespace) -> int:
+    from .eagle3.recipe import Recipe
+    from .eagle3.train import TrainConfig
+    from .medusa.train import run
+
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if ns.heads < 1:
+        raise ValueError("--heads must be at least 1")
+    recipe = Recipe(target=ns.target, out=ns.out, data=ns.data, data_mode=ns.data_mode, tokens=ns.tokens,
+                    max_len=ns.max_len, draft_vocab=ns.draft_vocab, features=ns.features,
+                    regen_tokens=ns.answer_tokens, regen_batch=ns.gen_batch)  # fmt: skip
+    tc = TrainConfig(lr=ns.lr, seqs_per_step=ns.seqs_per_step, epochs=ns.epochs, minutes=ns.minutes,
+                     max_len=ns.max_len, seed=ns.seed, loss_fraction=ns.loss_fraction, dtype=ns.compute_dtype)  # fmt: skip
+    result = run(recipe, tc, ns.kind, ns.heads, hydra_inner=getattr(ns, "hydra_inner", 512),
+                 command="specdec " + " ".join(ns.argv), progress=ns.progress)  # fmt: skip
+    acc = result.get("validation_topk_accuracy")
+    if acc is not None:
+        print(f"wrote {ns.out}: {result['optimizer_steps']} steps in {result['wall_minutes']} min; validation top-1 "
+              f"accuracy by head {', '.join(f'{row[0]:.2f}' for row in acc)}", file=sys.stderr)  # fmt: skip
+    return 0
 
 
 def _cmd_train_eagle3(ns: argparse.Namespace) -> int:
@@ -513,6 +574,28 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
                                     "exports the target's LM head rows")  # fmt: skip
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weight dtype")
     e.set_defaults(func=_cmd_export_eagle3)
+    m = esub.add_parser("medusa", help="Medusa heads for vLLM (its Medusa loader: config.json, model.safetensors)",
+                        formatter_class=_Help)  # fmt: skip
+    m.add_argument("head", type=Path, help="heads directory (from specdec train medusa)")
+    m.add_argument("--format", default="vllm", choices=["vllm"], help="the engine that will load it")
+    m.add_argument("--out", type=Path, required=True, help="directory to write (config.json, model.safetensors)")
+    m.add_argument("--target", help="the target model (default: the one the heads were trained for): the export "
+                                    "writes its LM head rows of the draft vocabulary")  # fmt: skip
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weight dtype")
+    m.set_defaults(func=_cmd_export_medusa)
+
+
+def _cmd_export_medusa(ns: argparse.Namespace) -> int:
+    from .medusa.export import export
+    from .medusa.heads import MedusaHeads, attach_target
+    from .model import load_transformer
+
+    heads = MedusaHeads.load(ns.head)
+    path = store.resolve(ns.target or heads.cfg.target)
+    attach_target(heads, load_transformer(path, dtype="fp32", device="cpu"), path)
+    out = export(heads, ns.out, ns.format, getattr(torch, ns.dtype))
+    print(f"wrote {out} ({ns.format}: {len(list(out.iterdir()))} files)", file=sys.stderr)
+    return 0
 
 
 def _cmd_export_eagle3(ns: argparse.Namespace) -> int:

@@ -23,6 +23,13 @@ class SamplingParams:
     top_k: int = field(default=0, metadata=_opt("keep the k most likely tokens (0 = off)"))
     top_p: float = field(default=1.0, metadata=_opt("nucleus sampling mass in (0, 1] (1 = off)"))
     seed: int | None = field(default=None, metadata=_opt("random seed (unset: a fresh one, reported in the output)"))
+    acceptance: str = field(default="exact", metadata=_opt(
+        "how drafts are verified when sampling: 'exact' (the output is distributed as the target's, always the "
+        "default) or 'typical' (Medusa's typical acceptance: NOT exact, accepts more; every output says so)",
+        choices=("exact", "typical")))  # fmt: skip
+    epsilon: float = field(default=0.09, metadata=_opt(
+        "typical acceptance: a draft token x is accepted where p(x) > min(epsilon, delta * exp(-entropy of p))"))
+    delta: float = field(default=0.3, metadata=_opt("typical acceptance: see --epsilon"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -35,10 +42,22 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63 - 1):
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1), got {self.seed}")
+        if self.acceptance not in ("exact", "typical"):
+            raise ValueError(f"acceptance must be 'exact' or 'typical', got {self.acceptance!r}")
+        if self.acceptance == "typical" and self.temperature == 0.0:
+            raise ValueError("typical acceptance is a sampling rule: give --temperature > 0 (greedy decoding "
+                             "verifies exactly, and typical acceptance would gain nothing there)")  # fmt: skip
+        if not 0.0 < self.epsilon <= 1.0 or not self.delta > 0.0:
+            raise ValueError(f"typical acceptance needs epsilon in (0, 1] and delta > 0, got {self.epsilon}, {self.delta}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def exact(self) -> bool:
+        """False with typical acceptance: the output is then not distributed as the target's."""
+        return self.acceptance == "exact"
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from .stops import StopChecker
 from .tokenizer import Tokenizer
 from .verify import (
     greedy_verify,
+    lossy_typical_acceptance,
     point_mass_sample,
     rejection_sample,
     tree_greedy_verify,
@@ -171,7 +172,8 @@ class Engine:
         self._live[sid] = _Sequence(
             sid, list(prompt_ids), cfg, sampling, seed, make_generator(seed, self.target.device), drafter,
             StopChecker(cfg, n_new, self.tokenizer, eos), self.target.new_cache(len(prompt_ids) + n_new + scratch),
-            Metrics(prompt_tokens=len(prompt_ids), k=cfg.k if drafter is not None else None), time.perf_counter(),
+            Metrics(prompt_tokens=len(prompt_ids), k=cfg.k if drafter is not None else None,
+                    exact=sampling.exact or drafter is None), time.perf_counter(),
             controller=controller,
         )  # fmt: skip
         return sid
@@ -369,6 +371,10 @@ def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: t
     if K == 0:  # nothing drafted: the target's own token, as plain decoding picks it
         return [], int(pick(logits[:1], sampling, gen))
     tokens = draft.tokens.tolist()
+    if not sampling.exact:  # asked for explicitly, flagged in the metrics: NOT the target's distribution
+        tv = lossy_typical_acceptance(probs(logits, sampling), tokens, draft.parents, sampling.epsilon, sampling.delta,
+                                      gen)  # fmt: skip
+        return tv.path, tv.next_token
     if draft.parents is not None:
         if sampling.greedy:
             tv = tree_greedy_verify(logits, tokens, draft.parents)

@@ -31,6 +31,7 @@ class Metrics:
     drafter_info: dict[str, Any] = field(default_factory=dict)  # what the drafter chose (e.g. early-exit's layer)
     k: int | None = None  # draft tokens per step asked for
     k_source: str | None = None  # "given", "tuned" (specdec bench --tune) or "default"
+    exact: bool = True  # False: drafts were verified by a lossy rule (typical acceptance)
 
     def record_step(self, k: int, num_accepted: int) -> None:
         self.steps += 1

@@ -236,3 +236,43 @@ def tree_rejection_sample(
                     s = s / total if total > 0 else s
         if not moved:
             return TreeVerdict(path, int(sample(r, generator)))
+
+
+def lossy_typical_acceptance(
+    p: torch.Tensor,  # [K+1, V] target probabilities (temperature/top-k/top-p applied)
+    tokens: list[int],  # [K] draft node tokens
+    parents: list[int] | None,  # [K] token tree; None: a chain
+    epsilon: float,
+    delta: float,
+    generator: torch.Generator,
+) -> TreeVerdict:
+    """NOT EXACT: Medusa's typical acceptance (Cai et al. 2024, §2.3.1), a lossy criterion
+    that trades the target's distribution for longer accepted drafts. A draft token x is
+    acceptable where the target gives it p(x) > min(epsilon, delta * exp(-H(p))), H the
+    entropy of p there (a confident target accepts only its likely tokens, an uncertain one
+    accepts more); the accepted path is the longest root-to-node path of acceptable tokens
+    (the first listed among equally long ones), and the next token is drawn from p after it.
+    The output is *not* distributed as the target's p; specdec runs it only when asked for
+    (`--acceptance typical`) and flags every such output as not exact."""
+    K = len(tokens)
+    parents = parents if parents is not None else list(range(-1, K - 1))
+    _children(parents, tokens)  # checks the tree
+    p = p.float()
+    logp = torch.where(p > 0, p.log(), torch.zeros_like(p))
+    entropy = -(p * logp).sum(-1)  # [K+1]
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    depth = [0] * K
+    ok = [False] * K
+    for j, par in enumerate(parents):
+        row = par + 1
+        ok[j] = (par < 0 or ok[par]) and tokens[j] < p.shape[-1] and float(p[row, tokens[j]]) > float(threshold[row])
+        depth[j] = 1 + (depth[par] if par >= 0 else 0)
+    best = max((j for j in range(K) if ok[j]), key=lambda j: (depth[j], -j), default=None)
+    path: list[int] = []
+    j = best
+    while j is not None and j >= 0:
+        path.append(j)
+        j = parents[j] if parents[j] >= 0 else None
+    path.reverse()
+    row = path[-1] + 1 if path else 0
+    return TreeVerdict(path, int(sample(p[row], generator)))

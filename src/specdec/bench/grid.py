@@ -38,9 +38,23 @@ from .costmodel import Acceptance, Recommendation, recommend
 from .suite import Prompt, load_prompts, select
 
 METHODS = tuple(DRAFTERS)  # every registered drafter
-# the default: every drafter that needs nothing trained for the target (eagle3 needs a head;
-# the CLI adds it where one ships for the target)
-DEFAULT_METHODS = tuple(m for m in METHODS if m != "eagle3")
+TRAINED = ("eagle3", "medusa", "hydra")  # drafters that need heads trained for the target
+# the default: every drafter that needs nothing trained for the target (the CLI adds the
+# trained ones where heads ship for the target: `shipped`)
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in TRAINED)
+
+
+def shipped(method: str, target: str) -> bool:
+    """Whether `method` runs on `target` without a head given: it needs none, or one ships."""
+    if method == "eagle3":
+        from ..drafters.eagle3 import shipped_for
+
+        return shipped_for(target) is not None
+    if method in ("medusa", "hydra"):
+        from ..drafters.medusa import shipped_for as heads_for
+
+        return heads_for(method, target) is not None
+    return True
 NOISE = "plain-again"  # the noise control: plain decoding again, timed against the first plain run
 WARM_UP_TOKENS = 8
 

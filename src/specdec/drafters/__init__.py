@@ -17,6 +17,7 @@ from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter
 from .early_exit import EarlyExitDrafter
 from .lookahead import LookaheadDrafter
+from .medusa import HydraDrafter, MedusaDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 __all__ = [
@@ -31,7 +32,9 @@ __all__ = [
     "EarlyExitDrafter",
     "ExtraRows",
     "Feedback",
+    "HydraDrafter",
     "LookaheadDrafter",
+    "MedusaDrafter",
     "Option",
     "PromptLookupDrafter",
     "make_drafter",

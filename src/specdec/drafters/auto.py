@@ -3,7 +3,8 @@ or a plain step where none is predicted to beat plain decoding.
 
 Candidates are the drafters that can follow tokens another drafter proposed (`catch_up`):
 prompt lookup always, the draft model when one is given (`--draft`), and an EAGLE-3 head when
-asked for (eagle3 in `methods`: the head shipped for the target, or `--auto-head DIR`). The
+asked for (eagle3 in `methods`: the head shipped for the target, or `--auto-head DIR`), Medusa
+or Hydra heads when named in `methods` (the ones shipped for the target). The
 head is not among the defaults: with the shipped head's agreement, auto with it was no faster
 than without it on the quick suite (and slower where prompt lookup copies well), on a CPU
 whose extra rows are dear. A tree drafter proposes chains here (`chain_only`: its most likely
@@ -73,9 +74,10 @@ class AutoDrafter(Drafter):
         super().__init__()
         ok = switchable()
         if methods is None:
-            # the draft model when one is given; the EAGLE-3 head only when one is given (see above)
+            # the draft model when one is given; the EAGLE-3 head only when one is given (see above);
+            # Medusa/Hydra heads only when named in `methods`
             names = [n for n in ok if (draft is not None if DRAFTERS[n].needs == "draft" else
-                                       head is not None if n == "eagle3" else True)]  # fmt: skip
+                                       head is not None if n == "eagle3" else n not in ("medusa", "hydra"))]  # fmt: skip
         else:
             names = [n.strip() for n in methods.split(",") if n.strip()]
             if not names:

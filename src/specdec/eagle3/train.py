@@ -23,6 +23,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -148,18 +149,25 @@ def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int, fract
     return total, stats
 
 
+# a head's loss on one sequence: (head, example, share of predictions counted, generator) ->
+# (summed loss, per draft step or head: (top-1 agreements, predictions))
+LossFn = Callable[[torch.nn.Module, Example, float, "torch.Generator | None"], tuple[torch.Tensor, list[tuple[int, int]]]]
+
+
 class _Loss(torch.nn.Module):
     """The head with the loss as its forward: what DistributedDataParallel wraps, so that
     gradient synchronisation follows every backward."""
 
-    def __init__(self, head: Eagle3Head, cfg: TrainConfig, generator: torch.Generator) -> None:
+    def __init__(self, head: torch.nn.Module, cfg: TrainConfig, generator: torch.Generator,
+                 fn: LossFn | None = None) -> None:  # fmt: skip
         super().__init__()
         self.head, self.cfg, self.generator = head, cfg, generator
+        self.fn = fn or (lambda h, ex, frac, gen: sequence_loss(h, ex, cfg.steps, cfg.max_len, frac, gen))
 
     def forward(self, ex: Example) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         c = self.cfg
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.autocast_bf16()):
-            loss, stats = sequence_loss(self.head, ex, c.steps, c.max_len, c.loss_fraction, self.generator)
+            loss, stats = self.fn(self.head, ex, c.loss_fraction, self.generator)
         return loss.float(), stats
 
 
@@ -173,7 +181,7 @@ def _dist() -> tuple[int, int]:
 
 
 def train(
-    head: Eagle3Head,
+    head: Any,
     examples: list[Example],
     cfg: TrainConfig,
     out_dir: str | Path,
@@ -181,9 +189,13 @@ def train(
     record: dict[str, Any] | None = None,
     progress: bool = True,
     log: Any = None,
+    loss: LossFn | None = None,
+    name: str = "eagle3",
 ) -> dict[str, Any]:
     """Train `head` (its vocabulary and target attachment set) and save it to `out_dir`;
-    resumes from `out_dir/checkpoint.pt` when present. Returns the training record."""
+    resumes from `out_dir/checkpoint.pt` when present. Returns the training record. The
+    trainer every head shares: `loss` is the head's own (default: EAGLE-3's training-time
+    test), `name` labels its progress; `head.save(dir, extra=)` writes it."""
     from tqdm import tqdm
 
     rank, world = _dist()
@@ -217,17 +229,18 @@ def train(
         step, history, cpu0, wall0 = state["step"], state["history"], state["cpu_seconds"], state["wall_seconds"]
         torch.set_rng_state(state["rng"])
     sampler = torch.Generator().manual_seed(cfg.seed * 1000 + rank + step)  # loss subsets (resumes reseed by step)
-    model: torch.nn.Module = _Loss(head, cfg, sampler)
+    model: torch.nn.Module = _Loss(head, cfg, sampler, loss)
     if world > 1:
         # the buffers (target embedding, vocabulary maps) are frozen and equal on every rank
         model = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)
     t_wall, t_cpu, t_ckpt = time.time(), time.process_time(), time.time()
-    bar = tqdm(total=total_steps, initial=step, unit="step", desc="eagle3", disable=not progress or rank != 0)
+    bar = tqdm(total=total_steps, initial=step, unit="step", desc=name, disable=not progress or rank != 0)
     head.train()
     while step < total_steps:
         opt.zero_grad(set_to_none=True)
         batch = [mine[(step * cfg.seqs_per_step + n) % len(mine)] for n in range(cfg.seqs_per_step)]
-        losses, counts = [], [[0, 0] for _ in range(cfg.steps)]
+        losses: list[float] = []
+        counts: list[list[int]] = []
         n_tok = sum(min(int(examples[i].mask[1:].sum()), cfg.max_len) for i in batch)
         for n, i in enumerate(batch):
             sync = n == len(batch) - 1
@@ -237,6 +250,7 @@ def train(
                 # DDP averages gradients over ranks; scale so a step's gradient is the mean per token
                 (loss / max(1, n_tok)).backward()
             losses.append(float(loss.detach()))
+            counts += [[0, 0] for _ in range(len(st) - len(counts))]
             for s, (c, m) in enumerate(st):
                 counts[s][0] += c
                 counts[s][1] += m

@@ -1,0 +1,1 @@
+"""Medusa and Hydra heads: training and files (drafting: `specdec.drafters.medusa`)."""
