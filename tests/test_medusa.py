@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import EXACT_MODES
-from helpers import ALPHA, PROMPTS, V_SMALL, chi2_pvalue, random_heads
+from helpers import ALPHA, PROMPTS, chi2_pvalue, random_heads
 
 import specdec
 from specdec import engine

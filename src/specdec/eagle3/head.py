@@ -84,6 +84,18 @@ class HeadConfig:
         return cls(**kw)
 
 
+def vocab_maps(draft_to_target: torch.Tensor, size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The EAGLE-3 format's draft-vocabulary maps for `size` distinct target ids: d2t [size]
+    (draft id j is target id j + d2t[j]; draft ids follow target ids in increasing order) and
+    t2d [vocab_size] (whether a target id is in the draft vocabulary)."""
+    ids = draft_to_target.long().sort().values
+    if ids.shape != (size,) or len(set(ids.tolist())) != ids.numel():
+        raise ValueError(f"the draft vocabulary needs {size} distinct target ids")
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(size), t2d
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # in float32 whatever autocast made of x (bf16 training), back in x's dtype
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
@@ -149,12 +161,9 @@ class Eagle3Head(nn.Module):
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
         """The draft vocabulary: a set of N target ids. Draft ids follow target ids in
         increasing order (as the EAGLE-3 format's d2t offsets assume)."""
-        ids = draft_to_target.long().sort().values
-        if ids.shape != (self.cfg.draft_vocab_size,) or len(set(ids.tolist())) != ids.numel():
-            raise ValueError(f"the draft vocabulary needs {self.cfg.draft_vocab_size} distinct target ids")
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
+        d2t, t2d = vocab_maps(draft_to_target, self.cfg.draft_vocab_size, self.cfg.target_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
 
     @property
     def draft_ids(self) -> torch.Tensor:

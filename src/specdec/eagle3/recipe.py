@@ -97,32 +97,14 @@ def run(r: Recipe, tc: TrainConfig, *, command: str | None = None, progress: boo
     from .train import _dist
 
     rank, world = _dist()
-    t0 = time.process_time()
     lm = load(r.target)
     layers = HeadConfig.default_feature_layers(lm.model.args.n_layers)
-    dirs = build_features(r, lm, layers, progress=progress)
-    feature_cpu = time.process_time() - t0
-    examples: list[fe.Example] = []
-    manifests = []
-    for d in dirs:
-        m, ex = fe.load_examples(d)
-        manifests.append(m)
-        examples += ex
-    n_val = max(1, len(examples) // 50)
-    val, examples = examples[-n_val:], examples[:-n_val]
+    examples, val, record = prepare(r, lm, layers, seed=tc.seed, command=command, progress=progress)
     cfg = config_for_target(lm.model, r.target, draft_vocab_size=r.draft_vocab, intermediate_size=r.intermediate_size)
     head = Eagle3Head(cfg)
     head.init_weights(torch.Generator().manual_seed(tc.seed))
     head.set_vocab(fe.draft_vocabulary(examples, cfg.draft_vocab_size, cfg.target_vocab_size))
     attach_target(head, lm.model, store.resolve(r.target))
-    record = {
-        "command": command or " ".join(sys.argv), "target_name": r.target, "data": _data_record(r.data),
-        "data_mode": r.data_mode, "feature_tokens": sum(m["tokens"] for m in manifests),
-        "feature_conversations": sum(m["conversations"] for m in manifests),
-        "feature_cpu_seconds": round(sum(m["cpu_seconds"] for m in manifests), 1),
-        "this_run_feature_cpu_seconds": round(feature_cpu, 1), "seed": tc.seed, "torch": torch.__version__,
-        "cpu": _cpu(), "validation_sequences": len(val),
-    }  # fmt: skip
     result = train(head, examples, tc, r.out, record=record, progress=progress)
     if rank == 0:
         acc = evaluate(head, val, tc.steps, tc.max_len)
@@ -134,6 +116,33 @@ def run(r: Recipe, tc: TrainConfig, *, command: str | None = None, progress: boo
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return result
+
+
+def prepare(r: Recipe, lm: Any, layers: tuple[int, ...], *, seed: int, command: str | None = None,
+            progress: bool = True) -> tuple[list[fe.Example], list[fe.Example], dict[str, Any]]:  # fmt: skip
+    """What every head's training starts from: this recipe's features of `layers` (extracted
+    unless cached), split into training and held-out examples (the last 2%, at least one), and
+    the training record's common part (command, data, feature counts and CPU time, seed, CPU)."""
+    t0 = time.process_time()
+    dirs = build_features(r, lm, layers, progress=progress)  # type: ignore[arg-type]
+    feature_cpu = time.process_time() - t0
+    examples: list[fe.Example] = []
+    manifests = []
+    for d in dirs:
+        m, ex = fe.load_examples(d)
+        manifests.append(m)
+        examples += ex
+    n_val = max(1, len(examples) // 50)
+    val, examples = examples[-n_val:], examples[:-n_val]
+    record = {
+        "command": command or " ".join(sys.argv), "target_name": r.target, "data": _data_record(r.data),
+        "data_mode": r.data_mode, "feature_tokens": sum(m["tokens"] for m in manifests),
+        "feature_conversations": sum(m["conversations"] for m in manifests),
+        "feature_cpu_seconds": round(sum(m["cpu_seconds"] for m in manifests), 1),
+        "this_run_feature_cpu_seconds": round(feature_cpu, 1), "seed": seed, "torch": torch.__version__,
+        "cpu": _cpu(), "validation_sequences": len(val),
+    }  # fmt: skip
+    return examples, val, record
 
 
 def _data_record(source: str) -> str:

@@ -114,6 +114,28 @@ def unroll(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, steps
     return outs
 
 
+def counted(lab: torch.Tensor, mask: torch.Tensor, L: int, fraction: float = 1.0,
+            generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    """Which predictions count (index into `lab`): label row lab[i] holds the target's
+    distribution predicting token lab[i] + 1, counted where that token exists and is an
+    answer's; with `fraction` < 1 a random subset drawn from `generator` (at least one)."""
+    valid = (lab + 1 <= L - 1) & mask[(lab + 1).clamp(max=L - 1)]
+    idx = valid.nonzero()[:, 0]
+    if fraction < 1.0 and idx.numel() > 1:
+        keep = torch.rand(idx.numel(), generator=generator) < fraction
+        idx = idx[keep] if bool(keep.any()) else idx[:1]
+    return idx
+
+
+def soft_loss(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, t2d: torch.Tensor,
+              t2d_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Summed soft cross-entropy of draft-vocabulary logits [n, N] against the target's top-k
+    (ids, probs [n, k]); ids outside the draft vocabulary (t2d) drop out. `t2d_index`: target
+    id -> draft id (cumsum of t2d - 1)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(probs * t2d[ids] * logp.gather(1, t2d_index[ids].clamp(min=0))).sum()
+
+
 def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int, fraction: float = 1.0,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
     """Summed weighted loss of one sequence and, per step, (top-1 agreements, predictions);
@@ -128,22 +150,14 @@ def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int, fract
     anchors = torch.arange(L - 1)
     stats: list[tuple[int, int]] = []
     for j, g in enumerate(unroll(head, ex.tokens[:L], ex.features[:L], steps), start=1):
-        # label: the target's distribution at position i+j, predicting token i+j+1 (an answer's)
         lab = anchors + j
-        valid = (lab + 1 <= L - 1) & mask[(lab + 1).clamp(max=L - 1)]
-        idx = valid.nonzero()[:, 0]
-        if fraction < 1.0 and idx.numel() > 1:
-            keep = torch.rand(idx.numel(), generator=generator) < fraction
-            idx = idx[keep] if bool(keep.any()) else idx[:1]
+        idx = counted(lab, mask, L, fraction, generator)
         if idx.numel() == 0:
             stats.append((0, 0))
             continue
         logits = head.logits(g[idx])  # [n, N]
-        logp = torch.log_softmax(logits.float(), -1)
         ids, probs = top_ids[lab[idx]], top_p[lab[idx]]  # [n, K]
-        inside = head.t2d[ids]
-        loss = -(probs * inside * logp.gather(1, t2d_index[ids].clamp(min=0))).sum()
-        total = total + DECAY ** (j - 1) * loss
+        total = total + DECAY ** (j - 1) * soft_loss(logits, ids, probs, head.t2d, t2d_index)
         pred = head.draft_ids[logits.argmax(-1)]
         stats.append((int((pred == ids[:, 0]).sum()), int(idx.numel())))
     return total, stats

@@ -102,12 +102,11 @@ class MedusaHeads(nn.Module):
     # -- set-up ---------------------------------------------------------------------------
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
         """The draft vocabulary: N distinct target ids (sorted, as d2t offsets assume)."""
-        ids = draft_to_target.long().sort().values
-        if ids.shape != (self.cfg.draft_vocab_size,) or len(set(ids.tolist())) != ids.numel():
-            raise ValueError(f"the draft vocabulary needs {self.cfg.draft_vocab_size} distinct target ids")
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
+        from ..eagle3.head import vocab_maps
+
+        d2t, t2d = vocab_maps(draft_to_target, self.cfg.draft_vocab_size, self.cfg.target_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
 
     @property
     def draft_ids(self) -> torch.Tensor:

@@ -18,15 +18,12 @@ After training, the validation sequences give each head's top-k accuracy — how
 
 from __future__ import annotations
 
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..eagle3 import features as fe
-from ..eagle3.train import DECAY, TrainConfig, train
+from ..eagle3.train import DECAY, TrainConfig, counted, soft_loss, train
 from .heads import MedusaHeads, attach_target, config_for_target
 
 TOPK_EVAL = 8  # choices per head whose accuracy is measured (the tree's widest level)
@@ -56,19 +53,13 @@ def heads_loss(heads: MedusaHeads, ex: fe.Example, norm: Any, max_len: int, frac
     stats: list[tuple[int, int]] = []
     for d, z in enumerate(states, start=1):
         lab = anchors + d  # the target's distribution at t + d predicts token t + 1 + d
-        valid = (lab + 1 <= L - 1) & mask[(lab + 1).clamp(max=L - 1)]
-        idx = valid.nonzero()[:, 0]
-        if fraction < 1.0 and idx.numel() > 1:
-            keep = torch.rand(idx.numel(), generator=generator) < fraction
-            idx = idx[keep] if bool(keep.any()) else idx[:1]
+        idx = counted(lab, mask, L, fraction, generator)
         if idx.numel() == 0:
             stats.append((0, 0))
             continue
         logits = heads.logits(z[idx])  # [n, N]
-        logp = torch.log_softmax(logits.float(), -1)
         ids, probs = top_ids[lab[idx]], top_p[lab[idx]]  # [n, k]
-        loss = -(probs * heads.t2d[ids] * logp.gather(1, t2d_index[ids].clamp(min=0))).sum()
-        total = total + DECAY ** (d - 1) * loss
+        total = total + DECAY ** (d - 1) * soft_loss(logits, ids, probs, heads.t2d, t2d_index)
         pred = heads.draft_ids[logits.argmax(-1)]
         stats.append((int((pred == ids[:, 0]).sum()), int(idx.numel())))
     return total, stats
@@ -89,12 +80,12 @@ def topk_accuracy(heads: MedusaHeads, examples: list[fe.Example], norm: Any, max
         anchors, states = head_states(heads, ex, norm, L)
         for d, z in enumerate(states, start=1):
             lab = anchors + d
-            valid = (lab + 1 <= L - 1) & ex.mask[:L][(lab + 1).clamp(max=L - 1)]
-            if not bool(valid.any()):
+            idx = counted(lab, ex.mask[:L], L)
+            if idx.numel() == 0:
                 continue
-            ranked = heads.draft_ids[heads.logits(z[valid]).topk(topk, -1).indices]  # [n, topk]
-            hits[d - 1] += (ranked == ex.top_ids[lab[valid], :1]).double().sum(0)
-            n[d - 1] += int(valid.sum())
+            ranked = heads.draft_ids[heads.logits(z[idx]).topk(topk, -1).indices]  # [n, topk]
+            hits[d - 1] += (ranked == ex.top_ids[lab[idx], :1]).double().sum(0)
+            n[d - 1] += idx.numel()
     return [[round(float(h / max(m, 1.0)), 4) for h in row] for row, m in zip(hits, n, strict=True)]
 
 
@@ -104,23 +95,13 @@ def run(r: Any, tc: TrainConfig, kind: str, num_heads: int, *, hydra_inner: int 
     `r`: the EAGLE-3 recipe's settings (`specdec.eagle3.recipe.Recipe`)."""
     from .. import store
     from ..api import load
-    from ..eagle3.recipe import _cpu, _data_record, build_features
+    from ..eagle3.recipe import prepare
     from ..eagle3.train import _dist
 
     rank, world = _dist()
-    t0 = time.process_time()
     lm = load(r.target)
-    last = lm.model.args.n_layers - 1
-    dirs = build_features(r, lm, (last,), progress=progress)  # type: ignore[arg-type]
-    feature_cpu = time.process_time() - t0
-    examples: list[fe.Example] = []
-    manifests = []
-    for d in dirs:
-        m, ex = fe.load_examples(d)
-        manifests.append(m)
-        examples += ex
-    n_val = max(1, len(examples) // 50)
-    val, examples = examples[-n_val:], examples[:-n_val]
+    examples, val, record = prepare(r, lm, (lm.model.args.n_layers - 1,), seed=tc.seed, command=command,
+                                    progress=progress)  # fmt: skip
     cfg = config_for_target(lm.model, r.target, kind, num_heads=num_heads, draft_vocab_size=r.draft_vocab,
                             hydra_inner=hydra_inner)  # fmt: skip
     heads = MedusaHeads(cfg)
@@ -130,14 +111,6 @@ def run(r: Any, tc: TrainConfig, kind: str, num_heads: int, *, hydra_inner: int 
     norm = lm.model.model.norm
     for p in norm.parameters():
         p.requires_grad_(False)
-    record = {
-        "command": command or " ".join(sys.argv), "target_name": r.target, "data": _data_record(r.data),
-        "data_mode": r.data_mode, "feature_tokens": sum(m["tokens"] for m in manifests),
-        "feature_conversations": sum(m["conversations"] for m in manifests),
-        "feature_cpu_seconds": round(sum(m["cpu_seconds"] for m in manifests), 1),
-        "this_run_feature_cpu_seconds": round(feature_cpu, 1), "seed": tc.seed, "torch": torch.__version__,
-        "cpu": _cpu(), "validation_sequences": len(val),
-    }  # fmt: skip
 
     def loss(h: Any, ex: fe.Example, fraction: float, gen: torch.Generator | None) -> Any:
         return heads_loss(h, ex, norm, tc.max_len, fraction, gen)
