@@ -96,6 +96,27 @@ def vocab_maps(draft_to_target: torch.Tensor, size: int, vocab_size: int) -> tup
     return ids - torch.arange(size), t2d
 
 
+class DraftVocabulary:
+    """The draft vocabulary of a head module whose config has `draft_vocab_size` and
+    `target_vocab_size` and which holds `d2t`/`t2d` buffers (EAGLE-3, Medusa and Hydra heads)."""
+
+    cfg: Any
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """The draft vocabulary: a set of N target ids. Draft ids follow target ids in
+        increasing order (as the EAGLE-3 format's d2t offsets assume)."""
+        d2t, t2d = vocab_maps(draft_to_target, self.cfg.draft_vocab_size, self.cfg.target_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Target id of each draft id, [N]."""
+        return self.d2t + torch.arange(self.d2t.numel())
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # in float32 whatever autocast made of x (bf16 training), back in x's dtype
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
@@ -120,7 +141,7 @@ def _rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch
 Linears = Callable[[tuple[str, ...], torch.Tensor], list[torch.Tensor]]
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftVocabulary, nn.Module):
     """The head's parameters and its three stages: `project` (target features -> g),
     `qkv` (token embedding + g -> rotated queries, keys, values), `finish` (attention output
     -> next g and draft logits). Training (`train.py`) and drafting (`drafters/eagle3.py`)
@@ -158,18 +179,6 @@ class Eagle3Head(nn.Module):
         self.register_buffer("embed_weight", torch.zeros(0, H), persistent=False)
 
     # -- set-up ---------------------------------------------------------------------------
-    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """The draft vocabulary: a set of N target ids. Draft ids follow target ids in
-        increasing order (as the EAGLE-3 format's d2t offsets assume)."""
-        d2t, t2d = vocab_maps(draft_to_target, self.cfg.draft_vocab_size, self.cfg.target_vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """Target id of each draft id, [N]."""
-        return self.d2t + torch.arange(self.d2t.numel())
-
     def attach(self, embed: torch.Tensor, output_rows: torch.Tensor | None) -> None:
         """Use the target's embedding table [V, H] (and, for a tied head, its output rows
         [V, H], the LM head weight) — frozen, shared, never saved."""

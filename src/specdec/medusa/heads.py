@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..eagle3.head import DraftVocabulary
+
 CONFIG_NAME = "specdec_medusa.json"
 WEIGHTS_NAME = "model.safetensors"
 KINDS = ("medusa", "hydra")
@@ -80,7 +82,7 @@ class _HydraBlock(nn.Module):
         self.fc2 = nn.Linear(inner, dim, bias=False)
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftVocabulary, nn.Module):
     """K Medusa or Hydra heads over a frozen target (see the module doc)."""
 
     def __init__(self, cfg: MedusaConfig) -> None:
@@ -100,19 +102,6 @@ class MedusaHeads(nn.Module):
         self.record: dict[str, Any] = {}  # the training record (of loaded heads)
 
     # -- set-up ---------------------------------------------------------------------------
-    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """The draft vocabulary: N distinct target ids (sorted, as d2t offsets assume)."""
-        from ..eagle3.head import vocab_maps
-
-        d2t, t2d = vocab_maps(draft_to_target, self.cfg.draft_vocab_size, self.cfg.target_vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """Target id of each draft id, [N]."""
-        return self.d2t + torch.arange(self.d2t.numel())
-
     def attach(self, embed: torch.Tensor, output_rows: torch.Tensor) -> None:
         """The target's embedding table [V, H] and LM head rows [V, H] (frozen, shared)."""
         self.embed_weight = embed.detach().float()
