@@ -63,6 +63,25 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
         specdec.load(path)
 
 
+def test_truncated_gguf_names_both_sizes(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    full = path.stat().st_size
+    assert store.gguf_truncation(path) is None
+    path.write_bytes(path.read_bytes()[: full - 1000])
+    with pytest.raises(store.UnsupportedArchitectureError,
+                       match=f"truncated: {full - 1000} bytes, its tensor table needs {full}"):  # fmt: skip
+        specdec.load(path)
+
+
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"hello")
@@ -128,6 +147,8 @@ def run_cli(*args: str, env_home=None) -> subprocess.CompletedProcess:
         (["--top-p", "2"], "top_p must be in (0, 1]"),
         (["--top-k", "-3"], "top_k must be an integer >= 0"),
         (["--prompt", ""], "prompt is empty"),
+        (["--device", "foo"], "unknown device 'foo'; available here: cpu"),
+        (["--acceptance", "typical"], "typical acceptance is a sampling rule"),
     ],
 )
 def test_cli_bad_input_is_one_clear_line(tiny_dir, args, message):
@@ -137,6 +158,14 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, args, message):
     res = run_cli(*base, *args)
     assert res.returncode == 2
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: --device cuda is valid")
+def test_cuda_without_cuda_is_one_clear_line(tiny_dir):
+    """A CPU-only torch: --device cuda names what is available instead of torch's assertion."""
+    res = run_cli("generate", "--target", str(tiny_dir("llama")), "--prompt", "hi", "--device", "cuda")
+    assert res.returncode == 2 and "device 'cuda':" in res.stderr and "available here: cpu" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_cli_missing_model_names_install_command(tmp_path):

@@ -75,7 +75,7 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="unknown methods"):
-        GridSettings(methods=("medusa",))
+        GridSettings(methods=("telepathy",))
     with pytest.raises(ValueError, match="needs a draft model"):
         GridSettings(draft=None)
     with pytest.raises(ValueError, match="must be >= 1"):

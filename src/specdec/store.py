@@ -167,12 +167,42 @@ def install(name: str, *, keep_downloads: bool = False, log: Callable[[str], Non
     return target
 
 
+def gguf_truncation(path: Path) -> str | None:
+    """'truncated: N bytes, its tensor table needs M' when a GGUF file ends before the tensor
+    data its header describes (a download or copy cut short); None when it does not, or when
+    the header itself cannot be read. Reads the header and tensor table with the gguf
+    package's reader, stopping before it maps the tensors (where a short file fails with a
+    reshape error that names neither size)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class _Header(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:  # the tensor table only
+            self.table = (start_offs, fields)
+
+    try:
+        start, fields = _Header(str(path), "r").table
+        need = 0
+        for f in fields:  # parts: name length, name, n_dims, dims, type, offset (gguf's layout)
+            _, _, _, dims, raw_type, offset = f.parts
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            need = max(need, int(start + offset[0]) + int(np.prod(dims)) * size // block)
+    except Exception:  # a header the reader cannot parse: no size to compare
+        return None
+    have = path.stat().st_size
+    return f"truncated: {have} bytes, its tensor table needs {need}" if have < need else None
+
+
 def gguf_architecture(path: Path) -> str:
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(str(path), "r")
     except Exception as exc:  # the gguf reader raises plain ValueError/struct errors on junk
+        short = gguf_truncation(path)
+        if short is not None:
+            raise UnsupportedArchitectureError(f"{path} is {short} (a download or copy cut short; fetch it "
+                                               "again)") from None  # fmt: skip
         raise UnsupportedArchitectureError(f"{path} is not a readable GGUF file: {exc}") from exc
     field = reader.fields.get("general.architecture")
     if field is None:

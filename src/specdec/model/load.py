@@ -19,6 +19,39 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def available_devices() -> list[str]:
+    """The devices this torch build can run on here."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        out.append("mps")
+    return out
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`device` checked against what this machine has: one clear error naming what is
+    available instead of torch's assertion deep inside the first allocation."""
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {str(device)!r}; available here: {', '.join(available_devices())}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {str(device)!r}: {why}; available here: {', '.join(available_devices())}")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA devices; "
+                             f"available here: {', '.join(available_devices())}")  # fmt: skip
+    elif dev.type == "mps" and "mps" not in available_devices():
+        raise ValueError(f"device 'mps' is not available here; available here: {', '.join(available_devices())}")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device {str(device)!r} is not supported; available here: {', '.join(available_devices())}")
+    return dev
+
+
 def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None) -> Transformer:
     """`dtype` names a precision/kernel mode (see `specdec.model.kernels.MODES`), or "auto"
     for the fastest exact mode on the device. The default, fp32, is the reference precision."""
@@ -45,7 +78,7 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
             f"{path}: weights do not match a {args.model_type} decoder "
             f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
         )
-    dev = torch.device(device) if device is not None else default_device()
+    dev = resolve_device(device)
     mode = get_mode(dtype, dev)
     state = {k: v.to(device=dev, dtype=mode.storage) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
