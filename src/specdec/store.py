@@ -207,7 +207,11 @@ def gguf_architecture(path: Path) -> str:
     field = reader.fields.get("general.architecture")
     if field is None:
         raise UnsupportedArchitectureError(f"{path} has no general.architecture field")
-    return bytes(field.parts[field.data[0]]).decode()
+    try:
+        return bytes(field.parts[field.data[0]]).decode()
+    except (UnicodeDecodeError, IndexError) as exc:
+        raise UnsupportedArchitectureError(f"{path} is not a readable GGUF file: its architecture field is "
+                                           f"damaged ({exc})") from None  # fmt: skip
 
 
 def resolve(name_or_path: str | os.PathLike[str]) -> Path:
