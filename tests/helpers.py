@@ -133,3 +133,18 @@ def random_heads(model, kind: str = "medusa", seed: int = 0, num_heads: int = 3,
             p.add_(noise * torch.randn(p.shape, generator=g))
     heads.set_vocab(torch.as_tensor(vocab_ids) if vocab_ids is not None else torch.arange(n) * (V // n))
     return attach_heads(heads, model, model_dir)
+
+
+def write_gguf(path, arch: str, size: int, block_count: int | None = None):
+    """A small valid GGUF file: one float32 [size, size] embedding tensor of architecture `arch`."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    if block_count is not None:
+        w.add_uint32(f"{arch}.block_count", block_count)
+    w.add_tensor("token_embd.weight", np.zeros((size, size), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

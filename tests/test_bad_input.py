@@ -8,6 +8,7 @@ import sys
 import zipfile
 
 import pytest
+from helpers import write_gguf
 
 import specdec
 from specdec import registry, store
@@ -49,31 +50,13 @@ def test_sha256_mismatch_is_refused(tmp_path, monkeypatch):
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path):
-    import numpy as np
-    from gguf import GGUFWriter
-
-    path = tmp_path / "m.gguf"
-    w = GGUFWriter(str(path), "mamba")
-    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_gguf(tmp_path / "m.gguf", "mamba", 4)
     with pytest.raises(store.UnsupportedArchitectureError, match="'mamba'"):
         specdec.load(path)
 
 
 def test_truncated_gguf_names_both_sizes(tmp_path):
-    import numpy as np
-    from gguf import GGUFWriter
-
-    path = tmp_path / "m.gguf"
-    w = GGUFWriter(str(path), "llama")
-    w.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_gguf(tmp_path / "m.gguf", "llama", 64)
     full = path.stat().st_size
     assert store.gguf_truncation(path) is None
     path.write_bytes(path.read_bytes()[: full - 1000])

@@ -6,6 +6,8 @@ probability after that path, and the greedy rules follow the argmax exactly."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -127,19 +129,9 @@ _GGUF: dict[str, bytes] = {}
 def _small_gguf(tmp: str) -> bytes:
     """A valid one-tensor GGUF file's bytes (written once)."""
     if "base" not in _GGUF:
-        import numpy as np
-        from gguf import GGUFWriter
+        from helpers import write_gguf
 
-        path = f"{tmp}/base.gguf"
-        w = GGUFWriter(path, "llama")
-        w.add_uint32("llama.block_count", 1)
-        w.add_tensor("token_embd.weight", np.zeros((16, 16), dtype=np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        with open(path, "rb") as fh:
-            _GGUF["base"] = fh.read()
+        _GGUF["base"] = write_gguf(Path(tmp) / "base.gguf", "llama", 16, block_count=1).read_bytes()
     return _GGUF["base"]
 
 
