@@ -19,7 +19,7 @@ from specdec.model.kernels import MODES
 from specdec.model.native import available as native_available
 from specdec.sampling import probs
 from specdec.testing import make_tiny_model
-from specdec.verify import TreeVerdict, Verdict
+from specdec.certify import BROKEN_RULES
 
 # the batch-invariant modes this machine can run (q4k needs the native kernels)
 EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != "q4k" or native_available())]
@@ -144,77 +144,13 @@ def sample_joint():
     return _sample_joint
 
 
-def _recover_from_p(p, q, draft_tokens, generator) -> Verdict:
-    """A subtly wrong rule: the acceptance test is right, but after a rejection the token is
-    drawn from p itself instead of norm(max(0, p - q)), so q's mass is counted twice."""
-    B, K = draft_tokens.shape
-    u = torch.rand(B, K, generator=generator)
-    p_x = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    n = (u * q_x < p_x).long().cumprod(-1).sum(-1)
-    row = p.gather(1, n[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)
-    return Verdict(n, torch.multinomial(row, 1, generator=generator).squeeze(-1))
-
-
-def _point_mass_keeping_rejected(p, draft_tokens, generator) -> Verdict:
-    """A subtly wrong point-mass rule: after x is rejected, the recovered token is drawn from p
-    without removing x."""
-    B, K = draft_tokens.shape
-    u = torch.rand(B, K, generator=generator)
-    p_x = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    n = (u < p_x).long().cumprod(-1).sum(-1)
-    row = p.gather(1, n[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)
-    return Verdict(n, torch.multinomial(row, 1, generator=generator).squeeze(-1))
-
-
-def _tree_without_removal(p, tokens, parents, generator) -> TreeVerdict:
-    """A subtly wrong tree rule: each child is tried with the target's probability as it was,
-    without removing the rejected siblings and renormalising; all rejected -> draw from p."""
-    path, row = [], 0
-    while True:
-        moved = False
-        for c in [j for j, par in enumerate(parents) if par == row - 1]:
-            if float(torch.rand(1, generator=generator)) < float(p[row, tokens[c]]):
-                path.append(c)
-                row, moved = c + 1, True
-                break
-        if not moved:
-            return TreeVerdict(path, int(torch.multinomial(p[row], 1, generator=generator)))
-
-
-def _tree_keeping_rejected_drafts(p, q, tokens, parents, generator) -> TreeVerdict:
-    """A subtly wrong sampled-tree rule: after a rejected child the proposal is not updated
-    (the child's mass stays in it), the rule for drafts drawn with replacement."""
-    kids = {}
-    for j, par in enumerate(parents):
-        kids.setdefault(par + 1, []).append(j)
-    path, row = [], 0
-    while True:
-        r, moved = p[row].clone(), False
-        children = kids.get(row, [])
-        for c in children:
-            s, x = q[children[0]], tokens[c]
-            if float(torch.rand(1, generator=generator)) * float(s[x]) < float(r[x]):
-                path.append(c)
-                row, moved = c + 1, True
-                break
-            r = (r - s).clamp_min(0)
-            r = r / r.sum()
-        if not moved:
-            return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
-
-
 @pytest.fixture
 def wrong_rule(monkeypatch):
-    """Install a subtly wrong verification rule in the engine: wrong_rule("rejection"),
+    """Install a subtly wrong verification rule in the engine (`specdec.certify.BROKEN_RULES`): wrong_rule("rejection"),
     wrong_rule("point-mass"), wrong_rule("tree") or wrong_rule("sampled-tree")."""
 
     def install(which: str) -> None:
-        rules = {"rejection": ("rejection_sample", _recover_from_p),
-                 "point-mass": ("point_mass_sample", _point_mass_keeping_rejected),
-                 "tree": ("tree_point_mass_sample", _tree_without_removal),
-                 "sampled-tree": ("tree_rejection_sample", _tree_keeping_rejected_drafts)}  # fmt: skip
-        name, rule = rules[which]
+        name, rule = BROKEN_RULES[which]  # the same broken rules `specdec certify` runs as its control
         monkeypatch.setattr(engine, name, rule)
 
     return install

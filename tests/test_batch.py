@@ -121,6 +121,35 @@ def test_sampled_sequence_same_alone_and_in_any_batch(tiny, arch):
     assert len({tuple(a) for a in alone}) == 5
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_sequences_sharing_a_prompt_share_its_prefill_and_decode_as_alone(tiny, arch):
+    """Sequences that start together with one prompt are prefilled once (the others copy the
+    cache); each still gives the tokens it gives alone with its seed."""
+    mode = EXACT_MODES[-1]
+    target, draft = tiny(arch, dtype=mode), tiny(arch, "close", dtype=mode)
+    cfg = GenerationConfig(max_new_tokens=12, k=3, ignore_eos=True, adaptive_k=False)
+    sp = [SamplingParams(temperature=0.9, seed=200 + i) for i in range(5)]
+    prompt = encode(target, PROMPTS[:1])[0]
+    kinds = ["draft-model", "prompt-lookup", "plain", "early-exit", "lookahead"]
+    alone = [together(target, [prompt], [cfg], [s], [make(k, target, draft)])[0].token_ids
+             for s, k in zip(sp, kinds, strict=True)]  # fmt: skip
+    rows = []
+    real = target.model.forward_batch
+
+    def counting(segments, **kw):
+        rows.append(sum(int(seg.tokens.shape[0]) for seg in segments))
+        return real(segments, **kw)
+
+    target.model.forward_batch = counting
+    try:
+        batched = together(target, [prompt] * 5, [cfg] * 5, sp, [make(k, target, draft) for k in kinds])
+    finally:
+        del target.model.forward_batch
+    assert [o.token_ids for o in batched] == alone
+    assert rows[0] == len(prompt)  # one prefill for the five
+    assert len({tuple(a) for a in alone}) == 5
+
+
 def in_flight(target, draft, sampling: SamplingParams, runs: int, width: int = 4) -> tuple[Counter, float]:
     """`runs` sampled sequences, `width` in flight at a time (a new one joins as one ends),
     drafters alternating between a draft model and early exit. Counts of the outputs, and the

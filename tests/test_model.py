@@ -13,7 +13,9 @@ ARCHS = ["llama", "qwen2", "gemma3"]
 
 
 def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from specdec.convert import float_weights
+
+    ref = AutoModelForCausalLM.from_pretrained(float_weights(path), dtype=torch.float32)
     with torch.no_grad():
         return ref(ids).logits
 

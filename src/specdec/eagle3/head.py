@@ -320,6 +320,12 @@ def target_output_rows(target: Any, model_dir: str | Path | None = None) -> torc
         with safe_open(str(f), "pt") as st:
             if "lm_head.weight" in st.keys():
                 return st.get_tensor("lm_head.weight").float()
+    from ..model.gguf_file import float_tensor, open_gguf
+    from ..model.load import gguf_source
+
+    gguf = gguf_source(Path(model_dir)) if model_dir else None
+    if gguf is not None:  # installed without float weights: the output rows straight from the GGUF
+        return torch.from_numpy(float_tensor(open_gguf(gguf), "output.weight", a))
     raise ValueError("the target's LM head weights are packed and its model directory has no lm_head.weight")
 
 

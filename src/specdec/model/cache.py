@@ -42,6 +42,15 @@ class KVCache:
             )
         return self.length
 
+    def copy_prefix(self, other: KVCache, n: int) -> None:
+        """Hold the first `n` slots of `other` (a sequence that prefilled the same prompt)."""
+        if n > self.capacity or n > other.length:
+            raise ValueError(f"cannot copy {n} slots from a cache of length {other.length} into capacity {self.capacity}")
+        self.k[:, :, :, :n] = other.k[:, :, :, :n]
+        self.v[:, :, :, :n] = other.v[:, :, :, :n]
+        self.pos[:, :n] = other.pos[:, :n]
+        self.length = n
+
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` slots (rejected drafts are forgotten)."""
         if not 0 <= length <= self.length:

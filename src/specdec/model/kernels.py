@@ -139,7 +139,8 @@ class Int8Kernel:
 
 
 def apply_mode(
-    model: torch.nn.Module, mode: Mode, *, gguf: Path | None = None, packed: Path | None = None, source: str = ""
+    model: torch.nn.Module, mode: Mode, *, gguf: Path | None = None, packed: Path | None = None, source: str = "",
+    from_gguf: bool = False,
 ) -> None:
     """Install `mode`'s kernel in every `Linear` (weights are already in `mode.storage`).
 
@@ -147,14 +148,16 @@ def apply_mode(
     file's own Q4_K/Q6_K blocks instead of re-quantizing the float weights.
     `packed`: a file where the q4k mode keeps its repacked weights between loads, recording
     `source` (the model directory) so stale files can be found.
+    `from_gguf`: the linear layers have no float weights loaded (they are still on the meta
+    device); layers the GGUF holds in other types than Q4_K/Q6_K are de-quantized from it.
     """
     if mode.name not in ("int8", "q4k"):
         return
-    device = next(model.parameters()).device
+    device = model.device if hasattr(type(model), "device") else next(model.parameters()).device
     if device.type != "cpu":
         raise ValueError(f"the {mode.name} mode runs on the CPU only for now (model is on {device}); use bf16 or fp16")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    kernels = _kquant_kernels(model, linears, gguf, packed, source) if mode.name == "q4k" else {}
+    kernels = _kquant_kernels(model, linears, gguf, packed, source, from_gguf) if mode.name == "q4k" else {}
     for name, module in linears.items():
         module.set_kernel(kernels.get(name) or Int8Kernel(module.weight, module.bias))
         if not _shares_storage(module, model):
@@ -163,7 +166,8 @@ def apply_mode(
 
 
 def _kquant_kernels(
-    model: torch.nn.Module, linears: dict[str, Linear], gguf: Path | None, packed: Path | None, source: str
+    model: torch.nn.Module, linears: dict[str, Linear], gguf: Path | None, packed: Path | None, source: str,
+    from_gguf: bool = False,
 ) -> dict[str, LinearKernel]:
     """q4k kernels: the GGUF's Q4_K/Q6_K blocks where it has them (checked against the float
     weights), the rest quantized here to `kquant.REQUANTIZE` (at least as precise as the GGUF's
@@ -193,17 +197,30 @@ def _kquant_kernels(
             gguf, shapes, tied=args.tie_embeddings, model_type=args.model_type,
             n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
         )  # fmt: skip
-    kernels: dict[str, LinearKernel] = {}
-    tiles: dict[str, torch.Tensor] = {}
-    for name, m in linears.items():
+    def pack(name: str) -> tuple[int, torch.Tensor]:
+        m = linears[name]
         b = blocks.get(name)
-        if b is not None and not kquant.matches(b, m.weight):
+        if b is not None and not from_gguf and not kquant.matches(b, m.weight):
             warnings.warn(f"{gguf}: {name} does not match the converted weights; quantizing it again", stacklevel=3)
             b = None
         if b is None:
-            b = kquant.quantize(m.weight.detach().float().numpy(), kquant.REQUANTIZE)
-        tiles[name] = torch.from_numpy(kquant.tiles(b).view(np.uint8))
-        kernels[name] = kernel(name, b.kind, tiles[name])
+            if from_gguf:
+                from .gguf_file import float_tensor, open_gguf
+
+                weight = float_tensor(open_gguf(gguf), kquant.gguf_tensor_name(name, args.tie_embeddings), args)
+            else:
+                weight = m.weight.detach().float().numpy()
+            b = kquant.quantize(weight, kquant.REQUANTIZE)
+        return b.kind, torch.from_numpy(kquant.tiles(b).view(np.uint8))
+
+    # numpy does the work and releases the GIL: one thread per core repacks layers side by side
+    # (the results do not depend on the order).
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        packed_layers = dict(zip(linears, pool.map(pack, linears)))
+    tiles = {name: t for name, (_, t) in packed_layers.items()}
+    kernels: dict[str, LinearKernel] = {name: kernel(name, kind, t) for name, (kind, t) in packed_layers.items()}
     if packed is not None:
         packed.parent.mkdir(parents=True, exist_ok=True)
         tmp = packed.with_suffix(f".{os.getpid()}.tmp")
@@ -216,4 +233,4 @@ def _kquant_kernels(
 def _shares_storage(linear: Linear, model: torch.nn.Module) -> bool:
     """A tied LM head shares its weight with the embedding, which still needs it."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    return embed is not None and linear.weight is embed.weight
+    return isinstance(embed, torch.nn.Embedding) and linear.weight is embed.weight

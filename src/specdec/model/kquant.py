@@ -327,10 +327,12 @@ def gguf_blocks(path: Path, modules: dict[str, int], *, tied: bool, model_type: 
                 n_heads: int, n_kv_heads: int) -> dict[str, Blocks]:
     """K-quant blocks for the linear layers (module name -> output rows) whose GGUF tensors are
     stored as Q4_K or Q6_K; other layers are left out (the caller quantizes them)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
+
+    from .gguf_file import open_gguf
 
     readers = {GGMLQuantizationType.Q4_K: from_gguf_q4_k, GGMLQuantizationType.Q6_K: from_gguf_q6_k}
-    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    tensors = {t.name: t for t in open_gguf(path).tensors}
     out: dict[str, Blocks] = {}
     for module, n in modules.items():
         t = tensors.get(gguf_tensor_name(module, tied) or "")

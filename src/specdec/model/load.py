@@ -54,11 +54,27 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None) -> Transformer:
     """`dtype` names a precision/kernel mode (see `specdec.model.kernels.MODES`), or "auto"
-    for the fastest exact mode on the device. The default, fp32, is the reference precision."""
+    for the fastest exact mode on the device. The default, fp32, is the reference precision.
+
+    A directory installed from a GGUF loads the q4k mode from the GGUF itself (no float copy);
+    the other modes read `model.safetensors`, which is de-quantized from the GGUF the first
+    time one of them is asked for (`specdec.convert.float_weights`)."""
     from safetensors.torch import load_file
+
+    from ..convert import BASE_WEIGHTS, float_weights, has_float_weights
 
     path = Path(path)
     args = ModelArgs.from_dir(path)
+    dev = resolve_device(device)
+    mode = get_mode(dtype, dev)
+    gguf = gguf_source(path)
+    from_gguf = gguf is not None and (path / BASE_WEIGHTS).exists()
+    if mode.name == "q4k" and from_gguf:
+        if dev.type != "cpu":
+            raise ValueError(f"the q4k mode runs on the CPU only for now (asked for {dev}); use bf16 or fp16")
+        return _load_q4k_from_gguf(path, args, mode, gguf)
+    if from_gguf and not has_float_weights(path):
+        float_weights(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
@@ -78,13 +94,10 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
             f"{path}: weights do not match a {args.model_type} decoder "
             f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
         )
-    dev = resolve_device(device)
-    mode = get_mode(dtype, dev)
     state = {k: v.to(device=dev, dtype=mode.storage) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.eval()
     model.finalize()
-    gguf = gguf_source(path)
     packed = packed_path(path, files, gguf) if mode.name == "q4k" else None
     apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()))
     if packed is not None:
@@ -94,16 +107,46 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
     return model
 
 
+def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path) -> Transformer:  # noqa: ANN001 - Mode
+    """The q4k mode with no float copy of the weights: norms and biases from
+    `base.safetensors`, linear layers from the GGUF's blocks (repacked once into the packed
+    file), embedding rows de-quantized from the GGUF when looked up."""
+    from safetensors.torch import load_file
+
+    from ..convert import BASE_WEIGHTS
+    from .gguf_file import GGUFEmbedding
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = {k: v.to(dtype=mode.storage) for k, v in load_file(str(path / BASE_WEIGHTS)).items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.model.embed_tokens = GGUFEmbedding(gguf, "token_embd.weight", mode.storage)
+    model.eval()
+    model.finalize()
+    packed = packed_path(path, [], gguf)
+    apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()), from_gguf=True)
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"{path}: {BASE_WEIGHTS} and {gguf.name} leave {left[:3]} without weights; install the model "
+                         "again")  # fmt: skip
+    _prune_packed(keep=packed)
+    model.mode = mode.name
+    model.source_dir = path
+    return model
+
+
 def packed_path(path: Path, files: list[Path], gguf: Path | None) -> Path:
-    """Where the q4k mode keeps this model's repacked weights: keyed by the weight files (and
-    GGUF) it was made from and by the kernel's source, so any change repacks."""
+    """Where the q4k mode keeps this model's repacked weights: keyed by the GGUF it was made
+    from (else by the weight files) and by the kernel's layout, so any change repacks. (The
+    q4k weights of a GGUF-backed directory are the GGUF's blocks whether or not its float
+    weights exist, so adding them keeps the key.)"""
     import hashlib
 
     from ..store import cache_root
     from . import kquant
 
     h = hashlib.sha256(f"{kquant.layout_version()}:{kquant.REQUANTIZE}".encode())
-    for f in [*files, *([gguf] if gguf else [])]:
+    for f in [gguf] if gguf else files:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     return cache_root() / "packed" / f"{h.hexdigest()[:20]}.safetensors"

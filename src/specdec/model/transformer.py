@@ -205,9 +205,9 @@ class Transformer(nn.Module):
     # -- set-up ---------------------------------------------------------------------------
     def finalize(self) -> Transformer:
         """Tie embeddings and build RoPE tables; call after weights are loaded/moved."""
-        if self.args.tie_embeddings:
+        if self.args.tie_embeddings and isinstance(self.model.embed_tokens, nn.Embedding):
             self.lm_head.weight = self.model.embed_tokens.weight
-        dev = self.model.embed_tokens.weight.device
+        dev = self.device
         a = self.args
         self._rotary = {False: Rotary(a.head_dim, a.rope_theta, a.max_seq_len, dev)}
         if a.rope_theta_local is not None:
@@ -230,11 +230,11 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device  # (the embedding may be read from a GGUF file)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         a = self.args

@@ -1,0 +1,334 @@
+"""`specdec certify`: a statistical certificate that a method samples what the target samples.
+
+Exactness under sampling is a claim about distributions, so it is checked with samples: N
+continuations of a few tokens drawn with plain decoding, N drawn with the method (fixed
+prompts, independent seeds), compared by a two-sample chi-square test of homogeneity on each
+prompt's outcomes (continuations seen fewer than `min_count` times in both samples together
+are pooled into one cell; the per-prompt statistics and degrees of freedom are summed). The
+certificate reports the p-value, the total-variation distance between the two samples over
+those cells with a bootstrap upper bound, and what two samples of one law show at this N
+(a permutation bound).
+
+It also runs the same test on a deliberately broken verifier (the `broken_*` rules below: each
+exact rule with one classic mistake), so the reader sees that the test, at this N and on these
+prompts, catches a real error. A certificate whose control passes proves nothing and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .verify import TreeVerdict, Verdict
+
+# Short prompts with repetition in them, so that every drafter (n-grams included) proposes
+# tokens and both branches of the rule (accept; reject and recover) run often.
+PROMPTS = (
+    "The cat sat on the mat. The dog sat on the log. The cat sat on the",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "one, two, three, four, five, one, two, three, four,",
+)
+
+
+# -- deliberately broken rules: the negative control ---------------------------------------------
+def broken_rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor,
+                            generator: torch.Generator) -> Verdict:  # fmt: skip
+    """NOT EXACT, on purpose. The acceptance test is right, but after a rejection the token is
+    drawn from p itself instead of norm(max(0, p - q)), so q's mass is counted twice."""
+    B, K = draft_tokens.shape
+    V = p.shape[-1]
+    x = draft_tokens.clamp_max(V - 1)
+    u = torch.rand(B, K, generator=generator)
+    p_x = p[:, :K].float().gather(-1, x[..., None]).squeeze(-1) * (draft_tokens < V)
+    q_x = q.float().gather(-1, draft_tokens[..., None]).squeeze(-1)
+    n = (u * q_x < p_x).long().cumprod(-1).sum(-1)
+    row = p.float().gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)
+    return Verdict(n, torch.multinomial(row, 1, generator=generator).squeeze(-1))
+
+
+def broken_point_mass_sample(p: torch.Tensor, draft_tokens: torch.Tensor, generator: torch.Generator) -> Verdict:
+    """NOT EXACT, on purpose. After draft x is rejected, the recovered token is drawn from p
+    without removing x."""
+    B, K = draft_tokens.shape
+    V = p.shape[-1]
+    u = torch.rand(B, K, generator=generator)
+    p_x = p[:, :K].float().gather(-1, draft_tokens.clamp_max(V - 1)[..., None]).squeeze(-1) * (draft_tokens < V)
+    n = (u < p_x).long().cumprod(-1).sum(-1)
+    row = p.float().gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)
+    return Verdict(n, torch.multinomial(row, 1, generator=generator).squeeze(-1))
+
+
+def broken_tree_point_mass_sample(p: torch.Tensor, tokens: list[int], parents: list[int],
+                                  generator: torch.Generator) -> TreeVerdict:  # fmt: skip
+    """NOT EXACT, on purpose. Each child is tried with the target's probability as it was,
+    without removing the rejected siblings and renormalising; all rejected: draw from p."""
+    V = p.shape[-1]
+    path, row = [], 0
+    while True:
+        moved = False
+        for c in [j for j, par in enumerate(parents) if par == row - 1]:
+            p_x = float(p[row, tokens[c]]) if tokens[c] < V else 0.0
+            if float(torch.rand(1, generator=generator)) < p_x:
+                path.append(c)
+                row, moved = c + 1, True
+                break
+        if not moved:
+            return TreeVerdict(path, int(torch.multinomial(p[row].float(), 1, generator=generator)))
+
+
+def broken_tree_rejection_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[int], parents: list[int],
+                                 generator: torch.Generator) -> TreeVerdict:  # fmt: skip
+    """NOT EXACT, on purpose. After a rejected child the proposal is not updated (the child's
+    mass stays in it): the rule for drafts drawn with replacement, used on drafts drawn
+    without."""
+    V = p.shape[-1]
+    kids: dict[int, list[int]] = {}
+    for j, par in enumerate(parents):
+        kids.setdefault(par + 1, []).append(j)
+    path, row = [], 0
+    while True:
+        r, moved = p[row].float().clone(), False
+        children = kids.get(row, [])
+        for c in children:
+            s, x = q[children[0]].float(), tokens[c]
+            r_x, s_x = (float(r[x]), float(s[x])) if x < V else (0.0, 0.0)
+            if float(torch.rand(1, generator=generator)) * s_x < r_x:
+                path.append(c)
+                row, moved = c + 1, True
+                break
+            r = (r - s[:V]).clamp_min(0)
+            r = r / r.sum()
+        if not moved:
+            return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
+
+
+BROKEN_RULES: dict[str, tuple[str, Callable[..., Any]]] = {
+    "rejection": ("rejection_sample", broken_rejection_sample),
+    "point-mass": ("point_mass_sample", broken_point_mass_sample),
+    "tree": ("tree_point_mass_sample", broken_tree_point_mass_sample),
+    "sampled-tree": ("tree_rejection_sample", broken_tree_rejection_sample),
+}
+
+
+@contextlib.contextmanager
+def broken_verifier(which: Sequence[str] = tuple(BROKEN_RULES)) -> Iterator[None]:
+    """Run the engine with broken sampling rules (all four by default, so whichever rule a
+    method uses is the broken one). For certificates and tests only."""
+    from . import engine
+
+    saved = {name: getattr(engine, name) for name, _ in (BROKEN_RULES[w] for w in which)}
+    try:
+        for w in which:
+            name, rule = BROKEN_RULES[w]
+            setattr(engine, name, rule)
+        yield
+    finally:
+        for name, rule in saved.items():
+            setattr(engine, name, rule)
+
+
+# -- the test ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TwoSample:
+    chi2: float
+    dof: int
+    p_value: float
+    tv: float  # total variation between the two samples over the tested cells (mean over prompts)
+    tv_upper: float  # bootstrap 95% upper bound of `tv`
+    tv_null: float  # 95th percentile of `tv` for two samples of one law at these sizes (permutation)
+    cells: int
+
+
+def _cells(a: Counter, b: Counter, min_count: int) -> np.ndarray:
+    """[2, C] counts: outcomes seen at least `min_count` times in both samples together, and
+    one pooled cell for the rest (chosen from the pooled counts, symmetric in a and b)."""
+    keys = sorted(set(a) | set(b))
+    kept = [k for k in keys if a[k] + b[k] >= min_count]
+    table = [[a[k] for k in kept], [b[k] for k in kept]]
+    rest = (sum(a.values()) - sum(table[0]), sum(b.values()) - sum(table[1]))
+    if rest[0] + rest[1] > 0:
+        table[0].append(rest[0])
+        table[1].append(rest[1])
+    return np.array(table, dtype=np.int64)
+
+
+def _tv(table: np.ndarray) -> float:
+    rows = table / table.sum(1, keepdims=True)
+    return 0.5 * float(np.abs(rows[0] - rows[1]).sum())
+
+
+def two_sample_test(a: Sequence[Counter], b: Sequence[Counter], *, min_count: int = 10, resamples: int = 400,
+                    seed: int = 0) -> TwoSample:  # fmt: skip
+    """Chi-square test that samples `a[i]` and `b[i]` (outcome counts, one pair per prompt) come
+    from one law, with the total-variation estimate and its bounds."""
+    from scipy.stats import chi2 as chi2_dist
+
+    rng = np.random.default_rng(seed)
+    stat, dof, tvs, ups, nulls, cells = 0.0, 0, [], [], [], 0
+    for ca, cb in zip(a, b, strict=True):
+        table = _cells(ca, cb, min_count)
+        cells += table.shape[1]
+        tvs.append(_tv(table))
+        if table.shape[1] > 1:
+            expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+            stat += float(((table - expected) ** 2 / expected).sum())
+            dof += table.shape[1] - 1
+        na, nb = table.sum(1)
+        pa, pb = table[0] / na, table[1] / nb
+        pooled = table.sum(0) / table.sum()
+        ups.append([_tv(np.stack([rng.multinomial(na, pa), rng.multinomial(nb, pb)])) for _ in range(resamples)])
+        nulls.append([_tv(np.stack([rng.multinomial(na, pooled), rng.multinomial(nb, pooled)]))
+                      for _ in range(resamples)])  # fmt: skip
+    p_value = float(chi2_dist.sf(stat, dof)) if dof else 1.0
+    return TwoSample(stat, dof, p_value, float(np.mean(tvs)), float(np.quantile(np.mean(ups, 0), 0.95)),
+                     float(np.quantile(np.mean(nulls, 0), 0.95)), cells)  # fmt: skip
+
+
+# -- drawing samples -----------------------------------------------------------------------------
+@dataclass
+class Draws:
+    counts: list[Counter]  # per prompt: continuation (token ids) -> times drawn
+    proposed: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+
+def draw(target: Any, prompts: Sequence[str], n: int, *, tokens: int, first_seed: int, batch: int = 32,
+         progress: Callable[[int], None] | None = None, **method: Any) -> Draws:  # fmt: skip
+    """`n` continuations of `tokens` tokens per prompt, seeds first_seed, first_seed + 1, ...;
+    `method`: generate's keywords (temperature, top_p, drafter, assistant_model, k, options)."""
+    from .api import generate_batch
+
+    out = Draws([Counter() for _ in prompts])
+    start = time.perf_counter()
+    seed = first_seed
+    for i, prompt in enumerate(prompts):
+        for lo in range(0, n, batch):
+            m = min(batch, n - lo)
+            results = generate_batch(target, [prompt] * m, seed=list(range(seed, seed + m)), max_new_tokens=tokens,
+                                     ignore_eos=True, chat=False, **method)  # fmt: skip
+            seed += m
+            for r in results:
+                out.counts[i][tuple(r.token_ids)] += 1
+                out.proposed += r.metrics.proposed
+                out.accepted += r.metrics.accepted
+            if progress is not None:
+                progress(m)
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+@dataclass
+class Certificate:
+    target: str
+    method: str
+    draft: str | None
+    k: int | None
+    temperature: float
+    top_p: float
+    samples: int
+    tokens: int
+    prompts: list[str]
+    alpha: float
+    seed: int
+    dtype: str
+    test: TwoSample
+    control: TwoSample | None
+    acceptance: float | None
+    control_acceptance: float | None
+    seconds: float
+    outcomes: int = 0  # distinct continuations seen, all prompts and both arms
+    cpu: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.test.p_value >= self.alpha
+
+    @property
+    def control_caught(self) -> bool | None:
+        return None if self.control is None else self.control.p_value < self.alpha
+
+    @property
+    def verdict(self) -> str:
+        if not self.passed:
+            return "FAIL"
+        return "PASS" if self.control_caught in (True, None) else "INCONCLUSIVE"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(passed=self.passed, control_caught=self.control_caught, verdict=self.verdict)
+        return d
+
+    def table(self) -> str:
+        head = (f"certificate: {self.target}, {self.method}" + (f" ({self.draft})" if self.draft else "")
+                + (f", k={self.k}" if self.k else "") + f", T={self.temperature:g}, top-p {self.top_p:g}, "
+                f"{len(self.prompts)} prompts x {self.tokens} tokens, N={self.samples} per arm and prompt, "
+                f"{self.dtype}, alpha {self.alpha:g}")  # fmt: skip
+        rows = [("method vs plain", self.test, self.acceptance,
+                 "pass (same law)" if self.passed else "FAIL: the method's outputs differ from plain decoding's")]
+        if self.control is not None:
+            rows.append(("broken control", self.control, self.control_acceptance,
+                         "caught" if self.control_caught else "NOT caught: raise --samples"))  # fmt: skip
+        lines = [head, f"{'':16s} {'chi2':>9s} {'dof':>5s} {'p-value':>9s} {'TV':>7s} {'TV<=95%':>8s} "
+                       f"{'accept':>7s}  result"]  # fmt: skip
+        for name, t, acc, result in rows:
+            acc_s = "-" if acc is None else f"{acc:.2f}"
+            lines.append(f"{name:16s} {t.chi2:9.1f} {t.dof:5d} {t.p_value:9.3g} {t.tv:7.3f} {t.tv_upper:8.3f} "
+                         f"{acc_s:>7s}  {result}")  # fmt: skip
+        lines.append(f"two samples of one law show TV <= {self.test.tv_null:.3f} here (95%); "
+                     f"{self.outcomes} distinct continuations; {self.seconds:.0f} s")
+        lines.append(f"verdict: {self.verdict}")
+        return "\n".join(lines)
+
+
+def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | None = None,
+            temperature: float = 1.0, top_p: float = 1.0, samples: int = 1000, tokens: int = 3,
+            prompts: Sequence[str] = PROMPTS, alpha: float = 0.01, seed: int = 0, control: bool = True,
+            batch: int = 32, options: dict[str, Any] | None = None,
+            progress: Callable[[int], None] | None = None) -> Certificate:  # fmt: skip
+    """Draw, test and (with `control`) run the broken control; see the module docstring.
+    Seeds: plain uses seed, seed + 1, ...; the method seed + 10^7, ...; the control seed + 2 * 10^7, ..."""
+    if samples < 20:
+        raise ValueError(f"--samples {samples} is too few for a chi-square test; use at least 20 (1000 is usual)")
+    if not 0 < alpha < 1:
+        raise ValueError(f"--alpha must be in (0, 1), got {alpha}")
+    if tokens < 1:
+        raise ValueError(f"--tokens must be at least 1, got {tokens}")
+    if temperature <= 0:
+        raise ValueError("certify compares sampled outputs; greedy identity is checked by `generate --compare` "
+                         "(use --temperature > 0)")  # fmt: skip
+    started = time.perf_counter()
+    common = {"temperature": temperature, "top_p": top_p}
+    spec: dict[str, Any] = {"drafter": method, **({"k": k} if k else {}), **(options or {})}
+    if assistant_model is not None:
+        spec["assistant_model"] = assistant_model
+    plain = draw(target, prompts, samples, tokens=tokens, first_seed=seed, batch=batch, progress=progress, **common)
+    mine = draw(target, prompts, samples, tokens=tokens, first_seed=seed + 10**7, batch=batch, progress=progress,
+                **common, **spec)  # fmt: skip
+    test = two_sample_test(plain.counts, mine.counts, seed=seed)
+    ctrl, ctrl_draws = None, None
+    if control:
+        with broken_verifier():
+            ctrl_draws = draw(target, prompts, samples, tokens=tokens, first_seed=seed + 2 * 10**7, batch=batch,
+                              progress=progress, **common, **spec)  # fmt: skip
+        ctrl = two_sample_test(plain.counts, ctrl_draws.counts, seed=seed + 1)
+    outcomes = sum(len(set(a) | set(b)) for a, b in zip(plain.counts, mine.counts, strict=True))
+    return Certificate(
+        target=getattr(target, "name", str(target)), method=method,
+        draft=getattr(assistant_model, "name", None), k=k, temperature=temperature, top_p=top_p,
+        samples=samples, tokens=tokens, prompts=list(prompts), alpha=alpha, seed=seed, dtype=target.model.mode,
+        test=test, control=ctrl, acceptance=mine.acceptance,
+        control_acceptance=ctrl_draws.acceptance if ctrl_draws else None,
+        seconds=time.perf_counter() - started, outcomes=outcomes,
+    )  # fmt: skip

