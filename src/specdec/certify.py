@@ -137,10 +137,12 @@ def broken_verifier(which: Sequence[str] = tuple(BROKEN_RULES)) -> Iterator[None
 # -- the test ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TwoSample:
-    chi2: float
+    chi2: float  # of the prefix length with the smallest p-value
     dof: int
-    p_value: float
-    tv: float  # total variation between the two samples over the tested cells (mean over prompts)
+    p_value: float  # Bonferroni over the prefix lengths: min(1, L * min p_l)
+    length: int  # that prefix length
+    p_by_length: tuple[float, ...]  # p-value of the first l tokens' joint law, l = 1..L
+    tv: float  # total variation between the two samples' whole continuations over the tested cells
     tv_upper: float  # bootstrap 95% upper bound of `tv`
     tv_null: float  # 95th percentile of `tv` for two samples of one law at these sizes (permutation)
     cells: int
@@ -164,31 +166,53 @@ def _tv(table: np.ndarray) -> float:
     return 0.5 * float(np.abs(rows[0] - rows[1]).sum())
 
 
-def two_sample_test(a: Sequence[Counter], b: Sequence[Counter], *, min_count: int = 10, resamples: int = 400,
-                    seed: int = 0) -> TwoSample:  # fmt: skip
-    """Chi-square test that samples `a[i]` and `b[i]` (outcome counts, one pair per prompt) come
-    from one law, with the total-variation estimate and its bounds."""
+def _chi2(tables: list[np.ndarray]) -> tuple[float, int, float]:
+    """Chi-square homogeneity statistic summed over independent tables, its dof and p-value."""
     from scipy.stats import chi2 as chi2_dist
 
-    rng = np.random.default_rng(seed)
-    stat, dof, tvs, ups, nulls, cells = 0.0, 0, [], [], [], 0
-    for ca, cb in zip(a, b, strict=True):
-        table = _cells(ca, cb, min_count)
-        cells += table.shape[1]
-        tvs.append(_tv(table))
+    stat, dof = 0.0, 0
+    for table in tables:
         if table.shape[1] > 1:
             expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
             stat += float(((table - expected) ** 2 / expected).sum())
             dof += table.shape[1] - 1
+    return stat, dof, float(chi2_dist.sf(stat, dof)) if dof else 1.0
+
+
+def _prefixes(c: Counter, n: int) -> Counter:
+    out: Counter = Counter()
+    for seq, times in c.items():
+        out[tuple(seq[:n])] += times
+    return out
+
+
+def two_sample_test(a: Sequence[Counter], b: Sequence[Counter], *, min_count: int = 10, resamples: int = 400,
+                    seed: int = 0) -> TwoSample:  # fmt: skip
+    """Chi-square tests that samples `a[i]` and `b[i]` (counts of continuations, one pair per
+    prompt) come from one law: one test per prefix length l (the joint law of the first l
+    tokens; a verifier's error shows first where it happens, before later tokens spread the
+    outcomes over many cells), Bonferroni-combined; with the whole continuations' total
+    variation and its bounds."""
+    rng = np.random.default_rng(seed)
+    longest = max((len(k) for c in (*a, *b) for k in c), default=1)
+    by_length = []
+    for n in range(1, longest + 1):
+        by_length.append(_chi2([_cells(_prefixes(ca, n), _prefixes(cb, n), min_count) for ca, cb in zip(a, b, strict=True)]))
+    best = min(range(longest), key=lambda i: by_length[i][2])
+    tables = [_cells(ca, cb, min_count) for ca, cb in zip(a, b, strict=True)]
+    tvs, ups, nulls = [], [], []
+    for table in tables:
+        tvs.append(_tv(table))
         na, nb = table.sum(1)
         pa, pb = table[0] / na, table[1] / nb
         pooled = table.sum(0) / table.sum()
         ups.append([_tv(np.stack([rng.multinomial(na, pa), rng.multinomial(nb, pb)])) for _ in range(resamples)])
         nulls.append([_tv(np.stack([rng.multinomial(na, pooled), rng.multinomial(nb, pooled)]))
                       for _ in range(resamples)])  # fmt: skip
-    p_value = float(chi2_dist.sf(stat, dof)) if dof else 1.0
-    return TwoSample(stat, dof, p_value, float(np.mean(tvs)), float(np.quantile(np.mean(ups, 0), 0.95)),
-                     float(np.quantile(np.mean(nulls, 0), 0.95)), cells)  # fmt: skip
+    stat, dof, _ = by_length[best]
+    return TwoSample(stat, dof, min(1.0, longest * by_length[best][2]), best + 1, tuple(p for _, _, p in by_length),
+                     float(np.mean(tvs)), float(np.quantile(np.mean(ups, 0), 0.95)),
+                     float(np.quantile(np.mean(nulls, 0), 0.95)), sum(t.shape[1] for t in tables))  # fmt: skip
 
 
 # -- drawing samples -----------------------------------------------------------------------------
@@ -249,6 +273,7 @@ class Certificate:
     control_acceptance: float | None
     seconds: float
     outcomes: int = 0  # distinct continuations seen, all prompts and both arms
+    proposed: int = 0  # draft tokens the method offered (0: the rule never ran)
     cpu: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -263,6 +288,8 @@ class Certificate:
     def verdict(self) -> str:
         if not self.passed:
             return "FAIL"
+        if self.proposed == 0:
+            return "INCONCLUSIVE"  # nothing was drafted: the rule never ran
         return "PASS" if self.control_caught in (True, None) else "INCONCLUSIVE"
 
     def to_dict(self) -> dict[str, Any]:
@@ -280,20 +307,24 @@ class Certificate:
         if self.control is not None:
             rows.append(("broken control", self.control, self.control_acceptance,
                          "caught" if self.control_caught else "NOT caught: raise --samples"))  # fmt: skip
-        lines = [head, f"{'':16s} {'chi2':>9s} {'dof':>5s} {'p-value':>9s} {'TV':>7s} {'TV<=95%':>8s} "
+        lines = [head, f"{'':16s} {'p-value':>9s} {'tokens':>6s} {'chi2':>9s} {'dof':>5s} {'TV':>7s} {'TV<=95%':>8s} "
                        f"{'accept':>7s}  result"]  # fmt: skip
         for name, t, acc, result in rows:
             acc_s = "-" if acc is None else f"{acc:.2f}"
-            lines.append(f"{name:16s} {t.chi2:9.1f} {t.dof:5d} {t.p_value:9.3g} {t.tv:7.3f} {t.tv_upper:8.3f} "
-                         f"{acc_s:>7s}  {result}")  # fmt: skip
+            lines.append(f"{name:16s} {t.p_value:9.3g} {t.length:6d} {t.chi2:9.1f} {t.dof:5d} {t.tv:7.3f} "
+                         f"{t.tv_upper:8.3f} {acc_s:>7s}  {result}")  # fmt: skip
+        lines.append("(p-value: the smallest over the first 1..L tokens' joint laws, times L; tokens: that prefix; "
+                     "TV: whole continuations)")
         lines.append(f"two samples of one law show TV <= {self.test.tv_null:.3f} here (95%); "
-                     f"{self.outcomes} distinct continuations; {self.seconds:.0f} s")
+                     f"{self.outcomes} distinct continuations; {self.proposed} draft tokens verified; {self.seconds:.0f} s")
+        if self.proposed == 0:
+            lines.append("the method drafted nothing on these prompts: its rule never ran (give prompts it drafts on)")
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
 
 
 def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | None = None,
-            temperature: float = 1.0, top_p: float = 1.0, samples: int = 1000, tokens: int = 3,
+            temperature: float = 1.0, top_p: float = 1.0, samples: int = 1000, tokens: int = 4,
             prompts: Sequence[str] = PROMPTS, alpha: float = 0.01, seed: int = 0, control: bool = True,
             batch: int = 32, options: dict[str, Any] | None = None,
             progress: Callable[[int], None] | None = None) -> Certificate:  # fmt: skip
@@ -310,7 +341,9 @@ def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | N
                          "(use --temperature > 0)")  # fmt: skip
     started = time.perf_counter()
     common = {"temperature": temperature, "top_p": top_p}
-    spec: dict[str, Any] = {"drafter": method, **({"k": k} if k else {}), **(options or {})}
+    # Fixed k, no cost controller: every step drafts, so the rule is exercised on every step
+    # (a controller's plain steps are exact trivially and would only thin the test out).
+    spec: dict[str, Any] = {"drafter": method, "adaptive_k": False, **({"k": k} if k else {}), **(options or {})}
     if assistant_model is not None:
         spec["assistant_model"] = assistant_model
     plain = draw(target, prompts, samples, tokens=tokens, first_seed=seed, batch=batch, progress=progress, **common)
@@ -330,5 +363,5 @@ def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | N
         samples=samples, tokens=tokens, prompts=list(prompts), alpha=alpha, seed=seed, dtype=target.model.mode,
         test=test, control=ctrl, acceptance=mine.acceptance,
         control_acceptance=ctrl_draws.acceptance if ctrl_draws else None,
-        seconds=time.perf_counter() - started, outcomes=outcomes,
+        seconds=time.perf_counter() - started, outcomes=outcomes, proposed=mine.proposed,
     )  # fmt: skip

@@ -706,7 +706,7 @@ def _certify_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--samples", type=int, default=1000, help="continuations per arm and prompt")
-    p.add_argument("--tokens", type=int, default=3, help="length of each continuation")
+    p.add_argument("--tokens", type=int, default=4, help="length of each continuation")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: three built-in "
                    "prompts with repetition in them, so every drafter proposes)")  # fmt: skip
     p.add_argument("--alpha", type=float, default=0.01, help="significance level")
