@@ -188,3 +188,15 @@ def test_bench_batch_as_written(tmp_path):
     assert out["draft"] == "smollm2-135m" and len(out["prompts"]) == 8
     assert json.loads((tmp_path / "batch.json").read_text())["summary"] == out["summary"]
     assert (tmp_path / "batch.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_json_output_still_reports_the_early_exit_choice_on_stderr(tiny_dir, capsys):
+    import json as _json
+
+    from specdec.cli import main
+
+    assert main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "early-exit", "--prompt", "hello hello",
+                 "--max-new-tokens", "4", "--json"]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    info = _json.loads(out)["metrics"]["drafter_info"]
+    assert f"early exit after layer {info['layer']} of {info['n_layers']}" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,9 +106,12 @@ def _read_prompt(ns: argparse.Namespace) -> str:
     if str(ns.prompt_file) == "-":
         return sys.stdin.read()
     try:
-        return ns.prompt_file.read_text()
+        return ns.prompt_file.read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"cannot read the prompt file: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the prompt file {ns.prompt_file} is not UTF-8 text (byte {exc.start}); save it as "
+                         "UTF-8") from None
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -146,18 +150,33 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     if ns.compare:
         cmp = compare_requests(target, req, draft, on_delta=show)
         if ns.json:
+            _drafter_choice_note(cmp.speculative.metrics.drafter_info)
             print(json.dumps({**header, **cmp.to_dict()}))
         else:
             _print_result(cmp.speculative, streamed=ns.stream, extra=cmp)
         return 0
     result = run_request(target, req, on_delta=show)
     if ns.json:
+        _drafter_choice_note(result.metrics.drafter_info)
         m = result.metrics
         print(json.dumps({**header, "acceptance_rate": m.acceptance_rate, "mean_accepted_tokens":
                           m.mean_accepted_tokens, "tokens_per_second": m.tokens_per_second, **result.to_dict()}))  # fmt: skip
     else:
         _print_result(result, streamed=ns.stream)
     return 0
+
+
+def _drafter_choice_note(info: dict[str, Any]) -> None:
+    """With --json, what the drafter chose for itself still goes to stderr (the JSON has it too,
+    under drafter_info): the early-exit layer, or that the request ran as plain decoding."""
+    notes = []
+    if "layer" in info:
+        notes.append(f"early exit after layer {info['layer']} of {info['n_layers']} "
+                     f"({'calibrated' if info.get('calibrated') else 'set'})")  # fmt: skip
+    if info.get("fallback"):
+        notes.append(str(info["fallback"]))
+    if notes:
+        print("specdec: " + "; ".join(notes), file=sys.stderr)
 
 
 def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
@@ -540,6 +559,16 @@ def _head_training_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
+def _check_training_data(ns: argparse.Namespace) -> None:
+    """The data set and the target exist, before any progress bar starts (a cached feature
+    directory needs no data)."""
+    from . import data
+
+    if ns.data is not None and not (ns.features or ns.out / "features").exists():
+        data.resolve(ns.data)
+    store.resolve(ns.target)
+
+
 def _cmd_train_medusa(ns: argparse.Namespace) -> int:
     from .eagle3.recipe import Recipe
     from .eagle3.train import TrainConfig
@@ -549,6 +578,7 @@ def _cmd_train_medusa(ns: argparse.Namespace) -> int:
         torch.set_num_threads(ns.threads)
     if ns.heads < 1:
         raise ValueError("--heads must be at least 1")
+    _check_training_data(ns)
     recipe = Recipe(target=ns.target, out=ns.out, data=ns.data, data_mode=ns.data_mode, tokens=ns.tokens,
                     max_len=ns.max_len, draft_vocab=ns.draft_vocab, features=ns.features,
                     regen_tokens=ns.answer_tokens, regen_batch=ns.gen_batch)  # fmt: skip
@@ -569,6 +599,7 @@ def _cmd_train_eagle3(ns: argparse.Namespace) -> int:
 
     if ns.threads:
         torch.set_num_threads(ns.threads)
+    _check_training_data(ns)
     recipe = Recipe(target=ns.target, out=ns.out, data=ns.data, data_mode=ns.data_mode, tokens=ns.tokens,
                     max_len=ns.max_len, draft_vocab=ns.draft_vocab, intermediate_size=ns.intermediate_size,
                     features=ns.features, regen_tokens=ns.answer_tokens, regen_batch=ns.gen_batch)  # fmt: skip
@@ -798,11 +829,20 @@ def main(argv: list[str] | None = None) -> int:
     ns.argv = list(argv) if argv is not None else sys.argv[1:]  # as typed (records name their command)
     try:
         return int(ns.func(ns) or 0)
-    except (ValueError, FileNotFoundError, store.ModelNotInstalledError, store.ChecksumError,
-            DataNotInstalledError) as exc:
-        # Our errors name the problem and the fix; a traceback would only bury that.
+    except (ValueError, OSError, store.ModelNotInstalledError, store.ChecksumError, DataNotInstalledError) as exc:
+        # Our errors name the problem and the fix; a traceback would only bury that. (OSError:
+        # a missing or unwritable path, a full disk: the message names the path.)
         print(f"specdec: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a bug: one line for the user, the traceback on request
+        if os.environ.get("SPECDEC_DEBUG"):
+            raise
+        print(f"specdec: internal error: {type(exc).__name__}: {exc}. This is a bug in specdec; rerun with "
+              "SPECDEC_DEBUG=1 to see where, and report it.", file=sys.stderr)  # fmt: skip
+        return 1
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ def _parse(line: str, where: str, answered: bool = False) -> Prompt:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply; each line must be one flat prompt object") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object with id, category and turns")
     missing = [key for key in ("id", "category", "turns") if key not in obj]
@@ -60,6 +62,8 @@ def load_prompts(path: str | Path | None = None, *, answered: bool = False) -> l
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"cannot read the prompt file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the prompt file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     prompts: list[Prompt] = []
     seen: set[str] = set()
     for n, line in enumerate(text.splitlines(), start=1):
