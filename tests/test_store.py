@@ -179,3 +179,21 @@ def test_float_weights_on_first_use_and_remove_frees_everything(tmp_path, monkey
     assert not d.exists() and not store.gguf_path(spec).exists()
     assert sum(store.model_files(spec.name).values()) == 0
     assert not list((tmp_path / "downloads").glob("fake_model*"))
+
+
+def test_fast_gguf_parse_reads_what_ggufs_reader_reads():
+    """`GGUFFile` (our faster header parse) gives gguf's own fields and tensors, part for part."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from specdec.model.gguf_file import GGUFFile
+
+    path = store.gguf_path(registry.MODELS["smollm2-135m"])
+    ours, theirs = GGUFFile(path, "r"), GGUFReader(path, "r")
+    assert list(ours.fields) == list(theirs.fields)
+    for name, f in theirs.fields.items():
+        g = ours.fields[name]
+        assert g.types == f.types and g.data == f.data and len(g.parts) == len(f.parts), name
+        assert all(np.array_equal(a, b) for a, b in zip(g.parts, f.parts)), name
+    assert [(t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in theirs.tensors]
