@@ -78,7 +78,7 @@ def v8(small_vocab):
     return LoadedModel("v8-target", None, t, _IdTokenizer()), LoadedModel("v8-draft", None, d, _IdTokenizer())
 
 
-@pytest.mark.parametrize("method", ["draft-model", "prompt-lookup"])
+@pytest.mark.parametrize("method", ["draft-model", "prompt-lookup", "early-exit"])
 def test_certificate_passes_an_exact_method_and_catches_the_broken_control(v8, method):
     target, draft = v8
     cert = certify(target, method=method, assistant_model=draft if method == "draft-model" else None, k=2,

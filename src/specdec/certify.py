@@ -341,9 +341,14 @@ def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | N
                          "(use --temperature > 0)")  # fmt: skip
     started = time.perf_counter()
     common = {"temperature": temperature, "top_p": top_p}
-    # Fixed k, no cost controller: every step drafts, so the rule is exercised on every step
-    # (a controller's plain steps are exact trivially and would only thin the test out).
-    spec: dict[str, Any] = {"drafter": method, "adaptive_k": False, **({"k": k} if k else {}), **(options or {})}
+    # Fixed k, no cost controller, no fallback to plain decoding: every step drafts, so the rule
+    # is exercised on every step (plain steps are exact trivially and would only thin the test).
+    from .drafters import DRAFTERS
+
+    options = dict(options or {})
+    if method in DRAFTERS and "force" in {o.name for o in DRAFTERS[method].options}:
+        options.setdefault("force", True)
+    spec: dict[str, Any] = {"drafter": method, "adaptive_k": False, **({"k": k} if k else {}), **options}
     if assistant_model is not None:
         spec["assistant_model"] = assistant_model
     plain = draw(target, prompts, samples, tokens=tokens, first_seed=seed, batch=batch, progress=progress, **common)
