@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -10,6 +11,11 @@ from ..model.cache import KVCache
 from ..model.transformer import Segment, Transformer
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, register
+
+
+# Per draft model, the last prompt it prefilled and that cache (a batch of sequences with one
+# prompt, as `specdec certify` or a server's n > 1 sends, prefills the draft model once).
+_PREFILLED: weakref.WeakKeyDictionary[Transformer, tuple[tuple[int, ...], KVCache]] = weakref.WeakKeyDictionary()
 
 
 @register("draft-model", needs="draft", help="a smaller model of the same tokenizer drafts k tokens (--draft MODEL)")
@@ -119,9 +125,20 @@ class DraftModelDrafter(Drafter):
         if self.cache is None:
             raise RuntimeError("DraftModelDrafter.sync() called before begin()")
         if self._behind() > 0:
-            self.forwards += 1
             pending = self._tokens[self.cache.length : -1]
+            fresh = self.cache.length == 0
+            shared = _PREFILLED.get(self.model) if fresh else None
+            if shared is not None and shared[0] == tuple(pending) and self.cache.capacity >= len(pending):
+                # the same prompt was just prefilled for another sequence: copy its cache
+                # (each row depends on its own prefix only, so this is what the pass computes)
+                self.cache.copy_prefix(shared[1], len(pending))
+                return
+            self.forwards += 1
             self.model(torch.tensor([pending], device=self.model.device), self.cache, last_only=True)
+            if fresh:
+                snapshot = self.model.new_cache(len(pending))
+                snapshot.copy_prefix(self.cache, len(pending))
+                _PREFILLED[self.model] = (tuple(pending), snapshot)
 
     def accepted(self, feedback: Feedback) -> None:
         assert self.cache is not None
