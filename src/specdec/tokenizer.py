@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +78,18 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+# target tokenizer -> draft tokenizers already found equal (reading a 152k vocabulary twice
+# took 0.3 s, once per request)
+_SAME: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+
+
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, *, names: tuple[str, str] = ("target", "draft")) -> None:
     """Speculative decoding compares token ids, so both models must share one vocabulary."""
+    if target is draft or draft in _SAME.get(target, ()):
+        return
     tv, dv = target.hf.get_vocab(), draft.hf.get_vocab()
     if tv == dv:
+        _SAME.setdefault(target, weakref.WeakSet()).add(draft)
         return
     diff = [t for t in tv.keys() ^ dv.keys()][:3] or [t for t in tv if tv[t] != dv.get(t)][:3]
     raise TokenizerMismatchError(
