@@ -7,10 +7,11 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import _tree_keeping_rejected_drafts
+
 from helpers import ALPHA, chi2_pvalue
 
 from specdec import verify
+from specdec.certify import broken_tree_rejection_sample
 from specdec.verify import TreeVerdict, tree_greedy_verify, tree_point_mass_sample
 
 
@@ -180,7 +181,7 @@ def test_sampled_tree_rule_that_keeps_rejected_drafts_fails():
     """Negative control: the rule for drafts drawn *with* replacement (s is not updated after
     a rejection, so a rejected child's mass stays in the proposal) is wrong here."""
 
-    counts = sampled_tree_two_tokens(_tree_keeping_rejected_drafts, runs=20000)
+    counts = sampled_tree_two_tokens(broken_tree_rejection_sample, runs=20000)
     assert chi2_pvalue(counts, _exact_sampled_tree()) <= ALPHA
 
 
