@@ -113,20 +113,10 @@ def model_files(name: str) -> dict[str, int]:
 
 def packed_files(model_dir: Path) -> list[Path]:
     """The q4k packed-weight files made from a model directory."""
-    from safetensors import safe_open
+    from .model.load import packed_source
 
-    from .model.kernels import PACKED_SOURCE_KEY
-
-    out = []
     mine = str(Path(model_dir).resolve())
-    for f in sorted((cache_root() / "packed").glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                if (st.metadata() or {}).get(PACKED_SOURCE_KEY) == mine:
-                    out.append(f)
-        except Exception:  # noqa: BLE001 - unreadable: not this model's (pruned on the next q4k load)
-            continue
-    return out
+    return [f for f in sorted((cache_root() / "packed").glob("*.safetensors")) if packed_source(f) == mine]
 
 
 def _remove_partial(spec: ModelSpec) -> None:

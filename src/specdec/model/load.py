@@ -152,23 +152,28 @@ def packed_path(path: Path, files: list[Path], gguf: Path | None) -> Path:
     return cache_root() / "packed" / f"{h.hexdigest()[:20]}.safetensors"
 
 
-def _prune_packed(keep: Path) -> None:
-    """Delete packed-weight files that can no longer be used: older packings of the same model
-    (its weights or the kernel changed) and those of model directories that are gone."""
+def packed_source(packed: Path) -> str:
+    """The model directory a q4k packed-weight file was made from ("" when unreadable, e.g.
+    half-written by a crashed run)."""
     from safetensors import safe_open
 
     from .kernels import PACKED_SOURCE_KEY
 
-    with safe_open(str(keep), framework="pt") as f:
-        mine = (f.metadata() or {}).get(PACKED_SOURCE_KEY, "")
+    try:
+        with safe_open(str(packed), framework="pt") as f:
+            return (f.metadata() or {}).get(PACKED_SOURCE_KEY, "")
+    except Exception:  # noqa: BLE001 - unreadable: no source
+        return ""
+
+
+def _prune_packed(keep: Path) -> None:
+    """Delete packed-weight files that can no longer be used: older packings of the same model
+    (its weights or the kernel changed) and those of model directories that are gone."""
+    mine = packed_source(keep)
     for other in keep.parent.glob("*.safetensors"):
         if other == keep:
             continue
-        try:
-            with safe_open(str(other), framework="pt") as f:
-                source = (f.metadata() or {}).get(PACKED_SOURCE_KEY, "")
-        except Exception:  # noqa: BLE001 - unreadable (e.g. half-written by a crashed run): stale
-            source = ""
+        source = packed_source(other)
         if not source or source == mine or not Path(source).exists():
             other.unlink(missing_ok=True)
 
