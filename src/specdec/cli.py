@@ -100,6 +100,18 @@ def drafter_options(ns: argparse.Namespace, method: str | None, strict: bool = T
     return out
 
 
+def _method(ns: argparse.Namespace, draft_for_others: bool = False) -> str | None:
+    """The drafter --drafter/--draft ask for (None: plain decoding), checked: draft-model needs
+    --draft, and (unless a server's requests may pick the draft model) --draft needs a drafter
+    that uses it."""
+    method = ns.drafter or ("draft-model" if ns.draft else None)
+    if method == "draft-model" and not ns.draft:
+        raise ValueError("--drafter draft-model needs --draft MODEL")
+    if not draft_for_others and method is not None and not uses_draft_model(method) and ns.draft:
+        raise ValueError(f"--draft is only used by the draft-model and auto drafters; drop it or drop --drafter {method}")
+    return method
+
+
 def _read_prompt(ns: argparse.Namespace) -> str:
     if ns.prompt is not None:
         return ns.prompt
@@ -117,11 +129,7 @@ def _read_prompt(ns: argparse.Namespace) -> str:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from .api import Request, build_drafter, compare_requests, encode_prompt, load, run_request
 
-    method = ns.drafter or ("draft-model" if ns.draft else None)
-    if method == "draft-model" and not ns.draft:
-        raise ValueError("--drafter draft-model needs --draft MODEL")
-    if method is not None and not uses_draft_model(method) and ns.draft:
-        raise ValueError(f"--draft is only used by the draft-model and auto drafters; drop it or drop --drafter {method}")
+    method = _method(ns)
     if ns.compare and method is None:
         raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
     if ns.stream and ns.json:
@@ -169,14 +177,15 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 def _drafter_choice_note(info: dict[str, Any]) -> None:
     """With --json, what the drafter chose for itself still goes to stderr (the JSON has it too,
     under drafter_info): the early-exit layer, or that the request ran as plain decoding."""
-    notes = []
-    if "layer" in info:
-        notes.append(f"early exit after layer {info['layer']} of {info['n_layers']} "
-                     f"({'calibrated' if info.get('calibrated') else 'set'})")  # fmt: skip
-    if info.get("fallback"):
-        notes.append(str(info["fallback"]))
+    notes = [text for text in (_early_exit_text(info), info.get("fallback")) if text]
     if notes:
         print("specdec: " + "; ".join(notes), file=sys.stderr)
+
+
+def _early_exit_text(info: dict[str, Any]) -> str | None:
+    if "layer" not in info:
+        return None
+    return f"early exit after layer {info['layer']} of {info['n_layers']} ({'calibrated' if info.get('calibrated') else 'set'})"
 
 
 def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
@@ -192,8 +201,7 @@ def _print_result(result: Any, streamed: bool, extra: Any = None) -> None:
             line += f", identical to plain: {extra.identical}"
     info = m.drafter_info
     if "layer" in info:
-        how = "calibrated" if info.get("calibrated") else "set"
-        line += f"; early exit after layer {info['layer']} of {info['n_layers']} ({how})"
+        line += f"; {_early_exit_text(info)}"
         if info.get("calibrated"):
             line += f", predicted speedup {info['candidates'][info['layer']]['predicted_speedup']:.2f}x"
     if info.get("fallback"):
@@ -696,9 +704,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from .api import load
     from .server import ServeSettings, serve
 
-    method = ns.drafter or ("draft-model" if ns.draft else None)
-    if method == "draft-model" and not ns.draft:
-        raise ValueError("--drafter draft-model needs --draft MODEL")
+    method = _method(ns, draft_for_others=True)
     if ns.k < 1 or ns.max_batch < 1 or ns.default_max_tokens < 1 or ns.max_body_bytes < 1:
         raise ValueError("-k, --max-batch, --max-tokens and --max-body-bytes must be at least 1")
     if not 0 < ns.port < 65536:
@@ -759,13 +765,9 @@ def _cmd_certify(ns: argparse.Namespace) -> int:
     from .certify import PROMPTS, certify
     from .config import SamplingParams
 
-    method = ns.drafter or ("draft-model" if ns.draft else None)
+    method = _method(ns)
     if method is None:
         raise ValueError("certify needs a method: --draft MODEL (the draft-model drafter) or --drafter NAME")
-    if uses_draft_model(method) and method == "draft-model" and not ns.draft:
-        raise ValueError("--drafter draft-model needs --draft MODEL")
-    if ns.draft and not uses_draft_model(method):
-        raise ValueError(f"--draft is only used by the draft-model and auto drafters; drop it or drop --drafter {method}")
     if ns.k is not None and ns.k < 1:
         raise ValueError(f"-k must be at least 1, got {ns.k}")
     if ns.batch < 1:
