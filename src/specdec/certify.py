@@ -2,9 +2,10 @@
 
 Exactness under sampling is a claim about distributions, so it is checked with samples: N
 continuations of a few tokens drawn with plain decoding, N drawn with the method (fixed
-prompts, independent seeds), compared by a two-sample chi-square test of homogeneity on each
-prompt's outcomes (continuations seen fewer than `min_count` times in both samples together
-are pooled into one cell; the per-prompt statistics and degrees of freedom are summed). The
+prompts, independent seeds), compared by two-sample chi-square tests of homogeneity: for each
+prefix length l, the joint law of each prompt's first l tokens (outcomes seen fewer than
+`min_count` times in both samples together are pooled into one cell; the per-prompt
+statistics and degrees of freedom are summed), Bonferroni-combined over the lengths. The
 certificate reports the p-value, the total-variation distance between the two samples over
 those cells with a bootstrap upper bound, and what two samples of one law show at this N
 (a permutation bound).

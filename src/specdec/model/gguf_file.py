@@ -67,11 +67,16 @@ def tensor_name(key: str, model_type: str, n_layers: int) -> str:
     return f"{name}.{suffix}"
 
 
-def float_tensor(reader: GGUFReader, name: str, args) -> np.ndarray:  # noqa: ANN001 - ModelArgs
-    """One tensor de-quantized to float32 and transformed as transformers' GGUF loader does."""
+def _tensor(reader: GGUFReader, name: str):  # noqa: ANN202 - gguf's ReaderTensor
     t = next((t for t in reader.tensors if t.name == name), None)
     if t is None:
         raise KeyError(f"{reader.data.filename}: no tensor {name}")
+    return t
+
+
+def float_tensor(reader: GGUFReader, name: str, args) -> np.ndarray:  # noqa: ANN001 - ModelArgs
+    """One tensor de-quantized to float32 and transformed as transformers' GGUF loader does."""
+    t = _tensor(reader, name)
     w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy: F32 tensors come back memory-mapped
     if args.model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
         heads = args.n_heads if ".attn_q." in name else args.n_kv_heads
@@ -94,10 +99,7 @@ class GGUFEmbedding(torch.nn.Module):
 
     def __init__(self, path: str | os.PathLike[str], name: str, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        reader = open_gguf(path)
-        t = next((t for t in reader.tensors if t.name == name), None)
-        if t is None:
-            raise KeyError(f"{path}: no tensor {name}")
+        t = _tensor(open_gguf(path), name)
         self.path, self.name = Path(path), name
         self.rows = t.data  # [V, bytes per row] (quantized) or [V, dim] (float types), memory-mapped
         self.qtype = t.tensor_type
