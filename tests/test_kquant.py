@@ -297,3 +297,72 @@ def test_tree_mask_must_be_topological(tiny_dir):
     model(torch.tensor([[1, 2, 3]]), cache)
     with pytest.raises(ValueError, match="topological order"):
         model(torch.tensor([[4, 5]]), cache, tree_mask=torch.ones(2, 2, dtype=torch.bool))
+
+
+# -- the native install-time helpers against their numpy definitions ------------------------------
+
+
+def _ties(rng: np.random.Generator) -> np.ndarray:
+    """Weights whose Q6_K step is exactly 1 (every 16-group holds a 31) and that sit on .5:
+    round-half-to-even and round-half-away give different codes on them."""
+    w = rng.integers(-31, 31, (16, 256)).astype(np.float32) + 0.5
+    w[:, ::16] = 31
+    return w
+
+
+def _awkward_weights(rng: np.random.Generator) -> list[np.ndarray]:
+    """Random layers plus the cases where rounding could differ: ties, all-zero blocks and
+    groups, values near float32's range ends, an input size off the block size."""
+    zeros = rng.standard_normal((4, 512)).astype(np.float32)
+    zeros[:, :16], zeros[1, 256:] = 0, 0
+    return [rng.standard_normal((37, 700)).astype(np.float32), _ties(rng), zeros, np.zeros((3, 256), np.float32),
+            (rng.standard_normal((20, 512)) * 1e-30).astype(np.float32),
+            (rng.standard_normal((8, 256)) * 1e30).astype(np.float32)]  # fmt: skip
+
+
+def test_native_q6k_quantizer_gives_the_references_bytes():
+    rng = np.random.default_rng(6)
+    for w in _awkward_weights(rng):
+        assert kq.quantize(w, kq.Q6K).data.tobytes() == kq.quantize_reference(w, kq.Q6K).data.tobytes(), w.shape
+
+
+def test_the_tie_case_tells_rounding_modes_apart():
+    """The comparison above would catch a quantizer rounding halves away from zero: on the tie
+    case the step is exactly 1 and the two roundings give different codes."""
+    w = _ties(np.random.default_rng(6))
+    ref = kq.quantize_reference(w, kq.Q6K)
+    assert np.all(ref.data["d"] * ref.data["sc"].max(-1) == 1.0)  # [N, 1]: step 1 in every group
+    codes = kq.dequantize(ref)  # the reference's rounding, back in weight units
+    away = np.clip(np.sign(w) * np.floor(np.abs(w) + 0.5), -32, 31)
+    assert np.array_equal(codes, np.round(w).clip(-32, 31)) and not np.array_equal(codes, away)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_tiles_are_the_references_layout(kind):
+    """Random block bytes (finite scales), output counts on and off the tile size."""
+    rng = np.random.default_rng(kind)
+    dt = kq.BLOCK_DTYPES[kind]
+    for n, nb in [(16, 1), (37, 3), (5, 2), (100, 4)]:
+        data = rng.integers(0, 256, (n, nb, dt.itemsize), dtype=np.uint8).view(dt).reshape(n, nb)
+        for field in ("d", "dmin") if kind == kq.Q4K else ("d",):
+            data[field] = rng.standard_normal((n, nb)).astype(np.float32)
+        blocks = kq.Blocks(kind, data)
+        assert kq.tiles(blocks).tobytes() == kq.tiles_reference(blocks).tobytes(), (n, nb)
+
+
+def test_native_legacy_dequantizer_gives_ggufs_floats():
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: random blocks with finite f16 scales, bit for bit what
+    gguf's numpy de-quantizer (transformers' converter) gives."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from specdec.model.gguf_file import _LEGACY, dequantize
+
+    rng = np.random.default_rng(0)
+    for qtype, size in _LEGACY.items():
+        raw = rng.integers(0, 256, (7, 5 * size), dtype=np.uint8)
+        blocks = raw.reshape(7, 5, size)
+        for off in (0, 2) if qtype in (T.Q4_1, T.Q5_1) else (0,):
+            blocks[..., off : off + 2] = rng.standard_normal((7, 5, 1)).astype(np.float16).view(np.uint8)
+        ours, theirs = dequantize(raw, qtype), np.asarray(gguf_dequantize(raw, qtype), np.float32)
+        assert ours.shape == theirs.shape == (7, 160) and ours.tobytes() == theirs.tobytes(), qtype.name

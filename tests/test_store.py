@@ -181,19 +181,46 @@ def test_float_weights_on_first_use_and_remove_frees_everything(tmp_path, monkey
     assert not list((tmp_path / "downloads").glob("fake_model*"))
 
 
-def test_fast_gguf_parse_reads_what_ggufs_reader_reads():
+def _same_parse(path) -> None:
     """`GGUFFile` (our faster header parse) gives gguf's own fields and tensors, part for part."""
     import numpy as np
     from gguf import GGUFReader
 
     from specdec.model.gguf_file import GGUFFile
 
-    path = store.gguf_path(registry.MODELS["smollm2-135m"])
     ours, theirs = GGUFFile(path, "r"), GGUFReader(path, "r")
     assert list(ours.fields) == list(theirs.fields)
     for name, f in theirs.fields.items():
         g = ours.fields[name]
         assert g.types == f.types and g.data == f.data and len(g.parts) == len(f.parts), name
-        assert all(np.array_equal(a, b) for a, b in zip(g.parts, f.parts)), name
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(g.parts, f.parts)), name
     assert [(t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in ours.tensors] == \
         [(t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in theirs.tensors]
+
+
+def test_fast_gguf_parse_reads_what_ggufs_reader_reads():
+    _same_parse(store.gguf_path(registry.MODELS["smollm2-135m"]))
+
+
+def test_fast_gguf_parse_of_every_kind_of_array(tmp_path):
+    """Arrays of strings (empty ones, non-ASCII), of every scalar type, empty arrays and
+    arrays of arrays (which go to gguf's own walk)."""
+    import numpy as np
+    from gguf import GGUFValueType, GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "arrays.gguf"), "llama")
+    w.add_array("t.strings", ["a", "", "é漢字", "x" * 300])
+    w.add_array("t.empty", [])
+    w.add_array("t.nested", [[1, 2], [3]])
+    for i, vtype in enumerate([GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+                               GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32,
+                               GGUFValueType.UINT64, GGUFValueType.INT64, GGUFValueType.FLOAT64,
+                               GGUFValueType.BOOL]):  # fmt: skip
+        values = [True, False, True] if vtype == GGUFValueType.BOOL else [1, 2, 3 + i]
+        w.add_key_value(f"t.scalars{i}", values, GGUFValueType.ARRAY, sub_type=vtype)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_parse(tmp_path / "arrays.gguf")

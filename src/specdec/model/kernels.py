@@ -190,16 +190,15 @@ def _kquant_kernels(
             if set(f.keys()) == set(linears) and set(linears) <= set(kinds):
                 return {name: kernel(name, int(kinds[name]), f.get_tensor(name)) for name in linears}
     args = model.args
-    blocks: dict[str, kquant.Blocks] = {}
-    if gguf is not None:
-        shapes = {name: m.out_features for name, m in linears.items()}
-        blocks = kquant.gguf_blocks(
-            gguf, shapes, tied=args.tie_embeddings, model_type=args.model_type,
-            n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-        )  # fmt: skip
+
     def pack(name: str) -> tuple[int, torch.Tensor]:
         m = linears[name]
-        b = blocks.get(name)
+        b = None
+        if gguf is not None:  # this layer's blocks, read in the worker thread like the rest of its packing
+            b = kquant.gguf_blocks(
+                gguf, {name: m.out_features}, tied=args.tie_embeddings, model_type=args.model_type,
+                n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+            ).get(name)  # fmt: skip
         if b is not None and not from_gguf and not kquant.matches(b, m.weight):
             warnings.warn(f"{gguf}: {name} does not match the converted weights; quantizing it again", stacklevel=3)
             b = None

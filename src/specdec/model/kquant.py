@@ -130,10 +130,31 @@ def dequantize(blocks: Blocks) -> np.ndarray:
 
 def quantize(weight: np.ndarray, kind: int) -> Blocks:
     """Round float weights [N, K] to blocks: plain round-to-nearest with per-group ranges, for
-    weights that do not come as K-quant blocks already. K is zero-padded to whole blocks."""
-    w = np.asarray(weight, np.float32)
-    if w.shape[1] % QK:
-        w = np.pad(w, ((0, 0), (0, -w.shape[1] % QK)))
+    weights that do not come as K-quant blocks already. K is zero-padded to whole blocks.
+    Q6_K (what installs re-quantize to) runs in the native library where it is built: the
+    same bytes as `quantize_reference` (tested), 20x faster."""
+    if kind == Q6K:
+        try:
+            lib = library()
+        except NativeUnavailableError:
+            lib = None
+        if lib is not None:
+            w = _padded(weight)
+            out = np.empty((w.shape[0], w.shape[1] // QK), Q6K_DTYPE)
+            lib.specdec_quantize_q6k(w.ctypes.data, w.shape[0], w.shape[1], out.ctypes.data, torch.get_num_threads())
+            return Blocks(Q6K, out)
+    return quantize_reference(weight, kind)
+
+
+def _padded(weight: np.ndarray) -> np.ndarray:
+    """[N, K] float32, C-contiguous, K zero-padded to whole blocks."""
+    w = np.ascontiguousarray(weight, np.float32)
+    return np.pad(w, ((0, 0), (0, -w.shape[1] % QK))) if w.shape[1] % QK else w
+
+
+def quantize_reference(weight: np.ndarray, kind: int) -> Blocks:
+    """`quantize` in numpy: the definition the native Q6_K quantizer is tested against."""
+    w = _padded(weight)
     n, k = w.shape
     nb = k // QK
     if kind == Q6K:
@@ -168,7 +189,22 @@ def quantize(weight: np.ndarray, kind: int) -> Blocks:
 
 def tiles(blocks: Blocks) -> np.ndarray:
     """Repack [N, nb] blocks into the kernel's [ceil(N/16), nb] tiles: each 64-byte code vector
-    holds 4 consecutive inputs of 16 outputs (see csrc/kquant.c). Padded outputs have zero scales."""
+    holds 4 consecutive inputs of 16 outputs (see csrc/kquant.c). Padded outputs have zero scales.
+    Runs in the native library where it is built (the same bytes as `tiles_reference`)."""
+    try:
+        lib = library()
+    except NativeUnavailableError:
+        return tiles_reference(blocks)
+    d = np.ascontiguousarray(blocks.data)
+    n, nb = d.shape
+    out = np.empty((-(-n // TILE), nb), TILE_DTYPES[blocks.kind])
+    lib.specdec_tiles(blocks.kind, d.ctypes.data, n, nb, out.ctypes.data, torch.get_num_threads())
+    return out
+
+
+def tiles_reference(blocks: Blocks) -> np.ndarray:
+    """`tiles` in numpy: the layout written out as array operations, and the definition the
+    native repacking is tested against."""
     d = blocks.data
     n, nb = d.shape
     pad = -n % TILE

@@ -201,6 +201,12 @@ def _library(variant: str) -> ctypes.CDLL:
     c_int, c_ptr, c_float = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.specdec_kquant_linears.argtypes = [c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_int, c_ptr, c_int]
     lib.specdec_kquant_linears.restype = c_int
+    lib.specdec_quantize_q6k.argtypes = [c_ptr, ctypes.c_int64, ctypes.c_int64, c_ptr, c_int]
+    lib.specdec_quantize_q6k.restype = None
+    lib.specdec_tiles.argtypes = [c_int, c_ptr, ctypes.c_int64, ctypes.c_int64, c_ptr, c_int]
+    lib.specdec_tiles.restype = None
+    lib.specdec_dequantize_legacy.argtypes = [c_int, c_ptr, ctypes.c_int64, c_ptr, c_int]
+    lib.specdec_dequantize_legacy.restype = c_int
     lib.specdec_tile_bytes.argtypes = [c_int]
     lib.specdec_tile_bytes.restype = c_int
     lib.specdec_tile_outputs.restype = c_int
