@@ -33,7 +33,7 @@ FLOAT_WEIGHTS = "model.safetensors"  # every weight in float32 (float modes, tra
 @contextmanager
 def _parsed_once(gguf_file: Path) -> Iterator[None]:
     """transformers parses a GGUF once for its config, once for its tokenizer and once for its
-    tensors, each with gguf's reader (11 s per parse for a Qwen vocabulary). Hand it our one
+    tensors, each with gguf's reader (slow on a Qwen vocabulary). Hand it our one
     faster parse of this file instead (it imports `gguf.GGUFReader` when called)."""
     import gguf
 

@@ -26,11 +26,10 @@ GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
 
 
 class GGUFFile(GGUFReader):
-    """gguf's reader, 20x faster on files with large vocabularies: it reads the header through
-    a plain array instead of `np.memmap` slices, and walks an array field (the Qwen tokenizer's
-    150k tokens and 150k merges) in one loop instead of one recursive call per element (11 s
-    per parse before, 0.5 s now). Fields and tensors are the same objects the base class
-    builds (tested part for part)."""
+    """gguf's reader, made fast on files with large vocabularies: it reads the header through a
+    plain array instead of `np.memmap` slices, and walks an array field (the Qwen tokenizer's
+    150k tokens and 150k merges) in one loop instead of one recursive call per element. Fields
+    and tensors are the same objects the base class builds (tested part for part)."""
 
     _plain: np.ndarray | None = None
 
@@ -119,8 +118,8 @@ _LEGACY = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQua
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """gguf's `dequantize` (what transformers uses), as a new float32 array: the legacy types
-    in the native library where it is built (the same bits, tested; 10x faster on the LM heads
-    an install re-quantizes), the rest by gguf."""
+    in the native library where it is built (the same bits, tested; it matters for the LM
+    heads an install re-quantizes), the rest by gguf."""
     size = _LEGACY.get(qtype)
     if size is not None:
         from .native import NativeUnavailableError, library

@@ -622,7 +622,7 @@ int specdec_kquant_linears(int n_layers, const int *kinds, const void *const *w,
 /* -- repacking blocks into tiles -----------------------------------------------------------------
  *
  * specdec.model.kquant.tiles_reference does this in numpy (the definition, with the layout
- * spelled out as array transposes); this is the same byte shuffle, tested equal, 20x faster.
+ * spelled out as array transposes); this is the same byte shuffle, tested equal.
  * Blocks in GGUF-like layout (kquant.Q4K_DTYPE / Q6K_DTYPE): */
 typedef struct {
     float d, dmin;
@@ -700,7 +700,7 @@ void specdec_tiles(int kind, const void *blocks, int64_t n, int64_t nb, void *ou
  * Layers a GGUF stores in other types (Q5_0, Q8_0, Q4_1...) are de-quantized and rounded to
  * Q6_K blocks at install. specdec.model.kquant.quantize_reference does it in numpy; this is the
  * same float32 operations in the same order (a division, a product, round-half-to-even, a
- * clip: each exactly rounded, nothing summed), so both give the same bytes (tested), 20x faster. */
+ * clip: each exactly rounded, nothing summed), so both give the same bytes (tested). */
 
 /* numpy's max: a NaN anywhere makes the result NaN */
 static inline float max_nan(float m, float v) { return (m != m) ? m : ((v > m || v != v) ? v : m); }
@@ -756,7 +756,7 @@ void specdec_quantize_q6k(const float *w, int64_t n, int64_t K, void *out, int n
  *
  * Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks to float32, as the gguf package's numpy de-quantizer
  * (which transformers uses) computes them: the f16 scales widened exactly, then one product
- * (and for _1 types one sum) per weight, so the floats are the same bits (tested), 10x faster.
+ * (and for _1 types one sum) per weight, so the floats are the same bits (tested).
  * type: GGML's type number; raw: n_blocks blocks; out: n_blocks * 32 floats. Returns 0, or -1
  * for a type it does not know. */
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8 };
