@@ -11,7 +11,7 @@ import torch
 from helpers import ALPHA, chi2_pvalue
 
 from specdec import verify
-from specdec.certify import broken_tree_rejection_sample
+from specdec.certify import broken_tree_recovery_sample, broken_tree_rejection_sample
 from specdec.verify import TreeVerdict, tree_greedy_verify, tree_point_mass_sample
 
 
@@ -182,6 +182,13 @@ def test_sampled_tree_rule_that_keeps_rejected_drafts_fails():
     a rejection, so a rejected child's mass stays in the proposal) is wrong here."""
 
     counts = sampled_tree_two_tokens(broken_tree_rejection_sample, runs=20000)
+    assert chi2_pvalue(counts, _exact_sampled_tree()) <= ALPHA
+
+
+def test_sampled_tree_rule_that_recovers_from_p_fails():
+    """Negative control (`specdec certify`'s): children tested right, but the token after an
+    all-rejected node drawn from p instead of the residual."""
+    counts = sampled_tree_two_tokens(broken_tree_recovery_sample, runs=20000)
     assert chi2_pvalue(counts, _exact_sampled_tree()) <= ALPHA
 
 

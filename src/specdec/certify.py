@@ -110,11 +110,45 @@ def broken_tree_rejection_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[
             return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
 
 
+def broken_tree_recovery_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[int], parents: list[int],
+                                generator: torch.Generator) -> TreeVerdict:  # fmt: skip
+    """NOT EXACT, on purpose. The children are tested as `tree_rejection_sample` tests them, but
+    when every child of a node is rejected the token is drawn from p itself instead of the
+    residual r: the chain rule's classic mistake (`broken_rejection_sample`), in a tree. Its
+    error grows with the rejection rate, so it shows at the sizes a certificate runs where
+    `broken_tree_rejection_sample` (whose error needs a confident draft and a second sibling)
+    hardly does."""
+    V = p.shape[-1]
+    kids: dict[int, list[int]] = {}
+    for j, par in enumerate(parents):
+        kids.setdefault(par + 1, []).append(j)
+    p, q = p.float(), q.float()
+    path, row = [], 0
+    while True:
+        r, moved = p[row].clone(), False
+        children = kids.get(row, [])
+        s = q[children[0], :V].clone() if children else None
+        for c in children:
+            x = tokens[c]
+            r_x, s_x = (float(r[x]), float(s[x])) if x < V else (0.0, 0.0)
+            if float(torch.rand(1, generator=generator)) * s_x < r_x:
+                path.append(c)
+                row, moved = c + 1, True
+                break
+            residual = (r - s).clamp_min(0)
+            r = residual / residual.sum() if float(residual.sum()) > 0 else r
+            if x < V:
+                s[x] = 0.0
+                s = s / s.sum() if float(s.sum()) > 0 else s
+        if not moved:
+            return TreeVerdict(path, int(torch.multinomial(p[row], 1, generator=generator)))
+
+
 BROKEN_RULES: dict[str, tuple[str, Callable[..., Any]]] = {
     "rejection": ("rejection_sample", broken_rejection_sample),
     "point-mass": ("point_mass_sample", broken_point_mass_sample),
     "tree": ("tree_point_mass_sample", broken_tree_point_mass_sample),
-    "sampled-tree": ("tree_rejection_sample", broken_tree_rejection_sample),
+    "sampled-tree": ("tree_rejection_sample", broken_tree_recovery_sample),
 }
 
 
