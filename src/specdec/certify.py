@@ -118,10 +118,10 @@ def broken_tree_recovery_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[i
     error grows with the rejection rate, so it shows at the sizes a certificate runs where
     `broken_tree_rejection_sample` (whose error needs a confident draft and a second sibling)
     hardly does."""
+    from .verify import _children
+
     V = p.shape[-1]
-    kids: dict[int, list[int]] = {}
-    for j, par in enumerate(parents):
-        kids.setdefault(par + 1, []).append(j)
+    kids = _children(parents, tokens)
     p, q = p.float(), q.float()
     path, row = [], 0
     while True:
