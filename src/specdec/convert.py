@@ -156,8 +156,12 @@ def _write_float_weights(gguf_file: Path, model_dir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from .model import sparse
+
     folder, name = str(gguf_file.parent), gguf_file.name
-    with _quiet_transformers(), _parsed_once(gguf_file):  # transformers shows its own progress bar
+    # transformers reads every tensor from the file: its punched blocks are written back first
+    # (and checked against the pinned sha256), and punched again once read.
+    with sparse.full(gguf_file), _quiet_transformers(), _parsed_once(gguf_file):  # transformers shows its own progress bar
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):

@@ -100,9 +100,13 @@ def model_files(name: str) -> dict[str, int]:
 
     spec = get_spec(name)
     d = converted_dir(spec.sha256)
+    from .model import sparse
+
     sizes = {"gguf": 0, "float32": 0, "q4k": 0, "other": 0}
     g = gguf_path(spec)
-    sizes["gguf"] = g.stat().st_size if g.exists() else 0
+    sizes["gguf"] = sparse.disk_bytes(g) if g.exists() else 0  # blocks kept only in the q4k file are holes
+    note = sparse.note_path(g)
+    sizes["other"] = note.stat().st_size if note.exists() else 0
     if d.is_dir():
         for f in d.iterdir():
             if f.is_file():
@@ -232,16 +236,24 @@ def install(name: str, *, keep_downloads: bool = False, floats: bool = False,
     from filelock import FileLock
 
     from .convert import _write_float_weights, convert_gguf, has_float_weights
+    from .model import sparse
 
     spec = get_spec(name)
     target = converted_dir(spec.sha256)
     with FileLock(lock_path(spec.sha256)):
         _remove_partial(spec)
-        if is_installed(name) and (not floats or has_float_weights(target)):
+        gguf = gguf_path(spec)
+        if gguf.exists() and not sparse.recoverable(gguf):
+            log(f"{gguf.name}: the q4k file that held its weight blocks is gone; assembling it again")
+            gguf.unlink()
+            sparse.note_path(gguf).unlink(missing_ok=True)
+        if (is_installed(name) and (gguf.exists() or has_float_weights(target))
+                and (not floats or has_float_weights(target))):
             log(f"{name}: already installed at {target}")
             return target
-        gguf = gguf_path(spec)
-        if gguf.exists() and sha256_file(gguf) != spec.sha256:
+        # A sparse GGUF was checked when it was punched and is checked again whenever it is made
+        # whole; a whole one is checked here.
+        if gguf.exists() and sparse.state(gguf) is None and sha256_file(gguf) != spec.sha256:
             log(f"{gguf} does not match its pinned sha256; assembling it again")
             gguf.unlink()
         if not gguf.exists():
@@ -362,6 +374,8 @@ def remove(name: str) -> int:
     downloads). Returns the bytes freed."""
     from filelock import FileLock
 
+    from .model import sparse
+
     spec = get_spec(name)
     freed = sum(model_files(name).values())
     with FileLock(lock_path(spec.sha256)):
@@ -370,6 +384,7 @@ def remove(name: str) -> int:
             f.unlink(missing_ok=True)
         shutil.rmtree(d, ignore_errors=True)
         gguf_path(spec).unlink(missing_ok=True)
+        sparse.note_path(gguf_path(spec)).unlink(missing_ok=True)
         for part in spec.parts:
             if (wheel := _wheel_for(part, cache_root() / "downloads")) is not None:
                 freed += wheel.stat().st_size

@@ -80,6 +80,13 @@ def time_llama_cpp(gguf: Path, *, context: int, ks: tuple[int, ...], repeats: in
         import llama_cpp
     except ImportError:
         return None
+    from ..model import sparse
+
+    with sparse.full(gguf):  # llama.cpp reads every block from the file (see `sparse`)
+        return _time_llama_cpp(llama_cpp, gguf, context=context, ks=ks, repeats=repeats)
+
+
+def _time_llama_cpp(llama_cpp, gguf: Path, *, context: int, ks: tuple[int, ...], repeats: int) -> dict[str, Any]:  # noqa: ANN001
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context + max(ks) + 8, n_threads=torch.get_num_threads(),
                 n_threads_batch=torch.get_num_threads(), logits_all=True, verbose=False)  # fmt: skip
     vocab = llm.n_vocab()

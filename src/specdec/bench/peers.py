@@ -78,6 +78,13 @@ class TransformersPeers:
 def run_llama_cpp(gguf: Path, lookup: bool, requests: list[dict[str, Any]], k: int) -> dict[str, PeerRun]:
     """Run requests ({id, ids, max_new_tokens, eos}) in worker processes; a crash fails only
     the request it happened in."""
+    from ..model import sparse
+
+    with sparse.full(gguf):  # llama.cpp reads every block from the file (see `sparse`)
+        return _run_llama_cpp(gguf, lookup, requests, k)
+
+
+def _run_llama_cpp(gguf: Path, lookup: bool, requests: list[dict[str, Any]], k: int) -> dict[str, PeerRun]:
     results: dict[str, PeerRun] = {}
     pending = list(requests)
     n_ctx = max(len(r["ids"]) + r["max_new_tokens"] for r in requests) + 16

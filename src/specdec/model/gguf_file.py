@@ -108,7 +108,10 @@ def _tensor(reader: GGUFReader, name: str):  # noqa: ANN202 - gguf's ReaderTenso
     t = next((t for t in reader.tensors if t.name == name), None)
     if t is None:
         raise KeyError(f"{reader.data.filename}: no tensor {name}")
-    return t
+    from .sparse import tensor_data
+
+    data = tensor_data(Path(reader.data.filename), name, t.data)  # rebuilt from the q4k tiles if punched
+    return t if data is t.data else t._replace(data=data)
 
 
 # GGML's legacy 32-weight types: type -> bytes per block (csrc/kquant.c de-quantizes them)

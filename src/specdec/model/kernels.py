@@ -24,6 +24,7 @@ other.) q4k keeps the GGUF file's own K-quant blocks and runs its own kernel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -216,8 +217,17 @@ def _kquant_kernels(
     # (the results do not depend on the order).
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        packed_layers = dict(zip(linears, pool.map(pack, linears)))
+    from . import sparse
+
+    # A GGUF whose blocks were kept only in an older packing (see `sparse`) is made whole
+    # first: that packing is deleted once this one exists. The lock keeps another process from
+    # punching the file while its blocks are read.
+    managed = gguf is not None and sparse.managed(gguf)
+    with sparse.lock(gguf) if managed else contextlib.nullcontext():
+        if managed:
+            sparse.restore(gguf)
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            packed_layers = dict(zip(linears, pool.map(pack, linears)))
     tiles = {name: t for name, (_, t) in packed_layers.items()}
     kernels: dict[str, LinearKernel] = {name: kernel(name, kind, t) for name, (kind, t) in packed_layers.items()}
     if packed is not None:

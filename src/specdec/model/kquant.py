@@ -235,6 +235,69 @@ def tiles_reference(blocks: Blocks) -> np.ndarray:
     return out
 
 
+def untiles(tiles: np.ndarray, kind: int, n: int) -> Blocks:
+    """The inverse of `tiles`: a [ceil(n/16), nb] tile array (or its bytes) back to the [n, nb]
+    blocks it was made from (the padding outputs dropped)."""
+    t_dtype = TILE_DTYPES[kind]
+    tl = np.ascontiguousarray(tiles).view(np.uint8).view(t_dtype).reshape(-(-n // TILE), -1)
+    t, nb = tl.shape
+
+    def per_row(field: np.ndarray) -> np.ndarray:  # [T, nb, *rest, TILE] -> [N, nb, *rest]
+        f = np.moveaxis(field, -1, 1)
+        return f.reshape(t * TILE, nb, *f.shape[3:])[:n]
+
+    out = np.empty((n, nb), BLOCK_DTYPES[kind])
+    out["d"] = per_row(tl["d"])
+    if kind == Q4K:
+        out["dmin"] = per_row(tl["dmin"])
+        out["sc"] = per_row(tl["sc"])
+        out["mn"] = per_row(np.swapaxes(tl["mn"], -1, -2).reshape(t, nb, 8, TILE))
+        x = tl["qs"].reshape(t, nb, 8, 4, TILE, 4)  # [T, nb, group, v, o, e], nibble h
+        q = np.stack([x & 0xF, x >> 4], axis=-1).transpose(0, 4, 1, 2, 6, 3, 5)  # [T, o, nb, group, h, v, e]
+        c = q.reshape(t * TILE, nb, 4, 2, 32)[:n]  # codes in weight order: element 64p + 32h + i
+        out["qs"] = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(n, nb, 128)
+    else:
+        out["sc"] = per_row(tl["sc"])
+        ql, qh = tl["sub"]["ql"], tl["sub"]["qh"]  # [T, nb, 16, 2, 64], [T, nb, 16, 64]
+        lo = [ql[:, :, :, 0] & 0xF, ql[:, :, :, 0] >> 4, ql[:, :, :, 1] & 0xF, ql[:, :, :, 1] >> 4]
+        q = np.stack([lo[c] | (((qh >> (2 * c)) & 3) << 4) for c in range(4)], axis=3)  # [T, nb, s, chunk, o*4 + e]
+        q = q.reshape(t, nb, 16, 4, TILE, 4).transpose(0, 4, 1, 2, 3, 5)  # [T, o, nb, s, chunk, e]
+        c = q.reshape(t * TILE, nb, 2, 4, 32)[:n]  # [half, group, l]: see _codes_q6k
+        lo4, hi4 = c & 0xF, c >> 4
+        out["ql"] = np.concatenate([lo4[:, :, :, 0] | (lo4[:, :, :, 2] << 4), lo4[:, :, :, 1] | (lo4[:, :, :, 3] << 4)], -1).reshape(n, nb, 128)
+        out["qh"] = (hi4[:, :, :, 0] | (hi4[:, :, :, 1] << 2) | (hi4[:, :, :, 2] << 4) | (hi4[:, :, :, 3] << 6)).reshape(n, nb, 64)
+    return Blocks(kind, out)
+
+
+def to_gguf(blocks: Blocks) -> np.ndarray:
+    """The inverse of `from_gguf_q4_k`/`from_gguf_q6_k`: the GGUF bytes [N, nb * 144 or 210]
+    the blocks were read from (their d and dmin are float16 values, so the conversion back is exact)."""
+    d = blocks.data
+    n, nb = d.shape
+    if blocks.kind == Q4K:
+        b = np.empty((n, nb, 144), np.uint8)
+        b[..., 0:2] = d["d"].astype(np.float16)[..., None].view(np.uint8)
+        b[..., 2:4] = d["dmin"].astype(np.float16)[..., None].view(np.uint8)
+        sc, mn = d["sc"], d["mn"]
+        b[..., 4:8] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+        b[..., 8:12] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+        b[..., 12:16] = (sc[..., 4:] & 0xF) | ((mn[..., 4:] & 0xF) << 4)
+        b[..., 16:144] = d["qs"]
+    else:
+        b = np.empty((n, nb, 210), np.uint8)
+        b[..., 0:128], b[..., 128:192] = d["ql"], d["qh"]
+        b[..., 192:208] = d["sc"].view(np.uint8)
+        b[..., 208:210] = d["d"].astype(np.float16)[..., None].view(np.uint8)
+    return b.reshape(n, -1)
+
+
+def tile_format() -> str:
+    """Names the packed tile layout (not the kernel code): packed files with the same format can
+    be turned back into GGUF blocks by this module (`untiles`, `to_gguf`)."""
+    desc = repr([(k, BLOCK_DTYPES[k].descr, TILE_DTYPES[k].descr) for k in (Q4K, Q6K)]) + f"{QK}:{TILE}"
+    return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
 # -- the linear kernel --------------------------------------------------------------------
 
 
@@ -365,6 +428,7 @@ def gguf_blocks(path: Path, modules: dict[str, int], *, tied: bool, model_type: 
     stored as Q4_K or Q6_K; other layers are left out (the caller quantizes them)."""
     from gguf import GGMLQuantizationType
 
+    from . import sparse
     from .gguf_file import open_gguf
 
     readers = {GGMLQuantizationType.Q4_K: from_gguf_q4_k, GGMLQuantizationType.Q6_K: from_gguf_q6_k}
@@ -374,7 +438,7 @@ def gguf_blocks(path: Path, modules: dict[str, int], *, tied: bool, model_type: 
         t = tensors.get(gguf_tensor_name(module, tied) or "")
         if t is None or t.tensor_type not in readers or len(t.shape) != 2 or int(t.shape[1]) != n:
             continue
-        blocks = readers[t.tensor_type](t.data, n, int(t.shape[0]))
+        blocks = readers[t.tensor_type](sparse.tensor_data(Path(path), t.name, t.data), n, int(t.shape[0]))
         if model_type == "llama" and module.endswith(("q_proj", "k_proj")):
             heads = n_heads if module.endswith("q_proj") else n_kv_heads
             blocks = blocks.permute_rows(_llama_rows(n, heads))

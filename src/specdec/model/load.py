@@ -124,15 +124,26 @@ def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path) -> Transf
     model.eval()
     model.finalize()
     packed = packed_path(path, [], gguf)
+    fresh = not packed.exists()
     apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()), from_gguf=True)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"{path}: {BASE_WEIGHTS} and {gguf.name} leave {left[:3]} without weights; install the model "
                          "again")  # fmt: skip
     _prune_packed(keep=packed)
+    if fresh:
+        _sparsify(gguf, packed, args)
     model.mode = mode.name
     model.source_dir = path
     return model
+
+
+def _sparsify(gguf: Path, packed: Path, args: ModelArgs) -> int:
+    """Keep the blocks `packed` holds only there, not also in the cached GGUF (see `sparse`)."""
+    from . import sparse
+
+    return sparse.sparsify(gguf, packed, tied=args.tie_embeddings, model_type=args.model_type,
+                           n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)  # fmt: skip
 
 
 def packed_path(path: Path, files: list[Path], gguf: Path | None) -> Path:
@@ -169,9 +180,12 @@ def packed_source(packed: Path) -> str:
 def _prune_packed(keep: Path) -> None:
     """Delete packed-weight files that can no longer be used: older packings of the same model
     (its weights or the kernel changed) and those of model directories that are gone."""
+    from .sparse import held_packings
+
     mine = packed_source(keep)
+    held = held_packings()  # the only copy of some GGUF's blocks: never pruned (`sparse.restore` first)
     for other in keep.parent.glob("*.safetensors"):
-        if other == keep:
+        if other == keep or other.resolve() in held:
             continue
         source = packed_source(other)
         if not source or source == mine or not Path(source).exists():
@@ -191,8 +205,15 @@ def prepare_q4k(path: str | Path) -> bool:
 
     if not native.available():
         return False
-    if not q4k_cache_file(path).exists():
-        load_transformer(path, dtype="q4k", device="cpu")
+    path = Path(path)
+    packed = q4k_cache_file(path)
+    if not packed.exists():
+        load_transformer(path, dtype="q4k", device="cpu")  # packs, then sparsifies the GGUF
+    elif (gguf := gguf_source(path)) is not None:
+        from .sparse import state
+
+        if state(gguf) is None:  # packed by an earlier version, or killed in between
+            _sparsify(gguf, packed, ModelArgs.from_dir(path))
     return True
 
 
