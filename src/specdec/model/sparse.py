@@ -28,9 +28,13 @@ import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from filelock import FileLock
+
+if TYPE_CHECKING:
+    from ..registry import ModelSpec
 
 SUFFIX = ".blocks.json"
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -65,10 +69,11 @@ def _in_cache(gguf: Path) -> bool:
     return gguf.resolve().parent == (cache_root() / "gguf").resolve()
 
 
-def _pinned_sha256(gguf: Path) -> str | None:
+def _spec(gguf: Path) -> ModelSpec | None:
+    """The registered model whose file this is (by name, as the cache stores it)."""
     from ..registry import MODELS
 
-    return next((s.sha256 for s in MODELS.values() if s.filename == gguf.name), None)
+    return next((s for s in MODELS.values() if s.filename == Path(gguf).name), None)
 
 
 @cache
@@ -92,7 +97,7 @@ def managed(gguf: Path) -> bool:
 # -- the blocks of one tensor -----------------------------------------------------------------
 
 
-def _blocks_from_packed(info: dict, packed: Path, entry: dict) -> np.ndarray:
+def _blocks_from_packed(packed: Path, entry: dict) -> np.ndarray:
     """The GGUF bytes [rows, bytes per row] of one punched tensor, rebuilt from its tiles."""
     from safetensors import safe_open
 
@@ -122,16 +127,15 @@ def tensor_data(gguf: Path, name: str, data: np.ndarray) -> np.ndarray:
         return data
     _check_format(Path(gguf), info)
     try:
-        raw = _blocks_from_packed(info, Path(info["packed"]), entry)
+        raw = _blocks_from_packed(Path(info["packed"]), entry)
     except BlocksLostError as exc:
         raise BlocksLostError(_lost(Path(gguf), str(exc))) from None
     return raw.reshape(data.shape)
 
 
 def _lost(gguf: Path, why: str) -> str:
-    from ..registry import MODELS
-
-    name = next((n for n, s in MODELS.items() if s.filename == gguf.name), "NAME")
+    spec = _spec(gguf)
+    name = spec.name if spec else "NAME"
     return (f"{gguf.name}: its weight blocks were kept only in the q4k packed file, and {why}; install it "
             f"again (downloads it): specdec models install {name}")  # fmt: skip
 
@@ -219,10 +223,14 @@ def _regions(gguf: Path, names: list[str]) -> list[tuple[int, int]]:
     return [(int(tensors[n].data_offset), int(tensors[n].n_bytes)) for n in names]
 
 
-def _punch_all(gguf: Path, names: list[str]) -> bool:
+def _punch_with_note(gguf: Path, info: dict) -> bool:
+    """Write the note, then punch its tensors (a crash in between leaves a file `restore`
+    mends); where the file system cannot punch, the note goes and nothing changed."""
+    _write_note(gguf, info)
     with _same_mtime(gguf), open(gguf, "r+b") as f:
-        for offset, length in _regions(gguf, names):
+        for offset, length in _regions(gguf, list(info["tensors"])):
             if not _punch(f.fileno(), offset, length):
+                note_path(gguf).unlink(missing_ok=True)
                 return False
     return True
 
@@ -236,8 +244,8 @@ def sparsify(gguf: Path, packed: Path, *, tied: bool, model_type: str, n_heads: 
     from .gguf_file import open_gguf
 
     gguf = Path(gguf)
-    sha = _pinned_sha256(gguf)
-    if sha is None or not _in_cache(gguf) or not packed.exists() or _fallocate() is None:
+    spec = _spec(gguf)
+    if spec is None or not _in_cache(gguf) or not packed.exists() or _fallocate() is None:
         return 0
     from safetensors import safe_open
 
@@ -247,7 +255,7 @@ def sparsify(gguf: Path, packed: Path, *, tied: bool, model_type: str, n_heads: 
         with safe_open(str(packed), framework="pt") as f:
             modules = set(f.keys())
         tensors = {t.name: t for t in open_gguf(gguf).tensors}
-        info = {"sha256": sha, "packed": str(packed.resolve()), "format": kquant.tile_format(), "tensors": {}}
+        info = {"sha256": spec.sha256, "packed": str(packed.resolve()), "format": kquant.tile_format(), "tensors": {}}
         candidates = {}
         for module in sorted(modules):
             name = kquant.gguf_tensor_name(module, tied)
@@ -263,7 +271,7 @@ def sparsify(gguf: Path, packed: Path, *, tied: bool, model_type: str, n_heads: 
         def comes_back(name: str) -> bool:
             entry = candidates[name]
             try:
-                rebuilt = _blocks_from_packed(info, packed, entry)
+                rebuilt = _blocks_from_packed(packed, entry)
             except (BlocksLostError, ValueError):
                 return False
             return np.array_equal(rebuilt, np.asarray(tensors[name].data).reshape(entry["rows"], -1))
@@ -276,9 +284,7 @@ def sparsify(gguf: Path, packed: Path, *, tied: bool, model_type: str, n_heads: 
         if not info["tensors"]:
             return 0
         before = disk_bytes(gguf)
-        _write_note(gguf, info)  # first: a crash while punching leaves a file `restore` mends
-        if not _punch_all(gguf, list(info["tensors"])):
-            note_path(gguf).unlink(missing_ok=True)  # nothing punched: the file system cannot
+        if not _punch_with_note(gguf, info):
             return 0
         return max(0, before - disk_bytes(gguf))
 
@@ -300,7 +306,7 @@ def restore(gguf: Path) -> bool:
         with _same_mtime(gguf), open(gguf, "r+b") as f:
             for name, (offset, length) in zip(names, _regions(gguf, names)):
                 try:
-                    raw = _blocks_from_packed(info, Path(info["packed"]), info["tensors"][name])
+                    raw = _blocks_from_packed(Path(info["packed"]), info["tensors"][name])
                 except BlocksLostError as exc:
                     raise BlocksLostError(_lost(gguf, str(exc))) from None
                 if raw.nbytes != length:
@@ -330,6 +336,4 @@ def full(gguf: Path | None, *, punch_again: bool = True) -> Iterator[None]:
             yield
         finally:
             if punch_again and info is not None and Path(info["packed"]).exists():
-                _write_note(gguf, info)
-                if not _punch_all(gguf, list(info["tensors"])):
-                    note_path(gguf).unlink(missing_ok=True)
+                _punch_with_note(gguf, info)
