@@ -122,6 +122,23 @@ def test_sparsify_keeps_blocks_once_and_restores_the_exact_file(cached_model):
     assert not sparse.restore(g)  # whole: nothing to do
 
 
+def test_sizes_reported_are_bytes_on_disk(cached_model, tmp_path):
+    """`models list`/`remove` and `specdec info` count what a sparse cache takes, not its
+    files' apparent sizes (the holes are most of a punched GGUF)."""
+    from specdec import info
+
+    g, packed, _, _ = cached_model
+    if sparse._fallocate() is None:
+        pytest.skip("no fallocate on this platform")
+    _sparsify(g, packed)
+    if sparse.state(g) is None:
+        pytest.skip("this file system cannot punch holes")
+    assert store.model_files("sparse-test")["gguf"] == sparse.disk_bytes(g) < g.stat().st_size
+    assert store.model_files("sparse-test")["other"] == sparse.disk_bytes(sparse.note_path(g)) > 0
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert info._dir_bytes(tmp_path) == sum(sparse.disk_bytes(p) for p in files)  # the GGUF's holes left out
+
+
 def test_blocks_that_do_not_come_back_are_not_punched(cached_model):
     """Control for the byte-for-byte check: a packed file whose tiles differ from the GGUF's
     blocks (here: q rows left in GGUF order, as a packer for another architecture would)."""

@@ -45,7 +45,10 @@ def copy_bandwidth_gbs(mib: int = 256, repeats: int = 3) -> float:
 
 
 def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+    """Bytes the files under `path` take on disk: a sparse GGUF's holes (`model.sparse`) do not count."""
+    from .model.sparse import disk_bytes
+
+    return sum(disk_bytes(p) for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
 def collect(bandwidth: bool = True) -> dict[str, Any]:

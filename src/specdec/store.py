@@ -106,12 +106,12 @@ def model_files(name: str) -> dict[str, int]:
     g = gguf_path(spec)
     sizes["gguf"] = sparse.disk_bytes(g) if g.exists() else 0  # blocks kept only in the q4k file are holes
     note = sparse.note_path(g)
-    sizes["other"] = note.stat().st_size if note.exists() else 0
+    sizes["other"] = sparse.disk_bytes(note) if note.exists() else 0
     if d.is_dir():
         for f in d.iterdir():
             if f.is_file():
-                sizes["float32" if f.name == FLOAT_WEIGHTS else "other"] += f.stat().st_size
-    sizes["q4k"] = sum(f.stat().st_size for f in packed_files(d))
+                sizes["float32" if f.name == FLOAT_WEIGHTS else "other"] += sparse.disk_bytes(f)
+    sizes["q4k"] = sum(sparse.disk_bytes(f) for f in packed_files(d))
     return sizes
 
 
