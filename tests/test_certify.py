@@ -107,3 +107,30 @@ def test_certify_refuses_bad_settings(v8):
                         ({"temperature": 0.0}, "greedy")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             certify(target, method="prompt-lookup", prompts=[PROMPT_IDS], **kw)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_tree_drafters_are_certified_with_a_fixed_tree(v8, monkeypatch, kind):
+    """Trees sized by the cost model depend on the pass times this machine stored; where those
+    say no row pays (here: a row costs a whole token), every step is plain and the rule never
+    runs. A certificate fixes the tree size (and says so) instead."""
+    from helpers import random_heads
+
+    import specdec.costs
+    from specdec.api import generate_batch
+    from specdec.certify import TREE_TOKENS
+    from specdec.costs import Costs
+
+    target, _ = v8
+    monkeypatch.setattr(specdec.costs, "pass_costs", lambda model, rows: Costs({1: 10.0, 2: 20.0, 64: 640.0}))
+    heads = random_heads(target.model, kind, seed=9, num_heads=2, noise=0.3, hydra_inner=8, vocab_ids=[0, 1, 2, 4, 5, 7])
+    sized = generate_batch(target, [PROMPT_IDS * 3] * 4, seed=[0, 1, 2, 3], max_new_tokens=4, ignore_eos=True,
+                           chat=False, temperature=1.0, drafter=kind, adaptive_k=False, head=heads)  # fmt: skip
+    assert sum(r.metrics.proposed for r in sized) == 0  # control: the cost model drafts nothing here
+    cert = certify(target, method=kind, k=2, samples=100, tokens=4, prompts=[PROMPT_IDS * 3], seed=3, control=False,
+                   options={"head": heads})  # fmt: skip
+    assert cert.options["total"] == TREE_TOKENS and cert.proposed > 0 and cert.acceptance is not None
+    assert f"--tree-tokens {TREE_TOKENS}" in cert.table()
+    mine = certify(target, method=kind, k=2, samples=100, tokens=4, prompts=[PROMPT_IDS * 3], seed=3, control=False,
+                   options={"head": heads, "total": 3})  # fmt: skip
+    assert mine.options["total"] == 3 and "--tree-tokens 3" in mine.table()

@@ -29,6 +29,8 @@ import torch
 
 from .verify import TreeVerdict, Verdict
 
+TREE_TOKENS = 8  # draft tokens per step of the tree drafters (EAGLE-3, Medusa, Hydra) unless --tree-tokens
+
 # Short prompts with repetition in them, so that every drafter (n-grams included) proposes
 # tokens and both branches of the rule (accept; reject and recover) run often.
 PROMPTS = (
@@ -250,6 +252,14 @@ def two_sample_test(a: Sequence[Counter], b: Sequence[Counter], *, min_count: in
                      float(np.quantile(np.mean(nulls, 0), 0.95)), sum(t.shape[1] for t in tables))  # fmt: skip
 
 
+def _flags(method: str, options: dict[str, Any]) -> list[str]:
+    """The drafter options a certificate ran with, as the command-line flags that give them."""
+    from .drafters import DRAFTERS
+
+    flags = {o.name: o.cli_flag for o in DRAFTERS[method].options} if method in DRAFTERS else {}
+    return [flags.get(name, name) + ("" if value is True else f" {value}") for name, value in sorted(options.items())]
+
+
 # -- drawing samples -----------------------------------------------------------------------------
 @dataclass
 class Draws:
@@ -309,6 +319,7 @@ class Certificate:
     seconds: float
     outcomes: int = 0  # distinct continuations seen, all prompts and both arms
     proposed: int = 0  # draft tokens the method offered (0: the rule never ran)
+    options: dict[str, Any] = field(default_factory=dict)  # the drafter's, as run (fixed tree size, force)
     cpu: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -334,7 +345,9 @@ class Certificate:
 
     def table(self) -> str:
         head = (f"certificate: {self.target}, {self.method}" + (f" ({self.draft})" if self.draft else "")
-                + (f", k={self.k}" if self.k else "") + f", T={self.temperature:g}, top-p {self.top_p:g}, "
+                + (f", k={self.k}" if self.k else "")
+                + "".join(f", {flag}" for flag in _flags(self.method, self.options))
+                + f", T={self.temperature:g}, top-p {self.top_p:g}, "
                 f"{len(self.prompts)} prompts x {self.tokens} tokens, N={self.samples} per arm and prompt, "
                 f"{self.dtype}, alpha {self.alpha:g}")  # fmt: skip
         rows = [("method vs plain", self.test, self.acceptance,
@@ -381,8 +394,13 @@ def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | N
     from .drafters import DRAFTERS
 
     options = dict(options or {})
-    if method in DRAFTERS and "force" in {o.name for o in DRAFTERS[method].options}:
+    own = {o.name for o in DRAFTERS[method].options} if method in DRAFTERS else set()
+    if "force" in own:
         options.setdefault("force", True)
+    if "total" in own:
+        # a fixed tree: sized by the cost model, it depends on the pass times this machine once
+        # stored and can be 0 (a plain step) every step, so the rule would never run
+        options.setdefault("total", TREE_TOKENS)
     spec: dict[str, Any] = {"drafter": method, "adaptive_k": False, **({"k": k} if k else {}), **options}
     if assistant_model is not None:
         spec["assistant_model"] = assistant_model
@@ -403,5 +421,5 @@ def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | N
         samples=samples, tokens=tokens, prompts=list(prompts), alpha=alpha, seed=seed, dtype=target.model.mode,
         test=test, control=ctrl, acceptance=mine.acceptance,
         control_acceptance=ctrl_draws.acceptance if ctrl_draws else None,
-        seconds=time.perf_counter() - started, outcomes=outcomes, proposed=mine.proposed,
+        seconds=time.perf_counter() - started, outcomes=outcomes, proposed=mine.proposed, options=options,
     )  # fmt: skip

@@ -732,8 +732,11 @@ def _certify_parser(sub: argparse._SubParsersAction) -> None:
                        description="Draws N sampled continuations of a few tokens with plain decoding and N with the "
                                    "method (fixed prompts, independent seeds), compares them with a two-sample "
                                    "chi-square test, and runs the same test on a deliberately broken verifier to show "
-                                   "it catches an error at this N. Prints a table (or JSON); exits 1 when the method "
-                                   "fails, 4 when the broken control is not caught (too few samples to certify).")  # fmt: skip
+                                   "it catches an error at this N. Every step drafts: k is fixed, and the tree "
+                                   "drafters send a fixed tree (--tree-tokens, 8 unless given) instead of the cost "
+                                   "model's choice. Prints a table (or JSON); exits 1 when the method fails, 4 when "
+                                   "the broken control is not caught (too few samples to certify) or nothing was "
+                                   "drafted.")  # fmt: skip
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (for the draft-model and auto drafters)")
     p.add_argument("--drafter", choices=sorted(DRAFTERS), help="the method to certify (default: draft-model with "
