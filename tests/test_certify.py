@@ -131,6 +131,7 @@ def test_tree_drafters_are_certified_with_a_fixed_tree(v8, monkeypatch, kind):
                    options={"head": heads})  # fmt: skip
     assert cert.options["total"] == TREE_TOKENS and cert.proposed > 0 and cert.acceptance is not None
     assert f"--tree-tokens {TREE_TOKENS}" in cert.table()
+    assert json.loads(json.dumps(cert.to_dict()))["options"] == {"head": type(heads).__name__, "total": TREE_TOKENS}
     mine = certify(target, method=kind, k=2, samples=100, tokens=4, prompts=[PROMPT_IDS * 3], seed=3, control=False,
                    options={"head": heads, "total": 3})  # fmt: skip
     assert mine.options["total"] == 3 and "--tree-tokens 3" in mine.table()

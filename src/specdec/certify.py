@@ -421,5 +421,8 @@ def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | N
         samples=samples, tokens=tokens, prompts=list(prompts), alpha=alpha, seed=seed, dtype=target.model.mode,
         test=test, control=ctrl, acceptance=mine.acceptance,
         control_acceptance=ctrl_draws.acceptance if ctrl_draws else None,
-        seconds=time.perf_counter() - started, outcomes=outcomes, proposed=mine.proposed, options=options,
+        seconds=time.perf_counter() - started, outcomes=outcomes, proposed=mine.proposed,
+        # as given on a command line; an object (heads passed from Python) by its type, so the
+        # certificate stays JSON
+        options={n: v if isinstance(v, str | int | float | bool) else type(v).__name__ for n, v in options.items()},
     )  # fmt: skip
