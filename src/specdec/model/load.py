@@ -103,6 +103,7 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
     if packed is not None:
         _prune_packed(keep=packed)
     model.mode = mode.name
+    model.set_native_layers(mode.name == "q4k")
     model.source_dir = path  # where it came from (drafters trained for it look it up)
     return model
 
@@ -134,6 +135,7 @@ def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path) -> Transf
     if fresh:
         _sparsify(gguf, packed, args)
     model.mode = mode.name
+    model.set_native_layers(True)
     model.source_dir = path
     return model
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("kquant.c", "attention.c")
+_SOURCES = ("kquant.c", "attention.c", "layer.c", "roofline.c")
 _BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDEC_AVX512"]
 _AMX_FLAGS = [*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8", "-DSPECDEC_AMX"]
@@ -172,7 +172,7 @@ def _build(variant: str) -> tuple[list[str], Any]:
     if cc is None:
         raise NativeUnavailableError("specdec's CPU kernels are compiled at first use and need gcc; install it or use --dtype int8")
     cmd = [cc, *_BASE_FLAGS, *_VARIANT_FLAGS[variant]]
-    sources = [_CSRC / name for name in _SOURCES]
+    sources = [_CSRC / name for name in (*_SOURCES, "specdec.h")]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     return cmd, hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(cmd).encode() + version.encode())
 
@@ -212,12 +212,29 @@ def _library(variant: str) -> ctypes.CDLL:
     lib.specdec_tile_outputs.restype = c_int
     lib.specdec_amx_enable.argtypes = [c_int]
     lib.specdec_amx_enable.restype = c_int
-    lib.specdec_attend_segments.argtypes = [
-        c_ptr, c_ptr, c_ptr, c_int, c_int, c_int, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr,
-        c_float, c_ptr, c_int, c_int,
-    ]  # fmt: skip
-    lib.specdec_attend_segments.restype = c_int
+    lib.specdec_attend.argtypes = [c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_int, c_int, c_int, c_int, c_ptr, c_int]
+    lib.specdec_attend.restype = c_int
+    lib.specdec_layer.argtypes = [c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_int, c_int]
+    lib.specdec_layer.restype = c_int
+    lib.specdec_layer_qkv.argtypes = [c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
+    lib.specdec_layer_qkv.restype = c_int
+    lib.specdec_layer_out.argtypes = [c_ptr, c_ptr, c_ptr, c_ptr, c_int, c_int]
+    lib.specdec_layer_out.restype = c_int
+    lib.specdec_stream_read.argtypes = [c_ptr, ctypes.c_int64, c_int]
+    lib.specdec_stream_read.restype = ctypes.c_int64
+    lib.specdec_dot_rate.argtypes = [ctypes.c_int64, c_int, c_int]
+    lib.specdec_dot_rate.restype = ctypes.c_int64
     return lib
+
+
+class AttnStruct(ctypes.Structure):
+    """csrc/specdec.h's specdec_attn: a forward's packed rows and their caches."""
+
+    _fields_ = [("seg", ctypes.POINTER(ctypes.c_int)), ("t", ctypes.POINTER(ctypes.c_int)),
+                ("start", ctypes.POINTER(ctypes.c_int)), ("T", ctypes.POINTER(ctypes.c_int)),
+                ("cap", ctypes.POINTER(ctypes.c_int)), ("k", ctypes.POINTER(ctypes.c_void_p)),
+                ("v", ctypes.POINTER(ctypes.c_void_p)), ("stride", ctypes.POINTER(ctypes.c_int64)),
+                ("mask", ctypes.POINTER(ctypes.c_void_p)), ("scale", ctypes.c_float), ("max_end", ctypes.c_int)]  # fmt: skip
 
 
 class SegmentAttention:
@@ -225,7 +242,8 @@ class SegmentAttention:
     and called once per layer: segment s has T[s] new rows starting at slot start[s] of its
     own cache and an optional mask [T[s], start[s] + T[s]] (nonzero = may attend; None: every
     earlier key). Each row is computed exactly as one-token decoding at its position computes
-    it (see csrc/attention.c), whatever else shares the call."""
+    it (see csrc/attention.c), whatever else shares the call. `struct` is what the native
+    layer (csrc/layer.c) takes to run this attention inside its own call."""
 
     def __init__(
         self,
@@ -242,18 +260,18 @@ class SegmentAttention:
         c_int, c_ptr = ctypes.c_int, ctypes.c_void_p
         n = len(lengths)
         self.n_rows = sum(lengths)
-        self.seg = (c_int * self.n_rows)(*[s for s, T in enumerate(lengths) for _ in range(T)])
-        self.t = (c_int * self.n_rows)(*[t for T in lengths for t in range(T)])
-        self.start = (c_int * n)(*starts)
-        self.T = (c_int * n)(*lengths)
-        self.cap = (c_int * n)(*[k.shape[3] for k, _ in caches])
         self.n_kv_heads = caches[0][0].shape[2]
         self.masks = [None if m is None else m.to(torch.uint8).contiguous() for m in masks]  # kept alive
-        self.mask_ptrs = (c_ptr * n)(*[None if m is None else m.data_ptr() for m in self.masks])
-        self._k = [(k.data_ptr(), k.stride(0) * 4) for k, _ in caches]
-        self._v = [(v.data_ptr(), v.stride(0) * 4) for _, v in caches]
-        self.max_end = max(s + T for s, T in zip(starts, lengths, strict=True))
-        self.scale = float(scale)
+        self._arrays = (
+            (c_int * self.n_rows)(*[s for s, T in enumerate(lengths) for _ in range(T)]),
+            (c_int * self.n_rows)(*[t for T in lengths for t in range(T)]),
+            (c_int * n)(*starts), (c_int * n)(*lengths), (c_int * n)(*[k.shape[3] for k, _ in caches]),
+            (c_ptr * n)(*[k.data_ptr() for k, _ in caches]), (c_ptr * n)(*[v.data_ptr() for _, v in caches]),
+            (ctypes.c_int64 * n)(*[k.stride(0) for k, _ in caches]),
+            (c_ptr * n)(*[None if m is None else m.data_ptr() for m in self.masks]),
+        )  # fmt: skip
+        max_end = max(s + T for s, T in zip(starts, lengths, strict=True))
+        self.struct = AttnStruct(*[ctypes.cast(a, ctypes.POINTER(a._type_)) for a in self._arrays], float(scale), max_end)
 
     def __call__(
         self,
@@ -268,13 +286,8 @@ class SegmentAttention:
             k_new, v_new = k_new.contiguous(), v_new.contiguous()
         out = torch.empty_like(q)
         kv = (k_new.data_ptr(), v_new.data_ptr()) if k_new is not None and v_new is not None else (None, None)
-        n = len(self._k)
-        k_ptrs = (ctypes.c_void_p * n)(*[base + layer * stride for base, stride in self._k])
-        v_ptrs = (ctypes.c_void_p * n)(*[base + layer * stride for base, stride in self._v])
-        rc = library().specdec_attend_segments(
-            q.data_ptr(), *kv, N, H, self.n_kv_heads, D, self.seg, self.t, self.start, self.T, self.cap, k_ptrs,
-            v_ptrs, self.mask_ptrs, self.scale, out.data_ptr(), self.max_end, torch.get_num_threads(),
-        )  # fmt: skip
+        rc = library().specdec_attend(ctypes.byref(self.struct), layer, q.data_ptr(), *kv, N, H, self.n_kv_heads, D,
+                                      out.data_ptr(), torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise MemoryError("native attention could not allocate its score buffers")
         return out

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
+from . import fused, native
 from .cache import ContextOverflowError, KVCache
 from .config import ModelArgs
 from .kernels import MODES
@@ -172,6 +172,7 @@ class Block(nn.Module):
         if a.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
             self.post_feedforward_layernorm = RMSNorm(a.dim, a.norm_eps, a.norm_offset)
+        self.native: fused.NativeLayer | None = None  # the whole layer in one native call (q4k; see `fused`)
 
     def forward(self, x, rope, attend) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), rope, attend)
@@ -213,6 +214,16 @@ class Transformer(nn.Module):
         if a.rope_theta_local is not None:
             self._rotary[True] = Rotary(a.head_dim, a.rope_theta_local, a.max_seq_len, dev)
         return self
+
+    def set_native_layers(self, on: bool) -> bool:
+        """Run every block through the native layer (`fused`), where all of them can; returns
+        whether they now do. All or none: a model's forwards must all take one path, or its
+        rows would not be bitwise the same in every pass."""
+        blocks = list(self.model.layers)
+        on = on and self._native_attention and all(fused.supported(b, self.args) for b in blocks)
+        for b in blocks:
+            b.native = fused.NativeLayer(b, self.args) if on else None
+        return on
 
     @property
     def row_invariant_attention(self) -> bool:
@@ -357,7 +368,11 @@ class Transformer(nn.Module):
                 attend = _PackedAttention(self, active)
             assert x is not None and attend is not None
             block = self.model.layers[i]
-            x = block(x, ropes.get(block.sliding, ropes[False]), attend.layer(i, block.sliding))
+            rope = ropes.get(block.sliding, ropes[False])
+            if block.native is not None:
+                x = block.native(x, rope, i, attend.all_native(block.sliding), attend.layer(i, block.sliding))
+            else:
+                x = block(x, rope, attend.layer(i, block.sliding))
             if i in output_layers:
                 layers[i] = x
         assert x is not None
@@ -446,6 +461,10 @@ class _PackedAttention:
                 )  # fmt: skip
             if self.framework:
                 self.native_rows = torch.cat([torch.arange(self.row0[n], self.row0[n + 1]) for n in nat])
+
+    def all_native(self, sliding: bool) -> native.SegmentAttention | None:
+        """The native attention of every row, when no row attends through the framework."""
+        return self.native.get(sliding, self.native[False]) if self.native and not self.framework else None
 
     def layer(self, i: int, sliding: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         return lambda q, k, v: self(i, sliding, q, k, v)

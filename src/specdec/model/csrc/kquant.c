@@ -32,12 +32,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "specdec.h"
 #if defined(SPECDEC_AMX) && !defined(SPECDEC_AMX_EMULATE)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
-#define QK 256
 #define TILE 16
 
 /* Rows that share one decoding of the weights: as many as the vector registers hold (AVX-512
@@ -84,17 +85,9 @@ int specdec_tile_outputs(void) { return TILE; }
 #define DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
 #endif
 
-typedef struct {
-    int8_t *q;      /* [M, K] codes (K padded to whole blocks) */
-    float *a;       /* [M, nb] scales */
-    int32_t *o16;   /* [M, nb, 16] -32 * (sum of each 16 codes): the q6k offset */
-    int16_t *s32;   /* [M, nb, 8] sums of each 32 codes: the q4k min term */
-    int K, nb;
-} xquant;
-
 /* Row r of the activations, x: [K] floats. K need not be a multiple of 256: the last block is
  * padded with zeros (the weights' padding is zero too). */
-static void quantize_row(const float *x, int r, int K, xquant *xq) {
+void specdec_quantize_row(const float *x, int r, int K, xquant *xq) {
     const int nb = xq->nb;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     float tail[QK];
@@ -146,19 +139,22 @@ static inline int32_t load4(const void *p) {
     return v;
 }
 
-/* The hardware prefetchers alone leave DRAM bandwidth unused here, so each tile-block asks for
- * the one PF_AHEAD blocks further on (the same tile, or the next tile this thread takes: tiles
- * lie back to back). The requests are spread over the block's scale groups, a few lines each:
- * asked for all at once, at the start of the block, they stalled the loop until the memory
- * system took them, and a pass over several rows cost the memory time *plus* the compute time
- * (1.5B MLP, 8 rows: 0.45 ms per matrix against 0.17 ms for one row; spread: 0.20 ms). Spread,
- * memory and compute overlap, and up to ~6 rows cost what one does.
- * (Prefetches past the end of the weights never fault.) */
-#define PF_AHEAD 4
-static inline __attribute__((always_inline)) void prefetch_part(const void *t, size_t bytes, int part, int parts) {
+/* Prefetching. One row is a pure stream, which the hardware prefetchers serve best alone. Over
+ * several rows the loop spends long enough on each tile-block that they fall behind, so each
+ * block asks for the one PF_AHEAD blocks further on (the same tile, or the next tile this thread
+ * takes: tiles lie back to back), into L2 (T1): far enough ahead to cover DRAM latency at full
+ * bandwidth, without filling L1, which holds the block being read and the activation rows.
+ * The requests are spread over the block's scale groups, a few lines each: asked for all at
+ * once they stall the loop until the memory system takes them, and memory time adds to compute
+ * time instead of overlapping it. `specdec bench forward` shows how close a pass comes to
+ * max(memory, compute). (Prefetches past the end of the weights never fault.) */
+#define PF_AHEAD 12
+#define PF_MIN_ROWS 2
+static inline __attribute__((always_inline)) void prefetch_part(const void *t, size_t bytes, int part, int parts, int rows) {
+    if (rows < PF_MIN_ROWS) return;
     const char *p = (const char *)t + PF_AHEAD * bytes;
     const size_t lines = bytes / 64;  /* both tile-blocks are whole cache lines */
-    for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+    for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
 }
 _Static_assert(sizeof(tile_q4k) % 64 == 0 && sizeof(tile_q6k) % 64 == 0, "tile-blocks are whole cache lines");
 
@@ -184,7 +180,7 @@ static inline __attribute__((always_inline)) void half_dot_q4k(
             }
         }
         for (int j = 0; j < 8; j++) {
-            if (h == 0) prefetch_part(t, sizeof(tile_q4k), j, 8);  /* (the second half finds the tile in cache) */
+            if (h == 0) prefetch_part(t, sizeof(tile_q4k), j, 8, rb);  /* (the second half finds the tile in cache) */
             const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[j][8 * h]));
             __m256i c[8];
             for (int v = 0; v < 4; v++) {
@@ -225,7 +221,7 @@ static inline __attribute__((always_inline)) void half_dot_q6k(
         __m256i iacc[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = _mm256_setzero_si256();
         for (int s = 0; s < 16; s++) {
-            if (h == 0) prefetch_part(t, sizeof(tile_q6k), s, 16);
+            if (h == 0) prefetch_part(t, sizeof(tile_q6k), s, 16, rb);
             const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[s][8 * h]));
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)&t->sub[s].ql[0][32 * h]);
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)&t->sub[s].ql[1][32 * h]);
@@ -269,6 +265,15 @@ static inline __attribute__((always_inline)) void q4k_mins512(
     }
 }
 
+/* acc + dot(codes c, the 4 activation bytes at p in every lane), the broadcast done by the
+ * instruction's own memory operand ({1to16}): the compiler emits a separate broadcast
+ * instruction per dot product otherwise, which competes with the dot products for the vector
+ * pipes once several rows share the loop. The same instruction either way. */
+static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i c, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(c), "m"(*(const int32_t *)p));
+    return acc;
+}
+
 /* The 8 code vectors of q4k group j (chunk v: inputs 4v..4v+3 of the group, 16 outputs). */
 static inline __attribute__((always_inline)) void q4k_codes512(const tile_q4k *t, int j, __m512i c[8]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -302,14 +307,14 @@ static inline __attribute__((always_inline)) void tile_dot_q4k(
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
         q4k_mins512(t, xq, r0, rb, b, imin);
         for (int j = 0; j < 8; j++) {
-            prefetch_part(t, sizeof(tile_q4k), j, 8);
+            prefetch_part(t, sizeof(tile_q4k), j, 8, rb);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
             __m512i c[8];
             q4k_codes512(t, j, c);
             for (int r = 0; r < rb; r++) {
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
                 __m512i g = _mm512_setzero_si512();
-                for (int v = 0; v < 8; v++) g = _mm512_dpbusd_epi32(g, c[v], _mm512_set1_epi32(load4(xp + 4 * v)));
+                for (int v = 0; v < 8; v++) g = dpbusd_bcast(g, c[v], xp + 4 * v);
                 iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(g, sc));
             }
         }
@@ -335,7 +340,7 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
         __m512i iacc[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = _mm512_setzero_si512();
         for (int s = 0; s < 16; s++) {
-            prefetch_part(t, sizeof(tile_q6k), s, 16);
+            prefetch_part(t, sizeof(tile_q6k), s, 16, rb);
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)t->sc[s]));
             const __m512i l0 = _mm512_loadu_si512((const void *)t->sub[s].ql[0]);
             const __m512i l1 = _mm512_loadu_si512((const void *)t->sub[s].ql[1]);
@@ -345,10 +350,10 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
             for (int r = 0; r < rb; r++) {
                 const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 16 * s;
-                __m512i g0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(xq->o16[rbk * 16 + s]), c0, _mm512_set1_epi32(load4(xp)));
-                __m512i g1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1, _mm512_set1_epi32(load4(xp + 4)));
-                g0 = _mm512_dpbusd_epi32(g0, c2, _mm512_set1_epi32(load4(xp + 8)));
-                g1 = _mm512_dpbusd_epi32(g1, c3, _mm512_set1_epi32(load4(xp + 12)));
+                __m512i g0 = dpbusd_bcast(_mm512_set1_epi32(xq->o16[rbk * 16 + s]), c0, xp);
+                __m512i g1 = dpbusd_bcast(_mm512_setzero_si512(), c1, xp + 4);
+                g0 = dpbusd_bcast(g0, c2, xp + 8);
+                g1 = dpbusd_bcast(g1, c3, xp + 12);
                 iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(_mm512_add_epi32(g0, g1), sc));
             }
         }
@@ -477,7 +482,7 @@ static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, fl
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
         q4k_mins512(t, xq, r0, rb, b, imin);
         for (int j = 0; j < 8; j++) {
-            prefetch_part(t, sizeof(tile_q4k), j, 8);
+            prefetch_part(t, sizeof(tile_q4k), j, 8, rb);
             __m512i c[8];  /* the group's 8 code vectors: B in VNNI layout */
             q4k_codes512(t, j, c);
             for (int v = 0; v < 8; v++) _mm512_store_si512((void *)bbuf[v], c[v]);
@@ -508,7 +513,7 @@ static void amx_tile_q6k(const tile_q6k *w, const xquant *xq, int r0, int rb, fl
         __m512i iacc[AMX_ROWS];
         for (int r = 0; r < rb; r++) iacc[r] = _mm512_setzero_si512();
         for (int s = 0; s < 16; s++) {
-            prefetch_part(t, sizeof(tile_q6k), s, 16);
+            prefetch_part(t, sizeof(tile_q6k), s, 16, rb);
             const __m512i l0 = _mm512_loadu_si512((const void *)t->sub[s].ql[0]);
             const __m512i l1 = _mm512_loadu_si512((const void *)t->sub[s].ql[1]);
             const __m512i hb = _mm512_loadu_si512((const void *)t->sub[s].qh);
@@ -556,66 +561,90 @@ int specdec_amx_enable(int on) { return on ? -1 : 0; }  /* this build has no AMX
     default: fn(w, xq, r0, MAXRB, out); break;            \
     }
 
-/* Several linear layers over the same input x[M, K] (q/k/v, gate/up): the activations are
- * quantized once, and one parallel loop runs over the tiles of all of them.
+int specdec_xquant_alloc(xquant *xq, int M, int K) {
+    xq->nb = (K + QK - 1) / QK;
+    xq->K = xq->nb * QK;
+    xq->q = malloc((size_t)M * xq->K);
+    xq->a = malloc(sizeof(float) * (size_t)M * xq->nb);
+    xq->o16 = malloc(sizeof(int32_t) * (size_t)M * xq->nb * 16);
+    xq->s32 = malloc(sizeof(int16_t) * (size_t)M * xq->nb * 8);
+    if (!xq->q || !xq->a || !xq->o16 || !xq->s32) {
+        specdec_xquant_free(xq);
+        return -1;
+    }
+    return 0;
+}
+
+void specdec_xquant_free(xquant *xq) {
+    free(xq->q); free(xq->a); free(xq->o16); free(xq->s32);
+    xq->q = NULL; xq->a = NULL; xq->o16 = NULL; xq->s32 = NULL;
+}
+
+void specdec_quantize_team(const float *x, int M, int K, xquant *xq) {
+    /* rows are quantized independently, so splitting them among threads changes nothing */
+    #pragma omp for schedule(static)
+    for (int r = 0; r < M; r++) specdec_quantize_row(x + (size_t)r * K, r, K, xq);
+}
+
+void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, const float *const *bias,
+                          const int *N, const xquant *xq, int M, float *const *y, const float *const *add) {
+    int first[17];  /* first tile of each layer in the joint tile numbering (n_layers <= 16) */
+    first[0] = 0;
+    for (int i = 0; i < n_layers; i++) first[i + 1] = first[i] + (N[i] + TILE - 1) / TILE;
+    const int tiles = first[n_layers];
+    #pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int i = 0;
+        while (t >= first[i + 1]) i++;
+        const size_t tile_bytes = (size_t)xq->nb * (kinds[i] == 4 ? sizeof(tile_q4k) : sizeof(tile_q6k));
+        const void *wt = (const char *)w[i] + (size_t)(t - first[i]) * tile_bytes;
+        const int n0 = (t - first[i]) * TILE, nv = N[i] - n0 < TILE ? N[i] - n0 : TILE;
+        const float *res = add ? add[i] : NULL;
+#ifdef SPECDEC_AMX
+        const int step = amx_on && M >= AMX_MIN_ROWS ? AMX_ROWS : MAXRB;
+#else
+        const int step = MAXRB;
+#endif
+        for (int r0 = 0; r0 < M; r0 += step) {
+            const int rb = M - r0 < step ? M - r0 : step;
+            float out[AMX_OUT_ROWS][TILE];
+#ifdef SPECDEC_AMX
+            if (step == AMX_ROWS) {
+                if (kinds[i] == 4) amx_tile_q4k((const tile_q4k *)wt, xq, r0, rb, out);
+                else amx_tile_q6k((const tile_q6k *)wt, xq, r0, rb, out);
+            } else
+#endif
+            if (kinds[i] == 4) {
+                DISPATCH(tile_dot_q4k, (const tile_q4k *)wt, xq, r0, rb, out);
+            } else {
+                DISPATCH(tile_dot_q6k, (const tile_q6k *)wt, xq, r0, rb, out);
+            }
+            for (int r = 0; r < rb; r++) {
+                const size_t row = (size_t)(r0 + r) * N[i] + n0;
+                float *yr = y[i] + row;
+                for (int o = 0; o < nv; o++) {
+                    const float v = bias[i] ? out[r][o] + bias[i][n0 + o] : out[r][o];
+                    yr[o] = res ? res[row + o] + v : v;  /* a residual connection: x + layer(x) */
+                }
+            }
+        }
+    }
+}
+
+/* Several linear layers over the same input x[M, K] (q/k/v, gate/up): the activations
+ * are quantized once, and one parallel loop runs over the tiles of all of them.
  * Layer i: kinds[i] (4 = q4k, 6 = q6k), w[i] = ceil(N[i]/16) tiles of ceil(K/256) tile-blocks,
  * bias[i] (or NULL), y[i] = [M, N[i]]. Returns 0, or -1 if scratch memory ran out. */
 int specdec_kquant_linears(int n_layers, const int *kinds, const void *const *w, const float *const *bias,
                            const int *N, int K, const float *x, int M, float *const *y, int nthreads) {
     xquant xq;
-    xq.nb = (K + QK - 1) / QK;
-    xq.K = xq.nb * QK;
-    xq.q = malloc((size_t)M * xq.K);
-    xq.a = malloc(sizeof(float) * (size_t)M * xq.nb);
-    xq.o16 = malloc(sizeof(int32_t) * (size_t)M * xq.nb * 16);
-    xq.s32 = malloc(sizeof(int16_t) * (size_t)M * xq.nb * 8);
-    int first[17];  /* first tile of each layer in the joint tile numbering */
-    if (n_layers > 16 || !xq.q || !xq.a || !xq.o16 || !xq.s32) {
-        free(xq.q); free(xq.a); free(xq.o16); free(xq.s32);
-        return -1;
-    }
-    first[0] = 0;
-    for (int i = 0; i < n_layers; i++) first[i + 1] = first[i] + (N[i] + TILE - 1) / TILE;
-    const int tiles = first[n_layers];
+    if (n_layers > 16 || specdec_xquant_alloc(&xq, M, K) != 0) return -1;
     #pragma omp parallel num_threads(nthreads)
     {
-        /* rows are quantized independently, so splitting them among threads changes nothing */
-        #pragma omp for schedule(static)
-        for (int r = 0; r < M; r++) quantize_row(x + (size_t)r * K, r, K, &xq);
-        #pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            int i = 0;
-            while (t >= first[i + 1]) i++;
-            const size_t tile_bytes = (size_t)xq.nb * (kinds[i] == 4 ? sizeof(tile_q4k) : sizeof(tile_q6k));
-            const void *wt = (const char *)w[i] + (size_t)(t - first[i]) * tile_bytes;
-            const int n0 = (t - first[i]) * TILE, nv = N[i] - n0 < TILE ? N[i] - n0 : TILE;
-#ifdef SPECDEC_AMX
-            const int step = amx_on && M >= AMX_MIN_ROWS ? AMX_ROWS : MAXRB;
-#else
-            const int step = MAXRB;
-#endif
-            for (int r0 = 0; r0 < M; r0 += step) {
-                const int rb = M - r0 < step ? M - r0 : step;
-                float out[AMX_OUT_ROWS][TILE];
-#ifdef SPECDEC_AMX
-                if (step == AMX_ROWS) {
-                    if (kinds[i] == 4) amx_tile_q4k((const tile_q4k *)wt, &xq, r0, rb, out);
-                    else amx_tile_q6k((const tile_q6k *)wt, &xq, r0, rb, out);
-                } else
-#endif
-                if (kinds[i] == 4) {
-                    DISPATCH(tile_dot_q4k, (const tile_q4k *)wt, &xq, r0, rb, out);
-                } else {
-                    DISPATCH(tile_dot_q6k, (const tile_q6k *)wt, &xq, r0, rb, out);
-                }
-                for (int r = 0; r < rb; r++) {
-                    float *yr = y[i] + (size_t)(r0 + r) * N[i] + n0;
-                    for (int o = 0; o < nv; o++) yr[o] = bias[i] ? out[r][o] + bias[i][n0 + o] : out[r][o];
-                }
-            }
-        }
+        specdec_quantize_team(x, M, K, &xq);
+        specdec_linears_team(n_layers, kinds, w, bias, N, &xq, M, y, NULL);
     }
-    free(xq.q); free(xq.a); free(xq.o16); free(xq.s32);
+    specdec_xquant_free(&xq);
     return 0;
 }
 

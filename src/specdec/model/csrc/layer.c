@@ -1,0 +1,216 @@
+/* One decoder layer of a Llama/Qwen2-style model (pre-norm RMSNorm, rotate-half RoPE, GQA
+ * attention, SiLU-gated MLP) over q4k weights, in one OpenMP parallel region:
+ *
+ *   h = rmsnorm(x) * w_attn;  q, k, v = h Wq, h Wk, h Wv (+ biases);  rope(q), rope(k)
+ *   a = attention(q, k, v)                  (row by row over each sequence's cache)
+ *   x' = x + a Wo;  h' = rmsnorm(x') * w_mlp;  y = x' + (silu(h' Wg) * h' Wu) Wd
+ *
+ * What runs around the matrix kernels (norms, rotary, residual adds, the activation) costs a
+ * few microseconds here, against dozens of framework operations per layer otherwise; and the
+ * threads meet at barriers instead of starting a parallel region per operation.
+ *
+ * Every step is per row (each row's norm, rotation, activation and quantization read that row
+ * only; the matrix kernels and the attention are batch-invariant), so a row's result does not
+ * depend on the other rows of the call. The float code is written with 256-bit intrinsics,
+ * which every build (AVX2, AVX-512, AMX) compiles to the same operations, with fixed-order
+ * sums and no contraction (-ffp-contract=off): all builds give the same bits.
+ *
+ * Three entry points share these steps: specdec_layer (the whole layer, when every row's
+ * attention runs here), and specdec_layer_qkv / specdec_layer_out (the parts before and after
+ * attention, when some rows attend through the framework: prefill, mixed batches), so a row
+ * gets the same bits whichever way its batch is made up.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "specdec.h"
+
+enum { WQ, WK, WV, WO, WG, WU, WD, N_WEIGHTS };
+
+/* A layer's weights and shape (mirrored by specdec.model.fused._LayerStruct). */
+typedef struct {
+    int kind[N_WEIGHTS];             /* 4 = q4k, 6 = q6k tiles */
+    const void *w[N_WEIGHTS];        /* packed tiles */
+    const float *bias[N_WEIGHTS];    /* [N] or NULL */
+    const float *norm_attn, *norm_mlp;  /* [D] */
+    float eps;
+    int D, H, Hkv, Dh, I;
+} specdec_layer_w;
+
+/* Scratch of one call, for N rows. */
+typedef struct {
+    xquant xd, xo, xi;  /* quantized activations: [N, D], [N, H*Dh], [N, I] */
+    float *h;           /* [N, max(D, I)] a normed / activated row before quantizing */
+    float *mid;         /* [N, D] x after attention */
+    float *g, *u;       /* [N, I] */
+    float *attn;        /* [N, H*Dh] */
+} scratch;
+
+static void scratch_free(scratch *s) {
+    specdec_xquant_free(&s->xd); specdec_xquant_free(&s->xo); specdec_xquant_free(&s->xi);
+    free(s->h); free(s->mid); free(s->g); free(s->u); free(s->attn);
+}
+
+static int scratch_alloc(scratch *s, const specdec_layer_w *L, int N) {
+    memset(s, 0, sizeof(*s));
+    const int wide = L->D > L->I ? L->D : L->I, HD = L->H * L->Dh;
+    int bad = specdec_xquant_alloc(&s->xd, N, L->D) | specdec_xquant_alloc(&s->xo, N, HD)
+              | specdec_xquant_alloc(&s->xi, N, L->I);
+    s->h = malloc(sizeof(float) * (size_t)N * wide);
+    s->mid = malloc(sizeof(float) * (size_t)N * L->D);
+    s->g = malloc(sizeof(float) * (size_t)N * L->I);
+    s->u = malloc(sizeof(float) * (size_t)N * L->I);
+    s->attn = malloc(sizeof(float) * (size_t)N * HD);
+    if (bad || !s->h || !s->mid || !s->g || !s->u || !s->attn) {
+        scratch_free(s);
+        return -1;
+    }
+    return 0;
+}
+
+/* out = x * (1 / sqrt(mean(x^2) + eps)) * w for one row of D floats (D a multiple of 8): the
+ * squares summed in 8 lanes, lanes added in a fixed order. */
+static void rmsnorm_row(const float *x, const float *w, int D, float eps, float *out) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    const float r = 1.0f / sqrtf(specdec_hsum256(acc) / (float)D + eps);
+    const __m256 vr = _mm256_set1_ps(r);
+    for (int i = 0; i < D; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vr), _mm256_loadu_ps(w + i)));
+}
+
+/* Team: each row of x [N, D] normed (into h) and quantized (into xq). */
+static void norm_quantize_team(const float *x, const float *w, const specdec_layer_w *L, int N, float *h, xquant *xq) {
+    #pragma omp for schedule(static)
+    for (int r = 0; r < N; r++) {
+        rmsnorm_row(x + (size_t)r * L->D, w, L->D, L->eps, h + (size_t)r * L->D);
+        specdec_quantize_row(h + (size_t)r * L->D, r, L->D, xq);
+    }
+}
+
+/* Rotate-half RoPE of one head in place: x * cos + (x2, x1) * sin, where the tables already
+ * hold (cos, cos) and (-sin, sin) (see transformer.Rotary.tables): the same operations the
+ * framework path runs. */
+static void rope_head(float *x, const float *cos, const float *sin, int Dh) {
+    const int half = Dh / 2;
+    float rot[512];
+    memcpy(rot, x + half, sizeof(float) * half);
+    memcpy(rot + half, x, sizeof(float) * half);
+    for (int d = 0; d < Dh; d++) x[d] = x[d] * cos[d] + rot[d] * sin[d];
+}
+
+/* Team: norm, q/k/v projections, rotary. q [N, H*Dh], k/v [N, Hkv*Dh]. */
+static void qkv_team(const specdec_layer_w *L, const float *x, int N, const float *cos, const float *sin,
+                     float *q, float *k, float *v, scratch *s) {
+    norm_quantize_team(x, L->norm_attn, L, N, s->h, &s->xd);
+    const int Ns[3] = {L->H * L->Dh, L->Hkv * L->Dh, L->Hkv * L->Dh};
+    float *ys[3] = {q, k, v};
+    specdec_linears_team(3, L->kind + WQ, L->w + WQ, L->bias + WQ, Ns, &s->xd, N, ys, NULL);
+    const int heads = L->H + L->Hkv;
+    #pragma omp for schedule(static)
+    for (int task = 0; task < N * heads; task++) {
+        const int r = task / heads, h = task % heads;
+        float *p = h < L->H ? q + ((size_t)r * L->H + h) * L->Dh : k + ((size_t)r * L->Hkv + h - L->H) * L->Dh;
+        rope_head(p, cos + (size_t)r * L->Dh, sin + (size_t)r * L->Dh, L->Dh);
+    }
+}
+
+/* silu(g) * u over n floats (n a multiple of 8): silu(g) = g / (1 + e^-g), with e = exp(-|g|)
+ * so the exponential never overflows: g / (1 + e) for g >= 0, g * e / (1 + e) below. */
+static void silu_mul(const float *g, const float *u, int n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = specdec_exp256(_mm256_or_ps(gv, sign));  /* exp(-|g|) */
+        const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(gv, e), gv, _mm256_cmp_ps(gv, zero, _CMP_GE_OQ));
+        const __m256 act = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(u + i)));
+    }
+}
+
+/* Team: out = x + attn Wo, then out += mlp(norm(out)). */
+static void out_team(const specdec_layer_w *L, const float *x, const float *attn, int N, float *out, scratch *s) {
+    const int HD = L->H * L->Dh;
+    specdec_quantize_team(attn, N, HD, &s->xo);
+    float *mid[1] = {s->mid};
+    const float *res[1] = {x};
+    specdec_linears_team(1, L->kind + WO, L->w + WO, L->bias + WO, &L->D, &s->xo, N, mid, res);
+    norm_quantize_team(s->mid, L->norm_mlp, L, N, s->h, &s->xd);
+    const int Ns[2] = {L->I, L->I};
+    float *gu[2] = {s->g, s->u};
+    specdec_linears_team(2, L->kind + WG, L->w + WG, L->bias + WG, Ns, &s->xd, N, gu, NULL);
+    /* the activation in 1024-float pieces, so one row's is shared among the threads */
+    const int pieces = (L->I + 1023) / 1024;
+    #pragma omp for schedule(static)
+    for (int task = 0; task < N * pieces; task++) {
+        const int r = task / pieces, p = task % pieces, i0 = p * 1024, n = L->I - i0 < 1024 ? L->I - i0 : 1024;
+        const size_t o = (size_t)r * L->I + i0;
+        silu_mul(s->g + o, s->u + o, n, s->h + o);
+    }
+    specdec_quantize_team(s->h, N, L->I, &s->xi);
+    float *y[1] = {out};
+    const float *res2[1] = {s->mid};
+    specdec_linears_team(1, L->kind + WD, L->w + WD, L->bias + WD, &L->D, &s->xi, N, y, res2);
+}
+
+/* Where these steps can run: sizes the vector code handles. */
+static int supported(const specdec_layer_w *L) {
+    return L->D % 8 == 0 && L->I % 8 == 0 && L->Dh % 8 == 0 && L->Dh <= 512 && L->Hkv > 0 && L->H % L->Hkv == 0;
+}
+
+/* The whole layer: x, out [N, D] (out may not alias x); cos, sin [N, Dh]; A: the rows'
+ * attention (every row native), its caches' layer `layer`. Returns 0, -1 when memory ran
+ * out, -2 for sizes it does not handle. */
+int specdec_layer(const specdec_layer_w *L, const float *x, float *out, int N, const float *cos, const float *sin,
+                  const specdec_attn *A, int layer, int nthreads) {
+    if (!supported(L)) return -2;
+    scratch s;
+    if (scratch_alloc(&s, L, N) != 0) return -1;
+    const int HD = L->H * L->Dh, KD = L->Hkv * L->Dh;
+    float *q = malloc(sizeof(float) * (size_t)N * (HD + 2 * KD));
+    float *att = malloc(sizeof(float) * ((size_t)A->max_end + 8) * (size_t)nthreads);
+    if (!q || !att) {
+        free(q); free(att); scratch_free(&s);
+        return -1;
+    }
+    float *k = q + (size_t)N * HD, *v = k + (size_t)N * KD;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        qkv_team(L, x, N, cos, sin, q, k, v, &s);
+        specdec_attend_team(A, layer, q, k, v, N, L->H, L->Hkv, L->Dh, s.attn,
+                            att + ((size_t)A->max_end + 8) * (size_t)omp_get_thread_num());
+        out_team(L, x, s.attn, N, out, &s);
+    }
+    free(q); free(att); scratch_free(&s);
+    return 0;
+}
+
+/* The part before attention: q [N, H*Dh], k, v [N, Hkv*Dh] (rotated). */
+int specdec_layer_qkv(const specdec_layer_w *L, const float *x, int N, const float *cos, const float *sin, float *q,
+                      float *k, float *v, int nthreads) {
+    if (!supported(L)) return -2;
+    scratch s;
+    if (scratch_alloc(&s, L, N) != 0) return -1;
+    #pragma omp parallel num_threads(nthreads)
+    qkv_team(L, x, N, cos, sin, q, k, v, &s);
+    scratch_free(&s);
+    return 0;
+}
+
+/* The part after attention: attn [N, H*Dh] -> out [N, D]. */
+int specdec_layer_out(const specdec_layer_w *L, const float *x, const float *attn, float *out, int N, int nthreads) {
+    if (!supported(L)) return -2;
+    scratch s;
+    if (scratch_alloc(&s, L, N) != 0) return -1;
+    #pragma omp parallel num_threads(nthreads)
+    out_team(L, x, attn, N, out, &s);
+    scratch_free(&s);
+    return 0;
+}

@@ -1,0 +1,75 @@
+/* What the native sources share: the activation quantization, the q4k kernel's and the
+ * attention's "team" entry points (called by every thread of an enclosing OpenMP parallel
+ * region, work shared out with `omp for`, each ending in its barrier), and vector helpers.
+ * The exported specdec_* functions each open one parallel region around these; layer.c runs a
+ * whole decoder layer in one. */
+#ifndef SPECDEC_H
+#define SPECDEC_H
+#include <immintrin.h>
+#include <stdint.h>
+
+#define QK 256
+
+/* Activations quantized per row and 256-block (see kquant.c). */
+typedef struct {
+    int8_t *q;      /* [M, K] codes (K padded to whole blocks) */
+    float *a;       /* [M, nb] scales */
+    int32_t *o16;   /* [M, nb, 16] -32 * (sum of each 16 codes): the q6k offset */
+    int16_t *s32;   /* [M, nb, 8] sums of each 32 codes: the q4k min term */
+    int K, nb;
+} xquant;
+
+/* Scratch for M rows of K inputs; 0, or -1 when memory ran out (nothing then to free). */
+int specdec_xquant_alloc(xquant *xq, int M, int K);
+void specdec_xquant_free(xquant *xq);
+/* Row r of the activations (x: [K] floats) into xq. */
+void specdec_quantize_row(const float *x, int r, int K, xquant *xq);
+/* Team: rows 0..M-1 of x [M, K]. */
+void specdec_quantize_team(const float *x, int M, int K, xquant *xq);
+/* Team: y[i] [M, N[i]] = xq @ W_i^T + bias[i] (+ add[i], same shape, when add and add[i]). */
+void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, const float *const *bias,
+                          const int *N, const xquant *xq, int M, float *const *y, const float *const *add);
+
+/* One forward's row-by-row attention over a packed batch (see attention.c and
+ * native.SegmentAttention); k/v: per segment, the cache of layer 0, each layer `stride`
+ * floats further on. */
+typedef struct {
+    const int *seg, *t;     /* [N] per row: its segment, its row within the segment */
+    const int *start, *T, *cap;  /* per segment */
+    float *const *k, *const *v;
+    const int64_t *stride;  /* per segment: floats from one layer's cache to the next */
+    const uint8_t *const *mask;  /* per segment [T, start + T] (nonzero = may attend) or NULL */
+    float scale;
+    int max_end;
+} specdec_attn;
+
+/* Team: write the new rows' keys/values (knew, vnew [N, Hkv, D]; NULL: already there), then
+ * out [N, H, D] = attention of q [N, H, D]. scratch: this thread's max_end + 8 floats. */
+void specdec_attend_team(const specdec_attn *A, int layer, const float *q, const float *knew, const float *vnew,
+                         int N, int H, int Hkv, int D, float *out, float *scratch);
+
+static inline float specdec_hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x) for x <= 0 (Cephes-style range reduction and degree-5 polynomial, ~1 ulp). */
+static inline __m256 specdec_exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif

@@ -1,0 +1,105 @@
+"""A whole decoder layer in one native call (``csrc/layer.c``): the q4k mode's decoding path.
+
+In the q4k mode a one-token pass is a few dozen matrix-kernel calls, and around each the
+framework ran norms, rotary, residual adds, casts and slicing: over a thousand small
+operations per pass, each with its own dispatch and thread start, several milliseconds in all
+(more than the attention). Here each Llama/Qwen2-style layer is one call that runs norm,
+projections, rotary, attention, residual and MLP in one parallel region of the native
+library. Every step is per row, so results stay batch-invariant and equal across the kernel
+builds; rows whose attention the framework runs (long prefill, mixed batches) go through the
+same native steps before and after it (`specdec_layer_qkv`, `specdec_layer_out`), so a row's
+bits do not depend on how its batch was made up.
+
+Layers it does not cover (Gemma 3's sandwich and offset norms, q/k norms, GELU) keep the
+framework path; a model uses one path for all its forwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kquant import KQuantKernel
+from .native import SegmentAttention
+
+if TYPE_CHECKING:
+    from .config import ModelArgs
+    from .transformer import Block
+
+_N = 7  # q, k, v, o, gate, up, down (csrc/layer.c's order)
+
+
+class _LayerStruct(ctypes.Structure):
+    """csrc/layer.c's specdec_layer_w."""
+
+    _fields_ = [("kind", ctypes.c_int * _N), ("w", ctypes.c_void_p * _N), ("bias", ctypes.c_void_p * _N),
+                ("norm_attn", ctypes.c_void_p), ("norm_mlp", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("D", ctypes.c_int), ("H", ctypes.c_int), ("Hkv", ctypes.c_int), ("Dh", ctypes.c_int),
+                ("I", ctypes.c_int)]  # fmt: skip
+
+
+def _kernels(block: Block) -> list[object]:
+    a, m = block.self_attn, block.mlp
+    return [lin.kernel for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)]
+
+
+def supported(block: Block, args: ModelArgs) -> bool:
+    """Whether csrc/layer.c computes this block: a pre-norm Llama/Qwen2 layer (plain RMSNorm,
+    SiLU MLP, no q/k norms) over q4k kernels of one build, float32, sizes its vector code takes."""
+    kernels = _kernels(block)
+    return (
+        all(isinstance(k, KQuantKernel) for k in kernels) and len({k.lib._name for k in kernels}) == 1  # type: ignore[union-attr]
+        and not args.sandwich_norm and not args.qk_norm and not args.norm_offset and args.activation != "gelu_tanh"
+        and block.input_layernorm.weight.dtype == torch.float32
+        and args.dim % 8 == 0 and args.intermediate_size % 8 == 0 and args.head_dim % 8 == 0 and args.head_dim <= 512
+    )  # fmt: skip
+
+
+class NativeLayer:
+    """Runs `block` (a supported one) through csrc/layer.c."""
+
+    def __init__(self, block: Block, args: ModelArgs) -> None:
+        kernels: list[KQuantKernel] = _kernels(block)  # type: ignore[assignment]
+        self.block, self.lib = block, kernels[0].lib
+        self.H, self.Hkv, self.Dh, self.D = args.n_heads, args.n_kv_heads, args.head_dim, args.dim
+        self.struct = _LayerStruct(
+            (ctypes.c_int * _N)(*[k.kind for k in kernels]),
+            (ctypes.c_void_p * _N)(*[k.weight.data_ptr() for k in kernels]),
+            (ctypes.c_void_p * _N)(*[None if k.bias is None else k.bias.data_ptr() for k in kernels]),
+            block.input_layernorm.weight.data_ptr(), block.post_attention_layernorm.weight.data_ptr(),
+            args.norm_eps, args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size,
+        )  # fmt: skip
+        self._ref = ctypes.byref(self.struct)
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [1, N, D] float32: the packed rows entering the layer
+        rope: tuple[torch.Tensor, torch.Tensor],  # ([1, N, 1, Dh], [1, N, 1, Dh]) see transformer.Rotary.tables
+        layer: int,
+        native: SegmentAttention | None,  # every row's attention, when it all runs natively
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],  # else: q, k, v -> out
+    ) -> torch.Tensor:  # [1, N, D]
+        x = x.contiguous()
+        N = x.shape[1]
+        cos, sin = (t.contiguous() for t in rope)
+        out = torch.empty_like(x)
+        threads = torch.get_num_threads()
+        if native is not None:
+            rc = self.lib.specdec_layer(self._ref, x.data_ptr(), out.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
+                                        ctypes.byref(native.struct), layer, threads)  # fmt: skip
+        else:
+            q = torch.empty(1, N, self.H, self.Dh)
+            k, v = torch.empty(1, N, self.Hkv, self.Dh), torch.empty(1, N, self.Hkv, self.Dh)
+            rc = self.lib.specdec_layer_qkv(self._ref, x.data_ptr(), N, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                                            k.data_ptr(), v.data_ptr(), threads)  # fmt: skip
+            if rc == 0:
+                o = attend(q, k, v).contiguous()  # [1, N, H, Dh]
+                rc = self.lib.specdec_layer_out(self._ref, x.data_ptr(), o.data_ptr(), out.data_ptr(), N, threads)
+        if rc == -1:
+            raise MemoryError("the native layer could not allocate its scratch buffers")
+        if rc != 0:
+            raise RuntimeError(f"the native layer refused layer {layer} (code {rc}); please report this")
+        return out

@@ -1,0 +1,129 @@
+"""The native decoder layer (specdec.model.fused, csrc/layer.c): the q4k mode's whole layer in one
+call. It must compute what the framework layer computes (up to float rounding, which the int8
+activation rounding can turn into a code step here and there), keep batch invariance, give the
+same bits in every kernel build, and give a row the same bits whether its batch attends natively
+or partly through the framework."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.model import kquant as kq
+from specdec.model import load_transformer, native
+from specdec.model.transformer import Segment
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the q4k kernel cannot be built on this machine")
+
+FUSED_ARCHS = ["llama", "qwen2"]  # Gemma 3's layer (sandwich norms, q/k norms, GELU) keeps the framework path
+
+
+def _model(tiny_dir, arch):
+    return load_transformer(tiny_dir(arch), dtype="q4k", device="cpu")
+
+
+def _layers(model, tokens, on: bool) -> dict[int, torch.Tensor]:
+    model.set_native_layers(on)
+    try:
+        cache = model.new_cache(tokens.shape[1] + 4)
+        n = model.args.n_layers
+        return model(tokens, cache, output_layers=tuple(range(n))).layers
+    finally:
+        model.set_native_layers(True)
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_native_layer_computes_the_framework_layer(tiny_dir, arch):
+    model = _model(tiny_dir, arch)
+    assert all(b.native is not None for b in model.model.layers)
+    tokens = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    ours, theirs = _layers(model, tokens, True), _layers(model, tokens, False)
+    for i in ours:
+        rows = (ours[i] - theirs[i]).abs().amax(-1)[0]  # [T] per-row difference
+        scale = float(theirs[i].abs().max())
+        # rounding-level almost everywhere; an activation code that rounds the other way moves a row a little
+        assert float(rows.median()) <= 1e-5 * scale, (i, rows)
+        assert float(rows.max()) <= 2e-2 * scale, (i, rows)
+
+
+def test_the_comparison_catches_a_wrong_layer(tiny_dir):
+    """Negative control: the same check fails when the native layer skips the rotary step
+    (tables of cos = 1, sin = 0 handed to it only)."""
+    model = _model(tiny_dir, "llama")
+    tokens = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    theirs = _layers(model, tokens, False)
+    block = model.model.layers[0]
+    real = block.native
+
+    def no_rotary(x, rope, layer, nat, attend):
+        cos, sin = rope
+        return real(x, (torch.ones_like(cos), torch.zeros_like(sin)), layer, nat, attend)
+
+    block.native = no_rotary
+    try:
+        cache = model.new_cache(16)
+        ours = model(tokens, cache, output_layers=(0,)).layers[0]
+    finally:
+        block.native = real
+    rows = (ours - theirs[0]).abs().amax(-1)[0]
+    assert float(rows.median()) > 1e-5 * float(theirs[0].abs().max())
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_native_layers_are_batch_invariant(tiny_dir, arch, monkeypatch):
+    from helpers import verify_vs_decode
+
+    monkeypatch.setattr(kq, "REQUANTIZE", kq.Q4K)
+    model = _model(tiny_dir, arch)
+    for k in (1, 3, 8, 9, 17):
+        together, alone = verify_vs_decode(model, prompt_len=9, k=k, seed=k)
+        assert torch.equal(together, alone), k
+
+
+def test_a_row_gets_the_same_bits_beside_a_framework_prefill(tiny_dir):
+    """One sequence's decode rows, alone (all native) and packed with another sequence's long
+    prefill (whose attention runs through the framework: the layer then runs in two native
+    calls around it), are bitwise equal."""
+    model = _model(tiny_dir, "qwen2")
+    g = torch.Generator().manual_seed(3)
+    prompt, rows = torch.randint(0, model.args.vocab_size, (7,), generator=g), torch.randint(0, model.args.vocab_size, (4,), generator=g)
+    long = torch.randint(0, model.args.vocab_size, (80,), generator=g)  # > ROW_ATTENTION_MAX
+
+    def decode(with_prefill: bool) -> torch.Tensor:
+        cache = model.new_cache(16)
+        model(prompt[None], cache)
+        segs = [Segment(rows, cache)]
+        if with_prefill:
+            segs.append(Segment(long, model.new_cache(90)))
+        return model.forward_batch(segs)[0].logits
+
+    assert torch.equal(decode(False), decode(True))
+
+
+def test_every_build_gives_the_same_forward(tiny_dir):
+    """The native layer's float steps are the same operations in the AVX2 and AVX-512 builds:
+    a whole forward (prefill and a 5-row pass) gives the same logits bitwise."""
+    flags = native._cpu_flags()
+    if not native._AVX512_NEEDS <= flags:
+        pytest.skip("this CPU runs only the AVX2 build")
+    model = _model(tiny_dir, "qwen2")
+    kernels = [m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), kq.KQuantKernel)]
+    g = torch.Generator().manual_seed(5)
+    prompt, rows = torch.randint(0, model.args.vocab_size, (1, 70), generator=g), torch.randint(0, model.args.vocab_size, (1, 5), generator=g)
+    outs = []
+    for build in (native.AVX2, native.AVX512):
+        for k in kernels:
+            k.lib, k._calls = native._library(build), {}
+        assert model.set_native_layers(True)
+        cache = model.new_cache(80)
+        outs.append((model(prompt, cache).logits, model(rows, cache).logits))
+    for k in kernels:
+        k.lib, k._calls = native.library(), {}
+    model.set_native_layers(True)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_gemma_keeps_the_framework_layer(tiny_dir):
+    model = _model(tiny_dir, "gemma3")
+    assert not model.set_native_layers(True)
+    assert all(b.native is None for b in model.model.layers)
