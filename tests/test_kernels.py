@@ -181,3 +181,44 @@ def test_info_reports_the_machine_and_the_kernel_path():
     text = subprocess.run([sys.executable, "-m", "specdec.cli", "info", "--no-bandwidth"], capture_output=True,
                           text=True).stdout  # fmt: skip
     assert "native kernels:" in text and "default precision mode" in text
+
+
+def test_bench_forward_sets_q4k_passes_against_the_roofline(tiny_dir, monkeypatch):
+    """The q4k mode's passes come with their floors: bytes are the packed weights plus the cache
+    read, multiply-adds grow with k, floor = max(memory, compute) from the probed machine, and
+    the table prints it (speed is never asserted)."""
+    from specdec.bench import roofline
+    from specdec.model import load_transformer, native
+    from specdec.model.kquant import KQuantKernel
+
+    if not native.available():
+        pytest.skip("the q4k kernel cannot be built on this machine")
+    machine = roofline.Machine(bandwidth_gbs=10.0, mac_rate_g=5.0, build="avx2", threads=1)
+    monkeypatch.setattr(roofline, "probe", lambda: machine)  # the real probes take a second; tested below
+    out = bench_forward.run(str(tiny_dir("llama")), modes=["q4k"], context=16, ks=(1, 8), repeats=1, device="cpu",
+                            progress=lambda s: None)  # fmt: skip
+    roof = out["modes"]["q4k"]["roofline"]
+    model = load_transformer(tiny_dir("llama"), dtype="q4k", device="cpu")
+    packed = sum(m.kernel.weight.numel() for m in model.modules() if isinstance(getattr(m, "kernel", None), KQuantKernel))
+    a = model.args
+    for k in ("1", "8"):
+        p = roof["ks"][k]["pass"]
+        kv = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4 * (16 + int(k))
+        assert p["bytes"] == packed + kv
+        assert p["memory_ms"] == pytest.approx(p["bytes"] / 10e9 * 1e3)
+        assert p["compute_ms"] == pytest.approx(p["macs"] / 5e9 * 1e3)
+        assert p["floor_ms"] == max(p["memory_ms"], p["compute_ms"])
+        assert p["achieved_over_floor"] == pytest.approx(out["modes"]["q4k"]["ms"][k] / p["floor_ms"])
+    assert roof["ks"]["8"]["pass"]["macs"] == 8 * roof["ks"]["1"]["pass"]["macs"] > 0
+    assert roof["ks"]["8"]["head"]["bytes"] == model.lm_head.kernel.weight.numel()
+    assert "floor" in bench_forward.table(out) and "10.0 GB/s" in bench_forward.table(out)
+
+
+def test_roofline_probes_measure_something():
+    from specdec.bench import roofline
+    from specdec.model import native
+
+    if not native.available():
+        pytest.skip("the native kernels cannot be built on this machine")
+    m = roofline.probe(threads=1, mib=32, rounds=1)
+    assert m.bandwidth_gbs > 0.1 and m.mac_rate_g > 0.1 and m.build == native.build_name()

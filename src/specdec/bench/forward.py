@@ -4,7 +4,9 @@ For each precision/kernel mode the model is loaded, a prompt of `context` tokens
 prefilled, and a pass over k new tokens (k = 1, 2, 4, 8, 16) is timed repeatedly on top of
 it (the cache is rolled back between repeats, as a rejected draft would be). Each mode is
 also checked for batch invariance: are the logits of one k-token pass bitwise equal to those
-of k one-token passes?
+of k one-token passes? The q4k mode's passes are set against this machine's roofline (see
+`roofline`): each k's floor max(bytes / bandwidth, multiply-adds / rate), for the whole pass,
+the LM head and the attention.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..metrics import timer
 from ..model.kernels import MODES
 from ..model.load import load_transformer
 from ..model.transformer import Transformer
+from . import roofline
 
 KS = (1, 2, 4, 8, 16)
 
@@ -32,11 +35,15 @@ class ModeResult:
     ms: dict[int, float] = field(default_factory=dict)  # k -> median ms per pass
     batch_invariant: bool = False
     max_abs_diff: float = 0.0  # k-token pass vs one-token passes, logits
+    roofline: dict[str, Any] | None = None  # q4k: per k, the pass and its parts against their floors
 
     def to_dict(self) -> dict[str, Any]:
         ms = {str(k): v for k, v in self.ms.items()}
-        return {"ms": ms, "batch_invariant": self.batch_invariant, "max_abs_diff": self.max_abs_diff,
-                "ratio_k8_k1": _ratio_k8_k1(ms)}  # fmt: skip
+        out = {"ms": ms, "batch_invariant": self.batch_invariant, "max_abs_diff": self.max_abs_diff,
+               "ratio_k8_k1": _ratio_k8_k1(ms)}  # fmt: skip
+        if self.roofline is not None:
+            out["roofline"] = self.roofline
+        return out
 
 
 def _ratio_k8_k1(ms: dict[str, float]) -> float | None:
@@ -47,13 +54,17 @@ def _tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, min(vocab, 30000), (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats: int) -> ModeResult:
+def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats: int,
+              machine: roofline.Machine | None = None) -> ModeResult:  # fmt: skip
+    """`machine`: the roofs to set the passes against (q4k only)."""
     dev = model.device
     prompt = _tokens(context, model.args.vocab_size, 0).to(dev)
     new = _tokens(max(ks), model.args.vocab_size, 1).to(dev)
     cache = model.new_cache(context + max(ks))
     model(prompt, cache, last_only=True)
     result = ModeResult(model.mode)
+    heads: dict[int, float] = {}
+    attns: dict[int, float] = {}
     for k in ks:
         times = []
         for r in range(repeats + 1):  # the first run warms up this shape
@@ -63,6 +74,10 @@ def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats:
             if r:
                 times.append(t[0] * 1e3)
         result.ms[k] = statistics.median(times)
+        if machine is not None:
+            heads[k], attns[k] = roofline.parts(model, cache, context, k, repeats)
+    if machine is not None:
+        result.roofline = roofline.rows(model, machine, result.ms, heads, attns, context)
     # Batch invariance: one 8-token pass vs eight 1-token passes over the same prefix.
     cache.truncate(context)
     together = model(new[:, :8], cache).logits
@@ -110,10 +125,15 @@ def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] 
         device: str | None = None, progress=print, gguf: Path | None = None) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {"context": context, "ks": list(ks), "repeats": repeats,
                            "threads": torch.get_num_threads(), "torch": torch.__version__, "modes": {}}  # fmt: skip
+    machine = None
     for mode in modes:
         model = load_transformer(path, dtype=mode, device=device)
+        if mode == "q4k" and machine is None:
+            progress("measuring this machine's roofline (streaming read, dot products) ...")
+            machine = roofline.probe()
         progress(f"timing {mode} ...")
-        out["modes"][mode] = time_mode(model, context=context, ks=ks, repeats=repeats).to_dict()
+        out["modes"][mode] = time_mode(model, context=context, ks=ks, repeats=repeats,
+                                       machine=machine if mode == "q4k" else None).to_dict()  # fmt: skip
         out["device"] = str(model.device)
         del model
         gc.collect()
@@ -142,7 +162,9 @@ def table(result: dict[str, Any]) -> str:
                      + (f"{peer['ratio_k8_k1']:8.2f}" if peer["ratio_k8_k1"] else "") + f"  (peer, {peer['gguf']})")  # fmt: skip
     k = result.get("kernels") or {}
     where = f"; {result['cpu']}, native kernels {k.get('build') or 'unavailable'}: {k.get('why', '')}" if k else ""
-    return "\n".join(lines) + f"\n(ms per target forward, median{where})"
+    text = "\n".join(lines) + f"\n(ms per target forward, median{where})"
+    roof = (result["modes"].get("q4k") or {}).get("roofline")
+    return text + "\n\n" + roofline.table(roof) if roof else text
 
 
 def default_modes(device: torch.device) -> list[str]:

@@ -600,16 +600,19 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
         const void *wt = (const char *)w[i] + (size_t)(t - first[i]) * tile_bytes;
         const int n0 = (t - first[i]) * TILE, nv = N[i] - n0 < TILE ? N[i] - n0 : TILE;
         const float *res = add ? add[i] : NULL;
+        /* rows split evenly over the sweeps of the tile (9 rows: 5 + 4, not 8 + 1), so every
+         * sweep carries enough rows to hide the weights' memory time */
 #ifdef SPECDEC_AMX
-        const int step = amx_on && M >= AMX_MIN_ROWS ? AMX_ROWS : MAXRB;
+        const int most = amx_on && M >= AMX_MIN_ROWS ? AMX_ROWS : MAXRB;
 #else
-        const int step = MAXRB;
+        const int most = MAXRB;
 #endif
+        const int sweeps = (M + most - 1) / most, step = (M + sweeps - 1) / sweeps;
         for (int r0 = 0; r0 < M; r0 += step) {
             const int rb = M - r0 < step ? M - r0 : step;
             float out[AMX_OUT_ROWS][TILE];
 #ifdef SPECDEC_AMX
-            if (step == AMX_ROWS) {
+            if (most == AMX_ROWS) {
                 if (kinds[i] == 4) amx_tile_q4k((const tile_q4k *)wt, xq, r0, rb, out);
                 else amx_tile_q6k((const tile_q6k *)wt, xq, r0, rb, out);
             } else
