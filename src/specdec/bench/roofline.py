@@ -41,14 +41,14 @@ def probe(threads: int | None = None, mib: int = 256, rounds: int = 5) -> Machin
     """Measure this machine's roofs with the kernel build `native.dispatch` picks."""
     lib = native.library()
     threads = threads or torch.get_num_threads()
-    buf = torch.ones(mib << 20, dtype=torch.uint8)  # touched, so its pages exist
+    buf = torch.ones(mib << 20, dtype=torch.uint8)  # touched, so its pages exist (4 KB, as the weights')
     best_bw = 0.0
     for _ in range(rounds):
         t0 = time.perf_counter()
         lib.specdec_stream_read(buf.data_ptr(), buf.numel(), threads)
         best_bw = max(best_bw, buf.numel() / (time.perf_counter() - t0))
     del buf
-    steps = 400_000  # ~25 M dot products per thread, tens of milliseconds
+    steps = 1_000_000  # 16 M dot products per thread: a large fraction of a second
     best_rate = 0.0
     for seed in range(rounds):
         t0 = time.perf_counter()
