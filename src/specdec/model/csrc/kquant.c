@@ -622,13 +622,18 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
             } else {
                 DISPATCH(tile_dot_q6k, (const tile_q6k *)wt, xq, r0, rb, out);
             }
+            /* y = out + bias, plus a residual connection (x + layer(x)) where given: one
+             * branch-free loop per case, which the compiler vectorizes (elementwise, so the
+             * same bits at any vector width) */
+            const float *bi = bias[i] ? bias[i] + n0 : NULL;
             for (int r = 0; r < rb; r++) {
                 const size_t row = (size_t)(r0 + r) * N[i] + n0;
                 float *yr = y[i] + row;
-                for (int o = 0; o < nv; o++) {
-                    const float v = bias[i] ? out[r][o] + bias[i][n0 + o] : out[r][o];
-                    yr[o] = res ? res[row + o] + v : v;  /* a residual connection: x + layer(x) */
-                }
+                const float *o_ = out[r], *rr = res ? res + row : NULL;
+                if (bi && rr) for (int o = 0; o < nv; o++) yr[o] = rr[o] + (o_[o] + bi[o]);
+                else if (bi) for (int o = 0; o < nv; o++) yr[o] = o_[o] + bi[o];
+                else if (rr) for (int o = 0; o < nv; o++) yr[o] = rr[o] + o_[o];
+                else memcpy(yr, o_, sizeof(float) * (size_t)nv);
             }
         }
     }
