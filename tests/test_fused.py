@@ -55,9 +55,9 @@ def test_the_comparison_catches_a_wrong_layer(tiny_dir):
     block = model.model.layers[0]
     real = block.native
 
-    def no_rotary(x, rope, layer, nat, attend):
+    def no_rotary(x, rope, layer, nat, attend, scratch):
         cos, sin = rope
-        return real(x, (torch.ones_like(cos), torch.zeros_like(sin)), layer, nat, attend)
+        return real(x, (torch.ones_like(cos), torch.zeros_like(sin)), layer, nat, attend, scratch)
 
     block.native = no_rotary
     try:

@@ -81,25 +81,39 @@ class NativeLayer:
         layer: int,
         native: SegmentAttention | None,  # every row's attention, when it all runs natively
         attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],  # else: q, k, v -> out
+        scratch: Scratch,
     ) -> torch.Tensor:  # [1, N, D]
         x = x.contiguous()
         N = x.shape[1]
         cos, sin = (t.contiguous() for t in rope)
         out = torch.empty_like(x)
         threads = torch.get_num_threads()
+        max_end = native.struct.max_end if native is not None else 0
+        buf = scratch.ptr(self.lib.specdec_layer_scratch(self._ref, N, max_end, threads))
         if native is not None:
             rc = self.lib.specdec_layer(self._ref, x.data_ptr(), out.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
-                                        ctypes.byref(native.struct), layer, threads)  # fmt: skip
+                                        ctypes.byref(native.struct), layer, buf, threads)  # fmt: skip
         else:
             q = torch.empty(1, N, self.H, self.Dh)
             k, v = torch.empty(1, N, self.Hkv, self.Dh), torch.empty(1, N, self.Hkv, self.Dh)
             rc = self.lib.specdec_layer_qkv(self._ref, x.data_ptr(), N, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                                            k.data_ptr(), v.data_ptr(), threads)  # fmt: skip
+                                            k.data_ptr(), v.data_ptr(), buf, threads)  # fmt: skip
             if rc == 0:
                 o = attend(q, k, v).contiguous()  # [1, N, H, Dh]
-                rc = self.lib.specdec_layer_out(self._ref, x.data_ptr(), o.data_ptr(), out.data_ptr(), N, threads)
-        if rc == -1:
-            raise MemoryError("the native layer could not allocate its scratch buffers")
+                rc = self.lib.specdec_layer_out(self._ref, x.data_ptr(), o.data_ptr(), out.data_ptr(), N, buf, threads)
         if rc != 0:
             raise RuntimeError(f"the native layer refused layer {layer} (code {rc}); please report this")
         return out
+
+
+class Scratch:
+    """The native layers' working memory, kept by the model between forwards and grown as
+    needed: fresh memory each call would cost page faults each call."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def ptr(self, nbytes: int) -> int:
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(max(nbytes, self._buf.numel() * 3 // 2), dtype=torch.uint8)
+        return self._buf.data_ptr()

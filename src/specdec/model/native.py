@@ -214,12 +214,14 @@ def _library(variant: str) -> ctypes.CDLL:
     lib.specdec_amx_enable.restype = c_int
     lib.specdec_attend.argtypes = [c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_int, c_int, c_int, c_int, c_ptr, c_int]
     lib.specdec_attend.restype = c_int
-    lib.specdec_layer.argtypes = [c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_int, c_int]
+    lib.specdec_layer.argtypes = [c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_int]
     lib.specdec_layer.restype = c_int
-    lib.specdec_layer_qkv.argtypes = [c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
+    lib.specdec_layer_qkv.argtypes = [c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
     lib.specdec_layer_qkv.restype = c_int
-    lib.specdec_layer_out.argtypes = [c_ptr, c_ptr, c_ptr, c_ptr, c_int, c_int]
+    lib.specdec_layer_out.argtypes = [c_ptr, c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_int]
     lib.specdec_layer_out.restype = c_int
+    lib.specdec_layer_scratch.argtypes = [c_ptr, c_int, c_int, c_int]
+    lib.specdec_layer_scratch.restype = ctypes.c_int64
     lib.specdec_stream_read.argtypes = [c_ptr, ctypes.c_int64, c_int]
     lib.specdec_stream_read.restype = ctypes.c_int64
     lib.specdec_dot_rate.argtypes = [ctypes.c_int64, c_int, c_int]

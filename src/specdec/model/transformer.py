@@ -200,6 +200,7 @@ class Transformer(nn.Module):
         self.model = Decoder(args)
         self.lm_head = Linear(args.dim, args.vocab_size)
         self._rotary: dict[bool, Rotary] = {}
+        self._scratch = fused.Scratch()  # the native layers' working memory (see `fused`)
         self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
         self.source_dir: Path | None = None  # the model directory it was loaded from (set by the loader)
 
@@ -370,7 +371,7 @@ class Transformer(nn.Module):
             block = self.model.layers[i]
             rope = ropes.get(block.sliding, ropes[False])
             if block.native is not None:
-                x = block.native(x, rope, i, attend.all_native(block.sliding), attend.layer(i, block.sliding))
+                x = block.native(x, rope, i, attend.all_native(block.sliding), attend.layer(i, block.sliding), self._scratch)
             else:
                 x = block(x, rope, attend.layer(i, block.sliding))
             if i in output_layers:

@@ -41,35 +41,47 @@ typedef struct {
     int D, H, Hkv, Dh, I;
 } specdec_layer_w;
 
-/* Scratch of one call, for N rows. */
+/* Scratch of one call, for N rows: carved from one buffer the caller keeps between calls
+ * (fresh memory every call would be page faults every call). */
 typedef struct {
     xquant xd, xo, xi;  /* quantized activations: [N, D], [N, H*Dh], [N, I] */
     float *h;           /* [N, max(D, I)] a normed / activated row before quantizing */
     float *mid;         /* [N, D] x after attention */
     float *g, *u;       /* [N, I] */
     float *attn;        /* [N, H*Dh] */
+    float *qkv;         /* [N, (H + 2 Hkv) * Dh] (the whole-layer call) */
+    float *att;         /* per thread: max_end + 8 attention scores (the whole-layer call) */
 } scratch;
 
-static void scratch_free(scratch *s) {
-    specdec_xquant_free(&s->xd); specdec_xquant_free(&s->xo); specdec_xquant_free(&s->xi);
-    free(s->h); free(s->mid); free(s->g); free(s->u); free(s->attn);
-}
-
-static int scratch_alloc(scratch *s, const specdec_layer_w *L, int N) {
-    memset(s, 0, sizeof(*s));
-    const int wide = L->D > L->I ? L->D : L->I, HD = L->H * L->Dh;
-    int bad = specdec_xquant_alloc(&s->xd, N, L->D) | specdec_xquant_alloc(&s->xo, N, HD)
-              | specdec_xquant_alloc(&s->xi, N, L->I);
-    s->h = malloc(sizeof(float) * (size_t)N * wide);
-    s->mid = malloc(sizeof(float) * (size_t)N * L->D);
-    s->g = malloc(sizeof(float) * (size_t)N * L->I);
-    s->u = malloc(sizeof(float) * (size_t)N * L->I);
-    s->attn = malloc(sizeof(float) * (size_t)N * HD);
-    if (bad || !s->h || !s->mid || !s->g || !s->u || !s->attn) {
-        scratch_free(s);
-        return -1;
+/* Lay the scratch out from `base` (NULL: only count); returns the bytes it takes. */
+static size_t carve(scratch *s, const specdec_layer_w *L, int N, int max_end, int nthreads, char *base) {
+    size_t at = 0;
+#define TAKE(ptr, type, count)                                        \
+    do {                                                              \
+        (ptr) = base ? (type *)(base + at) : NULL;                    \
+        at += ((sizeof(type) * (size_t)(count) + 63) / 64) * 64;      \
+    } while (0)
+    const int ks[3] = {L->D, L->H * L->Dh, L->I};
+    xquant *xs[3] = {&s->xd, &s->xo, &s->xi};
+    for (int i = 0; i < 3; i++) {
+        xquant *x = xs[i];
+        x->nb = (ks[i] + QK - 1) / QK;
+        x->K = x->nb * QK;
+        TAKE(x->q, int8_t, (size_t)N * x->K);
+        TAKE(x->a, float, (size_t)N * x->nb);
+        TAKE(x->o16, int32_t, (size_t)N * x->nb * 16);
+        TAKE(x->s32, int16_t, (size_t)N * x->nb * 8);
     }
-    return 0;
+    const int wide = L->D > L->I ? L->D : L->I;
+    TAKE(s->h, float, (size_t)N * wide);
+    TAKE(s->mid, float, (size_t)N * L->D);
+    TAKE(s->g, float, (size_t)N * L->I);
+    TAKE(s->u, float, (size_t)N * L->I);
+    TAKE(s->attn, float, (size_t)N * L->H * L->Dh);
+    TAKE(s->qkv, float, (size_t)N * (L->H + 2 * L->Hkv) * L->Dh);
+    TAKE(s->att, float, ((size_t)max_end + 8) * (size_t)nthreads);
+#undef TAKE
+    return at;
 }
 
 /* out = x * (1 / sqrt(mean(x^2) + eps)) * w for one row of D floats (D a multiple of 8): the
@@ -165,52 +177,51 @@ static int supported(const specdec_layer_w *L) {
     return L->D % 8 == 0 && L->I % 8 == 0 && L->Dh % 8 == 0 && L->Dh <= 512 && L->Hkv > 0 && L->H % L->Hkv == 0;
 }
 
+/* Bytes of scratch a call over N rows needs (max_end: the attention's longest row, see
+ * specdec_attn; 0 for the split calls). */
+int64_t specdec_layer_scratch(const specdec_layer_w *L, int N, int max_end, int nthreads) {
+    scratch s;
+    return (int64_t)carve(&s, L, N, max_end, nthreads, NULL);
+}
+
 /* The whole layer: x, out [N, D] (out may not alias x); cos, sin [N, Dh]; A: the rows'
- * attention (every row native), its caches' layer `layer`. Returns 0, -1 when memory ran
- * out, -2 for sizes it does not handle. */
+ * attention (every row native), its caches' layer `layer`; buf: specdec_layer_scratch bytes.
+ * Returns 0, or -2 for sizes it does not handle. */
 int specdec_layer(const specdec_layer_w *L, const float *x, float *out, int N, const float *cos, const float *sin,
-                  const specdec_attn *A, int layer, int nthreads) {
+                  const specdec_attn *A, int layer, void *buf, int nthreads) {
     if (!supported(L)) return -2;
     scratch s;
-    if (scratch_alloc(&s, L, N) != 0) return -1;
+    carve(&s, L, N, A->max_end, nthreads, buf);
     const int HD = L->H * L->Dh, KD = L->Hkv * L->Dh;
-    float *q = malloc(sizeof(float) * (size_t)N * (HD + 2 * KD));
-    float *att = malloc(sizeof(float) * ((size_t)A->max_end + 8) * (size_t)nthreads);
-    if (!q || !att) {
-        free(q); free(att); scratch_free(&s);
-        return -1;
-    }
-    float *k = q + (size_t)N * HD, *v = k + (size_t)N * KD;
+    float *q = s.qkv, *k = q + (size_t)N * HD, *v = k + (size_t)N * KD;
     #pragma omp parallel num_threads(nthreads)
     {
         qkv_team(L, x, N, cos, sin, q, k, v, &s);
         specdec_attend_team(A, layer, q, k, v, N, L->H, L->Hkv, L->Dh, s.attn,
-                            att + ((size_t)A->max_end + 8) * (size_t)omp_get_thread_num());
+                            s.att + ((size_t)A->max_end + 8) * (size_t)omp_get_thread_num());
         out_team(L, x, s.attn, N, out, &s);
     }
-    free(q); free(att); scratch_free(&s);
     return 0;
 }
 
 /* The part before attention: q [N, H*Dh], k, v [N, Hkv*Dh] (rotated). */
 int specdec_layer_qkv(const specdec_layer_w *L, const float *x, int N, const float *cos, const float *sin, float *q,
-                      float *k, float *v, int nthreads) {
+                      float *k, float *v, void *buf, int nthreads) {
     if (!supported(L)) return -2;
     scratch s;
-    if (scratch_alloc(&s, L, N) != 0) return -1;
+    carve(&s, L, N, 0, nthreads, buf);
     #pragma omp parallel num_threads(nthreads)
     qkv_team(L, x, N, cos, sin, q, k, v, &s);
-    scratch_free(&s);
     return 0;
 }
 
 /* The part after attention: attn [N, H*Dh] -> out [N, D]. */
-int specdec_layer_out(const specdec_layer_w *L, const float *x, const float *attn, float *out, int N, int nthreads) {
+int specdec_layer_out(const specdec_layer_w *L, const float *x, const float *attn, float *out, int N, void *buf,
+                      int nthreads) {
     if (!supported(L)) return -2;
     scratch s;
-    if (scratch_alloc(&s, L, N) != 0) return -1;
+    carve(&s, L, N, 0, nthreads, buf);
     #pragma omp parallel num_threads(nthreads)
     out_team(L, x, attn, N, out, &s);
-    scratch_free(&s);
     return 0;
 }
