@@ -212,11 +212,14 @@ def test_grouped_layers_equal_separate_calls():
         assert torch.equal(together, alone)
 
 
-def test_native_attention_matches_sdpa_and_is_row_invariant():
+@pytest.mark.parametrize("H,Hkv,D", [(6, 2, 32), (14, 2, 64), (12, 2, 128), (9, 3, 24), (4, 4, 16)])
+def test_native_attention_matches_sdpa_and_is_row_invariant(H, Hkv, D):
     """Rows of one call equal separate one-row calls bitwise, and match the framework's
-    attention (GQA, causal, with and without a sliding-window mask) to float32 accuracy."""
+    attention (GQA, causal, with and without a sliding-window mask) to float32 accuracy; query
+    heads per key/value head that fill the kernel's groups of heads or not, head sizes with
+    and without a last half block."""
     g = torch.Generator().manual_seed(5)
-    B, T, H, Hkv, D, start, cap = 2, 6, 6, 2, 32, 9, 20
+    B, T, start, cap = 2, 6, 9, 20
     q = torch.randn(B, T, H, D, generator=g)
     k_cache, v_cache = torch.randn(B, Hkv, cap, D, generator=g), torch.randn(B, Hkv, cap, D, generator=g)
     end = start + T

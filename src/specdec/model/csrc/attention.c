@@ -9,7 +9,9 @@
  *
  * Per (row, head): s_j = scale * q.k_j (fixed-order dot product), m = max s_j,
  * e_j = exp(s_j - m) (a fixed polynomial), out = sum_j e_j v_j / sum_j e_j, keys in order.
- * Masked keys contribute exactly zero.
+ * Masked keys contribute exactly zero. The query heads of a row that share a key/value head
+ * (grouped-query attention) go through their keys together, a few at a time, so each key and
+ * value is read once for them; each head's numbers are computed as they would be alone.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -20,73 +22,90 @@
 
 #include "specdec.h"
 
-/* One query row against keys 0 .. n-1 of one head: s_j = scale * q.k_j, softmax, sum of
- * e_j v_j. Every row of every call goes through this function, so a row's result depends only
- * on its own query, keys and mask. s: scratch of at least n + 8 floats. */
-static void attend_row(const float *qv, const float *kb, const float *vb, int n, int D,
-                       const uint8_t *mrow, float scale, float *s, float *o) {
-    /* four keys at a time, each with its own accumulator (independent chains; every
-     * key's sum is the same sequence of operations) */
-    int j0 = 0;
-    for (; j0 + 4 <= n; j0 += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const float *k0 = kb + (size_t)j0 * D;
+#define HEADS SPECDEC_ATTN_HEADS
+
+/* Heads h0 .. h0+hb-1 of one query row (q: their rows, D floats apart), which share one key/value
+ * head, against keys 0 .. n-1: s_h = scores, softmax, o_h = sum_j e_hj v_j / sum_j e_hj.
+ * Each (head, key) score is the same sequence of operations (8-lane products over d in order,
+ * one horizontal sum, times scale), and each output element sums its keys in order, however
+ * many heads share the pass and whatever other rows the call has: a row's result depends on its
+ * own query, keys and mask only. s: hb rows of n + 8 floats. */
+static void attend_heads(const float *q, int hb, const float *kb, const float *vb, int n, int D,
+                         const uint8_t *mrow, float scale, float *s, float *o) {
+    const int ss = n + 8;
+    /* scores: two keys at a time, one accumulator per (head, key) */
+    for (int j = 0; j < n; j += 2) {
+        const int nk = j + 1 < n ? 2 : 1;
+        __m256 acc[HEADS][2];
+        for (int h = 0; h < hb; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+        const float *k0 = kb + (size_t)j * D, *k1 = k0 + (nk == 2 ? D : 0);
         for (int d = 0; d < D; d += 8) {
-            const __m256 qd = _mm256_loadu_ps(qv + d);
-            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + D + d), a1);
-            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 2 * D + d), a2);
-            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 3 * D + d), a3);
+            const __m256 kd0 = _mm256_loadu_ps(k0 + d), kd1 = _mm256_loadu_ps(k1 + d);
+            for (int h = 0; h < hb; h++) {
+                const __m256 qd = _mm256_loadu_ps(q + (size_t)h * D + d);
+                acc[h][0] = _mm256_fmadd_ps(qd, kd0, acc[h][0]);
+                acc[h][1] = _mm256_fmadd_ps(qd, kd1, acc[h][1]);
+            }
         }
-        s[j0] = specdec_hsum256(a0) * scale;
-        s[j0 + 1] = specdec_hsum256(a1) * scale;
-        s[j0 + 2] = specdec_hsum256(a2) * scale;
-        s[j0 + 3] = specdec_hsum256(a3) * scale;
+        for (int h = 0; h < hb; h++) {
+            s[(size_t)h * ss + j] = specdec_hsum256(acc[h][0]) * scale;
+            if (nk == 2) s[(size_t)h * ss + j + 1] = specdec_hsum256(acc[h][1]) * scale;
+        }
     }
-    for (; j0 < n; j0++) {
-        __m256 a0 = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 8)
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kb + (size_t)j0 * D + d), a0);
-        s[j0] = specdec_hsum256(a0) * scale;
+    /* per head: e_j = exp(s_j - m), masked keys exactly 0, and 1 / (their sum in a fixed order) */
+    float inv[HEADS];
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int h = 0; h < hb; h++) {
+        float *sh = s + (size_t)h * ss;
+        float m = -INFINITY;
+        for (int jj = 0; jj < n; jj++) {
+            if (mrow && !mrow[jj]) sh[jj] = -INFINITY;
+            m = sh[jj] > m ? sh[jj] : m;
+        }
+        if (m == -INFINITY) {  /* every key masked: nothing to attend to, the output is 0 */
+            memset(sh, 0, sizeof(float) * (size_t)n);
+            inv[h] = 0.0f;
+            continue;
+        }
+        const __m256 vm = _mm256_set1_ps(m);
+        int j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 sj = _mm256_loadu_ps(sh + j);
+            const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
+            _mm256_storeu_ps(sh + j, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
+        }
+        if (j < n) {
+            float tail[8];
+            for (int i = 0; i < 8; i++) tail[i] = j + i < n ? sh[j + i] : -INFINITY;
+            const __m256 sj = _mm256_loadu_ps(tail);
+            const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
+            _mm256_storeu_ps(tail, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
+            for (int i = 0; j + i < n; i++) sh[j + i] = tail[i];
+        }
+        float sum = 0.0f;
+        for (int jj = 0; jj < n; jj++) sum += sh[jj];
+        inv[h] = 1.0f / sum;
     }
-    float m = -INFINITY;
-    for (int jj = 0; jj < n; jj++) {
-        if (mrow && !mrow[jj]) s[jj] = -INFINITY;
-        m = s[jj] > m ? s[jj] : m;
+    /* o_h = (sum over keys, in order, of e_hj v_j) * inv_h, 16 output elements at a time */
+    for (int d = 0; d < D; d += 16) {
+        const int two = d + 8 < D;
+        __m256 acc[HEADS][2];
+        for (int h = 0; h < hb; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+        for (int jj = 0; jj < n; jj++) {
+            const float *vj = vb + (size_t)jj * D + d;
+            const __m256 v0 = _mm256_loadu_ps(vj), v1 = two ? _mm256_loadu_ps(vj + 8) : v0;
+            for (int h = 0; h < hb; h++) {
+                const __m256 e = _mm256_set1_ps(s[(size_t)h * ss + jj]);
+                acc[h][0] = _mm256_fmadd_ps(e, v0, acc[h][0]);
+                acc[h][1] = _mm256_fmadd_ps(e, v1, acc[h][1]);
+            }
+        }
+        for (int h = 0; h < hb; h++) {
+            const __m256 vi = _mm256_set1_ps(inv[h]);
+            _mm256_storeu_ps(o + (size_t)h * D + d, _mm256_mul_ps(acc[h][0], vi));
+            if (two) _mm256_storeu_ps(o + (size_t)h * D + d + 8, _mm256_mul_ps(acc[h][1], vi));
+        }
     }
-    if (m == -INFINITY) {  /* every key masked: nothing to attend to */
-        memset(o, 0, sizeof(float) * D);
-        return;
-    }
-    /* e_j = exp(s_j - m), masked keys exactly 0; the sum in a fixed order */
-    const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
-    int j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 sj = _mm256_loadu_ps(s + j);
-        const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
-        _mm256_storeu_ps(s + j, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
-    }
-    if (j < n) {
-        float tail[8];
-        for (int i = 0; i < 8; i++) tail[i] = j + i < n ? s[j + i] : -INFINITY;
-        const __m256 sj = _mm256_loadu_ps(tail);
-        const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
-        _mm256_storeu_ps(tail, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
-        for (int i = 0; j + i < n; i++) s[j + i] = tail[i];
-    }
-    float sum = 0.0f;
-    for (int jj = 0; jj < n; jj++) sum += s[jj];
-    const float inv = 1.0f / sum;
-    /* keys outer, so V streams through once; each output element still adds the keys in order */
-    memset(o, 0, sizeof(float) * D);
-    for (int jj = 0; jj < n; jj++) {
-        if (s[jj] == 0.0f) continue;  /* masked (or underflowed): adds nothing */
-        const __m256 e = _mm256_set1_ps(s[jj]);
-        const float *vj = vb + (size_t)jj * D;
-        for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(e, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(o + d)));
-    }
-    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), _mm256_set1_ps(inv)));
 }
 
 void specdec_attend_team(const specdec_attn *A, int layer, const float *q, const float *knew, const float *vnew,
@@ -104,15 +123,18 @@ void specdec_attend_team(const specdec_attn *A, int layer, const float *q, const
             }
         }
     }
+    /* a task: one row's query heads that share one key/value head, HEADS at a time */
+    const int chunks = (rep + HEADS - 1) / HEADS, per_row = Hkv * chunks;
     #pragma omp for schedule(static)
-    for (int task = 0; task < N * H; task++) {
-        const int h = task % H, r = task / H, s = A->seg[r], row = A->t[r];
-        const int end = A->start[s] + A->T[s];
-        const float *kb = A->k[s] + layer * A->stride[s] + (size_t)(h / rep) * A->cap[s] * D;
-        const float *vb = A->v[s] + layer * A->stride[s] + (size_t)(h / rep) * A->cap[s] * D;
+    for (int task = 0; task < N * per_row; task++) {
+        const int r = task / per_row, g = (task % per_row) / chunks, c = task % chunks;
+        const int h0 = g * rep + c * HEADS, hb = rep - c * HEADS < HEADS ? rep - c * HEADS : HEADS;
+        const int s = A->seg[r], row = A->t[r], end = A->start[s] + A->T[s];
+        const float *kb = A->k[s] + layer * A->stride[s] + (size_t)g * A->cap[s] * D;
+        const float *vb = A->v[s] + layer * A->stride[s] + (size_t)g * A->cap[s] * D;
         const uint8_t *mrow = A->mask[s] ? A->mask[s] + (size_t)row * end : NULL;
-        attend_row(q + ((size_t)r * H + h) * D, kb, vb, A->start[s] + row + 1, D, mrow, A->scale, scratch,
-                   out + ((size_t)r * H + h) * D);
+        attend_heads(q + ((size_t)r * H + h0) * D, hb, kb, vb, A->start[s] + row + 1, D, mrow, A->scale, scratch,
+                     out + ((size_t)r * H + h0) * D);
     }
 }
 
@@ -122,11 +144,11 @@ void specdec_attend_team(const specdec_attn *A, int layer, const float *q, const
  * out. */
 int specdec_attend(const specdec_attn *A, int layer, const float *q, const float *knew, const float *vnew, int N,
                    int H, int Hkv, int D, float *out, int nthreads) {
-    float *scratch = malloc(sizeof(float) * ((size_t)A->max_end + 8) * (size_t)nthreads);
+    const size_t per_thread = specdec_attend_scratch(A->max_end);
+    float *scratch = malloc(sizeof(float) * per_thread * (size_t)nthreads);
     if (!scratch) return -1;
     #pragma omp parallel num_threads(nthreads)
-    specdec_attend_team(A, layer, q, knew, vnew, N, H, Hkv, D, out,
-                        scratch + ((size_t)A->max_end + 8) * (size_t)omp_get_thread_num());
+    specdec_attend_team(A, layer, q, knew, vnew, N, H, Hkv, D, out, scratch + per_thread * (size_t)omp_get_thread_num());
     free(scratch);
     return 0;
 }

@@ -50,7 +50,7 @@ typedef struct {
     float *g, *u;       /* [N, I] */
     float *attn;        /* [N, H*Dh] */
     float *qkv;         /* [N, (H + 2 Hkv) * Dh] (the whole-layer call) */
-    float *att;         /* per thread: max_end + 8 attention scores (the whole-layer call) */
+    float *att;         /* per thread: attention scores (the whole-layer call) */
 } scratch;
 
 /* Lay the scratch out from `base` (NULL: only count); returns the bytes it takes. */
@@ -79,7 +79,7 @@ static size_t carve(scratch *s, const specdec_layer_w *L, int N, int max_end, in
     TAKE(s->u, float, (size_t)N * L->I);
     TAKE(s->attn, float, (size_t)N * L->H * L->Dh);
     TAKE(s->qkv, float, (size_t)N * (L->H + 2 * L->Hkv) * L->Dh);
-    TAKE(s->att, float, ((size_t)max_end + 8) * (size_t)nthreads);
+    TAKE(s->att, float, specdec_attend_scratch(max_end) * (size_t)nthreads);
 #undef TAKE
     return at;
 }
@@ -198,7 +198,7 @@ int specdec_layer(const specdec_layer_w *L, const float *x, float *out, int N, c
     {
         qkv_team(L, x, N, cos, sin, q, k, v, &s);
         specdec_attend_team(A, layer, q, k, v, N, L->H, L->Hkv, L->Dh, s.attn,
-                            s.att + ((size_t)A->max_end + 8) * (size_t)omp_get_thread_num());
+                            s.att + specdec_attend_scratch(A->max_end) * (size_t)omp_get_thread_num());
         out_team(L, x, s.attn, N, out, &s);
     }
     return 0;

@@ -43,8 +43,13 @@ typedef struct {
     int max_end;
 } specdec_attn;
 
+/* Query heads whose scores and sums share one pass over their keys (see attention.c), and the
+ * floats of attention scratch one thread needs. */
+#define SPECDEC_ATTN_HEADS 4
+static inline size_t specdec_attend_scratch(int max_end) { return SPECDEC_ATTN_HEADS * ((size_t)max_end + 8); }
+
 /* Team: write the new rows' keys/values (knew, vnew [N, Hkv, D]; NULL: already there), then
- * out [N, H, D] = attention of q [N, H, D]. scratch: this thread's max_end + 8 floats. */
+ * out [N, H, D] = attention of q [N, H, D]. scratch: this thread's specdec_attend_scratch floats. */
 void specdec_attend_team(const specdec_attn *A, int layer, const float *q, const float *knew, const float *vnew,
                          int N, int H, int Hkv, int D, float *out, float *scratch);
 
