@@ -194,7 +194,7 @@ def test_bench_forward_sets_q4k_passes_against_the_roofline(tiny_dir, monkeypatc
     if not native.available():
         pytest.skip("the q4k kernel cannot be built on this machine")
     machine = roofline.Machine(bandwidth_gbs=10.0, mac_rate_g=5.0, build="avx2", threads=1)
-    monkeypatch.setattr(roofline, "probe", lambda: machine)  # the real probes take a second; tested below
+    monkeypatch.setattr(roofline, "probe", lambda rounds: machine)  # the real probes take a second; tested below
     out = bench_forward.run(str(tiny_dir("llama")), modes=["q4k"], context=16, ks=(1, 8), repeats=1, device="cpu",
                             progress=lambda s: None)  # fmt: skip
     roof = out["modes"]["q4k"]["roofline"]
@@ -222,3 +222,12 @@ def test_roofline_probes_measure_something():
         pytest.skip("the native kernels cannot be built on this machine")
     m = roofline.probe(threads=1, mib=32, rounds=1)
     assert m.bandwidth_gbs > 0.1 and m.mac_rate_g > 0.1 and m.build == native.build_name()
+
+
+def test_the_roof_is_the_best_of_the_probes():
+    from specdec.bench import roofline
+
+    a = roofline.Machine(30.0, 200.0, "avx512", 2)
+    b = roofline.Machine(40.0, 150.0, "avx512", 2)
+    assert roofline.best(None, a) == a
+    assert roofline.best(a, b) == roofline.best(b, a) == roofline.Machine(40.0, 200.0, "avx512", 2)

@@ -55,8 +55,10 @@ def _tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats: int,
-              machine: roofline.Machine | None = None) -> ModeResult:  # fmt: skip
-    """`machine`: the roofs to set the passes against (q4k only)."""
+              roof: bool = False) -> ModeResult:  # fmt: skip
+    """`roof`: set the passes against this machine's roofline (q4k only). The probes run
+    beside each k's timing and the best of them is the roof: on a machine whose memory and
+    clock move from second to second, a floor from one early probe could be far off."""
     dev = model.device
     prompt = _tokens(context, model.args.vocab_size, 0).to(dev)
     new = _tokens(max(ks), model.args.vocab_size, 1).to(dev)
@@ -65,7 +67,10 @@ def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats:
     result = ModeResult(model.mode)
     heads: dict[int, float] = {}
     attns: dict[int, float] = {}
+    machine: roofline.Machine | None = None
     for k in ks:
+        if roof:
+            machine = roofline.best(machine, roofline.probe(rounds=3))
         times = []
         for r in range(repeats + 1):  # the first run warms up this shape
             cache.truncate(context)
@@ -74,7 +79,7 @@ def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats:
             if r:
                 times.append(t[0] * 1e3)
         result.ms[k] = statistics.median(times)
-        if machine is not None:
+        if roof:
             heads[k], attns[k] = roofline.parts(model, cache, context, k, repeats)
     if machine is not None:
         result.roofline = roofline.rows(model, machine, result.ms, heads, attns, context)
@@ -125,15 +130,11 @@ def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] 
         device: str | None = None, progress=print, gguf: Path | None = None) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {"context": context, "ks": list(ks), "repeats": repeats,
                            "threads": torch.get_num_threads(), "torch": torch.__version__, "modes": {}}  # fmt: skip
-    machine = None
     for mode in modes:
         model = load_transformer(path, dtype=mode, device=device)
-        if mode == "q4k" and machine is None:
-            progress("measuring this machine's roofline (streaming read, dot products) ...")
-            machine = roofline.probe()
-        progress(f"timing {mode} ...")
-        out["modes"][mode] = time_mode(model, context=context, ks=ks, repeats=repeats,
-                                       machine=machine if mode == "q4k" else None).to_dict()  # fmt: skip
+        roof = mode == "q4k"
+        progress(f"timing {mode}{' against the roofline (streaming read, dot products)' if roof else ''} ...")
+        out["modes"][mode] = time_mode(model, context=context, ks=ks, repeats=repeats, roof=roof).to_dict()
         out["device"] = str(model.device)
         del model
         gc.collect()

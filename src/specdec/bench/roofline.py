@@ -28,8 +28,8 @@ from ..model.transformer import Transformer
 
 @dataclass(frozen=True)
 class Machine:
-    """What the probes measured (best of several rounds: the floor is what the hardware can
-    give, not what it gave on average)."""
+    """What the probes measured (the best of their rounds, and of the probes of one run: the
+    floor is what the hardware can give, not what it gave on average)."""
 
     bandwidth_gbs: float  # streaming read, all threads
     mac_rate_g: float  # integer multiply-adds per second of the kernel build's dot product, all threads, 1e9
@@ -55,6 +55,13 @@ def probe(threads: int | None = None, mib: int = 256, rounds: int = 5) -> Machin
         macs = lib.specdec_dot_rate(steps, threads, seed)
         best_rate = max(best_rate, macs / (time.perf_counter() - t0))
     return Machine(best_bw / 1e9, best_rate / 1e9, native.build_name(), threads)
+
+
+def best(a: Machine | None, b: Machine) -> Machine:
+    """The higher roofs of two probes of one machine."""
+    if a is None:
+        return b
+    return Machine(max(a.bandwidth_gbs, b.bandwidth_gbs), max(a.mac_rate_g, b.mac_rate_g), b.build, b.threads)
 
 
 @dataclass(frozen=True)
