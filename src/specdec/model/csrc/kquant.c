@@ -139,7 +139,8 @@ static inline int32_t load4(const void *p) {
     return v;
 }
 
-/* Prefetching. One row is a pure stream, which the hardware prefetchers serve best alone. Over
+/* Prefetching. One row is a pure stream, which the hardware prefetchers serve best alone (in
+ * the 512-bit loop; the AVX2 loop reads each tile in two halves and one row gains too). Over
  * several rows the loop spends long enough on each tile-block that they fall behind, so each
  * block asks for the one PF_AHEAD blocks further on (the same tile, or the next tile this thread
  * takes: tiles lie back to back), into L2 (T1): far enough ahead to cover DRAM latency at full
@@ -149,7 +150,11 @@ static inline int32_t load4(const void *p) {
  * time instead of overlapping it. `specdec bench forward` shows how close a pass comes to
  * max(memory, compute). (Prefetches past the end of the weights never fault.) */
 #define PF_AHEAD 12
+#ifdef SPECDEC_AVX512
 #define PF_MIN_ROWS 2
+#else
+#define PF_MIN_ROWS 1  /* the AVX2 loop reads each tile in two halves: one row gains from the requests too */
+#endif
 static inline __attribute__((always_inline)) void prefetch_part(const void *t, size_t bytes, int part, int parts, int rows) {
     if (rows < PF_MIN_ROWS) return;
     const char *p = (const char *)t + PF_AHEAD * bytes;
