@@ -4,6 +4,10 @@
 - ``attention.c``: attention for chains of up to 64 new tokens, row by row in one call (the
   batch-invariant modes' decoding and verification path, several sequences at once; see
   `SegmentAttention`).
+- ``layer.c``: a whole Llama/Qwen2 decoder layer over the two above, in one parallel region
+  (see `fused`).
+- ``roofline.c``: the probes `specdec bench forward` sets the q4k passes against.
+- ``specdec.h``: what they share.
 
 The library is compiled at first use with the system C compiler (gcc, ~2 s) into the specdec
 cache, in an AVX2 build, an AVX-512 VNNI build where the CPU has AVX512-BW/VL/VNNI, or an

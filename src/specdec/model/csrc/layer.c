@@ -5,9 +5,9 @@
  *   a = attention(q, k, v)                  (row by row over each sequence's cache)
  *   x' = x + a Wo;  h' = rmsnorm(x') * w_mlp;  y = x' + (silu(h' Wg) * h' Wu) Wd
  *
- * What runs around the matrix kernels (norms, rotary, residual adds, the activation) costs a
- * few microseconds here, against dozens of framework operations per layer otherwise; and the
- * threads meet at barriers instead of starting a parallel region per operation.
+ * What runs around the matrix kernels (norms, rotary, residual adds, the activation) runs here
+ * rather than as dozens of framework operations per layer, and the threads meet at barriers
+ * instead of starting a parallel region per operation.
  *
  * Every step is per row (each row's norm, rotation, activation and quantization read that row
  * only; the matrix kernels and the attention are batch-invariant), so a row's result does not
@@ -24,7 +24,6 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "specdec.h"
