@@ -127,3 +127,33 @@ def test_gemma_keeps_the_framework_layer(tiny_dir):
     model = _model(tiny_dir, "gemma3")
     assert not model.set_native_layers(True)
     assert all(b.native is None for b in model.model.layers)
+
+
+def test_threads_running_one_model_at_once_get_their_own_results(tiny_dir):
+    """A server's worker and a caller of generate may run forwards of one model at the same
+    time (the native calls run without the GIL): each thread's rows must come out as they do
+    alone (each thread has its own scratch)."""
+    import threading
+
+    model = _model(tiny_dir, "qwen2")
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, model.args.vocab_size, (1, 40), generator=g) for _ in range(2)]
+
+    def run(tokens):
+        cache = model.new_cache(64)
+        return torch.cat([model(tokens[:, i : i + 8], cache).logits for i in range(0, 40, 8)], 1)
+
+    alone = [run(p) for p in prompts]
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def worker(n):
+        for _ in range(30):
+            got[n].append(run(prompts[n]))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n in (0, 1):
+        assert all(torch.equal(x, alone[n]) for x in got[n]), n

@@ -16,6 +16,7 @@ framework path; a model uses one path for all its forwards.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -107,12 +108,16 @@ class NativeLayer:
 
 class Scratch:
     """The native layers' working memory, kept by the model between forwards and grown as
-    needed: fresh memory each call would cost page faults each call."""
+    needed: fresh memory each call would cost page faults each call. One buffer per thread:
+    threads may run forwards of one model at once (a server's worker beside a caller of
+    `generate`), and the native calls run without the GIL."""
 
     def __init__(self) -> None:
-        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._per_thread = threading.local()
 
     def ptr(self, nbytes: int) -> int:
-        if self._buf.numel() < nbytes:
-            self._buf = torch.empty(max(nbytes, self._buf.numel() * 3 // 2), dtype=torch.uint8)
-        return self._buf.data_ptr()
+        buf: torch.Tensor | None = getattr(self._per_thread, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._per_thread.buf = torch.empty(max(nbytes, 0 if buf is None else buf.numel() * 3 // 2),
+                                                     dtype=torch.uint8)  # fmt: skip
+        return buf.data_ptr()
