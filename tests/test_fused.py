@@ -157,3 +157,21 @@ def test_threads_running_one_model_at_once_get_their_own_results(tiny_dir):
         t.join()
     for n in (0, 1):
         assert all(torch.equal(x, alone[n]) for x in got[n]), n
+
+
+def test_scratch_is_kept_per_thread_up_to_a_bound():
+    import threading
+
+    from specdec.model.fused import Scratch
+
+    s = Scratch()
+    a = s.buffer(1000)
+    assert s.buffer(500).data_ptr() == a.data_ptr() and a.numel() >= 1000  # kept and reused
+    assert s.buffer(2000).numel() >= 2000
+    big = s.buffer(Scratch.KEEP + 1)
+    assert big.numel() == Scratch.KEEP + 1 and s.buffer(10).numel() < Scratch.KEEP  # a big need is not kept
+    other: list[int] = []
+    t = threading.Thread(target=lambda: other.append(s.buffer(10).data_ptr()))
+    t.start()
+    t.join()
+    assert other[0] != s.buffer(10).data_ptr()  # another thread, another buffer

@@ -89,7 +89,8 @@ class NativeLayer:
         out = torch.empty_like(x)
         threads = torch.get_num_threads()
         max_end = native.struct.max_end if native is not None else 0
-        buf = scratch.ptr(self.lib.specdec_layer_scratch(self._ref, N, max_end, threads))
+        work = scratch.buffer(self.lib.specdec_layer_scratch(self._ref, N, max_end, threads))
+        buf = work.data_ptr()
         if native is not None:
             rc = self.lib.specdec_layer(self._ref, x.data_ptr(), out.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
                                         ctypes.byref(native.struct), layer, buf, threads)  # fmt: skip
@@ -115,9 +116,15 @@ class Scratch:
     def __init__(self) -> None:
         self._per_thread = threading.local()
 
-    def ptr(self, nbytes: int) -> int:
+    KEEP = 64 << 20  # bytes: larger needs (a long prefill's rows) get memory for that call only
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """At least `nbytes` of working memory for one call on this thread (keep the tensor
+        alive until the call returns)."""
+        if nbytes > self.KEEP:
+            return torch.empty(nbytes, dtype=torch.uint8)
         buf: torch.Tensor | None = getattr(self._per_thread, "buf", None)
         if buf is None or buf.numel() < nbytes:
-            buf = self._per_thread.buf = torch.empty(max(nbytes, 0 if buf is None else buf.numel() * 3 // 2),
-                                                     dtype=torch.uint8)  # fmt: skip
-        return buf.data_ptr()
+            size = min(self.KEEP, max(nbytes, 0 if buf is None else buf.numel() * 3 // 2))
+            buf = self._per_thread.buf = torch.empty(size, dtype=torch.uint8)
+        return buf
