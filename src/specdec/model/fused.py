@@ -73,6 +73,9 @@ class NativeLayer:
             args.norm_eps, args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size,
         )  # fmt: skip
         self._ref = ctypes.byref(self.struct)
+        # the tensors the struct points into, held so their memory lives as long as it does
+        self._held = [block.input_layernorm.weight, block.post_attention_layernorm.weight,
+                      *(k.weight for k in kernels), *(k.bias for k in kernels if k.bias is not None)]  # fmt: skip
 
     def __call__(
         self,
