@@ -175,3 +175,9 @@ def test_scratch_is_kept_per_thread_up_to_a_bound():
     t.start()
     t.join()
     assert other[0] != s.buffer(10).data_ptr()  # another thread, another buffer
+
+
+def test_a_forward_of_no_rows_returns_no_rows(tiny_dir):
+    model = _model(tiny_dir, "llama")
+    out = model.forward_batch([Segment(torch.zeros(0, dtype=torch.long), model.new_cache(4))])[0]
+    assert out.logits.shape == (1, 0, model.args.vocab_size)

@@ -612,7 +612,7 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
 #else
         const int most = MAXRB;
 #endif
-        const int sweeps = (M + most - 1) / most, step = (M + sweeps - 1) / sweeps;
+        const int sweeps = M > 0 ? (M + most - 1) / most : 1, step = (M + sweeps - 1) / sweeps;
         for (int r0 = 0; r0 < M; r0 += step) {
             const int rb = M - r0 < step ? M - r0 : step;
             float out[AMX_OUT_ROWS][TILE];
