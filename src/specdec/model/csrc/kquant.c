@@ -566,23 +566,21 @@ int specdec_amx_enable(int on) { return on ? -1 : 0; }  /* this build has no AMX
     default: fn(w, xq, r0, MAXRB, out); break;            \
     }
 
-int specdec_xquant_alloc(xquant *xq, int M, int K) {
+size_t specdec_xquant_layout(xquant *xq, int M, int K, char *base) {
     xq->nb = (K + QK - 1) / QK;
     xq->K = xq->nb * QK;
-    xq->q = malloc((size_t)M * xq->K);
-    xq->a = malloc(sizeof(float) * (size_t)M * xq->nb);
-    xq->o16 = malloc(sizeof(int32_t) * (size_t)M * xq->nb * 16);
-    xq->s32 = malloc(sizeof(int16_t) * (size_t)M * xq->nb * 8);
-    if (!xq->q || !xq->a || !xq->o16 || !xq->s32) {
-        specdec_xquant_free(xq);
-        return -1;
-    }
-    return 0;
-}
-
-void specdec_xquant_free(xquant *xq) {
-    free(xq->q); free(xq->a); free(xq->o16); free(xq->s32);
-    xq->q = NULL; xq->a = NULL; xq->o16 = NULL; xq->s32 = NULL;
+    size_t at = 0;
+#define TAKE(ptr, type, count)                                   \
+    do {                                                         \
+        (ptr) = base ? (type *)(base + at) : NULL;               \
+        at += ((sizeof(type) * (size_t)(count) + 63) / 64) * 64; \
+    } while (0)
+    TAKE(xq->q, int8_t, (size_t)M * xq->K);
+    TAKE(xq->a, float, (size_t)M * xq->nb);
+    TAKE(xq->o16, int32_t, (size_t)M * xq->nb * 16);
+    TAKE(xq->s32, int16_t, (size_t)M * xq->nb * 8);
+#undef TAKE
+    return at;
 }
 
 void specdec_quantize_team(const float *x, int M, int K, xquant *xq) {
@@ -651,13 +649,15 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
 int specdec_kquant_linears(int n_layers, const int *kinds, const void *const *w, const float *const *bias,
                            const int *N, int K, const float *x, int M, float *const *y, int nthreads) {
     xquant xq;
-    if (n_layers > 16 || specdec_xquant_alloc(&xq, M, K) != 0) return -1;
+    char *buf = n_layers > 16 ? NULL : malloc(specdec_xquant_layout(&xq, M, K, NULL));
+    if (!buf) return -1;
+    specdec_xquant_layout(&xq, M, K, buf);
     #pragma omp parallel num_threads(nthreads)
     {
         specdec_quantize_team(x, M, K, &xq);
         specdec_linears_team(n_layers, kinds, w, bias, N, &xq, M, y, NULL);
     }
-    specdec_xquant_free(&xq);
+    free(buf);
     return 0;
 }
 

@@ -62,15 +62,7 @@ static size_t carve(scratch *s, const specdec_layer_w *L, int N, int max_end, in
     } while (0)
     const int ks[3] = {L->D, L->H * L->Dh, L->I};
     xquant *xs[3] = {&s->xd, &s->xo, &s->xi};
-    for (int i = 0; i < 3; i++) {
-        xquant *x = xs[i];
-        x->nb = (ks[i] + QK - 1) / QK;
-        x->K = x->nb * QK;
-        TAKE(x->q, int8_t, (size_t)N * x->K);
-        TAKE(x->a, float, (size_t)N * x->nb);
-        TAKE(x->o16, int32_t, (size_t)N * x->nb * 16);
-        TAKE(x->s32, int16_t, (size_t)N * x->nb * 8);
-    }
+    for (int i = 0; i < 3; i++) at += specdec_xquant_layout(xs[i], N, ks[i], base ? base + at : NULL);
     const int wide = L->D > L->I ? L->D : L->I;
     TAKE(s->h, float, (size_t)N * wide);
     TAKE(s->mid, float, (size_t)N * L->D);

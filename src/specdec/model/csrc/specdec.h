@@ -6,6 +6,7 @@
 #ifndef SPECDEC_H
 #define SPECDEC_H
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define QK 256
@@ -19,9 +20,9 @@ typedef struct {
     int K, nb;
 } xquant;
 
-/* Scratch for M rows of K inputs; 0, or -1 when memory ran out (nothing then to free). */
-int specdec_xquant_alloc(xquant *xq, int M, int K);
-void specdec_xquant_free(xquant *xq);
+/* Lay out xq's arrays for M rows of K inputs from `base` (NULL: only count); returns the
+ * bytes they take (each array 64-byte aligned). */
+size_t specdec_xquant_layout(xquant *xq, int M, int K, char *base);
 /* Row r of the activations (x: [K] floats) into xq. */
 void specdec_quantize_row(const float *x, int r, int K, xquant *xq);
 /* Team: rows 0..M-1 of x [M, K]. */
