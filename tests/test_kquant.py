@@ -238,6 +238,35 @@ def test_native_attention_matches_sdpa_and_is_row_invariant(H, Hkv, D):
             assert torch.equal(alone[:, 0], got[:, t])
 
 
+def test_native_attention_rows_of_unequal_segments_equal_one_row_calls():
+    """A packed batch whose segments have different lengths and starts (so the kernel's blocks of
+    rows end at different places in each), with a tree-like mask on one of them: every row is
+    bitwise what a one-row call at its position computes."""
+    g = torch.Generator().manual_seed(11)
+    H, Hkv, D, cap = 12, 2, 64, 40
+    lengths, starts = [7, 3, 9], [5, 17, 0]
+    caches = [(torch.randn(1, 1, Hkv, cap, D, generator=g), torch.randn(1, 1, Hkv, cap, D, generator=g)) for _ in lengths]
+    tree = torch.ones(3, 20, dtype=torch.bool).tril(17)
+    tree[2, 18] = False  # the third new token does not see the second: a branch
+    masks = [None, tree, None]
+    q = torch.randn(sum(lengths), H, D, generator=g)
+    got = native.SegmentAttention(caches, starts, lengths, masks, D**-0.5)(0, q, None, None)
+    r = 0
+    for s, (T, start) in enumerate(zip(lengths, starts, strict=True)):
+        for t in range(T):
+            m = None if masks[s] is None else masks[s][t : t + 1, : start + t + 1]
+            alone = native.SegmentAttention([caches[s]], [start + t], [1], [m], D**-0.5)(0, q[r : r + 1], None, None)
+            assert torch.equal(alone[0], got[r]), (s, t)
+            r += 1
+
+
+def test_native_attention_refuses_more_heads_per_group_than_it_handles():
+    k = torch.zeros(1, 1, 1, 8, 8)
+    attend = native.SegmentAttention([(k, k.clone())], [0], [1], [None], 1.0)
+    with pytest.raises(ValueError, match="query heads per key/value head"):
+        attend(0, torch.zeros(1, native.ATTN_MAX_REP + 1, 8), None, None)
+
+
 def test_packed_weights_are_cached_and_stale_packings_pruned(tmp_path):
     """The first q4k load writes the repacked weights, later loads reuse them; when the model's
     files change, the new packing replaces the old one."""

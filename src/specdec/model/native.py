@@ -32,6 +32,9 @@ import torch
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("kquant.c", "attention.c", "layer.c", "roofline.c")
+# Query heads per key/value head the native attention handles (csrc/specdec.h,
+# SPECDEC_ATTN_MAXREP); models with more attend through the framework.
+ATTN_MAX_REP = 16
 _BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDEC_AVX512"]
 _AMX_FLAGS = [*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8", "-DSPECDEC_AMX"]
@@ -287,6 +290,8 @@ class SegmentAttention:
         v_new: torch.Tensor | None,  # [N, H_kv, D]; None (both): the caches hold them already
     ) -> torch.Tensor:  # [N, H, D]
         N, H, D = q.shape
+        if H % self.n_kv_heads or H // self.n_kv_heads > ATTN_MAX_REP:
+            raise ValueError(f"native attention takes 1..{ATTN_MAX_REP} query heads per key/value head, not {H}/{self.n_kv_heads}")
         q = q.contiguous()
         if k_new is not None and v_new is not None:
             k_new, v_new = k_new.contiguous(), v_new.contiguous()

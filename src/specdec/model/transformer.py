@@ -237,7 +237,8 @@ class Transformer(nn.Module):
         """Row-by-row attention runs in specdec's native kernel where it can (CPU, float32)."""
         return (
             self.row_invariant_attention and self.device.type == "cpu" and self.dtype == torch.float32
-            and self.args.head_dim % 8 == 0 and native.available()
+            and self.args.head_dim % 8 == 0 and self.args.n_heads // self.args.n_kv_heads <= native.ATTN_MAX_REP
+            and native.available()
         )  # fmt: skip
 
     @property

@@ -9,9 +9,12 @@
  *
  * Per (row, head): s_j = scale * q.k_j (fixed-order dot product), m = max s_j,
  * e_j = exp(s_j - m) (a fixed polynomial), out = sum_j e_j v_j / sum_j e_j, keys in order.
- * Masked keys contribute exactly zero. The query heads of a row that share a key/value head
- * (grouped-query attention) go through their keys together, a few at a time, so each key and
- * value is read once for them; each head's numbers are computed as they would be alone.
+ * Masked keys contribute exactly zero. Work is shared out in tasks of a few consecutive rows of
+ * one sequence and the query heads that share one key/value head (grouped-query attention):
+ * all their query vectors go through the keys together, so each key and value is fetched from
+ * memory once per task (at long contexts the cache no longer fits the core's caches, and reading
+ * it once per row and head was most of the time). Each vector's numbers are computed as they
+ * would be alone.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -22,88 +25,130 @@
 
 #include "specdec.h"
 
-#define HEADS SPECDEC_ATTN_HEADS
+/* Scores of query vectors qv[0..nq-1] (nq <= 4) against keys j0, j0+1 (nk = 1 or 2 of them):
+ * s_v[j] = scale * q_v . k_j, one 8-lane accumulator per (vector, key) over d in order, one
+ * horizontal sum in a fixed order. */
+static inline __attribute__((always_inline)) void scores4(const float *const *qv, const int nq, const float *kb, int j0,
+                                                         int nk, int D, float scale, float *const *sv) {
+    __m256 acc[4][2];
+    for (int i = 0; i < nq; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const float *k0 = kb + (size_t)j0 * D, *k1 = k0 + (nk == 2 ? D : 0);
+    for (int d = 0; d < D; d += 8) {
+        const __m256 kd0 = _mm256_loadu_ps(k0 + d), kd1 = _mm256_loadu_ps(k1 + d);
+        for (int i = 0; i < nq; i++) {
+            const __m256 qd = _mm256_loadu_ps(qv[i] + d);
+            acc[i][0] = _mm256_fmadd_ps(qd, kd0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(qd, kd1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < nq; i++) {
+        sv[i][j0] = specdec_hsum256(acc[i][0]) * scale;
+        if (nk == 2) sv[i][j0 + 1] = specdec_hsum256(acc[i][1]) * scale;
+    }
+}
 
-/* Heads h0 .. h0+hb-1 of one query row (q: their rows, D floats apart), which share one key/value
- * head, against keys 0 .. n-1: s_h = scores, softmax, o_h = sum_j e_hj v_j / sum_j e_hj.
- * Each (head, key) score is the same sequence of operations (8-lane products over d in order,
- * one horizontal sum, times scale), and each output element sums its keys in order, however
- * many heads share the pass and whatever other rows the call has: a row's result depends on its
- * own query, keys and mask only. s: hb rows of n + 8 floats. */
-static void attend_heads(const float *q, int hb, const float *kb, const float *vb, int n, int D,
-                         const uint8_t *mrow, float scale, float *s, float *o) {
-    const int ss = n + 8;
-    /* scores: two keys at a time, one accumulator per (head, key) */
-    for (int j = 0; j < n; j += 2) {
-        const int nk = j + 1 < n ? 2 : 1;
-        __m256 acc[HEADS][2];
-        for (int h = 0; h < hb; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-        const float *k0 = kb + (size_t)j * D, *k1 = k0 + (nk == 2 ? D : 0);
-        for (int d = 0; d < D; d += 8) {
-            const __m256 kd0 = _mm256_loadu_ps(k0 + d), kd1 = _mm256_loadu_ps(k1 + d);
-            for (int h = 0; h < hb; h++) {
-                const __m256 qd = _mm256_loadu_ps(q + (size_t)h * D + d);
-                acc[h][0] = _mm256_fmadd_ps(qd, kd0, acc[h][0]);
-                acc[h][1] = _mm256_fmadd_ps(qd, kd1, acc[h][1]);
-            }
-        }
-        for (int h = 0; h < hb; h++) {
-            s[(size_t)h * ss + j] = specdec_hsum256(acc[h][0]) * scale;
-            if (nk == 2) s[(size_t)h * ss + j + 1] = specdec_hsum256(acc[h][1]) * scale;
+/* o_v[d .. d+15] = (sum over keys j < n, in order, of e_vj v_j) * inv_v for vectors 0..nq-1
+ * (nq <= 4); e_vj is 0 past vector v's own keys, which adds nothing (+0 or -0 to a sum that
+ * starts at +0 and so is never -0: the same bits as stopping at its last key). */
+static inline __attribute__((always_inline)) void values4(const float *const *sv, const int nq, const float *vb, int n,
+                                                         int D, int d, const float *inv, float *const *ov) {
+    const int two = d + 8 < D;
+    __m256 acc[4][2];
+    for (int i = 0; i < nq; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const float *vj = vb + (size_t)j * D + d;
+        const __m256 v0 = _mm256_loadu_ps(vj), v1 = two ? _mm256_loadu_ps(vj + 8) : v0;
+        for (int i = 0; i < nq; i++) {
+            const __m256 e = _mm256_set1_ps(sv[i][j]);
+            acc[i][0] = _mm256_fmadd_ps(e, v0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(e, v1, acc[i][1]);
         }
     }
-    /* per head: e_j = exp(s_j - m), masked keys exactly 0, and 1 / (their sum in a fixed order) */
-    float inv[HEADS];
+    for (int i = 0; i < nq; i++) {
+        const __m256 vi = _mm256_set1_ps(inv[i]);
+        _mm256_storeu_ps(ov[i] + d, _mm256_mul_ps(acc[i][0], vi));
+        if (two) _mm256_storeu_ps(ov[i] + d + 8, _mm256_mul_ps(acc[i][1], vi));
+    }
+}
+
+/* Softmax of one vector's scores s[0..n-1] in place (n: its own keys; mrow: its mask row or
+ * NULL): e_j = exp(s_j - m), masked keys exactly 0; s[n..nmax-1] set to 0. Returns 1 / (sum of
+ * the e_j in key order), 0 where every key is masked (the output is then 0). */
+static float softmax_row(float *sh, int n, int nmax, const uint8_t *mrow) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    for (int h = 0; h < hb; h++) {
-        float *sh = s + (size_t)h * ss;
-        float m = -INFINITY;
-        for (int jj = 0; jj < n; jj++) {
-            if (mrow && !mrow[jj]) sh[jj] = -INFINITY;
-            m = sh[jj] > m ? sh[jj] : m;
-        }
-        if (m == -INFINITY) {  /* every key masked: nothing to attend to, the output is 0 */
-            memset(sh, 0, sizeof(float) * (size_t)n);
-            inv[h] = 0.0f;
-            continue;
-        }
-        const __m256 vm = _mm256_set1_ps(m);
-        int j = 0;
-        for (; j + 8 <= n; j += 8) {
-            const __m256 sj = _mm256_loadu_ps(sh + j);
-            const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
-            _mm256_storeu_ps(sh + j, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
-        }
-        if (j < n) {
-            float tail[8];
-            for (int i = 0; i < 8; i++) tail[i] = j + i < n ? sh[j + i] : -INFINITY;
-            const __m256 sj = _mm256_loadu_ps(tail);
-            const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
-            _mm256_storeu_ps(tail, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
-            for (int i = 0; j + i < n; i++) sh[j + i] = tail[i];
-        }
-        float sum = 0.0f;
-        for (int jj = 0; jj < n; jj++) sum += sh[jj];
-        inv[h] = 1.0f / sum;
+    float m = -INFINITY;
+    for (int jj = 0; jj < n; jj++) {
+        if (mrow && !mrow[jj]) sh[jj] = -INFINITY;
+        m = sh[jj] > m ? sh[jj] : m;
     }
-    /* o_h = (sum over keys, in order, of e_hj v_j) * inv_h, 16 output elements at a time */
-    for (int d = 0; d < D; d += 16) {
-        const int two = d + 8 < D;
-        __m256 acc[HEADS][2];
-        for (int h = 0; h < hb; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-        for (int jj = 0; jj < n; jj++) {
-            const float *vj = vb + (size_t)jj * D + d;
-            const __m256 v0 = _mm256_loadu_ps(vj), v1 = two ? _mm256_loadu_ps(vj + 8) : v0;
-            for (int h = 0; h < hb; h++) {
-                const __m256 e = _mm256_set1_ps(s[(size_t)h * ss + jj]);
-                acc[h][0] = _mm256_fmadd_ps(e, v0, acc[h][0]);
-                acc[h][1] = _mm256_fmadd_ps(e, v1, acc[h][1]);
-            }
+    memset(sh + n, 0, sizeof(float) * (size_t)(nmax - n));
+    if (m == -INFINITY) {  /* every key masked: nothing to attend to */
+        memset(sh, 0, sizeof(float) * (size_t)n);
+        return 0.0f;
+    }
+    const __m256 vm = _mm256_set1_ps(m);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 sj = _mm256_loadu_ps(sh + j);
+        const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
+        _mm256_storeu_ps(sh + j, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
+    }
+    if (j < n) {
+        float tail[8];
+        for (int i = 0; i < 8; i++) tail[i] = j + i < n ? sh[j + i] : -INFINITY;
+        const __m256 sj = _mm256_loadu_ps(tail);
+        const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
+        _mm256_storeu_ps(tail, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
+        for (int i = 0; j + i < n; i++) sh[j + i] = tail[i];
+    }
+    float sum = 0.0f;
+    for (int jj = 0; jj < n; jj++) sum += sh[jj];
+    return 1.0f / sum;
+}
+
+/* One task: rows r0 .. r0+nr-1 of one segment (consecutive, so row i has n0 + i keys) and the
+ * `rep` query heads h0.. that share key/value head g. All nr * rep query vectors go through the
+ * keys together, four at a time, so each key and value is fetched from memory once per task
+ * rather than once per row and head. Each vector's numbers are those it gets alone. */
+static void attend_task(const specdec_attn *A, int layer, const float *q, int r0, int nr, int g, int H, int rep,
+                        int D, float *out, float *scratch) {
+    const int s = A->seg[r0], row0 = A->t[r0], end = A->start[s] + A->T[s];
+    const int n0 = A->start[s] + row0 + 1, nmax = n0 + nr - 1, ss = nmax + 8;
+    const float *kb = A->k[s] + layer * A->stride[s] + (size_t)g * A->cap[s] * D;
+    const float *vb = A->v[s] + layer * A->stride[s] + (size_t)g * A->cap[s] * D;
+    const int nv = nr * rep;  /* vector v: row r0 + v / rep, head g * rep + v % rep */
+    const float *qv[SPECDEC_ATTN_ROWS * SPECDEC_ATTN_MAXREP];
+    float *sv[SPECDEC_ATTN_ROWS * SPECDEC_ATTN_MAXREP], *ov[SPECDEC_ATTN_ROWS * SPECDEC_ATTN_MAXREP];
+    float inv[SPECDEC_ATTN_ROWS * SPECDEC_ATTN_MAXREP];
+    for (int v = 0; v < nv; v++) {
+        const size_t at = ((size_t)(r0 + v / rep) * H + g * rep + v % rep) * D;
+        qv[v] = q + at, ov[v] = out + at, sv[v] = scratch + (size_t)v * ss;
+    }
+    /* scores: every vector against keys 0 .. nmax-1 (past a row's own keys they are unused) */
+    for (int j = 0; j < nmax; j += 2) {
+        const int nk = j + 1 < nmax ? 2 : 1;
+        int v = 0;
+        for (; v + 4 <= nv; v += 4) scores4(qv + v, 4, kb, j, nk, D, A->scale, sv + v);
+        switch (nv - v) {
+        case 1: scores4(qv + v, 1, kb, j, nk, D, A->scale, sv + v); break;
+        case 2: scores4(qv + v, 2, kb, j, nk, D, A->scale, sv + v); break;
+        case 3: scores4(qv + v, 3, kb, j, nk, D, A->scale, sv + v); break;
+        default: break;
         }
-        for (int h = 0; h < hb; h++) {
-            const __m256 vi = _mm256_set1_ps(inv[h]);
-            _mm256_storeu_ps(o + (size_t)h * D + d, _mm256_mul_ps(acc[h][0], vi));
-            if (two) _mm256_storeu_ps(o + (size_t)h * D + d + 8, _mm256_mul_ps(acc[h][1], vi));
+    }
+    for (int v = 0; v < nv; v++) {
+        const int i = v / rep;
+        const uint8_t *mrow = A->mask[s] ? A->mask[s] + (size_t)(row0 + i) * end : NULL;
+        inv[v] = softmax_row(sv[v], n0 + i, nmax, mrow);
+    }
+    for (int d = 0; d < D; d += 16) {
+        int v = 0;
+        for (; v + 4 <= nv; v += 4) values4(sv + v, 4, vb, nmax, D, d, inv + v, ov + v);
+        switch (nv - v) {
+        case 1: values4(sv + v, 1, vb, nmax, D, d, inv + v, ov + v); break;
+        case 2: values4(sv + v, 2, vb, nmax, D, d, inv + v, ov + v); break;
+        case 3: values4(sv + v, 3, vb, nmax, D, d, inv + v, ov + v); break;
+        default: break;
         }
     }
 }
@@ -123,18 +168,24 @@ void specdec_attend_team(const specdec_attn *A, int layer, const float *q, const
             }
         }
     }
-    /* a task: one row's query heads that share one key/value head, HEADS at a time */
-    const int chunks = (rep + HEADS - 1) / HEADS, per_row = Hkv * chunks;
-    #pragma omp for schedule(static)
-    for (int task = 0; task < N * per_row; task++) {
-        const int r = task / per_row, g = (task % per_row) / chunks, c = task % chunks;
-        const int h0 = g * rep + c * HEADS, hb = rep - c * HEADS < HEADS ? rep - c * HEADS : HEADS;
-        const int s = A->seg[r], row = A->t[r], end = A->start[s] + A->T[s];
-        const float *kb = A->k[s] + layer * A->stride[s] + (size_t)g * A->cap[s] * D;
-        const float *vb = A->v[s] + layer * A->stride[s] + (size_t)g * A->cap[s] * D;
-        const uint8_t *mrow = A->mask[s] ? A->mask[s] + (size_t)row * end : NULL;
-        attend_heads(q + ((size_t)r * H + h0) * D, hb, kb, vb, A->start[s] + row + 1, D, mrow, A->scale, scratch,
-                     out + ((size_t)r * H + h0) * D);
+    /* tasks: up to SPECDEC_ATTN_ROWS consecutive rows of one segment, times the key/value heads
+     * (a row block never spans two segments: it starts where the previous one of its segment
+     * ended). Block b of the call starts at row first[b]. */
+    int blocks = 0;
+    for (int r = 0; r < N; r++)
+        if (A->t[r] % SPECDEC_ATTN_ROWS == 0) blocks++;
+    #pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < blocks * Hkv; task++) {
+        const int b = task / Hkv, g = task % Hkv;
+        int r0 = -1;
+        for (int r = 0, seen = 0; r < N; r++)
+            if (A->t[r] % SPECDEC_ATTN_ROWS == 0 && seen++ == b) {
+                r0 = r;
+                break;
+            }
+        int nr = 1;
+        while (nr < SPECDEC_ATTN_ROWS && r0 + nr < N && A->seg[r0 + nr] == A->seg[r0] && A->t[r0 + nr] == A->t[r0] + nr) nr++;
+        attend_task(A, layer, q, r0, nr, g, H, rep, D, out, scratch);
     }
 }
 
@@ -144,7 +195,8 @@ void specdec_attend_team(const specdec_attn *A, int layer, const float *q, const
  * out. */
 int specdec_attend(const specdec_attn *A, int layer, const float *q, const float *knew, const float *vnew, int N,
                    int H, int Hkv, int D, float *out, int nthreads) {
-    const size_t per_thread = specdec_attend_scratch(A->max_end);
+    if (H / Hkv > SPECDEC_ATTN_MAXREP) return -2;
+    const size_t per_thread = specdec_attend_scratch(A->max_end, H / Hkv);
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)nthreads);
     if (!scratch) return -1;
     #pragma omp parallel num_threads(nthreads)

@@ -70,7 +70,7 @@ static size_t carve(scratch *s, const specdec_layer_w *L, int N, int max_end, in
     TAKE(s->u, float, (size_t)N * L->I);
     TAKE(s->attn, float, (size_t)N * L->H * L->Dh);
     TAKE(s->qkv, float, (size_t)N * (L->H + 2 * L->Hkv) * L->Dh);
-    TAKE(s->att, float, specdec_attend_scratch(max_end) * (size_t)nthreads);
+    TAKE(s->att, float, specdec_attend_scratch(max_end, L->H / L->Hkv) * (size_t)nthreads);
 #undef TAKE
     return at;
 }
@@ -165,7 +165,8 @@ static void out_team(const specdec_layer_w *L, const float *x, const float *attn
 
 /* Where these steps can run: sizes the vector code handles. */
 static int supported(const specdec_layer_w *L) {
-    return L->D % 8 == 0 && L->I % 8 == 0 && L->Dh % 8 == 0 && L->Dh <= 512 && L->Hkv > 0 && L->H % L->Hkv == 0;
+    return L->D % 8 == 0 && L->I % 8 == 0 && L->Dh % 8 == 0 && L->Dh <= 512 && L->Hkv > 0 && L->H % L->Hkv == 0
+           && L->H / L->Hkv <= SPECDEC_ATTN_MAXREP;
 }
 
 /* Bytes of scratch a call over N rows needs (max_end: the attention's longest row, see
@@ -189,7 +190,7 @@ int specdec_layer(const specdec_layer_w *L, const float *x, float *out, int N, c
     {
         qkv_team(L, x, N, cos, sin, q, k, v, &s);
         specdec_attend_team(A, layer, q, k, v, N, L->H, L->Hkv, L->Dh, s.attn,
-                            s.att + specdec_attend_scratch(A->max_end) * (size_t)omp_get_thread_num());
+                            s.att + specdec_attend_scratch(A->max_end, L->H / L->Hkv) * (size_t)omp_get_thread_num());
         out_team(L, x, s.attn, N, out, &s);
     }
     return 0;

@@ -44,10 +44,14 @@ typedef struct {
     int max_end;
 } specdec_attn;
 
-/* Query heads whose scores and sums share one pass over their keys (see attention.c), and the
- * floats of attention scratch one thread needs. */
-#define SPECDEC_ATTN_HEADS 4
-static inline size_t specdec_attend_scratch(int max_end) { return SPECDEC_ATTN_HEADS * ((size_t)max_end + 8); }
+/* Rows of one sequence whose query heads share one pass over their keys (see attention.c), the
+ * most query heads per key/value head it handles, and the floats of attention scratch one
+ * thread needs (rep: query heads per key/value head). */
+#define SPECDEC_ATTN_ROWS 4
+#define SPECDEC_ATTN_MAXREP 16
+static inline size_t specdec_attend_scratch(int max_end, int rep) {
+    return (size_t)SPECDEC_ATTN_ROWS * (size_t)rep * ((size_t)max_end + 8);
+}
 
 /* Team: write the new rows' keys/values (knew, vnew [N, Hkv, D]; NULL: already there), then
  * out [N, H, D] = attention of q [N, H, D]. scratch: this thread's specdec_attend_scratch floats. */
