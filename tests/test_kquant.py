@@ -158,6 +158,35 @@ def test_every_build_agrees_bitwise():
         assert kq.self_check(builds[other], builds[names[0]]) is None, other
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_builds_agree_at_the_largest_integer_sums(kind):
+    """Every code at its maximum and every activation at +-127 (the same sign across a group):
+    the AVX2 build's 16-bit partial sums are at their bound (q4k: 8 pairs of 15 * 127; q6k: two
+    pairs of 63 * 127), and scales at both ends of their range. An overflow there would be far
+    from the reference; every build must match it and each other bitwise."""
+    n, k = 32, 512
+    data = np.zeros((n, k // kq.QK), dtype=kq.BLOCK_DTYPES[kind])
+    data["d"] = 1e-3
+    if kind == kq.Q4K:
+        data["dmin"], data["sc"], data["mn"], data["qs"] = 1e-3, 63, 63, 0xFF
+    else:
+        data["ql"], data["qh"] = 0xFF, 0xFF
+        data["sc"] = np.where(np.arange(16) % 2, 127, -128).astype(np.int8)
+    blocks = kq.Blocks(kind, data)
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # alternating signs: small sums, for contrast
+    x[3, : k // 2] = -1.0
+    ref = reference(blocks, x, k)
+    packed = torch.from_numpy(kq.tiles(blocks).view(np.uint8))
+    outs = {}
+    for name, lib in _builds_here().items():
+        outs[name] = kq.KQuantKernel(kind, packed, n, k, None, lib=lib)(x)
+        assert torch.allclose(outs[name].double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), name
+    first = next(iter(outs.values()))
+    assert all(torch.equal(o, first) for o in outs.values())
+
+
 def test_amx_path_is_bitwise_equal_to_avx512():
     if not {"amx_tile", "amx_int8"} <= native._cpu_flags():
         pytest.skip("this CPU has no AMX (amx_tile/amx_int8 absent): the AMX path is tested on one that has it")

@@ -75,15 +75,6 @@ _Static_assert(sizeof(tile_q6k) == 3392, "q6k tile layout");
 int specdec_tile_bytes(int kind) { return kind == 4 ? (int)sizeof(tile_q4k) : (int)sizeof(tile_q6k); }
 int specdec_tile_outputs(void) { return TILE; }
 
-/* 256-bit integer dot products; with AVX512-VNNI one instruction each, else exact AVX2
- * equivalents (u <= 63 and |s| <= 127, so the int16 pair sums of maddubs never saturate). */
-#ifdef SPECDEC_AVX512
-#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
-#define DPWSSD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
-#else
-#define DPBUSD(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
-#define DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
-#endif
 
 /* Row r of the activations, x: [K] floats. K need not be a multiple of 256: the last block is
  * padded with zeros (the weights' padding is zero too). */
@@ -124,6 +115,7 @@ void specdec_quantize_row(const float *x, int r, int K, xquant *xq) {
             int s = 0;
             for (int i = 0; i < 16; i++) s += qp[16 * g + i];
             xq->o16[rb * 16 + g] = -32 * s;
+            xq->s16[rb * 16 + g] = (int16_t)s;
         }
         for (int g = 0; g < 8; g++) {
             int s = 0;
@@ -181,7 +173,7 @@ static inline __attribute__((always_inline)) void half_dot_q4k(
             const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)t->mn[p][8 * h]));
             for (int r = 0; r < rb; r++) {
                 const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
-                imin[r] = DPWSSD(imin[r], mn, _mm256_set1_epi32(load4(s32)));
+                imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(load4(s32))));
             }
         }
         for (int j = 0; j < 8; j++) {
@@ -193,11 +185,16 @@ static inline __attribute__((always_inline)) void half_dot_q4k(
                 c[v] = _mm256_and_si256(raw, m4);
                 c[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
             }
+            /* Each output's group sum in two 16-bit halves (lanes 2o, 2o+1), then one
+             * multiply-add by the scale gives sc * g in 32 bits. Exact: a pair of products is at
+             * most 2 * 15 * 127 = 3810 (maddubs never saturates) and 8 of them 30480 < 2^15; the
+             * same integer as the 512-bit path's g * sc, in 17 operations per row, not 26. */
+            const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
             for (int r = 0; r < rb; r++) {
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
-                __m256i g = _mm256_setzero_si256();
-                for (int v = 0; v < 8; v++) g = DPBUSD(g, c[v], _mm256_set1_epi32(load4(xp + 4 * v)));
-                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(g, sc));
+                __m256i g16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(load4(xp)));
+                for (int v = 1; v < 8; v++) g16 = _mm256_add_epi16(g16, _mm256_maddubs_epi16(c[v], _mm256_set1_epi32(load4(xp + 4 * v))));
+                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(g16, sc16));
             }
         }
         const __m256 d = _mm256_loadu_ps(t->d + 8 * h), dmin = _mm256_loadu_ps(t->dmin + 8 * h);
@@ -225,6 +222,19 @@ static inline __attribute__((always_inline)) void half_dot_q6k(
         const tile_q6k *t = w + b;
         __m256i iacc[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = _mm256_setzero_si256();
+        /* The offset -32 * (sum of each 16 codes) is applied once per block:
+         * iacc = sum_s sc_s * (codes . x)_s - 32 * sum_s sc_s * S_s, the same integer as the
+         * per-sub-block form, with the sums S_s (16 bits) taken two sub-blocks per multiply-add. */
+        __m256i scp[8];  /* (sc_s, sc_s+1) per output, as 16-bit pairs */
+        for (int p = 0; p < 8; p++)
+            scp[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)&t->sc[2 * p][8 * h]),
+                                                            _mm_loadl_epi64((const __m128i *)&t->sc[2 * p + 1][8 * h])));
+        for (int r = 0; r < rb; r++) {
+            const int16_t *s16 = xq->s16 + ((size_t)(r0 + r) * xq->nb + b) * 16;
+            __m256i off = _mm256_madd_epi16(scp[0], _mm256_set1_epi32(load4(s16)));
+            for (int p = 1; p < 8; p++) off = _mm256_add_epi32(off, _mm256_madd_epi16(scp[p], _mm256_set1_epi32(load4(s16 + 2 * p))));
+            iacc[r] = _mm256_sub_epi32(iacc[r], _mm256_slli_epi32(off, 5));
+        }
         for (int s = 0; s < 16; s++) {
             if (h == 0) prefetch_part(t, sizeof(tile_q6k), s, 16, rb);
             const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[s][8 * h]));
@@ -233,15 +243,16 @@ static inline __attribute__((always_inline)) void half_dot_q6k(
             const __m256i hb = _mm256_loadu_si256((const __m256i *)&t->sub[s].qh[32 * h]);
             const __m256i c0 = q6_codes(l0, 0, hb, 0), c1 = q6_codes(l0, 1, hb, 1);
             const __m256i c2 = q6_codes(l1, 0, hb, 2), c3 = q6_codes(l1, 1, hb, 3);
+            /* 16-bit sums of two chunks (a pair of products is at most 2 * 63 * 127 = 16002,
+             * two of them 32004 < 2^15), then one multiply-add by the scale per two chunks */
+            const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
             for (int r = 0; r < rb; r++) {
-                const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 16 * s;
-                /* two chains: the dot-product latency, not its throughput, bounds one row */
-                __m256i g0 = DPBUSD(_mm256_set1_epi32(xq->o16[rbk * 16 + s]), c0, _mm256_set1_epi32(load4(xp)));
-                __m256i g1 = DPBUSD(_mm256_setzero_si256(), c1, _mm256_set1_epi32(load4(xp + 4)));
-                g0 = DPBUSD(g0, c2, _mm256_set1_epi32(load4(xp + 8)));
-                g1 = DPBUSD(g1, c3, _mm256_set1_epi32(load4(xp + 12)));
-                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_mullo_epi32(_mm256_add_epi32(g0, g1), sc));
+                const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(c0, _mm256_set1_epi32(load4(xp))),
+                                                     _mm256_maddubs_epi16(c1, _mm256_set1_epi32(load4(xp + 4))));
+                const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(c2, _mm256_set1_epi32(load4(xp + 8))),
+                                                     _mm256_maddubs_epi16(c3, _mm256_set1_epi32(load4(xp + 12))));
+                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_add_epi32(_mm256_madd_epi16(s01, sc16), _mm256_madd_epi16(s23, sc16)));
             }
         }
         const __m256 d = _mm256_loadu_ps(t->d + 8 * h);
@@ -579,6 +590,7 @@ size_t specdec_xquant_layout(xquant *xq, int M, int K, char *base) {
     TAKE(xq->a, float, (size_t)M * xq->nb);
     TAKE(xq->o16, int32_t, (size_t)M * xq->nb * 16);
     TAKE(xq->s32, int16_t, (size_t)M * xq->nb * 8);
+    TAKE(xq->s16, int16_t, (size_t)M * xq->nb * 16);
 #undef TAKE
     return at;
 }

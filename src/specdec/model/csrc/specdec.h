@@ -17,6 +17,7 @@ typedef struct {
     float *a;       /* [M, nb] scales */
     int32_t *o16;   /* [M, nb, 16] -32 * (sum of each 16 codes): the q6k offset */
     int16_t *s32;   /* [M, nb, 8] sums of each 32 codes: the q4k min term */
+    int16_t *s16;   /* [M, nb, 16] sums of each 16 codes (the q6k offset, AVX2 form) */
     int K, nb;
 } xquant;
 
