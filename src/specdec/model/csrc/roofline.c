@@ -4,9 +4,10 @@
  *
  * - specdec_stream_read: threads stream their contiguous shares of a buffer with full-width
  *   loads, as the q4k kernel streams its tiles (each thread a run of whole tiles).
- * - specdec_dot_rate: independent accumulator chains of the build's integer dot product (one
- *   512-bit vpdpbusd in the AVX-512 builds; its exact AVX2 equivalent, maddubs + madd + add on
- *   each 256-bit half, in the AVX2 build), no memory traffic: the compute roof.
+ * - specdec_dot_rate: independent accumulator chains of the build's integer dot product as the
+ *   kernel issues it (one 512-bit vpdpbusd in the AVX-512 builds; in the AVX2 build maddubs +
+ *   a 16-bit add on each 256-bit half, and per 8 of those one widening multiply-add and a
+ *   32-bit add, as the q4k loop sums a group), no memory traffic: the compute roof.
  * Python times both calls; they return a value that depends on all the work, so none of it can
  * be optimised away.
  */
@@ -69,21 +70,27 @@ int64_t specdec_dot_rate(int64_t rounds, int nthreads, int seed) {
         for (int i = 1; i < 16; i++) t = _mm512_add_epi32(t, acc[i]);
         sink ^= _mm512_reduce_add_epi32(t);
 #else
-        __m256i acc[16];
+        __m256i acc[8], wide[4];
         __m256i u = _mm256_set1_epi8((char)(seed & 63)), s = _mm256_set1_epi8((char)(seed + 1));
-        const __m256i one = _mm256_set1_epi16(1);
-        for (int i = 0; i < 16; i++) acc[i] = _mm256_set1_epi32(i);
+        const __m256i sc = _mm256_set1_epi16(3);
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_set1_epi16((short)i);
+        for (int i = 0; i < 4; i++) wide[i] = _mm256_setzero_si256();
         for (int64_t r = 0; r < rounds; r++) {
-            /* a step is both 8-output halves, as the AVX2 kernel does it: 2 x 32 products */
+            /* 16 steps, each both 8-output halves as the AVX2 kernel does them (2 x 32 products,
+             * two maddubs into 16-bit sums), and the 4 widenings by the scale that 32 maddubs
+             * need there (one per group of 8) */
             #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) {
                 __asm__ volatile("" : "+x"(u), "+x"(s));
-                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), one));
-                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(s, u), one));
+                acc[i % 8] = _mm256_add_epi16(acc[i % 8], _mm256_maddubs_epi16(u, s));
+                acc[(i + 4) % 8] = _mm256_add_epi16(acc[(i + 4) % 8], _mm256_maddubs_epi16(s, u));
             }
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) wide[i] = _mm256_add_epi32(wide[i], _mm256_madd_epi16(acc[2 * i], sc));
         }
-        __m256i t = acc[0];
-        for (int i = 1; i < 16; i++) t = _mm256_add_epi32(t, acc[i]);
+        __m256i t = wide[0];
+        for (int i = 1; i < 4; i++) t = _mm256_add_epi32(t, wide[i]);
+        for (int i = 0; i < 8; i++) t = _mm256_add_epi32(t, acc[i]);
         sink ^= _mm256_extract_epi32(t, 0);
 #endif
     }
