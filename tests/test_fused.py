@@ -181,3 +181,31 @@ def test_a_forward_of_no_rows_returns_no_rows(tiny_dir):
     model = _model(tiny_dir, "llama")
     out = model.forward_batch([Segment(torch.zeros(0, dtype=torch.long), model.new_cache(4))])[0]
     assert out.logits.shape == (1, 0, model.args.vocab_size)
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_layers_in_one_call_equal_one_call_per_layer(tiny_dir, arch):
+    """A forward whose blocks run in one native call (`NativeStack`) gives the bits of one call
+    per block: logits, the keys and values it leaves in the cache, and a partial run of the
+    blocks (an early-exit drafter's) with the hidden rows it returns."""
+    model = _model(tiny_dir, arch)
+    assert model._native_stack is not None
+    g = torch.Generator().manual_seed(3)
+    prompt, step = (torch.randint(0, model.args.vocab_size, (1, n), generator=g) for n in (12, 3))
+    hi = model.args.n_layers - 1
+
+    def run(stacked: bool):
+        keep = model._native_stack
+        if not stacked:
+            model._native_stack = None
+        try:
+            cache = model.new_cache(20)
+            full = [model(prompt, cache).logits, model(step, cache).logits]
+            part = model(step, cache, blocks=(0, hi), head=False).residual
+            return full, part, cache.k[:, :, :, : cache.length].clone()
+        finally:
+            model._native_stack = keep
+
+    (f1, p1, k1), (f2, p2, k2) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(f1, f2, strict=True))
+    assert torch.equal(p1, p2) and torch.equal(k1, k2)

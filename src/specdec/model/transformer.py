@@ -201,6 +201,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(args.dim, args.vocab_size)
         self._rotary: dict[bool, Rotary] = {}
         self._scratch = fused.Scratch()  # the native layers' working memory (see `fused`)
+        self._native_stack: fused.NativeStack | None = None  # every block in native calls, several at a time
         self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
         self.source_dir: Path | None = None  # the model directory it was loaded from (set by the loader)
 
@@ -224,6 +225,9 @@ class Transformer(nn.Module):
         on = on and self._native_attention and all(fused.supported(b, self.args) for b in blocks)
         for b in blocks:
             b.native = fused.NativeLayer(b, self.args) if on else None
+        # several layers per call where they share one rotary table (no sliding-window layers)
+        same_rope = not any(b.sliding for b in blocks)
+        self._native_stack = fused.NativeStack.build([b.native for b in blocks]) if on and same_rope else None  # type: ignore[misc]
         return on
 
     @property
@@ -369,6 +373,10 @@ class Transformer(nn.Module):
                 ropes = {kind: r.tables(positions, x.dtype) for kind, r in self._rotary.items()}
                 attend = _PackedAttention(self, active)
             assert x is not None and attend is not None
+            stack, whole = self._native_stack, attend.all_native(False)
+            if stack is not None and whole is not None and len(order) == len(segments) and not output_layers:
+                x = stack(x, ropes[False], i, hi, whole, self._scratch)  # every remaining block in one call
+                break
             block = self.model.layers[i]
             rope = ropes.get(block.sliding, ropes[False])
             if block.native is not None:

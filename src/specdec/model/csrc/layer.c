@@ -196,6 +196,36 @@ int specdec_layer(const specdec_layer_w *L, const float *x, float *out, int N, c
     return 0;
 }
 
+/* Layers Ls[0..n-1] (the model's layers first .. first+n-1, all of one shape) in one parallel
+ * region, every row's attention native: the same steps as n calls of specdec_layer, without a
+ * call and a thread start per layer. x, out [N, D] (distinct); tmp [N, D] holds the rows
+ * between layers (unused when n == 1); buf: specdec_layer_scratch bytes for Ls[0]. */
+int specdec_layers(const specdec_layer_w *const *Ls, int n, int first, const float *x, float *out, float *tmp, int N,
+                   const float *cos, const float *sin, const specdec_attn *A, void *buf, int nthreads) {
+    for (int l = 0; l < n; l++) {
+        const specdec_layer_w *L = Ls[l], *L0 = Ls[0];
+        if (!supported(L) || L->D != L0->D || L->H != L0->H || L->Hkv != L0->Hkv || L->Dh != L0->Dh || L->I != L0->I)
+            return -2;
+    }
+    scratch s;
+    carve(&s, Ls[0], N, A->max_end, nthreads, buf);
+    const int HD = Ls[0]->H * Ls[0]->Dh, KD = Ls[0]->Hkv * Ls[0]->Dh;
+    float *q = s.qkv, *k = q + (size_t)N * HD, *v = k + (size_t)N * KD;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *att = s.att + specdec_attend_scratch(A->max_end, Ls[0]->H / Ls[0]->Hkv) * (size_t)omp_get_thread_num();
+        const float *in = x;
+        for (int l = 0; l < n; l++) {
+            float *o = (n - 1 - l) % 2 == 0 ? out : tmp;  /* the last layer writes `out` */
+            qkv_team(Ls[l], in, N, cos, sin, q, k, v, &s);
+            specdec_attend_team(A, first + l, q, k, v, N, Ls[l]->H, Ls[l]->Hkv, Ls[l]->Dh, s.attn, att);
+            out_team(Ls[l], in, s.attn, N, o, &s);  /* ends at a barrier: `o` is whole before it is read */
+            in = o;
+        }
+    }
+    return 0;
+}
+
 /* The part before attention: q [N, H*Dh], k, v [N, Hkv*Dh] (rotated). */
 int specdec_layer_qkv(const specdec_layer_w *L, const float *x, int N, const float *cos, const float *sin, float *q,
                       float *k, float *v, void *buf, int nthreads) {
