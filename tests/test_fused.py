@@ -209,3 +209,23 @@ def test_layers_in_one_call_equal_one_call_per_layer(tiny_dir, arch):
     (f1, p1, k1), (f2, p2, k2) = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(f1, f2, strict=True))
     assert torch.equal(p1, p2) and torch.equal(k1, k2)
+
+
+def test_final_norm_runs_in_the_native_library_with_the_layers(tiny_dir):
+    """With native layers the model's final norm is the library's (per row: a row alone gets its
+    bits among others), equal to the framework's up to float rounding; without them, the
+    framework's again."""
+    model = _model(tiny_dir, "qwen2")
+    norm = model.model.norm
+    assert norm.native is not None
+    x = torch.randn(1, 5, model.args.dim, generator=torch.Generator().manual_seed(4)) * 3
+    ours = norm(x)
+    assert torch.equal(norm(x[:, 2:3]), ours[:, 2:3])
+    model.set_native_layers(False)
+    try:
+        assert norm.native is None
+        theirs = norm(x)
+    finally:
+        model.set_native_layers(True)
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(ours, theirs * 1.001, rtol=1e-5, atol=1e-6)  # (it would see a 0.1% error)

@@ -225,6 +225,8 @@ def _library(variant: str) -> ctypes.CDLL:
     lib.specdec_layer.restype = c_int
     lib.specdec_layers.argtypes = [c_ptr, c_int, c_int, c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
     lib.specdec_layers.restype = c_int
+    lib.specdec_rmsnorm_rows.argtypes = [c_ptr, c_ptr, c_int, c_int, c_float, c_ptr]
+    lib.specdec_rmsnorm_rows.restype = None
     lib.specdec_layer_qkv.argtypes = [c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
     lib.specdec_layer_qkv.restype = c_int
     lib.specdec_layer_out.argtypes = [c_ptr, c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_int]

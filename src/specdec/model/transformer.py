@@ -76,9 +76,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.native = None  # the native library, where the model's layers run in it (see set_native_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the storage dtype, as the reference implementations do.
+        if self.native is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            # the native layers' own norm (csrc/layer.c), on this thread: the same bits for a
+            # row however many rows come with it
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            self.native.specdec_rmsnorm_rows(x.data_ptr(), self.weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                                             self.eps, out.data_ptr())  # fmt: skip
+            return out
         if x.dtype == torch.float32 and not self.offset:
             # torch's rms_norm runs these same operations (bitwise equal, tested against
             # transformers) with less per-call overhead
@@ -225,6 +234,8 @@ class Transformer(nn.Module):
         on = on and self._native_attention and all(fused.supported(b, self.args) for b in blocks)
         for b in blocks:
             b.native = fused.NativeLayer(b, self.args) if on else None
+        # the final norm in the same library (fused.supported excludes offset norms)
+        self.model.norm.native = blocks[0].native.lib if on and blocks else None  # type: ignore[union-attr]
         # several layers per call where they share one rotary table (no sliding-window layers)
         same_rope = not any(b.sliding for b in blocks)
         self._native_stack = fused.NativeStack.build([b.native for b in blocks]) if on and same_rope else None  # type: ignore[misc]

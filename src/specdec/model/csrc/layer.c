@@ -226,6 +226,14 @@ int specdec_layers(const specdec_layer_w *const *Ls, int n, int first, const flo
     return 0;
 }
 
+/* out [N, D] = rmsnorm of each row of x [N, D] times w (D a multiple of 8): the model's final
+ * norm in the native modes, on the calling thread (a few rows: a parallel region, or the
+ * framework's operation right after a pass that streamed the weights through every cache,
+ * costs more than the arithmetic). */
+void specdec_rmsnorm_rows(const float *x, const float *w, int N, int D, float eps, float *out) {
+    for (int r = 0; r < N; r++) rmsnorm_row(x + (size_t)r * D, w, D, eps, out + (size_t)r * D);
+}
+
 /* The part before attention: q [N, H*Dh], k, v [N, Hkv*Dh] (rotated). */
 int specdec_layer_qkv(const specdec_layer_w *L, const float *x, int N, const float *cos, const float *sin, float *q,
                       float *k, float *v, void *buf, int nthreads) {
