@@ -114,7 +114,6 @@ void specdec_quantize_row(const float *x, int r, int K, xquant *xq) {
         for (int g = 0; g < 16; g++) {
             int s = 0;
             for (int i = 0; i < 16; i++) s += qp[16 * g + i];
-            xq->o16[rb * 16 + g] = -32 * s;
             xq->s16[rb * 16 + g] = (int16_t)s;
         }
         for (int g = 0; g < 8; g++) {
@@ -366,7 +365,7 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
             for (int r = 0; r < rb; r++) {
                 const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 16 * s;
-                __m512i g0 = dpbusd_bcast(_mm512_set1_epi32(xq->o16[rbk * 16 + s]), c0, xp);
+                __m512i g0 = dpbusd_bcast(_mm512_set1_epi32(-32 * xq->s16[rbk * 16 + s]), c0, xp);
                 __m512i g1 = dpbusd_bcast(_mm512_setzero_si512(), c1, xp + 4);
                 g0 = dpbusd_bcast(g0, c2, xp + 8);
                 g1 = dpbusd_bcast(g1, c3, xp + 12);
@@ -546,7 +545,7 @@ static void amx_tile_q6k(const tile_q6k *w, const xquant *xq, int r0, int rb, fl
             for (int r = 0; r < rb; r++) {
                 const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
                 const __m512i g = _mm512_add_epi32(_mm512_load_si512((const void *)cbuf[r]),
-                                                   _mm512_set1_epi32(xq->o16[rbk * 16 + s]));
+                                                   _mm512_set1_epi32(-32 * xq->s16[rbk * 16 + s]));
                 iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(g, sc));
             }
         }
@@ -588,7 +587,6 @@ size_t specdec_xquant_layout(xquant *xq, int M, int K, char *base) {
     } while (0)
     TAKE(xq->q, int8_t, (size_t)M * xq->K);
     TAKE(xq->a, float, (size_t)M * xq->nb);
-    TAKE(xq->o16, int32_t, (size_t)M * xq->nb * 16);
     TAKE(xq->s32, int16_t, (size_t)M * xq->nb * 8);
     TAKE(xq->s16, int16_t, (size_t)M * xq->nb * 16);
 #undef TAKE

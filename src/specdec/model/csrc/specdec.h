@@ -15,9 +15,8 @@
 typedef struct {
     int8_t *q;      /* [M, K] codes (K padded to whole blocks) */
     float *a;       /* [M, nb] scales */
-    int32_t *o16;   /* [M, nb, 16] -32 * (sum of each 16 codes): the q6k offset */
     int16_t *s32;   /* [M, nb, 8] sums of each 32 codes: the q4k min term */
-    int16_t *s16;   /* [M, nb, 16] sums of each 16 codes (the q6k offset, AVX2 form) */
+    int16_t *s16;   /* [M, nb, 16] sums of each 16 codes: the q6k offset is -32 times them */
     int K, nb;
 } xquant;
 
