@@ -580,11 +580,7 @@ size_t specdec_xquant_layout(xquant *xq, int M, int K, char *base) {
     xq->nb = (K + QK - 1) / QK;
     xq->K = xq->nb * QK;
     size_t at = 0;
-#define TAKE(ptr, type, count)                                   \
-    do {                                                         \
-        (ptr) = base ? (type *)(base + at) : NULL;               \
-        at += ((sizeof(type) * (size_t)(count) + 63) / 64) * 64; \
-    } while (0)
+#define TAKE(ptr, type, count) SPECDEC_TAKE(base, at, ptr, type, count)
     TAKE(xq->q, int8_t, (size_t)M * xq->K);
     TAKE(xq->a, float, (size_t)M * xq->nb);
     TAKE(xq->s32, int16_t, (size_t)M * xq->nb * 8);

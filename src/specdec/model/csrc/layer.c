@@ -55,11 +55,7 @@ typedef struct {
 /* Lay the scratch out from `base` (NULL: only count); returns the bytes it takes. */
 static size_t carve(scratch *s, const specdec_layer_w *L, int N, int max_end, int nthreads, char *base) {
     size_t at = 0;
-#define TAKE(ptr, type, count)                                        \
-    do {                                                              \
-        (ptr) = base ? (type *)(base + at) : NULL;                    \
-        at += ((sizeof(type) * (size_t)(count) + 63) / 64) * 64;      \
-    } while (0)
+#define TAKE(ptr, type, count) SPECDEC_TAKE(base, at, ptr, type, count)
     const int ks[3] = {L->D, L->H * L->Dh, L->I};
     xquant *xs[3] = {&s->xd, &s->xo, &s->xi};
     for (int i = 0; i < 3; i++) at += specdec_xquant_layout(xs[i], N, ks[i], base ? base + at : NULL);
@@ -176,30 +172,11 @@ int64_t specdec_layer_scratch(const specdec_layer_w *L, int N, int max_end, int 
     return (int64_t)carve(&s, L, N, max_end, nthreads, NULL);
 }
 
-/* The whole layer: x, out [N, D] (out may not alias x); cos, sin [N, Dh]; A: the rows'
- * attention (every row native), its caches' layer `layer`; buf: specdec_layer_scratch bytes.
- * Returns 0, or -2 for sizes it does not handle. */
-int specdec_layer(const specdec_layer_w *L, const float *x, float *out, int N, const float *cos, const float *sin,
-                  const specdec_attn *A, int layer, void *buf, int nthreads) {
-    if (!supported(L)) return -2;
-    scratch s;
-    carve(&s, L, N, A->max_end, nthreads, buf);
-    const int HD = L->H * L->Dh, KD = L->Hkv * L->Dh;
-    float *q = s.qkv, *k = q + (size_t)N * HD, *v = k + (size_t)N * KD;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        qkv_team(L, x, N, cos, sin, q, k, v, &s);
-        specdec_attend_team(A, layer, q, k, v, N, L->H, L->Hkv, L->Dh, s.attn,
-                            s.att + specdec_attend_scratch(A->max_end, L->H / L->Hkv) * (size_t)omp_get_thread_num());
-        out_team(L, x, s.attn, N, out, &s);
-    }
-    return 0;
-}
-
 /* Layers Ls[0..n-1] (the model's layers first .. first+n-1, all of one shape) in one parallel
- * region, every row's attention native: the same steps as n calls of specdec_layer, without a
- * call and a thread start per layer. x, out [N, D] (distinct); tmp [N, D] holds the rows
- * between layers (unused when n == 1); buf: specdec_layer_scratch bytes for Ls[0]. */
+ * region, every row's attention native (A, over its caches): the same steps as n calls of
+ * specdec_layer, without a call and a thread start per layer. x, out [N, D] (out may not alias
+ * x); cos, sin [N, Dh]; tmp [N, D] holds the rows between layers (unused when n == 1); buf:
+ * specdec_layer_scratch bytes for Ls[0]. Returns 0, or -2 for sizes it does not handle. */
 int specdec_layers(const specdec_layer_w *const *Ls, int n, int first, const float *x, float *out, float *tmp, int N,
                    const float *cos, const float *sin, const specdec_attn *A, void *buf, int nthreads) {
     for (int l = 0; l < n; l++) {
@@ -224,6 +201,12 @@ int specdec_layers(const specdec_layer_w *const *Ls, int n, int first, const flo
         }
     }
     return 0;
+}
+
+/* One layer, `layer` of the model: specdec_layers with n = 1. */
+int specdec_layer(const specdec_layer_w *L, const float *x, float *out, int N, const float *cos, const float *sin,
+                  const specdec_attn *A, int layer, void *buf, int nthreads) {
+    return specdec_layers(&L, 1, layer, x, out, out, N, cos, sin, A, buf, nthreads);
 }
 
 /* out [N, D] = rmsnorm of each row of x [N, D] times w (D a multiple of 8): the model's final

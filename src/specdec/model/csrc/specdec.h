@@ -20,6 +20,14 @@ typedef struct {
     int K, nb;
 } xquant;
 
+/* Carving arrays out of one buffer: `ptr` = `count` items of `type` at offset `at` of `base`
+ * (NULL: only count), `at` moved past them to the next 64-byte boundary. */
+#define SPECDEC_TAKE(base, at, ptr, type, count)                   \
+    do {                                                           \
+        (ptr) = (base) ? (type *)((base) + (at)) : NULL;           \
+        (at) += ((sizeof(type) * (size_t)(count) + 63) / 64) * 64; \
+    } while (0)
+
 /* Lay out xq's arrays for M rows of K inputs from `base` (NULL: only count); returns the
  * bytes they take (each array 64-byte aligned). */
 size_t specdec_xquant_layout(xquant *xq, int M, int K, char *base);
