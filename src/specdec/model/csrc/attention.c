@@ -170,7 +170,8 @@ void specdec_attend_team(const specdec_attn *A, int layer, const float *q, const
     }
     /* tasks: up to SPECDEC_ATTN_ROWS consecutive rows of one segment, times the key/value heads
      * (a row block never spans two segments: it starts where the previous one of its segment
-     * ended). Block b of the call starts at row first[b]. */
+     * ended). Block b starts at the b-th row whose position in its segment is a multiple of
+     * SPECDEC_ATTN_ROWS. */
     int blocks = 0;
     for (int r = 0; r < N; r++)
         if (A->t[r] % SPECDEC_ATTN_ROWS == 0) blocks++;
