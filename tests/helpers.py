@@ -77,6 +77,7 @@ def no_timing(monkeypatch) -> None:
     from specdec import costs
 
     monkeypatch.setattr(costs, "pass_costs", lambda target, max_rows: PASS)
+    monkeypatch.setattr(costs, "draft_step_ms", lambda model, key, step, reset: PASS.target(1))
 
 
 # -- EAGLE-3 heads ---------------------------------------------------------------------------

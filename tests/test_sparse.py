@@ -181,7 +181,7 @@ def test_installed_model_is_sparse_and_loads_the_same():
     """The 0.5B draft as installed: its Q4_K/Q6_K tensors live only in the packed file; a float
     tensor read from the GGUF is what the whole file gives; `full` gives the pinned file back."""
     from specdec.model.gguf_file import float_tensor
-    from specdec.model.load import prepare_q4k
+    from specdec.model.load import prepare_q4k, q4k_cache_file
 
     spec = registry.MODELS["qwen2.5-coder-0.5b"]
     if not store.is_installed(spec.name):
@@ -201,7 +201,9 @@ def test_installed_model_is_sparse_and_loads_the_same():
         assert store.sha256_file(g) == spec.sha256
         assert np.array_equal(float_tensor(open_gguf(g), name, args), sparse_w)
     assert sparse.state(g) == info
-    assert json.loads(sparse.note_path(g).read_text())["packed"] == str(store.packed_files(d)[0].resolve())
+    # (the GGUF's own packing holds them, not the draft's cheaper one beside it)
+    assert json.loads(sparse.note_path(g).read_text())["packed"] == str(q4k_cache_file(d).resolve())
+    assert q4k_cache_file(d) in store.packed_files(d)
 
 
 def test_the_packing_that_holds_punched_blocks_is_never_pruned(cached_model):

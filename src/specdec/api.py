@@ -46,15 +46,38 @@ class LoadedModel:
         return f"LoadedModel({self.name!r}, {a.model_type}, {a.n_layers} layers, mode={self.model.mode})"
 
 
-def load(name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.device | None = None) -> LoadedModel:
+def load(name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.device | None = None,
+         bits: int | None = None) -> LoadedModel:  # fmt: skip
     """Load a registered model name, a Hugging Face directory or a GGUF file.
 
     `dtype` is a precision/kernel mode: "auto" (the fastest mode that keeps greedy identity
     exact: q4k on the CPU, int8 where q4k's kernel cannot be built), "fp32", "bf16", "fp16",
-    "int8" or "q4k"."""
+    "int8" or "q4k". `bits` (q4k): load a draft model from a cheaper packing than its file's —
+    4: every linear layer in Q4_K blocks (the draft's numbers change, and with them only the
+    acceptance: speculative decoding stays exact whatever the draft computes)."""
     path = store.resolve(name_or_path)
-    return LoadedModel(str(name_or_path), path, load_transformer(path, dtype=dtype, device=device),
+    return LoadedModel(str(name_or_path), path, load_transformer(path, dtype=dtype, device=device, bits=bits),
                        Tokenizer.from_dir(path))  # fmt: skip
+
+
+def load_draft(name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.device | None = None,
+               bits: int | None | str = "default") -> LoadedModel:  # fmt: skip
+    """`load` for a model that will draft: `bits="default"` takes the packing measured best for
+    a known draft model (`registry.ModelSpec.draft_bits`) where the mode has it, else the file's own."""
+    if bits == "default":
+        bits = default_draft_bits(name_or_path, dtype=dtype, device=device)
+    return load(name_or_path, dtype=dtype, device=device, bits=bits)  # type: ignore[arg-type]
+
+
+def default_draft_bits(name_or_path: str | Path, *, dtype: str = "auto",
+                       device: str | torch.device | None = None) -> int | None:  # fmt: skip
+    """The packing a known draft model drafts from by default in this mode (None: its file's own)."""
+    from .model.kernels import get_mode
+    from .model.load import resolve_device
+    from .registry import MODELS
+
+    spec = MODELS.get(str(name_or_path))
+    return spec.draft_bits if spec is not None and get_mode(dtype, resolve_device(device)).name == "q4k" else None
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, chat: bool | None = None) -> list[int]:

@@ -34,6 +34,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=_Help)  # fmt: skip
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
+    add_draft_bits(p)
     p.add_argument("--drafter", choices=sorted(DRAFTERS),
                    help="drafting method (unset: draft-model when --draft is given, else plain decoding): "
                         + "; ".join(f"{s.name}: {s.help}" for s in DRAFTERS.values()))  # fmt: skip
@@ -53,6 +54,31 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--stream", action="store_true", help="print the text as it is committed, step by step")
     p.set_defaults(func=_cmd_generate)
+
+
+def add_draft_bits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-bits", type=int, default=None, metavar="BITS",
+                   help="the draft model's packing (q4k mode): 4 = every layer in Q4_K blocks, 0 = its file's own "
+                        "(default: the one measured best for a known draft, else its file's)")  # fmt: skip
+
+
+def draft_bits(ns: argparse.Namespace) -> int | None | str:
+    """--draft-bits as `api.load_draft` takes it."""
+    given = getattr(ns, "draft_bits", None)
+    return "default" if given is None else (given or None)
+
+
+def _default_bits(ns: argparse.Namespace) -> int | None:
+    from .api import default_draft_bits
+
+    bits = draft_bits(ns)
+    return default_draft_bits(ns.draft, device=ns.device) if bits == "default" else bits  # type: ignore[return-value]
+
+
+def load_draft_model(ns: argparse.Namespace):  # noqa: ANN201 - LoadedModel
+    from .api import load_draft
+
+    return load_draft(ns.draft, dtype=ns.dtype, device=ns.device, bits=draft_bits(ns)) if ns.draft else None
 
 
 def _drafter_flags() -> dict[str, list[tuple[Any, Any, Any]]]:
@@ -141,7 +167,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     sampling = from_namespace(SamplingParams, ns)
     prompt = _read_prompt(ns)
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
-    draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
+    draft = load_draft_model(ns)
     drafter = build_drafter(target, draft, method, **options)
     k, k_source = (resolve_k(k_given, target=ns.target, method=method, draft=ns.draft, mode=target.model.mode)
                    if drafter is not None else (cfg.k, None))  # fmt: skip
@@ -246,6 +272,26 @@ def _models_parser(sub: argparse._SubParsersAction) -> None:
     rm = msub.add_parser("remove", help="delete everything a model's install made (GGUF, directory, packed weights)")
     rm.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS))
     rm.set_defaults(func=_cmd_remove)
+    voc = msub.add_parser("vocab", help="count a model's tokens over training data: the draft vocabulary (--draft-vocab)",
+                          description="Counts how often each token of MODEL's tokenizer occurs in a data set's "
+                                      "conversations (chat template applied) and writes the most frequent ids; a "
+                                      "draft model with this tokenizer then scores only the --draft-vocab most "
+                                      "frequent (exact whatever the list: only acceptance changes). Lists for the "
+                                      "known models ship with specdec; this makes one for another tokenizer.")  # fmt: skip
+    voc.add_argument("name", metavar="MODEL", help="model name, HF directory or .gguf path")
+    voc.add_argument("--data", default="sharegpt", help="installed data set or a .json/.jsonl path (not the benchmark's prompts)")
+    voc.add_argument("--limit", type=int, default=None, help="count at most this many conversations")
+    voc.add_argument("--out", type=Path, default=None, help="file to write (default: the specdec cache's vocab/MODEL.safetensors)")
+    voc.set_defaults(func=_cmd_vocab)
+
+
+def _cmd_vocab(ns: argparse.Namespace) -> int:
+    from .drafters import vocab
+
+    if ns.limit is not None and ns.limit < 1:
+        raise ValueError("--limit must be >= 1")
+    vocab.build(ns.name, ns.out, data=ns.data, limit=ns.limit, log=lambda s: print(s, file=sys.stderr))
+    return 0
 
 
 def _cmd_path(ns: argparse.Namespace) -> int:
@@ -282,8 +328,10 @@ def _cmd_install(ns: argparse.Namespace) -> int:
     for name in ns.names:
         path = store.install(name, keep_downloads=ns.keep_downloads, floats=ns.floats,
                              log=lambda s: print(s, file=sys.stderr))  # fmt: skip
-        print(f"{name}: preparing the weights of the default (q4k) mode", file=sys.stderr)
-        if not prepare_q4k(path):
+        bits = registry.MODELS[name].draft_bits
+        print(f"{name}: preparing the weights of the default (q4k) mode" + (f", and its {bits}-bit packing as a draft"
+              if bits else ""), file=sys.stderr)  # fmt: skip
+        if not prepare_q4k(path, draft_bits=bits):
             print(f"{name}: the q4k kernel cannot be built here; the default mode will be int8 (its float weights "
                   "are made on first use)", file=sys.stderr)  # fmt: skip
     return 0
@@ -302,6 +350,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-category", type=int, help="at most this many prompts per category")
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model")
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="draft model for the draft-model method")
+    add_draft_bits(p)
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="the draft's vocabulary for draft-model and auto (0 = whole; default: the drafter's)")
     p.add_argument("--pairs", nargs="+", metavar="TARGET[:DRAFT]",
                    help="several model pairs, one grid each (instead of --target/--draft)")  # fmt: skip
     p.add_argument("--methods", nargs="+", choices=list(DRAFTERS),
@@ -334,6 +385,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     fwd.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
     fwd.add_argument("--repeats", type=int, default=5, help="timed repeats per k (median reported)")
     fwd.add_argument("--device", default=None)
+    fwd.add_argument("--draft", help="also time one drafted token of this draft model (as drafting runs it) against "
+                                     "the target's one-token pass (`draft_ratio` in --json)")  # fmt: skip
+    add_draft_bits(fwd)
+    fwd.add_argument("--draft-vocab", type=int, nargs="+", metavar="N",
+                     help="with --draft: the draft vocabularies to time (0 = whole; default: the default and 0)")
     fwd.add_argument("--json", action="store_true", help="print one JSON object")
     fwd.set_defaults(func=_cmd_bench_forward)
     bat = bsub.add_parser("batch", help="aggregate tokens/s with several sequences in flight, per method",
@@ -397,7 +453,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         per_category=ns.per_category or quick.get("per_category"),
         categories=tuple(ns.categories) if ns.categories else None,
         prompts_file=str(ns.prompts) if ns.prompts else None, dtype=ns.dtype, peers=ns.peers, adaptive_k=ns.adaptive_k,
-        noise_control=ns.noise_control,
+        noise_control=ns.noise_control, draft_bits=draft_bits(ns), draft_vocab=ns.draft_vocab,
     ) for target, draft in pairs]  # fmt: skip
     results = []
     for s in settings:
@@ -432,13 +488,21 @@ def _cmd_bench_forward(ns: argparse.Namespace) -> int:
 
     if ns.context < 1 or ns.repeats < 1:
         raise ValueError("--context and --repeats must be >= 1")
+    if ns.draft_vocab and not ns.draft:
+        raise ValueError("--draft-vocab times a draft model's vocabularies; add --draft MODEL")
+    if any(n < 0 for n in ns.draft_vocab or ()):
+        raise ValueError("--draft-vocab sizes must be >= 0 (0 = the whole vocabulary)")
     path = store.resolve(ns.model)
     modes = ns.modes or forward.default_modes(resolve_device(ns.device))
     gguf = store.gguf_path(registry.MODELS[ns.model]) if ns.model in registry.MODELS else Path(ns.model)
     result = forward.run(str(path), modes=modes, context=ns.context, repeats=ns.repeats, device=ns.device,
                          progress=lambda s: print(s, file=sys.stderr),
-                         gguf=gguf if gguf.suffix == ".gguf" else None)  # fmt: skip
+                         gguf=gguf if gguf.suffix == ".gguf" else None,
+                         draft=str(store.resolve(ns.draft)) if ns.draft else None, draft_vocabs=ns.draft_vocab,
+                         draft_bits=_default_bits(ns) if ns.draft else None)  # fmt: skip
     result["model"] = ns.model
+    if ns.draft:
+        result["draft"]["name"] = ns.draft
     print(json.dumps(result) if ns.json else forward.table(result))
     return 0
 
@@ -680,6 +744,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                                    "with the extra body field \"speculative\": {\"method\": NAME, \"k\": K}.")  # fmt: skip
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model for the draft-model and auto methods")
+    add_draft_bits(p)
     p.add_argument("--drafter", choices=sorted(DRAFTERS),
                    help="the server's default method (unset: draft-model when --draft is given, else plain decoding)")
     add_drafter_options(p)
@@ -714,7 +779,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         print(f"specdec: warning: serving on {ns.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)  # fmt: skip
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
-    draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
+    draft = load_draft_model(ns)
     if method is not None:  # fail now, not on the first request
         from .api import build_drafter
 
@@ -739,6 +804,7 @@ def _certify_parser(sub: argparse._SubParsersAction) -> None:
                                    "drafted.")  # fmt: skip
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (for the draft-model and auto drafters)")
+    add_draft_bits(p)
     p.add_argument("--drafter", choices=sorted(DRAFTERS), help="the method to certify (default: draft-model with "
                    "--draft)")  # fmt: skip
     add_drafter_options(p)
@@ -779,7 +845,7 @@ def _cmd_certify(ns: argparse.Namespace) -> int:
     options = drafter_options(ns, method)
     prompts = ns.prompt or list(PROMPTS)
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
-    draft = load(ns.draft, dtype=ns.dtype, device=ns.device) if ns.draft else None
+    draft = load_draft_model(ns)
     arms = 3 if ns.control else 2
     with tqdm(total=arms * ns.samples * len(prompts), desc="certify", unit="seq", disable=ns.json, file=sys.stderr) as bar:
         cert = certify(target, method=method, assistant_model=draft, k=ns.k, temperature=ns.temperature,

@@ -5,8 +5,10 @@ from them (EAGLE-3's trees)."""
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,11 +70,14 @@ def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) 
     model(torch.randint(0, vocab, (1, context), generator=gen).to(model.device), cache, last_only=True)
     new = torch.randint(0, vocab, (1, max(rows)), generator=gen).to(model.device)
     times: dict[int, list[float]] = {r: [] for r in rows}
-    # Round by round over all the row counts, not count by count, and the fastest round of each:
-    # a shared machine's interference only ever adds time, so the minimum is the pass's own
-    # cost (the engine's online `scale` follows the load of the moment). A median of a few
-    # rounds let one slow moment make 1 row look dearer than 2 here, and every drafted token
-    # then looked free.
+    # Round by round over all the row counts, not count by count. Each count's cost is the
+    # median over rounds of its time relative to the one-row pass of the same round (passes a
+    # few hundred ms apart see the same machine), times the median one-row pass: the machine's
+    # usual speed, not its best moment. (The fastest round of each count, kept before, made
+    # whichever count caught a quiet moment look cheap: a one-row pass 19% under two rows where
+    # side-by-side runs put it 6% under, and drafting then never paid. A plain median of a few
+    # rounds let one slow moment make 1 row look dearer than 2.) The engine's online `scale`
+    # follows the load of the moment.
     for i in range(repeats + 1):  # the first round warms up every shape
         for r in rows:
             cache.truncate(context)
@@ -82,7 +87,9 @@ def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) 
                 torch.cuda.synchronize()
             if i:
                 times[r].append((time.perf_counter() - t0) * 1e3)
-    return monotone({r: min(t) for r, t in times.items()})
+    one = times[rows[0]]
+    base = statistics.median(one)
+    return monotone({r: base * statistics.median(a / b for a, b in zip(t, one, strict=True)) for r, t in times.items()})
 
 
 def monotone(ms: dict[int, float]) -> dict[int, float]:
@@ -114,14 +121,15 @@ def measure_costs(target: Transformer, draft: Transformer | None = None, *, max_
 
 
 def machine_key(target: Transformer) -> str | None:
-    """What a measurement of `target` on this machine depends on: model directory, mode,
-    kernel build, CPU, threads, device (None for a model without a directory)."""
+    """What a measurement of `target` on this machine depends on: model directory, mode (and
+    packing), kernel build, CPU, threads, device (None for a model without a directory)."""
     from .model.native import build_id, cpu_info
 
     src = getattr(target, "source_dir", None)
     if src is None:
         return None
-    return "|".join([str(src), target.mode, build_id(), cpu_info().get("model name", "?"),
+    mode = target.mode + (f"-b{target.bits}" if getattr(target, "bits", None) else "")
+    return "|".join([str(src), mode, build_id(), cpu_info().get("model name", "?"),
                      str(torch.get_num_threads()), str(target.device)])  # fmt: skip
 
 
@@ -154,9 +162,10 @@ def store_measurement(name: str, key: str, value: Any) -> None:
     store.write_json(path, table)
 
 
-# v2: the fastest of a few rounds per row count, monotone in rows (`_time_rows`); the medians
-# of the first version's tables are not read
-PASS_COSTS_FILE = "pass_costs-v2.json"
+# v3: per row count the median of its time relative to the same round's one-row pass, times
+# the median one-row pass, monotone in rows (`_time_rows`); earlier versions' tables (the
+# fastest round, v2; medians, v1) are not read
+PASS_COSTS_FILE = "pass_costs-v3.json"
 
 
 def pass_costs(target: Transformer, max_rows: int) -> Costs:
@@ -175,7 +184,7 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     if isinstance(entry, dict) and entry and {str(r) for r in rows} <= set(entry):
         costs = Costs({int(r): float(ms) for r, ms in entry.items()})
     else:
-        costs = Costs(_time_rows(target, rows, context=128, repeats=5))
+        costs = Costs(_time_rows(target, rows, context=128, repeats=7))
         if key is not None:  # (a model without a directory is kept in this process only)
             store_measurement(PASS_COSTS_FILE, key, {str(r): round(ms, 3) for r, ms in costs.target_ms.items()})
     _PASS_COSTS[target] = costs
@@ -183,6 +192,37 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
 
 
 _PASS_COSTS: weakref.WeakKeyDictionary[Transformer, Costs] = weakref.WeakKeyDictionary()  # this process's
+
+DRAFT_STEP_FILE = "draft_step-v1.json"
+
+
+def draft_step_ms(model: Transformer, key: str, step: Callable[[], None], reset: Callable[[], None]) -> float:
+    """A drafter's own step as it runs (`step`, after `reset` puts its state back), timed like
+    the pass table (the median of a few rounds, after a warm-up) once per machine and kept in
+    the specdec cache (`DRAFT_STEP_FILE`) under `machine_key(model)` and `key` (what else the
+    step depends on: a draft vocabulary's size)."""
+    known = _DRAFT_STEPS.setdefault(model, {})
+    if key in known:
+        return known[key]
+    mk = machine_key(model)
+    full = f"{mk}|{key}" if mk is not None else None
+    ms = stored(DRAFT_STEP_FILE, full) if full is not None else None
+    if not isinstance(ms, (int, float)):
+        times = []
+        for i in range(8):
+            reset()
+            t0 = time.perf_counter()
+            step()
+            if i:
+                times.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times)
+        if full is not None:
+            store_measurement(DRAFT_STEP_FILE, full, round(ms, 3))
+    known[key] = float(ms)
+    return known[key]
+
+
+_DRAFT_STEPS: weakref.WeakKeyDictionary[Transformer, dict[str, float]] = weakref.WeakKeyDictionary()
 
 
 def observe_pass(target: Transformer, rows: int, ms: float) -> None:

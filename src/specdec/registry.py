@@ -34,6 +34,9 @@ class PackagedFile:
 @dataclass(frozen=True)
 class ModelSpec(PackagedFile):
     architecture: str = ""  # GGUF `general.architecture`
+    # the packing it drafts from by default (`load_transformer(bits=)`; None: its file's own),
+    # made at install; chosen by measurement (docs/results.md)
+    draft_bits: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ MODELS: dict[str, ModelSpec] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             filename="qwen2.5-coder-0.5b-instruct.gguf",
             architecture="qwen2",
+            draft_bits=4,  # its GGUF is Q5_0/Q8_0, re-quantized to Q6_K otherwise
         ),
         ModelSpec(
             name="smollm2-135m",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import registry
-from ..api import LoadedModel, build_drafter, load
+from ..api import LoadedModel, build_drafter, load, load_draft
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams
 from ..engine import Engine
 from .grid import machine, prompt_ids
@@ -116,7 +116,7 @@ def run_batch(settings: BatchSettings, progress: Callable[[str], None] | None = 
     draft_name = settings.draft or default_draft(settings.target)
     draft = None
     if "draft-model" in settings.methods:
-        draft = target if draft_name == settings.target else load(draft_name, dtype=settings.dtype)
+        draft = target if draft_name == settings.target else load_draft(draft_name, dtype=settings.dtype)
     suite = [p for p in load_prompts(settings.prompts_file) if len(prompt_ids(target, p)) <= settings.max_prompt_tokens]
     if not suite:
         raise ValueError(f"no prompt of the suite has at most {settings.max_prompt_tokens} tokens; raise --max-prompt-tokens")

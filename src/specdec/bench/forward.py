@@ -126,8 +126,51 @@ def _time_llama_cpp(llama_cpp, gguf: Path, *, context: int, ks: tuple[int, ...],
     return {"ms": ms, "ratio_k8_k1": _ratio_k8_k1(ms), "version": llama_cpp.__version__, "gguf": gguf.name}
 
 
+def time_draft(target: Transformer, draft: Transformer, vocabs: list[int], *, context: int,
+               repeats: int) -> dict[str, Any]:  # fmt: skip
+    """One drafted token as the draft-model drafter computes it (`draft_model.draft_step`: its
+    one-row pass, and its LM head over each vocabulary of `vocabs`, 0 = the whole one) beside
+    the target's one-token pass, interleaved in one loop so both see the machine's same moments."""
+    from ..drafters.draft_model import draft_step
+    from ..drafters.vocab import DEFAULT_VOCAB
+    from ..drafters.vocab import draft_vocab
+    from ..model.transformer import Segment
+
+    heads = {n: draft_vocab(draft, n) for n in vocabs}
+    tcache, dcache = target.new_cache(context + 1), draft.new_cache(context + 1)
+    prompt = _tokens(context, min(target.args.vocab_size, draft.args.vocab_size), 0)
+    target(prompt, tcache, last_only=True, head=False)
+    draft(prompt, dcache, last_only=True, head=False)
+    new = _tokens(1, draft.args.vocab_size, 1)
+    t_ms: list[float] = []
+    d_ms: dict[int, list[float]] = {n: [] for n in vocabs}
+    for r in range(repeats + 1):
+        tcache.truncate(context)
+        with timer(target.device) as t:
+            target(new, tcache)
+        if r:
+            t_ms.append(t[0] * 1e3)
+        for n, vocab in heads.items():
+            dcache.truncate(context)
+            with timer(draft.device) as t:
+                outs, _, sub = draft_step(draft, vocab, [Segment(new[0], dcache, last_only=True)])
+                int(outs[0].logits[0, -1].argmax() if sub is None else sub[0].argmax())
+            if r:
+                d_ms[n].append(t[0] * 1e3)
+    target_ms = statistics.median(t_ms)
+    rows = {str(n): {"tokens": heads[n].size if heads[n] is not None else draft.args.vocab_size,
+                     "coverage": round(heads[n].freq.coverage(heads[n].size), 4) if heads[n] and heads[n].freq else 1.0,
+                     "ms": statistics.median(d_ms[n]), "ratio": statistics.median(d_ms[n]) / target_ms}
+            for n in vocabs}  # fmt: skip
+    default = str(DEFAULT_VOCAB) if str(DEFAULT_VOCAB) in rows else str(vocabs[0])
+    return {"target_ms": target_ms, "mode": draft.mode, "vocab": rows, "default_vocab": int(default),
+            "draft_ratio": rows[default]["ratio"]}  # fmt: skip
+
+
 def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] = KS, repeats: int = 5,
-        device: str | None = None, progress=print, gguf: Path | None = None) -> dict[str, Any]:  # fmt: skip
+        device: str | None = None, progress=print, gguf: Path | None = None,
+        draft: str | None = None, draft_vocabs: list[int] | None = None,
+        draft_bits: int | None = None) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {"context": context, "ks": list(ks), "repeats": repeats,
                            "threads": torch.get_num_threads(), "torch": torch.__version__, "modes": {}}  # fmt: skip
     for mode in modes:
@@ -142,6 +185,17 @@ def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] 
 
     machine = collect(bandwidth=False)
     out["cpu"], out["kernels"] = machine["cpu"]["model"], machine["kernels"]  # which path produced the numbers
+    if draft is not None:
+        from ..drafters.vocab import DEFAULT_VOCAB
+
+        vocabs = list(dict.fromkeys(draft_vocabs or [DEFAULT_VOCAB, 0]))
+        progress(f"timing one drafted token of {Path(draft).name} beside the target's one-token pass ...")
+        target = load_transformer(path, dtype="auto", device=device)
+        dmodel = load_transformer(draft, dtype="auto", device=device, bits=draft_bits)
+        out["draft"] = {"name": draft, "bits": draft_bits} | time_draft(target, dmodel, vocabs, context=context,
+                                                                       repeats=max(repeats, 9))  # fmt: skip
+        del target, dmodel
+        gc.collect()
     if gguf is not None and gguf.exists():
         progress("timing llama.cpp ...")
         out["llama_cpp"] = time_llama_cpp(gguf, context=context, ks=ks, repeats=repeats)
@@ -165,7 +219,17 @@ def table(result: dict[str, Any]) -> str:
     where = f"; {result['cpu']}, native kernels {k.get('build') or 'unavailable'}: {k.get('why', '')}" if k else ""
     text = "\n".join(lines) + f"\n(ms per target forward, median{where})"
     roof = (result["modes"].get("q4k") or {}).get("roofline")
-    return text + "\n\n" + roofline.table(roof) if roof else text
+    text = text + "\n\n" + roofline.table(roof) if roof else text
+    d = result.get("draft")
+    if d:
+        bits = f", {d['bits']}-bit packing" if d.get("bits") else ""
+        lines = [f"draft {d['name']} ({d['mode']}{bits}): one drafted token as drafting computes it, beside the target's "
+                 f"one-token pass ({d['target_ms']:.1f} ms)", f"{'vocabulary':>12s}{'tokens':>9s}{'coverage':>10s}{'ms':>8s}{'x target':>10s}"]
+        for n, r in d["vocab"].items():
+            name = "full" if n == "0" else n + (" (default)" if int(n) == d["default_vocab"] else "")
+            lines.append(f"{name:>12s}{r['tokens']:9d}{r['coverage']:10.1%}{r['ms']:8.2f}{r['ratio']:10.2f}")
+        text += "\n\n" + "\n".join(lines)
+    return text
 
 
 def default_modes(device: torch.device) -> list[str]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .. import __version__, registry
-from ..api import LoadedModel, encode_prompt, generate, load
+from ..api import LoadedModel, encode_prompt, generate, load, load_draft
 from ..config import DEFAULT_K
 from ..costs import K_MAX, Costs, measure_costs, pass_costs
 from ..drafters import DRAFTERS, uses_draft_model
@@ -76,6 +76,8 @@ class GridSettings:
     peers: bool = True  # where installed: transformers and llama.cpp on the same prompts (greedy)
     adaptive_k: bool = True  # the methods as shipped (never-slower guard on); False: k drafts every step
     noise_control: bool = True  # plain decoding again after the methods (NOISE): the run's noise floor
+    draft_bits: int | None | str = "default"  # the draft's packing (`api.load_draft`)
+    draft_vocab: int | None = None  # the draft's vocabulary (draft-model, auto); None: the drafter's default
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -245,6 +247,10 @@ def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _draft_options(settings: GridSettings, method: str) -> dict[str, Any]:
+    return {"vocab": settings.draft_vocab} if settings.draft_vocab is not None and uses_draft_model(method) else {}
+
+
 def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: LoadedModel | None = None,
              progress: Callable[[str], None] | None = None) -> GridResult:  # fmt: skip
     """Run the grid. `target`/`draft` may be passed already loaded (else loaded by name)."""
@@ -254,7 +260,7 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                      settings.per_category)  # fmt: skip
     target = target or load(settings.target, dtype=settings.dtype)
     if "draft-model" in settings.methods or ("auto" in settings.methods and settings.draft):
-        draft = draft or load(settings.draft, dtype=settings.dtype)  # type: ignore[arg-type]
+        draft = draft or load_draft(settings.draft, dtype=settings.dtype, bits=settings.draft_bits)  # type: ignore[arg-type]
     result = GridResult(settings, machine(), mode=target.model.mode)
     generate(target, [1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)  # warm-up: first-call costs
     if "auto" in settings.methods:  # its cost model's inputs: timed once per machine, then kept
@@ -286,7 +292,7 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                         # calibration is kept per target: done on the first prompt)
                         # auto chooses among prompt lookup and, where one is loaded, the draft model
                         res = generate(target, ids, drafter=method, assistant_model=draft if uses_draft_model(method)
-                                       else None, **common)  # fmt: skip
+                                       else None, **common, **_draft_options(settings, method))  # fmt: skip
                         result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
                         bar.update()
                     if settings.noise_control:
@@ -318,7 +324,8 @@ def _warm_up(settings: GridSettings, target: LoadedModel, draft: LoadedModel | N
         for temp in settings.temperatures:
             generate(target, ids, drafter=method, assistant_model=draft if uses_draft_model(method) else None,
                      k=settings.k, max_new_tokens=WARM_UP_TOKENS, temperature=temp, seed=settings.seed,
-                     context_overflow="truncate", adaptive_k=settings.adaptive_k)  # fmt: skip
+                     context_overflow="truncate", adaptive_k=settings.adaptive_k,
+                     **_draft_options(settings, method))  # fmt: skip
         result.first_use[method] = time.perf_counter() - t0
     forget(target.model)
 

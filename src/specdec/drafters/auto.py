@@ -45,6 +45,7 @@ from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
 from .base import DRAFTERS, Draft, Drafter, DraftSession, Feedback, Option, make_drafter, register
+from .vocab import DEFAULT_VOCAB, VOCAB_OPTION
 
 
 def switchable() -> list[str]:
@@ -60,7 +61,8 @@ def switchable() -> list[str]:
     options=(Option("methods", "auto: the drafters to choose from, comma-separated (default: prompt-lookup, "
                                "draft-model with --draft, eagle3 with --auto-head)", "--auto-methods", type=str),
              Option("head", "auto: include this EAGLE-3 head (directory; with eagle3 in --auto-methods, default: "
-                            "the head shipped for the target)", "--auto-head", type=str)),
+                            "the head shipped for the target)", "--auto-head", type=str),
+             VOCAB_OPTION),
 )  # fmt: skip
 class AutoDrafter(Drafter):
     """Switches between drafters step by step (see the module doc). `methods`: comma-separated
@@ -70,7 +72,7 @@ class AutoDrafter(Drafter):
     own_schedule = True  # it chooses plain steps itself
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, methods: str | None = None,
-                 head: Any = None, margin: float = 1.03) -> None:  # fmt: skip
+                 head: Any = None, margin: float = 1.03, vocab: int = DEFAULT_VOCAB) -> None:  # fmt: skip
         super().__init__()
         ok = switchable()
         if methods is None:
@@ -98,7 +100,7 @@ class AutoDrafter(Drafter):
             raise ValueError("--auto-head gives auto an EAGLE-3 head; add eagle3 to --auto-methods or drop it")
         self.subs: dict[str, Drafter] = {
             n: make_drafter(n, target=target, draft=draft if DRAFTERS[n].needs == "draft" else None,
-                            **({"head": head} if n == "eagle3" else {}))
+                            **({"head": head} if n == "eagle3" else {"vocab": vocab} if n == "draft-model" else {}))
             for n in names
         }  # fmt: skip
         for sub in self.subs.values():

@@ -8,9 +8,10 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..model.cache import KVCache
-from ..model.transformer import Segment, Transformer
+from ..model.transformer import ForwardOutput, Segment, Transformer
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, register
+from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
 
 
 # Per draft model, the last prompt it prefilled and that cache (a batch of sequences with one
@@ -18,18 +19,63 @@ from .base import Draft, Drafter, DraftSession, Feedback, register
 _PREFILLED: weakref.WeakKeyDictionary[Transformer, tuple[tuple[int, ...], KVCache]] = weakref.WeakKeyDictionary()
 
 
-@register("draft-model", needs="draft", help="a smaller model of the same tokenizer drafts k tokens (--draft MODEL)")
+def draft_step(model: Transformer, vocab: DraftVocab | None,
+               segs: list[Segment]) -> tuple[list[ForwardOutput], torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """One draft forward over each segment's pending rows: with a cut vocabulary, the final-normed
+    hidden [B, D] of every segment's last row and its scores [B, N] from one call of the cut
+    head; else the outputs' own full logits (and None, None)."""
+    outs = model.forward_batch(segs, head=vocab is None)
+    if vocab is None:
+        return outs, None, None
+    h = model.model.norm(torch.cat([out.residual[0, -1:] for out in outs]))  # [B, D]
+    return outs, h, vocab.logits(h)
+
+
+def step_cost_ms(model: Transformer, vocab: DraftVocab | None, context: int = 128) -> float:
+    """`draft_step` over one new row after `context` tokens, as the cost model prices a drafted
+    token (`costs.draft_step_ms`: timed once per machine, packing and vocabulary)."""
+    from .. import costs  # (looked up at call time: tests replace its timing)
+
+    cache = model.new_cache(context + 1)
+    gen = torch.Generator().manual_seed(0)
+    row = torch.randint(0, min(model.args.vocab_size, 30000), (1,), generator=gen).to(model.device)
+
+    def reset() -> None:
+        if cache.length == 0:  # (prefilled only where the step is timed)
+            prompt = torch.randint(0, min(model.args.vocab_size, 30000), (1, context), generator=gen).to(model.device)
+            model(prompt, cache, last_only=True, head=False)
+        cache.truncate(context)
+
+    def step() -> None:
+        outs, _, sub = draft_step(model, vocab, [Segment(row, cache, last_only=True)])
+        int(outs[0].logits[0, -1].argmax() if sub is None else sub[0].argmax())
+
+    return costs.draft_step_ms(model, f"vocab={vocab.size if vocab is not None else 0}", step, reset)
+
+
+@register("draft-model", needs="draft", help="a smaller model of the same tokenizer drafts k tokens (--draft MODEL)",
+          options=(VOCAB_OPTION,))  # fmt: skip
 class DraftModelDrafter(Drafter):
     """Keeps its own KV cache of the committed tokens. A proposal feeds whatever committed
     tokens the cache lacks (1, or 2 after a fully accepted step) and then each new draft but
     the last. Drafters of one draft model propose together: each of the k draft steps is one
-    forward of the draft model over every sequence's pending rows."""
+    forward of the draft model over every sequence's pending rows.
+
+    `vocab`: the draft scores only its N most frequent tokens (`vocab.DraftVocab`, where a
+    frequency list for its tokenizer is known) and the tokens this sequence has shown that the
+    list lacks (`vocab.SequenceVocab`): greedy proposals are the argmax over them, and sampled
+    ones come with q = the softmax over them (zero elsewhere), which is what the verifier is
+    given."""
 
     adaptive_k = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, vocab: int | DraftVocab = DEFAULT_VOCAB) -> None:
         super().__init__()
         self.model = model
+        if isinstance(vocab, DraftVocab) and vocab.model is not model:
+            raise ValueError("that draft vocabulary was cut from another model's head")
+        self.vocab: DraftVocab | None = vocab if isinstance(vocab, DraftVocab) else draft_vocab(model, vocab)
+        self.seq_vocab: SequenceVocab | None = None  # set by `begin`
         self.session: DraftSession | None = None  # set by `begin`
         self.cache: KVCache | None = None
         self._tokens: list[int] = []  # committed sequence
@@ -44,6 +90,9 @@ class DraftModelDrafter(Drafter):
         self.session = session
         self.cache = self.model.new_cache(session.capacity)
         self._tokens = list(session.context)
+        if self.vocab is not None:
+            self.seq_vocab = SequenceVocab(self.vocab)
+            self.seq_vocab.add(self._tokens)
         self._proposal = []
         if not self.lazy_begin:  # (lazily: a request that never drafts never pays the prefill)
             self.sync()
@@ -52,7 +101,7 @@ class DraftModelDrafter(Drafter):
         self.cache = None  # free the draft's KV cache
 
     def batch_key(self) -> Hashable:
-        return ("draft-model", id(self.model))
+        return ("draft-model", id(self.model), id(self.vocab))
 
     def propose(self, k: int) -> Draft:
         return self.propose_batch([self], [k])[0]
@@ -71,15 +120,17 @@ class DraftModelDrafter(Drafter):
             live = [i for i, k in enumerate(ks) if step < k]
             segs = [Segment(torch.tensor(pending[i], device=model.device), group[i].cache, last_only=True)  # type: ignore[arg-type]
                     for i in live]  # fmt: skip
-            outs = model.forward_batch(segs)
-            for i, out in zip(live, outs, strict=True):
+            outs, h, sub = draft_step(model, group[0].vocab, segs)
+            for n, (i, out) in enumerate(zip(live, outs, strict=True)):
                 d = group[i]
                 d.forwards += 1
-                logits = out.logits[:, -1]  # [1, V]
                 sampling = d.session.sampling  # type: ignore[union-attr]
+                cut = d.seq_vocab
+                own = cut.logits(sub[n], h[n]) if cut is not None else None  # type: ignore[index]  # [N + extra]
                 if sampling.greedy:
-                    tok = int(logits.argmax(-1))
+                    tok = int(out.logits[0, -1].argmax()) if cut is None else int(cut.ids[own.argmax()])  # type: ignore[union-attr]
                 else:
+                    logits = out.logits[:, -1] if cut is None else cut.expand(own[None])  # type: ignore[index]  # [1, V]
                     q = probs(logits, sampling)  # [1, V]
                     tok = int(sample(q, d.session.generator))  # type: ignore[union-attr]
                     qs[i].append(q[0])
@@ -98,6 +149,8 @@ class DraftModelDrafter(Drafter):
         if self._proposal:
             raise RuntimeError("catch_up() while a proposal awaits its feedback")
         self._tokens += tokens  # fed at the next proposal (or `sync`)
+        if self.seq_vocab is not None:
+            self.seq_vocab.add(tokens)
 
     def _costs(self):
         from ..costs import pass_costs  # (looked up at call time: tests replace it)
@@ -105,8 +158,9 @@ class DraftModelDrafter(Drafter):
         return pass_costs(self.model, 32)
 
     def cost_ms(self) -> float:
-        """One draft step is about one one-row pass of the draft model on this machine."""
-        return self._costs().target(1)
+        """One draft step as this drafter runs it (the draft's one-row pass, its LM head over its
+        vocabulary), timed on this machine once and kept (`costs.draft_step_ms`)."""
+        return step_cost_ms(self.model, self.vocab)
 
     def _behind(self) -> int:
         """Committed tokens the cache lacks beyond what a proposal's first forward feeds anyway
@@ -134,7 +188,7 @@ class DraftModelDrafter(Drafter):
                 self.cache.copy_prefix(shared[1], len(pending))
                 return
             self.forwards += 1
-            self.model(torch.tensor([pending], device=self.model.device), self.cache, last_only=True)
+            self.model(torch.tensor([pending], device=self.model.device), self.cache, last_only=True, head=False)
             if fresh:
                 snapshot = self.model.new_cache(len(pending))
                 snapshot.copy_prefix(self.cache, len(pending))
@@ -147,5 +201,7 @@ class DraftModelDrafter(Drafter):
         # last); keep exactly the part that is still on the committed path.
         valid = len(self._tokens) + min(n, max(len(self._proposal) - 1, 0))
         self._tokens += self._proposal[:n] + [feedback.next_token]
+        if self.seq_vocab is not None:
+            self.seq_vocab.add([feedback.next_token])
         self.cache.truncate(min(self.cache.length, valid))
         self._proposal = []

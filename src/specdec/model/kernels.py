@@ -58,6 +58,8 @@ MODES: dict[str, Mode] = {
 
 AUTO = "auto"
 PACKED_SOURCE_KEY = "specdec.source"  # metadata of a q4k packed-weight file: the model directory
+PACKED_BITS_KEY = "specdec.bits"  # ...and the packing asked for ("" = the GGUF's own blocks; "4": all Q4_K)
+DRAFT_BITS = (4,)  # the cheaper packings a model may be loaded with (`load_transformer(bits=)`)
 
 
 def default_mode_name(device: torch.device) -> str:
@@ -141,7 +143,7 @@ class Int8Kernel:
 
 def apply_mode(
     model: torch.nn.Module, mode: Mode, *, gguf: Path | None = None, packed: Path | None = None, source: str = "",
-    from_gguf: bool = False,
+    from_gguf: bool = False, bits: int | None = None,
 ) -> None:
     """Install `mode`'s kernel in every `Linear` (weights are already in `mode.storage`).
 
@@ -151,6 +153,8 @@ def apply_mode(
     `source` (the model directory) so stale files can be found.
     `from_gguf`: the linear layers have no float weights loaded (they are still on the meta
     device); layers the GGUF holds in other types than Q4_K/Q6_K are de-quantized from it.
+    `bits` (q4k): 4 puts every linear layer in Q4_K blocks, re-quantizing those the GGUF holds in
+    other types (Q6_K, Q5_0, Q8_0...): a cheaper packing for a model that drafts.
     """
     if mode.name not in ("int8", "q4k"):
         return
@@ -158,7 +162,7 @@ def apply_mode(
     if device.type != "cpu":
         raise ValueError(f"the {mode.name} mode runs on the CPU only for now (model is on {device}); use bf16 or fp16")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    kernels = _kquant_kernels(model, linears, gguf, packed, source, from_gguf) if mode.name == "q4k" else {}
+    kernels = _kquant_kernels(model, linears, gguf, packed, source, from_gguf, bits) if mode.name == "q4k" else {}
     for name, module in linears.items():
         module.set_kernel(kernels.get(name) or Int8Kernel(module.weight, module.bias))
         if not _shares_storage(module, model):
@@ -168,7 +172,7 @@ def apply_mode(
 
 def _kquant_kernels(
     model: torch.nn.Module, linears: dict[str, Linear], gguf: Path | None, packed: Path | None, source: str,
-    from_gguf: bool = False,
+    from_gguf: bool = False, bits: int | None = None,
 ) -> dict[str, LinearKernel]:
     """q4k kernels: the GGUF's Q4_K/Q6_K blocks where it has them (checked against the float
     weights), the rest quantized here to `kquant.REQUANTIZE` (at least as precise as the GGUF's
@@ -188,7 +192,7 @@ def _kquant_kernels(
     if packed is not None and packed.exists():
         with safe_open(str(packed), framework="pt") as f:
             kinds = f.metadata() or {}
-            if set(f.keys()) == set(linears) and set(linears) <= set(kinds):
+            if set(f.keys()) == set(linears) and set(linears) <= set(kinds) and kinds.get(PACKED_BITS_KEY, "") == str(bits or ""):
                 return {name: kernel(name, int(kinds[name]), f.get_tensor(name)) for name in linears}
     args = model.args
 
@@ -203,14 +207,18 @@ def _kquant_kernels(
         if b is not None and not from_gguf and not kquant.matches(b, m.weight):
             warnings.warn(f"{gguf}: {name} does not match the converted weights; quantizing it again", stacklevel=3)
             b = None
-        if b is None:
+        if b is not None and bits == 4 and b.kind != kquant.Q4K:
+            weight = kquant.dequantize(b)[:, : m.in_features]
+            b = None
+        elif b is None:
             if from_gguf:
                 from .gguf_file import float_tensor, open_gguf
 
                 weight = float_tensor(open_gguf(gguf), kquant.gguf_tensor_name(name, args.tie_embeddings), args)
             else:
                 weight = m.weight.detach().float().numpy()
-            b = kquant.quantize(weight, kquant.REQUANTIZE)
+        if b is None:
+            b = kquant.quantize(weight, kquant.Q4K if bits == 4 else kquant.REQUANTIZE)
         return b.kind, torch.from_numpy(kquant.tiles(b).view(np.uint8))
 
     # numpy does the work and releases the GIL: one thread per core repacks layers side by side
@@ -220,11 +228,12 @@ def _kquant_kernels(
     from . import sparse
 
     # A GGUF whose blocks were kept only in an older packing (see `sparse`) is made whole
-    # first: that packing is deleted once this one exists. The lock keeps another process from
-    # punching the file while its blocks are read.
+    # first: that packing is deleted once this one exists (not for a cheaper packing made beside
+    # it: that reads the blocks through `sparse` and leaves the GGUF's own packing in place). The
+    # lock keeps another process from punching the file while its blocks are read.
     managed = gguf is not None and sparse.managed(gguf)
     with sparse.lock(gguf) if managed else contextlib.nullcontext():
-        if managed:
+        if managed and bits is None:
             sparse.restore(gguf)
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
             packed_layers = dict(zip(linears, pool.map(pack, linears)))
@@ -233,7 +242,7 @@ def _kquant_kernels(
     if packed is not None:
         packed.parent.mkdir(parents=True, exist_ok=True)
         tmp = packed.with_suffix(f".{os.getpid()}.tmp")
-        meta = {name: str(k.kind) for name, k in kernels.items()} | {PACKED_SOURCE_KEY: source}
+        meta = {name: str(k.kind) for name, k in kernels.items()} | {PACKED_SOURCE_KEY: source, PACKED_BITS_KEY: str(bits or "")}
         save_file(tiles, str(tmp), metadata=meta)
         os.replace(tmp, packed)  # atomic: a concurrent load never reads half a file
     return kernels

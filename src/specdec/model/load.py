@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelArgs
-from .kernels import apply_mode, get_mode
+from .kernels import DRAFT_BITS, apply_mode, get_mode
 from .transformer import Transformer
 
 
@@ -52,13 +52,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None) -> Transformer:
+def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None,
+                     bits: int | None = None) -> Transformer:  # fmt: skip
     """`dtype` names a precision/kernel mode (see `specdec.model.kernels.MODES`), or "auto"
     for the fastest exact mode on the device. The default, fp32, is the reference precision.
 
     A directory installed from a GGUF loads the q4k mode from the GGUF itself (no float copy);
     the other modes read `model.safetensors`, which is de-quantized from the GGUF the first
-    time one of them is asked for (`specdec.convert.float_weights`)."""
+    time one of them is asked for (`specdec.convert.float_weights`).
+
+    `bits` (q4k mode only): a cheaper packing than the file's, for a model that drafts — 4: every
+    linear layer in Q4_K blocks (`kernels.apply_mode`), kept in its own packed file."""
     from safetensors.torch import load_file
 
     from ..convert import BASE_WEIGHTS, float_weights, has_float_weights
@@ -67,12 +71,17 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
     args = ModelArgs.from_dir(path)
     dev = resolve_device(device)
     mode = get_mode(dtype, dev)
+    if bits is not None and bits not in DRAFT_BITS:
+        raise ValueError(f"draft bits {bits} are not a packing specdec has; choose {', '.join(map(str, DRAFT_BITS))}, "
+                         "or leave them unset for the model file's own")  # fmt: skip
+    if bits is not None and mode.name != "q4k":
+        raise ValueError(f"draft bits are a packing of the q4k mode; the {mode.name} mode has none (drop the bits)")
     gguf = gguf_source(path)
     from_gguf = gguf is not None and (path / BASE_WEIGHTS).exists()
     if mode.name == "q4k" and from_gguf:
         if dev.type != "cpu":
             raise ValueError(f"the q4k mode runs on the CPU only for now (asked for {dev}); use bf16 or fp16")
-        return _load_q4k_from_gguf(path, args, mode, gguf)
+        return _load_q4k_from_gguf(path, args, mode, gguf, bits)
     if from_gguf and not has_float_weights(path):
         float_weights(path)
     files = sorted(path.glob("*.safetensors"))
@@ -98,17 +107,17 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
     model.load_state_dict(state, strict=False, assign=True)
     model.eval()
     model.finalize()
-    packed = packed_path(path, files, gguf) if mode.name == "q4k" else None
-    apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()))
+    packed = packed_path(path, files, gguf, bits) if mode.name == "q4k" else None
+    apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()), bits=bits)
     if packed is not None:
         _prune_packed(keep=packed)
-    model.mode = mode.name
+    model.mode, model.bits = mode.name, bits
     model.set_native_layers(mode.name == "q4k")
     model.source_dir = path  # where it came from (drafters trained for it look it up)
     return model
 
 
-def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path) -> Transformer:  # noqa: ANN001 - Mode
+def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path, bits: int | None = None) -> Transformer:  # noqa: ANN001 - Mode
     """The q4k mode with no float copy of the weights: norms and biases from
     `base.safetensors`, linear layers from the GGUF's blocks (repacked once into the packed
     file), embedding rows de-quantized from the GGUF when looked up."""
@@ -124,9 +133,9 @@ def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path) -> Transf
     model.model.embed_tokens = GGUFEmbedding(gguf, "token_embd.weight", mode.storage)
     model.eval()
     model.finalize()
-    packed = packed_path(path, [], gguf)
-    fresh = not packed.exists()
-    apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()), from_gguf=True)
+    packed = packed_path(path, [], gguf, bits)
+    fresh = not packed.exists() and bits is None  # (only the GGUF's own blocks can stand in for the GGUF's)
+    apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()), from_gguf=True, bits=bits)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"{path}: {BASE_WEIGHTS} and {gguf.name} leave {left[:3]} without weights; install the model "
@@ -134,7 +143,7 @@ def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path) -> Transf
     _prune_packed(keep=packed)
     if fresh:
         _sparsify(gguf, packed, args)
-    model.mode = mode.name
+    model.mode, model.bits = mode.name, bits
     model.set_native_layers(True)
     model.source_dir = path
     return model
@@ -148,7 +157,7 @@ def _sparsify(gguf: Path, packed: Path, args: ModelArgs) -> int:
                            n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)  # fmt: skip
 
 
-def packed_path(path: Path, files: list[Path], gguf: Path | None) -> Path:
+def packed_path(path: Path, files: list[Path], gguf: Path | None, bits: int | None = None) -> Path:
     """Where the q4k mode keeps this model's repacked weights: keyed by the GGUF it was made
     from (else by the weight files) and by the kernel's layout, so any change repacks. (The
     q4k weights of a GGUF-backed directory are the GGUF's blocks whether or not its float
@@ -158,7 +167,7 @@ def packed_path(path: Path, files: list[Path], gguf: Path | None) -> Path:
     from ..store import cache_root
     from . import kquant
 
-    h = hashlib.sha256(f"{kquant.layout_version()}:{kquant.REQUANTIZE}".encode())
+    h = hashlib.sha256(f"{kquant.layout_version()}:{kquant.REQUANTIZE}".encode() + (f":bits{bits}".encode() if bits else b""))
     for f in [gguf] if gguf else files:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -168,46 +177,55 @@ def packed_path(path: Path, files: list[Path], gguf: Path | None) -> Path:
 def packed_source(packed: Path) -> str:
     """The model directory a q4k packed-weight file was made from ("" when unreadable, e.g.
     half-written by a crashed run)."""
+    return _packed_meta(packed)[0]
+
+
+def _packed_meta(packed: Path) -> tuple[str, str]:
+    """(model directory, bits) of a packed-weight file; ("", "") when unreadable."""
     from safetensors import safe_open
 
-    from .kernels import PACKED_SOURCE_KEY
+    from .kernels import PACKED_BITS_KEY, PACKED_SOURCE_KEY
 
     try:
         with safe_open(str(packed), framework="pt") as f:
-            return (f.metadata() or {}).get(PACKED_SOURCE_KEY, "")
+            meta = f.metadata() or {}
+            return meta.get(PACKED_SOURCE_KEY, ""), meta.get(PACKED_BITS_KEY, "")
     except Exception:  # noqa: BLE001 - unreadable: no source
-        return ""
+        return "", ""
 
 
 def _prune_packed(keep: Path) -> None:
     """Delete packed-weight files that can no longer be used: older packings of the same model
-    (its weights or the kernel changed) and those of model directories that are gone."""
+    and bits (its weights or the kernel changed) and those of model directories that are gone."""
     from .sparse import held_packings
 
-    mine = packed_source(keep)
+    mine, my_bits = _packed_meta(keep)
     held = held_packings()  # the only copy of some GGUF's blocks: never pruned (`sparse.restore` first)
     for other in keep.parent.glob("*.safetensors"):
         if other == keep or other.resolve() in held:
             continue
-        source = packed_source(other)
-        if not source or source == mine or not Path(source).exists():
+        source, bits = _packed_meta(other)
+        if not source or (source == mine and bits == my_bits) or not Path(source).exists():
             other.unlink(missing_ok=True)
 
 
-def q4k_cache_file(path: str | Path) -> Path:
+def q4k_cache_file(path: str | Path, bits: int | None = None) -> Path:
     """The q4k mode's repacked-weight file for a model directory (may not exist yet)."""
     path = Path(path)
-    return packed_path(path, sorted(path.glob("*.safetensors")), gguf_source(path))
+    return packed_path(path, sorted(path.glob("*.safetensors")), gguf_source(path), bits)
 
 
-def prepare_q4k(path: str | Path) -> bool:
+def prepare_q4k(path: str | Path, draft_bits: int | None = None) -> bool:
     """Repack a model's weights for the q4k kernel now (the first q4k load does it otherwise,
-    ~20 s for the 1.5B). Returns False where the kernel cannot be built here."""
+    ~20 s for the 1.5B), and with `draft_bits` its cheaper packing as a draft too. Returns False
+    where the kernel cannot be built here."""
     from . import native
 
     if not native.available():
         return False
     path = Path(path)
+    if draft_bits is not None and not q4k_cache_file(path, draft_bits).exists():
+        load_transformer(path, dtype="q4k", device="cpu", bits=draft_bits)
     packed = q4k_cache_file(path)
     if not packed.exists():
         load_transformer(path, dtype="q4k", device="cpu")  # packs, then sparsifies the GGUF

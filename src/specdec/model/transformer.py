@@ -212,6 +212,7 @@ class Transformer(nn.Module):
         self._scratch = fused.Scratch()  # the native layers' working memory (see `fused`)
         self._native_stack: fused.NativeStack | None = None  # every block in native calls, several at a time
         self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
+        self.bits: int | None = None  # q4k: a cheaper packing than the file's (see load_transformer), set by the loader
         self.source_dir: Path | None = None  # the model directory it was loaded from (set by the loader)
 
     # -- set-up ---------------------------------------------------------------------------
