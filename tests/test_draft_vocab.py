@@ -43,7 +43,7 @@ def test_cut_head_gives_the_full_heads_logits_of_its_tokens(tiny, arch, dtype):
         assert torch.equal(sub, full[..., vocab.ids])
     else:  # (fp32's BLAS may block a cut matrix differently)
         assert torch.allclose(sub, full[..., vocab.ids], atol=1e-5)
-    expanded = vocab.expand(sub)
+    expanded = dv.SequenceVocab(vocab).expand(sub)  # (a sequence that has shown nothing new)
     assert torch.equal(expanded[..., vocab.ids], sub)
     outside = torch.ones(model.args.vocab_size, dtype=torch.bool)
     outside[vocab.ids] = False

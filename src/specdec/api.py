@@ -64,14 +64,15 @@ def load_draft(name_or_path: str | Path, *, dtype: str = "auto", device: str | t
                bits: int | None | str = "default") -> LoadedModel:  # fmt: skip
     """`load` for a model that will draft: `bits="default"` takes the packing measured best for
     a known draft model (`registry.ModelSpec.draft_bits`) where the mode has it, else the file's own."""
-    if bits == "default":
-        bits = default_draft_bits(name_or_path, dtype=dtype, device=device)
-    return load(name_or_path, dtype=dtype, device=device, bits=bits)  # type: ignore[arg-type]
+    return load(name_or_path, dtype=dtype, device=device, bits=draft_bits(name_or_path, bits, dtype=dtype, device=device))
 
 
-def default_draft_bits(name_or_path: str | Path, *, dtype: str = "auto",
-                       device: str | torch.device | None = None) -> int | None:  # fmt: skip
-    """The packing a known draft model drafts from by default in this mode (None: its file's own)."""
+def draft_bits(name_or_path: str | Path, bits: int | None | str = "default", *, dtype: str = "auto",
+               device: str | torch.device | None = None) -> int | None:  # fmt: skip
+    """The packing a draft model is loaded from: `bits` as given, or for "default" the one a
+    known draft model drafts from in this mode (None: its file's own)."""
+    if bits != "default":
+        return bits  # type: ignore[return-value]
     from .model.kernels import get_mode
     from .model.load import resolve_device
     from .registry import MODELS

@@ -68,13 +68,6 @@ def draft_bits(ns: argparse.Namespace) -> int | None | str:
     return "default" if given is None else (given or None)
 
 
-def _default_bits(ns: argparse.Namespace) -> int | None:
-    from .api import default_draft_bits
-
-    bits = draft_bits(ns)
-    return default_draft_bits(ns.draft, device=ns.device) if bits == "default" else bits  # type: ignore[return-value]
-
-
 def load_draft_model(ns: argparse.Namespace):  # noqa: ANN201 - LoadedModel
     from .api import load_draft
 
@@ -483,6 +476,7 @@ def _pair(text: str, methods: list[str]) -> tuple[str, str | None]:
 
 
 def _cmd_bench_forward(ns: argparse.Namespace) -> int:
+    from .api import draft_bits as api_draft_bits
     from .bench import forward
     from .model.load import resolve_device
 
@@ -499,7 +493,7 @@ def _cmd_bench_forward(ns: argparse.Namespace) -> int:
                          progress=lambda s: print(s, file=sys.stderr),
                          gguf=gguf if gguf.suffix == ".gguf" else None,
                          draft=str(store.resolve(ns.draft)) if ns.draft else None, draft_vocabs=ns.draft_vocab,
-                         draft_bits=_default_bits(ns) if ns.draft else None)  # fmt: skip
+                         draft_bits=api_draft_bits(ns.draft, draft_bits(ns), device=ns.device) if ns.draft else None)  # fmt: skip
     result["model"] = ns.model
     if ns.draft:
         result["draft"]["name"] = ns.draft

@@ -74,10 +74,9 @@ def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) 
     # median over rounds of its time relative to the one-row pass of the same round (passes a
     # few hundred ms apart see the same machine), times the median one-row pass: the machine's
     # usual speed, not its best moment. (The fastest round of each count, kept before, made
-    # whichever count caught a quiet moment look cheap: a one-row pass 19% under two rows where
-    # side-by-side runs put it 6% under, and drafting then never paid. A plain median of a few
-    # rounds let one slow moment make 1 row look dearer than 2.) The engine's online `scale`
-    # follows the load of the moment.
+    # whichever count caught a quiet moment look cheap against the others, and drafting then
+    # never paid; a plain median of a few rounds let one slow moment make 1 row look dearer
+    # than 2: docs/results.md.) The engine's online `scale` follows the load of the moment.
     for i in range(repeats + 1):  # the first round warms up every shape
         for r in rows:
             cache.truncate(context)
@@ -110,14 +109,12 @@ def monotone(ms: dict[int, float]) -> dict[int, float]:
     return out
 
 
-def measure_costs(target: Transformer, draft: Transformer | None = None, *, max_rows: int = 2 * K_MAX + 1,
+def measure_costs(target: Transformer, draft_ms: float | None = None, *, max_rows: int = 2 * K_MAX + 1,
                   context: int = 128, repeats: int = 5) -> Costs:  # fmt: skip
-    """Time the target's pass over 1..max_rows rows (and the draft's one-token step)."""
+    """Time the target's pass over 1..max_rows rows; `draft_ms`: the draft model's step as its
+    drafter prices it (`DraftModelDrafter.cost_ms`: its packing and vocabulary)."""
     rows = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, 16, max_rows} & set(range(1, max_rows + 1)))
-    costs = Costs(_time_rows(target, rows, context, repeats))
-    if draft is not None:
-        costs.draft_ms = _time_rows(draft, [1], context, repeats)[1]
-    return costs
+    return Costs(_time_rows(target, rows, context, repeats), draft_ms)
 
 
 def machine_key(target: Transformer) -> str | None:

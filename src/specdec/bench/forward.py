@@ -131,10 +131,8 @@ def time_draft(target: Transformer, draft: Transformer, vocabs: list[int], *, co
     """One drafted token as the draft-model drafter computes it (`draft_model.draft_step`: its
     one-row pass, and its LM head over each vocabulary of `vocabs`, 0 = the whole one) beside
     the target's one-token pass, interleaved in one loop so both see the machine's same moments."""
-    from ..drafters.draft_model import draft_step
-    from ..drafters.vocab import DEFAULT_VOCAB
-    from ..drafters.vocab import draft_vocab
-    from ..model.transformer import Segment
+    from ..drafters.draft_model import greedy_token
+    from ..drafters.vocab import DEFAULT_VOCAB, draft_vocab
 
     heads = {n: draft_vocab(draft, n) for n in vocabs}
     tcache, dcache = target.new_cache(context + 1), draft.new_cache(context + 1)
@@ -153,8 +151,7 @@ def time_draft(target: Transformer, draft: Transformer, vocabs: list[int], *, co
         for n, vocab in heads.items():
             dcache.truncate(context)
             with timer(draft.device) as t:
-                outs, _, sub = draft_step(draft, vocab, [Segment(new[0], dcache, last_only=True)])
-                int(outs[0].logits[0, -1].argmax() if sub is None else sub[0].argmax())
+                greedy_token(draft, vocab, new[0], dcache)
             if r:
                 d_ms[n].append(t[0] * 1e3)
     target_ms = statistics.median(t_ms)

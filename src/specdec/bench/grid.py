@@ -32,7 +32,7 @@ from .. import __version__, registry
 from ..api import LoadedModel, encode_prompt, generate, load, load_draft
 from ..config import DEFAULT_K
 from ..costs import K_MAX, Costs, measure_costs, pass_costs
-from ..drafters import DRAFTERS, uses_draft_model
+from ..drafters import DRAFTERS, make_drafter, uses_draft_model
 from ..engine import GenerationResult
 from .costmodel import Acceptance, Recommendation, recommend
 from .suite import Prompt, load_prompts, select
@@ -302,8 +302,9 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                         bar.update()
     if progress is not None:
         progress("measuring pass times for the cost model")
-    result.costs = measure_costs(target.model, draft.model if draft is not None else None,
-                                 max_rows=2 * settings.k + 1, repeats=3)  # fmt: skip
+    draft_ms = (make_drafter("draft-model", draft=draft.model, **_draft_options(settings, "draft-model")).cost_ms()
+                if draft is not None else None)  # fmt: skip
+    result.costs = measure_costs(target.model, draft_ms, max_rows=2 * settings.k + 1, repeats=3)
     if settings.peers and 0.0 in settings.temperatures:
         _run_peers(settings, target, draft, prompts, plains, result, bar_progress=progress)
     result.wall_time = time.perf_counter() - t0

@@ -31,26 +31,31 @@ def draft_step(model: Transformer, vocab: DraftVocab | None,
     return outs, h, vocab.logits(h)
 
 
+def greedy_token(model: Transformer, vocab: DraftVocab | None, tokens: torch.Tensor, cache: KVCache) -> int:
+    """One greedy drafted token after `tokens` [T] (the list's argmax where the vocabulary is
+    cut): the step that timings of the draft time."""
+    outs, _, sub = draft_step(model, vocab, [Segment(tokens, cache, last_only=True)])
+    return int(outs[0].logits[0, -1].argmax()) if sub is None else int(vocab.ids[sub[0].argmax()])  # type: ignore[union-attr]
+
+
 def step_cost_ms(model: Transformer, vocab: DraftVocab | None, context: int = 128) -> float:
-    """`draft_step` over one new row after `context` tokens, as the cost model prices a drafted
-    token (`costs.draft_step_ms`: timed once per machine, packing and vocabulary)."""
+    """`greedy_token` over one new row after `context` tokens, as the cost model prices a
+    drafted token (`costs.draft_step_ms`: timed once per machine, packing and vocabulary)."""
     from .. import costs  # (looked up at call time: tests replace its timing)
 
-    cache = model.new_cache(context + 1)
     gen = torch.Generator().manual_seed(0)
     row = torch.randint(0, min(model.args.vocab_size, 30000), (1,), generator=gen).to(model.device)
+    cache: list[KVCache] = []  # made on the first reset: only where the step is timed, not where it is stored
 
     def reset() -> None:
-        if cache.length == 0:  # (prefilled only where the step is timed)
+        if not cache:
+            cache.append(model.new_cache(context + 1))
             prompt = torch.randint(0, min(model.args.vocab_size, 30000), (1, context), generator=gen).to(model.device)
-            model(prompt, cache, last_only=True, head=False)
-        cache.truncate(context)
+            model(prompt, cache[0], last_only=True, head=False)
+        cache[0].truncate(context)
 
-    def step() -> None:
-        outs, _, sub = draft_step(model, vocab, [Segment(row, cache, last_only=True)])
-        int(outs[0].logits[0, -1].argmax() if sub is None else sub[0].argmax())
-
-    return costs.draft_step_ms(model, f"vocab={vocab.size if vocab is not None else 0}", step, reset)
+    return costs.draft_step_ms(model, f"vocab={vocab.size if vocab is not None else 0}",
+                               lambda: greedy_token(model, vocab, row, cache[0]), reset)  # fmt: skip
 
 
 @register("draft-model", needs="draft", help="a smaller model of the same tokenizer drafts k tokens (--draft MODEL)",

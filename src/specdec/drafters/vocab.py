@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .. import store
 from ..model.transformer import Transformer
-
+from ..registry import DATASETS
 from .base import Option
 
 SHIPPED = Path(__file__).resolve().parent.parent / "vocab"
@@ -174,9 +174,7 @@ def build(model: str, out: Path | None = None, *, data: str = "sharegpt", limit:
     command = f"specdec models vocab {model} --data {data}" + (f" --limit {limit}" if limit else "")
     command += f" --out {out}" if out is not None else ""
     out = out or user_dir() / f"{Path(model).stem if Path(model).exists() else model}.safetensors"
-    from .. import __version__
-
-    from ..registry import DATASETS
+    from .. import __version__  # (the package is still importing this module when it is loaded)
 
     spec = DATASETS.get(data)
     source = ", ".join(f"{w.package}=={w.version}" for w in spec.parts) + f" (sha256 {spec.sha256})" if spec else data
@@ -188,11 +186,10 @@ def build(model: str, out: Path | None = None, *, data: str = "sharegpt", limit:
 
 class DraftVocab:
     """A draft model's LM head over its N most frequent tokens: `logits(h)` -> [.., N] scores of
-    `ids` (ascending, so an argmax tie goes to the lower id as over the whole vocabulary), and
-    `expand` puts them back in a [.., V] row (-inf elsewhere) for the sampling rules. The rows
-    are the full head's own (its packed q4k tiles, or its float/int8 weight rows), so a kept
-    token's logit is bitwise what the full head gives it. `rows(ids)` cuts any other rows the
-    same way (a sequence's own tokens that the list lacks: see `SequenceVocab`)."""
+    `ids` (ascending, so an argmax tie goes to the lower id as over the whole vocabulary). The
+    rows are the full head's own (`head_rows`: its packed q4k tiles, or its float/int8 weight
+    rows), so a kept token's logit is bitwise what the full head gives it. Shared by every
+    sequence the model drafts for; each adds its own tokens (`SequenceVocab`)."""
 
     def __init__(self, model: Transformer, ids: torch.Tensor, freq: Frequencies | None = None) -> None:
         ids = torch.unique(ids.long())  # sorted ascending
@@ -207,16 +204,6 @@ class DraftVocab:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [.., D] -> float32 scores [.., N] of `ids`."""
         return _capped(self.model, self.kernel(h))
-
-    def expand(self, sub: torch.Tensor) -> torch.Tensor:
-        """[.., N] -> [.., V] with -inf outside the vocabulary."""
-        full = sub.new_full((*sub.shape[:-1], self.model.args.vocab_size), float("-inf"))
-        full[..., self.ids] = sub
-        return full
-
-    def describe(self) -> str:
-        cov = f", {self.freq.coverage(self.size):.1%} of counted tokens" if self.freq is not None else ""
-        return f"{self.size} of {self.model.args.vocab_size} tokens{cov}"
 
 
 class SequenceVocab:
@@ -256,7 +243,7 @@ class SequenceVocab:
         return torch.cat([base, _capped(self.base.model, self._kernel(h))], dim=-1)
 
     def expand(self, sub: torch.Tensor) -> torch.Tensor:
-        """[.., N + extra] -> [.., V] with -inf outside."""
+        """[.., N + extra] -> [.., V] with -inf outside (for the sampling rules)."""
         full = sub.new_full((*sub.shape[:-1], self.base.model.args.vocab_size), float("-inf"))
         full[..., self.ids] = sub
         return full
@@ -283,8 +270,7 @@ def head_rows(model: Transformer, ids: torch.Tensor):  # noqa: ANN201 - a Linear
         tiles, where = np.unique(ids.numpy() // T, return_inverse=True)  # the tiles that hold them
         packed = kern.weight.numpy()[tiles]
         blocks = kquant.untiles(packed, kern.kind, len(tiles) * T).permute_rows(where * T + ids.numpy() % T)
-        return kquant.KQuantKernel(blocks.kind, torch.from_numpy(kquant.tiles(blocks).view(np.uint8)), len(ids),
-                                   kern.in_features, bias, lib=kern.lib)  # fmt: skip
+        return kquant.KQuantKernel.from_blocks(blocks, bias, kern.in_features, kern.lib)
     if head.weight.numel() == 0:
         raise ValueError("this model's LM head keeps no weights to cut a draft vocabulary from")
     weight = head.weight.detach()[ids.to(head.weight.device)].contiguous()

@@ -322,13 +322,15 @@ class KQuantKernel:
         self._calls: dict[tuple[int, ...], _GroupCall] = {}  # see `group`
 
     @classmethod
-    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None) -> KQuantKernel:
-        """`in_features`: the layer's input size when the blocks are zero-padded past it."""
+    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None,
+                    lib: ctypes.CDLL | None = None) -> KQuantKernel:  # fmt: skip
+        """`in_features`: the layer's input size when the blocks are zero-padded past it; `lib`:
+        a particular build of the kernel (default: the one `native.dispatch` picks)."""
         n, padded = blocks.shape
         k = padded if in_features is None else in_features
         if not padded - QK < k <= padded:
             raise ValueError(f"{padded // QK} blocks per row cannot hold {k} inputs")
-        return cls(blocks.kind, torch.from_numpy(tiles(blocks).view(np.uint8)), n, k, bias)
+        return cls(blocks.kind, torch.from_numpy(tiles(blocks).view(np.uint8)), n, k, bias, lib)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.group((self,), x)[0]
