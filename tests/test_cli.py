@@ -37,6 +37,10 @@ def test_generate_compare_json_as_written():
     assert out["identical"] is True
     assert out["acceptance_rate"] == 1.0  # the draft is the target itself
     assert 1.0 < out["mean_accepted_tokens"] <= 5.0
+    # what the run paid: drafting per draft token, and the target's passes by the rows they scored
+    m = out["speculative"]["metrics"]
+    assert m["draft_ms_per_token"] > 0 and set(m["target_ms_by_rows"]) <= {"1", "2", "3", "4", "5"}
+    assert sum(v["passes"] for v in m["target_ms_by_rows"].values()) == m["target_forwards"]
 
 
 @pytest.mark.real

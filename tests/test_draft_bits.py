@@ -1,5 +1,6 @@
-"""A draft model's cheaper packing (`bits=4`: every linear layer in Q4_K blocks): kept beside
-the model's own packing, never pruned by it, and exact in use (only acceptance may change)."""
+"""A draft model's cheaper packings (`bits=4`: every linear layer in Q4_K blocks; 3 and 2: the
+layers in the kernel's 3- and 2-bit codes): kept beside the model's own packing, never pruned
+by it, and exact in use (only acceptance may change)."""
 
 from __future__ import annotations
 
@@ -31,12 +32,17 @@ def test_four_bit_packing_sits_beside_the_models_own(tiny_dir, tmp_path, monkeyp
     with pytest.raises(ValueError, match="packing of the q4k mode"):
         load_transformer(d, dtype="int8", bits=4)
     with pytest.raises(ValueError, match="not a packing"):
-        load_transformer(d, dtype="q4k", bits=3)
+        load_transformer(d, dtype="q4k", bits=5)
+    for bits in kquant.LOW_BITS:  # the layers' codes narrower, the LM head Q4_K
+        low = load_transformer(d, dtype="q4k", bits=bits)
+        assert low.bits == bits and _kinds(low) == {bits, kquant.Q4K} and low.lm_head.kernel.kind == kquant.Q4K
+        assert q4k_cache_file(d, bits).exists() and q4k_cache_file(d, 4).exists()
 
 
-def test_greedy_identity_with_a_four_bit_draft(tiny, tiny_dir):
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_greedy_identity_with_a_low_bit_draft(tiny, tiny_dir, bits):
     target = tiny("qwen2", "target", "q4k")
-    draft = specdec.load(tiny_dir("qwen2", "close"), bits=4)
+    draft = specdec.load(tiny_dir("qwen2", "close"), bits=bits)
     proposed = 0
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=20, ignore_eos=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from .costs import Costs, expected_tokens
@@ -196,7 +196,7 @@ class MethodChooser:
         # lengths, and with them the random numbers verification draws, are the same every time
         self.reproducible = reproducible
         if reproducible:
-            self.costs = Costs(dict(costs.target_ms), costs.draft_ms)
+            self.costs = costs.unscaled()
         self.acceptance: dict[tuple[str, Hashable], Acceptance] = {}
         # earlier requests' acceptance (`acceptance_memory`), for the `remembered` methods: those
         # whose acceptance depends on the target and the text alone (not on a draft model or
@@ -313,10 +313,17 @@ class StepGuard:
     drafting is not measured to keep up with plain decoding, with one drafted probe after 4, 8,
     ... 64 plain steps so the estimate can recover."""
 
-    def __init__(self, k: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4) -> None:
+    def __init__(self, k: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4,
+                 estimate: Callable[[int], float] | None = None) -> None:  # fmt: skip
         if k < 1 or not 0 < gamma <= 1:
             raise ValueError("k must be >= 1 and gamma in (0, 1]")
         self.k, self.costs, self.gamma = k, costs, gamma
+        # `estimate` (a seeded sampled request, `costs.reproducible`): a step's drafting time
+        # from stored numbers (`Drafter.estimated_ms` of the tokens proposed) instead of the
+        # measured one, against the stored pass table unscaled: no clock enters the choices
+        self.estimate = estimate
+        if estimate is not None:
+            self.costs = costs.unscaled()
         self.tokens = 0.0  # discounted tokens committed by drafted steps
         self.ms = 0.0  # ...and their discounted cost
         self.prober = _Prober(probe_after)
@@ -343,6 +350,8 @@ class StepGuard:
         token), `rows` rows scored by the target pass."""
         if asked == 0:
             return
+        if self.estimate is not None:
+            draft_ms = self.estimate(proposed)
         self.tokens = self.gamma * self.tokens + accepted + 1
         self.ms = self.gamma * self.ms + draft_ms + self.costs.target(rows)
 

@@ -58,8 +58,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_draft_bits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-bits", type=int, default=None, metavar="BITS",
-                   help="the draft model's packing (q4k mode): 4 = every layer in Q4_K blocks, 0 = its file's own "
-                        "(default: the one measured best for a known draft, else its file's)")  # fmt: skip
+                   help="the draft model's packing (q4k mode): 4 = every layer in Q4_K blocks, 3 or 2 = its layers "
+                        "in 3- or 2-bit codes (cheaper, less accepted), 0 = its file's own (default: the one measured "
+                        "best for a known draft, else its file's)")  # fmt: skip
 
 
 def draft_bits(ns: argparse.Namespace) -> int | None | str:

@@ -4,11 +4,12 @@ from them (EAGLE-3's trees)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,11 @@ class Costs:
         if 0 < rows <= max(self.target_ms) and ms > 0:
             self.scale = (1 - weight) * self.scale + weight * ms / self._table(rows)
 
+    def unscaled(self) -> Costs:
+        """A copy at the stored table's scale that no later `observe` moves: the costs of a
+        request whose choices must not depend on the clock (`reproducible`)."""
+        return Costs(dict(self.target_ms), self.draft_ms)
+
     def rows(self, rows: int) -> float:
         """Pass time for any number of rows: interpolated, and past the largest measured count
         extended along the last measured slope (passes over many rows are compute-bound)."""
@@ -54,6 +60,15 @@ class Costs:
         lo, hi = xs[-2], xs[-1]
         slope = (self.target_ms[hi] - self.target_ms[lo]) / (hi - lo)
         return self.scale * (self.target_ms[hi] + slope * (rows - hi))
+
+
+def reproducible(sampling: Any) -> bool:
+    """A seeded sampled request (`SamplingParams`): its answer must be the same bit for bit
+    every time, so the random numbers verification draws must be too, and with them every
+    draft length and tree shape. Its controllers and drafters then decide from stored numbers
+    alone (the pass table unscaled, draft costs timed once per machine), never from this
+    moment's clock. (Greedy answers do not depend on the drafts at all.)"""
+    return not sampling.greedy and sampling.seed is not None
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -181,9 +196,10 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     if isinstance(entry, dict) and entry and {str(r) for r in rows} <= set(entry):
         costs = Costs({int(r): float(ms) for r, ms in entry.items()})
     else:
-        costs = Costs(_time_rows(target, rows, context=128, repeats=7))
+        # (rounded as stored: this process decides on the same numbers as later ones that read them)
+        costs = Costs({r: round(ms, 3) for r, ms in _time_rows(target, rows, context=128, repeats=7).items()})
         if key is not None:  # (a model without a directory is kept in this process only)
-            store_measurement(PASS_COSTS_FILE, key, {str(r): round(ms, 3) for r, ms in costs.target_ms.items()})
+            store_measurement(PASS_COSTS_FILE, key, {str(r): ms for r, ms in costs.target_ms.items()})
     _PASS_COSTS[target] = costs
     return costs
 
@@ -212,14 +228,26 @@ def draft_step_ms(model: Transformer, key: str, step: Callable[[], None], reset:
             step()
             if i:
                 times.append((time.perf_counter() - t0) * 1e3)
-        ms = statistics.median(times)
+        ms = round(statistics.median(times), 3)  # (as stored: see pass_costs)
         if full is not None:
-            store_measurement(DRAFT_STEP_FILE, full, round(ms, 3))
+            store_measurement(DRAFT_STEP_FILE, full, ms)
     known[key] = float(ms)
     return known[key]
 
 
 _DRAFT_STEPS: weakref.WeakKeyDictionary[Transformer, dict[str, float]] = weakref.WeakKeyDictionary()
+
+
+def head_call_ms(target: Transformer, what: str, weights: Iterable[torch.Tensor], call: Callable[[], None]) -> float:
+    """One call of a drafter's own network over one row (`call`: a trained head's), timed like
+    `draft_step_ms`, once per machine, keyed by `what` and a fingerprint of the network's
+    `weights` (shapes and a sample of values: another training run is another network)."""
+    h = hashlib.sha256()
+    for w in weights:
+        flat = w.detach().reshape(-1)
+        h.update(str(tuple(w.shape)).encode())
+        h.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
+    return draft_step_ms(target, f"{what}:{h.hexdigest()[:16]}", call, lambda: None)
 
 
 def observe_pass(target: Transformer, rows: int, ms: float) -> None:

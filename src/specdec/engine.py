@@ -157,16 +157,16 @@ class Engine:
         scratch = drafter.scratch_rows if drafter is not None else 0
         controller: KController | StepGuard | None = None
         if cfg.adaptive_k and drafter is not None and not drafter.own_schedule:
-            from .costs import pass_costs
+            from .costs import pass_costs, reproducible
 
             if drafter.adaptive_k:
                 controller = KController(drafter, cfg.k, pass_costs(self.target, cfg.k + 1),
                                          memory=acceptance_memory(self.target, sampling.greedy),
-                                         remembered=remembered([drafter.name]),
-                                         reproducible=not sampling.greedy and sampling.seed is not None)  # fmt: skip
+                                         remembered=remembered([drafter.name]), reproducible=reproducible(sampling))  # fmt: skip
                 drafter.lazy_begin = True  # its catch-up (a draft model's prefill) waits until it drafts
             else:
-                controller = StepGuard(cfg.k, pass_costs(self.target, max(cfg.k + 1 + drafter.scratch_rows, 2)))
+                controller = StepGuard(cfg.k, pass_costs(self.target, max(cfg.k + 1 + drafter.scratch_rows, 2)),
+                                       estimate=drafter.estimated_ms if reproducible(sampling) else None)  # fmt: skip
         sid = self._next_id
         self._next_id += 1
         self._live[sid] = _Sequence(
@@ -228,6 +228,7 @@ class Engine:
             from .costs import observe_pass
 
             observe_pass(self.target, sum(int(seg.tokens.shape[0]) for seg in segments), 1e3 * t[0])
+        rows = sum(int(seg.tokens.shape[0]) for seg in segments)
         out_of = {s.id: out for s, out in zip(run, outs, strict=True)}
         for s in seqs:  # (before any sequence finishes and frees its cache)
             if leader.get(s.id, s) is not s:
@@ -243,6 +244,7 @@ class Engine:
             else:
                 s.metrics.target_forwards += 1
                 s.metrics.target_time += t[0]
+                s.metrics.record_pass(rows, 1e3 * t[0])
                 deltas.append(self._commit(s, draft or Draft.empty(), out))
             if deltas[-1].finished:
                 self._finish(s)

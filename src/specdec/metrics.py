@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,21 @@ class Metrics:
     k: int | None = None  # draft tokens per step asked for
     k_source: str | None = None  # "given", "tuned" (specdec bench --tune) or "default"
     exact: bool = True  # False: drafts were verified by a lossy rule (typical acceptance)
+    # the decode/verify passes' times by the rows they scored (the whole batch's pass), ms
+    pass_ms: dict[int, list[float]] = field(default_factory=dict)
+
+    def record_pass(self, rows: int, ms: float) -> None:
+        self.pass_ms.setdefault(rows, []).append(ms)
+
+    @property
+    def draft_ms_per_token(self) -> float | None:
+        """What drafting cost per draft token proposed (catching up included), ms."""
+        return 1e3 * self.draft_time / self.proposed if self.proposed else None
+
+    @property
+    def target_ms_by_rows(self) -> dict[int, dict[str, float]]:
+        """Per row count of the target's passes: how many, and their median time (ms)."""
+        return {r: {"passes": len(ms), "ms": round(statistics.median(ms), 3)} for r, ms in sorted(self.pass_ms.items())}
 
     def record_step(self, k: int, num_accepted: int) -> None:
         self.steps += 1
@@ -67,7 +83,9 @@ class Metrics:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for name in ("acceptance_rate", "mean_accepted_tokens", "tokens_per_second", "decode_tokens_per_second"):
+        del d["pass_ms"]  # (as target_ms_by_rows)
+        for name in ("acceptance_rate", "mean_accepted_tokens", "tokens_per_second", "decode_tokens_per_second",
+                     "draft_ms_per_token", "target_ms_by_rows"):  # fmt: skip
             d[name] = getattr(self, name)
         return d
 

@@ -141,6 +141,7 @@ def _record(prompt: Prompt, method: str, temp: float, repeat: int, seed: int, re
         "accepted_per_position": m.accepted_per_position,
         "identical": res.token_ids == plain.token_ids if temp == 0 else None,
         "drafter_info": m.drafter_info,
+        "draft_ms_per_token": m.draft_ms_per_token, "target_ms_by_rows": m.target_ms_by_rows,
     }  # fmt: skip
 
 

@@ -45,6 +45,7 @@ from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
 from .base import DRAFTERS, Draft, Drafter, DraftSession, Feedback, Option, make_drafter, register
+from .draft_model import DEFAULT_WINDOW, WINDOW_OPTION
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION
 
 
@@ -62,7 +63,7 @@ def switchable() -> list[str]:
                                "draft-model with --draft, eagle3 with --auto-head)", "--auto-methods", type=str),
              Option("head", "auto: include this EAGLE-3 head (directory; with eagle3 in --auto-methods, default: "
                             "the head shipped for the target)", "--auto-head", type=str),
-             VOCAB_OPTION),
+             VOCAB_OPTION, WINDOW_OPTION),
 )  # fmt: skip
 class AutoDrafter(Drafter):
     """Switches between drafters step by step (see the module doc). `methods`: comma-separated
@@ -72,7 +73,8 @@ class AutoDrafter(Drafter):
     own_schedule = True  # it chooses plain steps itself
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, methods: str | None = None,
-                 head: Any = None, margin: float = 1.03, vocab: int = DEFAULT_VOCAB) -> None:  # fmt: skip
+                 head: Any = None, margin: float = 1.03, vocab: int = DEFAULT_VOCAB,
+                 window: int = DEFAULT_WINDOW) -> None:  # fmt: skip
         super().__init__()
         ok = switchable()
         if methods is None:
@@ -100,7 +102,8 @@ class AutoDrafter(Drafter):
             raise ValueError("--auto-head gives auto an EAGLE-3 head; add eagle3 to --auto-methods or drop it")
         self.subs: dict[str, Drafter] = {
             n: make_drafter(n, target=target, draft=draft if DRAFTERS[n].needs == "draft" else None,
-                            **({"head": head} if n == "eagle3" else {"vocab": vocab} if n == "draft-model" else {}))
+                            **({"head": head} if n == "eagle3" else
+                               {"vocab": vocab, "window": window} if n == "draft-model" else {}))
             for n in names
         }  # fmt: skip
         for sub in self.subs.values():
@@ -122,7 +125,7 @@ class AutoDrafter(Drafter):
         return list(self.subs)
 
     def begin(self, session: DraftSession) -> None:
-        from ..costs import pass_costs  # (looked up at call time: tests replace it)
+        from ..costs import pass_costs, reproducible  # (looked up at call time: tests replace it)
 
         self._plan, self._proposal, self._sync_ms = None, [], 0.0
         self._length, self._capacity = len(session.context), session.capacity
@@ -136,7 +139,7 @@ class AutoDrafter(Drafter):
                                      draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()},
                                      memory=acceptance_memory(self.target, session.sampling.greedy),
                                      remembered=remembered(self.methods),
-                                     reproducible=not session.sampling.greedy and session.sampling.seed is not None)  # fmt: skip
+                                     reproducible=reproducible(session.sampling))  # fmt: skip
 
     def end(self) -> None:
         for sub in self.subs.values():

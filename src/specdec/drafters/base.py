@@ -180,6 +180,13 @@ class Drafter:
         auto then drafts once to measure it)."""
         return None
 
+    def estimated_ms(self, proposed: int) -> float:
+        """The last proposal's time (`proposed` tokens) as estimated from stored numbers, not
+        the clock: what a seeded sampled request's guard counts (`costs.reproducible`), so that
+        its choices, and the random numbers they lead to, are the same every time. Default:
+        `cost_ms` per token (drafters whose `cost_ms` follows the clock override it)."""
+        return (self.cost_ms() or 0.0) * proposed
+
     def switch_ms(self) -> float:
         """Expected milliseconds that `sync` would take now."""
         return 0.0

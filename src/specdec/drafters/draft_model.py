@@ -10,13 +10,25 @@ import torch
 from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
 from ..sampling import probs, sample
-from .base import Draft, Drafter, DraftSession, Feedback, register
+from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
 
+# The draft may read a long context through a window: the first SINK tokens and the last
+# `window` (StreamingLLM's attention sink), at their own positions; exactness does not depend
+# on it. Its prefill of a long prompt costs a third or more of the target's own, but off by
+# default: the prompts that are long (a document to summarise, retrieved passages) are the
+# ones whose answers copy from their middle, which a window hides from the draft (acceptance
+# collapses; docs/results.md).
+SINK = 4
+DEFAULT_WINDOW = 0
+WINDOW_OPTION = Option("window", "the draft reads a long prompt through its first 4 and last N tokens "
+                                 "(a cheaper prefill; exact whatever N, only acceptance changes; 0 = all of it)",
+                       "--draft-window")  # fmt: skip
 
-# Per draft model, the last prompt it prefilled and that cache (a batch of sequences with one
-# prompt, as `specdec certify` or a server's n > 1 sends, prefills the draft model once).
-_PREFILLED: weakref.WeakKeyDictionary[Transformer, tuple[tuple[int, ...], KVCache]] = weakref.WeakKeyDictionary()
+# Per draft model, the last prompt it prefilled (and its window) with that cache and the tokens
+# the window left out (a batch of sequences with one prompt, as `specdec certify` or a server's
+# n > 1 sends, prefills the draft model once).
+_PREFILLED: weakref.WeakKeyDictionary[Transformer, tuple[tuple[int, ...], int, KVCache, int]] = weakref.WeakKeyDictionary()
 
 
 def draft_step(model: Transformer, vocab: DraftVocab | None,
@@ -59,7 +71,7 @@ def step_cost_ms(model: Transformer, vocab: DraftVocab | None, context: int = 12
 
 
 @register("draft-model", needs="draft", help="a smaller model of the same tokenizer drafts k tokens (--draft MODEL)",
-          options=(VOCAB_OPTION,))  # fmt: skip
+          options=(VOCAB_OPTION, WINDOW_OPTION))  # fmt: skip
 class DraftModelDrafter(Drafter):
     """Keeps its own KV cache of the committed tokens. A proposal feeds whatever committed
     tokens the cache lacks (1, or 2 after a fully accepted step) and then each new draft but
@@ -70,13 +82,20 @@ class DraftModelDrafter(Drafter):
     frequency list for its tokenizer is known) and the tokens this sequence has shown that the
     list lacks (`vocab.SequenceVocab`): greedy proposals are the argmax over them, and sampled
     ones come with q = the softmax over them (zero elsewhere), which is what the verifier is
-    given."""
+    given.
+
+    `window`: a context longer than SINK + window tokens when the draft first reads it is read
+    through its first SINK and last `window` tokens (0: all of it); the draft's cache then
+    lacks the `skip` tokens between, and every row it feeds carries its own position."""
 
     adaptive_k = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
 
-    def __init__(self, model: Transformer, vocab: int | DraftVocab = DEFAULT_VOCAB) -> None:
+    def __init__(self, model: Transformer, vocab: int | DraftVocab = DEFAULT_VOCAB, window: int = DEFAULT_WINDOW) -> None:
         super().__init__()
-        self.model = model
+        if not isinstance(window, int) or window < 0:
+            raise ValueError(f"the draft window must be a whole number of tokens >= 0 (0 = the whole context), got {window}")
+        self.model, self.window = model, window
+        self.skip = 0  # committed tokens (after the first SINK) that the draft's cache leaves out
         if isinstance(vocab, DraftVocab) and vocab.model is not model:
             raise ValueError("that draft vocabulary was cut from another model's head")
         self.vocab: DraftVocab | None = vocab if isinstance(vocab, DraftVocab) else draft_vocab(model, vocab)
@@ -94,6 +113,7 @@ class DraftModelDrafter(Drafter):
             )
         self.session = session
         self.cache = self.model.new_cache(session.capacity)
+        self.skip = 0
         self._tokens = list(session.context)
         if self.vocab is not None:
             self.seq_vocab = SequenceVocab(self.vocab)
@@ -108,6 +128,20 @@ class DraftModelDrafter(Drafter):
     def batch_key(self) -> Hashable:
         return ("draft-model", id(self.model), id(self.vocab))
 
+    def _fed(self) -> int:
+        """Committed tokens the draft's cache stands for (those it holds and those it skipped)."""
+        return (self.cache.length if self.cache is not None else 0) + self.skip
+
+    def _segment(self, tokens: list[int]) -> Segment:
+        """The next committed or drafted `tokens` as a segment of the draft's cache, at their own
+        positions (past the window's gap)."""
+        t = torch.tensor(tokens, device=self.model.device)
+        if not self.skip:
+            return Segment(t, self.cache, last_only=True)  # type: ignore[arg-type]
+        at = self._fed()
+        return Segment(t, self.cache, positions=torch.arange(at, at + len(tokens), device=self.model.device),  # type: ignore[arg-type]
+                       last_only=True)  # fmt: skip
+
     def propose(self, k: int) -> Draft:
         return self.propose_batch([self], [k])[0]
 
@@ -120,11 +154,10 @@ class DraftModelDrafter(Drafter):
                 raise RuntimeError("DraftModelDrafter.propose() called before begin()")
             d._proposal = []
         qs: list[list[torch.Tensor]] = [[] for _ in group]
-        pending = [d._tokens[d.cache.length :] for d in group]  # type: ignore[union-attr]
+        pending = [d._tokens[d._fed() :] for d in group]
         for step in range(max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if step < k]
-            segs = [Segment(torch.tensor(pending[i], device=model.device), group[i].cache, last_only=True)  # type: ignore[arg-type]
-                    for i in live]  # fmt: skip
+            segs = [group[i]._segment(pending[i]) for i in live]
             outs, h, sub = draft_step(model, group[0].vocab, segs)
             for n, (i, out) in enumerate(zip(live, outs, strict=True)):
                 d = group[i]
@@ -170,11 +203,17 @@ class DraftModelDrafter(Drafter):
     def _behind(self) -> int:
         """Committed tokens the cache lacks beyond what a proposal's first forward feeds anyway
         (up to 2 in steady decoding: the last accepted draft, never fed, and the target's token)."""
-        missing = len(self._tokens) - (self.cache.length if self.cache is not None else 0)
+        missing = len(self._tokens) - self._fed()
         return missing - 1 if missing > 2 else 0
+
+    def _window_of(self, n: int) -> int:
+        """Tokens of a fresh cache's first n that the window leaves out."""
+        return n - SINK - self.window if self.window and n > SINK + self.window else 0
 
     def switch_ms(self) -> float:
         behind = self._behind()
+        if self.cache is not None and self.cache.length == 0:
+            behind -= self._window_of(behind)
         return self._costs().rows(behind) if behind > 0 else 0.0
 
     def sync(self) -> None:
@@ -184,27 +223,36 @@ class DraftModelDrafter(Drafter):
         if self.cache is None:
             raise RuntimeError("DraftModelDrafter.sync() called before begin()")
         if self._behind() > 0:
-            pending = self._tokens[self.cache.length : -1]
+            pending = self._tokens[self._fed() : -1]
             fresh = self.cache.length == 0
             shared = _PREFILLED.get(self.model) if fresh else None
-            if shared is not None and shared[0] == tuple(pending) and self.cache.capacity >= len(pending):
+            if shared is not None and shared[:2] == (tuple(pending), self.window) and self.cache.capacity >= shared[2].length:
                 # the same prompt was just prefilled for another sequence: copy its cache
                 # (each row depends on its own prefix only, so this is what the pass computes)
-                self.cache.copy_prefix(shared[1], len(pending))
+                self.cache.copy_prefix(shared[2], shared[2].length)
+                self.skip = shared[3]
                 return
             self.forwards += 1
-            self.model(torch.tensor([pending], device=self.model.device), self.cache, last_only=True, head=False)
+            skip = self._window_of(len(pending)) if fresh else 0
+            if skip:  # the first SINK tokens and the last `window`, at their own positions
+                rows = pending[:SINK] + pending[SINK + skip :]
+                positions = torch.cat([torch.arange(SINK), torch.arange(SINK + skip, len(pending))]).to(self.model.device)
+                self.model.forward_batch([Segment(torch.tensor(rows, device=self.model.device), self.cache, positions,
+                                                  last_only=True)], head=False)  # fmt: skip
+                self.skip = skip
+            else:
+                self.model.forward_batch([self._segment(pending)], head=False)
             if fresh:
-                snapshot = self.model.new_cache(len(pending))
-                snapshot.copy_prefix(self.cache, len(pending))
-                _PREFILLED[self.model] = (tuple(pending), snapshot)
+                snapshot = self.model.new_cache(self.cache.length)
+                snapshot.copy_prefix(self.cache, self.cache.length)
+                _PREFILLED[self.model] = (tuple(pending), self.window, snapshot, self.skip)
 
     def accepted(self, feedback: Feedback) -> None:
         assert self.cache is not None
         n = feedback.num_accepted
         # The cache holds the old committed tokens plus the drafts that were fed (all but the
         # last); keep exactly the part that is still on the committed path.
-        valid = len(self._tokens) + min(n, max(len(self._proposal) - 1, 0))
+        valid = len(self._tokens) + min(n, max(len(self._proposal) - 1, 0)) - self.skip
         self._tokens += self._proposal[:n] + [feedback.next_token]
         if self.seq_vocab is not None:
             self.seq_vocab.add([feedback.next_token])

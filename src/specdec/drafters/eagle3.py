@@ -107,6 +107,21 @@ class _Runner:
         self.pass_ms: Any = None  # specdec.costs.Costs of the target, timed at first use
         self.accepted_sum, self.predicted_sum = 1.0, 1.0  # calibration of exp(score) as acceptance (greedy)
         self.call_ms: float | None = None  # one head call over a depth's nodes, ms (a moving average)
+        self._stored_ms: float | None = None
+
+    def stored_call_ms(self, target: Any) -> float:
+        """One call over one row as timed once per machine (`costs.head_call_ms`): the clock-free
+        cost of a seeded sampled request's choices."""
+        if self._stored_ms is None:
+            from ..costs import head_call_ms
+
+            c = self.head.cfg
+            row = torch.zeros(1, c.hidden_size)
+            kv = torch.zeros(c.num_key_value_heads, 1, c.head_dim)
+            one = torch.zeros(1, dtype=torch.long)
+            self._stored_ms = head_call_ms(target, "eagle3", self.head.weights().values(), lambda: self.step(
+                row, row, one, kv, kv.clone(), one, torch.ones(1, 1, dtype=torch.bool)))  # fmt: skip
+        return self._stored_ms
 
     @property
     def calibration(self) -> float:
@@ -210,16 +225,23 @@ class Eagle3Drafter(Drafter):
         self.max_total = total or max_total
         self.scratch_rows = max(self.max_total, sample_children + 64 * sample_frontier * sample_children)
         self.run = _runner(self.head, target)
+        self.repro, self.pass_ms, self._estimate, self._calls0 = False, None, 0.0, 0
         c = self.head.cfg
         self.info = {"head": c.target, "draft_vocab": c.draft_vocab_size, "topk": topk, "total": total or "cost model"}
 
     # -- lifecycle ------------------------------------------------------------------------
     def begin(self, session: DraftSession) -> None:
+        from ..costs import pass_costs, reproducible
+
         c = self.head.cfg
         if self.total is None and self.run.pass_ms is None:
-            from ..costs import pass_costs
-
             self.run.pass_ms = pass_costs(self.target, self.max_total + 1)
+        # a seeded sampled request (`reproducible`): tree sizes from stored numbers alone — the
+        # pass table unscaled, head calls at their stored time, no calibration from other requests
+        self.repro = reproducible(session.sampling)
+        self.pass_ms = self.run.pass_ms.unscaled() if self.repro and self.run.pass_ms is not None else None
+        self._calls0 = self.forwards
+        self._estimate = 0.0
         self._step_ms = 0.0
         self._predicted = 0.0
         self._skip = self._backoff = 0
@@ -261,7 +283,10 @@ class Eagle3Drafter(Drafter):
 
     def cost_ms(self) -> float | None:
         """Per drafted token of a chain: about one head call (None until one is timed)."""
-        return self.run.call_ms
+        return self.run.stored_call_ms(self.target) if self.repro else self.run.call_ms
+
+    def estimated_ms(self, proposed: int) -> float:
+        return self._estimate
 
     def end(self) -> None:
         self.k_cache = self.v_cache = torch.zeros(0)
@@ -288,10 +313,17 @@ class Eagle3Drafter(Drafter):
         """Draft-vocabulary logits [R, N] -> the sampling distribution over draft ids [R, N]."""
         return sampling_probs(logits, self.sampling)
 
+    def _spent_ms(self) -> float:
+        """This proposal's time so far: measured, or its head calls at their stored time."""
+        if self.repro:
+            return (self.forwards - self._calls0) * self.run.stored_call_ms(self.target)
+        return (time.perf_counter() - self._t0) * 1e3
+
     def propose(self, k: int) -> Draft:
-        self._t0 = time.perf_counter()
+        self._t0, self._calls0 = time.perf_counter(), self.forwards
         draft = self._propose(k)
-        ms = (time.perf_counter() - self._t0) * 1e3
+        ms = self._spent_ms()
+        self._estimate = (self.forwards - self._calls0) * self.run.stored_call_ms(self.target) if self.repro else 0.0
         self._step_ms = ms if not self._step_ms else 0.8 * self._step_ms + 0.2 * ms
         return draft
 
@@ -299,7 +331,7 @@ class Eagle3Drafter(Drafter):
         """Under the cost model: how many of the candidates (their path probabilities, best
         first) to send, and the expected tokens per ms of that step; 0 (a plain step, without
         drafting cost) where no tree is expected to pay for its rows and `draft_ms`."""
-        costs, c = self.run.pass_ms, self.run.calibration
+        costs, c = (self.pass_ms, 1.0) if self.repro else (self.run.pass_ms, self.run.calibration)
         best_m, expected = 0, 1.0
         best = expected / costs.target(1)
         for m, p in enumerate(probs[: self.max_total], start=1):
@@ -326,12 +358,13 @@ class Eagle3Drafter(Drafter):
         today's candidates plus one child per expanded node as likely as its parent, drafted in
         the time spent so far plus one more call; expand only if that beats the best step
         from the candidates at hand. Fixed trees (`total`) keep the depth asked for."""
-        if self.total is not None or self.run.call_ms is None:  # (a call not timed yet: time one)
+        call_ms = self.run.stored_call_ms(self.target) if self.repro else self.run.call_ms
+        if self.total is not None or call_ms is None:  # (a call not timed yet: time one)
             return True
-        spent = (time.perf_counter() - self._t0) * 1e3
+        spent = self._spent_ms()
         now = sorted((math.exp(sc) for sc in scores), reverse=True)
         then = sorted([*now, *(math.exp(sc) for sc in expand)], reverse=True)
-        return self._best(then, spent + self.run.call_ms)[1] > self._best(now, spent)[1]
+        return self._best(then, spent + call_ms)[1] > self._best(now, spent)[1]
 
     def _propose(self, k: int) -> Draft:
         self._predicted = 0.0

@@ -88,6 +88,18 @@ class _Runner:
             lm = kq.quantize(heads.lm_weight.numpy(), kq.Q6K)
             self.kernels["lm"] = kq.KQuantKernel.from_blocks(lm, None, in_features=heads.lm_weight.shape[1])
         self.call_ms: float | None = None  # one heads call (all of Medusa's, one depth of Hydra's), moving average
+        self._stored_ms: float | None = None
+
+    def stored_call_ms(self, target: Any) -> float:
+        """One head's call over one row as timed once per machine (`costs.head_call_ms`): the
+        clock-free cost of a seeded sampled request's choices."""
+        if self._stored_ms is None:
+            from ..costs import head_call_ms
+
+            z, y = torch.zeros(1, self.heads.cfg.hidden_size), torch.zeros(1, dtype=torch.long)
+            self._stored_ms = head_call_ms(target, self.heads.cfg.kind, list(self.heads.parameters()),
+                                           lambda: self.logits(self.block(0, z, y)))  # fmt: skip
+        return self._stored_ms
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if name in self.kernels:
@@ -172,8 +184,9 @@ class _HeadsDrafter(Drafter):
         if not table:
             table = [[ASSUMED_ACCURACY ** (d + 1) * 0.5**j for j in range(topk)] for d in range(K)]
         self.accuracy = [[float(a) for a in row[:topk]] for row in table[:K]]
-        self.pass_ms: Any = None
-        self._step_ms = 0.0
+        self.pass_ms: Any = None  # the target's pass table (`costs.pass_costs`)
+        self.costs: Any = None  # ...unscaled, as a `repro` request reads it
+        self.repro, self._step_ms, self._estimate = False, 0.0, 0.0
         self._sizes: list[int] = []
         self.info = {"heads": self.kind, "num_heads": K, "draft_vocab": self.heads.cfg.draft_vocab_size,
                      "accuracy": "measured" if self.heads.record.get("validation_topk_accuracy") else "assumed",
@@ -186,10 +199,15 @@ class _HeadsDrafter(Drafter):
             return self.target.model.norm(residual[None].to(self.target.dtype))[0].float()
 
     def begin(self, session: DraftSession) -> None:
-        if self.total is None and self.pass_ms is None:
-            from ..costs import pass_costs
+        from ..costs import pass_costs, reproducible
 
+        if self.total is None and self.pass_ms is None:
             self.pass_ms = pass_costs(self.target, self.max_total + 1)
+        # a seeded sampled request (`reproducible`): tree sizes from stored numbers alone (the
+        # pass table unscaled, head calls at their stored time)
+        self.repro = reproducible(session.sampling)
+        self.costs = self.pass_ms.unscaled() if self.repro and self.pass_ms is not None else self.pass_ms
+        self._step_ms = self._estimate = 0.0
         self.sampling, self.gen = session.sampling, session.generator
         self.h = self._h(session.layers[self.feature_layers[0]][-1])
         self.y1 = session.context[-1]
@@ -211,7 +229,10 @@ class _HeadsDrafter(Drafter):
         self.y1 = feedback.next_token
 
     def cost_ms(self) -> float | None:
-        return self.run.call_ms
+        return self.run.stored_call_ms(self.target) if self.repro else self.run.call_ms
+
+    def estimated_ms(self, proposed: int) -> float:
+        return self._estimate
 
     # -- drafting -------------------------------------------------------------------------
     def _shape(self, k: int) -> list[tuple[int, ...]]:
@@ -222,7 +243,7 @@ class _HeadsDrafter(Drafter):
         paths, probs = greedy_tree(self.accuracy[:depth], self.max_total)
         if self.total is not None:
             return paths[: self.total]
-        costs = self.pass_ms
+        costs = self.costs if self.repro else self.pass_ms
         best_m, expected = 0, 1.0
         best = expected / costs.target(1)
         for m, p in enumerate(probs, start=1):
@@ -235,9 +256,11 @@ class _HeadsDrafter(Drafter):
         return paths[:best_m]
 
     def propose(self, k: int) -> Draft:
-        t0 = time.perf_counter()
+        t0, calls = time.perf_counter(), self.forwards
         draft = self._propose(k)
         ms = (time.perf_counter() - t0) * 1e3
+        if self.repro:
+            ms = self._estimate = (self.forwards - calls) * self.run.stored_call_ms(self.target)
         if draft.tokens.numel():
             self._step_ms = ms if not self._step_ms else 0.8 * self._step_ms + 0.2 * ms
         return draft

@@ -38,7 +38,7 @@ SHIPPED = Path(__file__).resolve().parent.parent / "vocab"
 # Tokens a draft model scores by default (its most frequent, plus its sequence's own): chosen by
 # measurement, see docs/results.md. 0 = the whole vocabulary.
 DEFAULT_VOCAB = 65536
-VOCAB_OPTION = Option("vocab", "draft-model: score only the N most frequent tokens and the sequence's own (a "
+VOCAB_OPTION = Option("vocab", "score only the N most frequent tokens and the sequence's own (a "
                                "cheaper LM head; exact whatever N, only acceptance changes; 0 = the whole vocabulary)",
                       "--draft-vocab")  # fmt: skip
 KEEP = 65536  # ids kept per list (the largest N one can ask for)

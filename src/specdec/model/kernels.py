@@ -59,7 +59,7 @@ MODES: dict[str, Mode] = {
 AUTO = "auto"
 PACKED_SOURCE_KEY = "specdec.source"  # metadata of a q4k packed-weight file: the model directory
 PACKED_BITS_KEY = "specdec.bits"  # ...and the packing asked for ("" = the GGUF's own blocks; "4": all Q4_K)
-DRAFT_BITS = (4,)  # the cheaper packings a model may be loaded with (`load_transformer(bits=)`)
+DRAFT_BITS = (4, 3, 2)  # the cheaper packings a model may be loaded with (`load_transformer(bits=)`)
 
 
 def default_mode_name(device: torch.device) -> str:
@@ -153,8 +153,10 @@ def apply_mode(
     `source` (the model directory) so stale files can be found.
     `from_gguf`: the linear layers have no float weights loaded (they are still on the meta
     device); layers the GGUF holds in other types than Q4_K/Q6_K are de-quantized from it.
-    `bits` (q4k): 4 puts every linear layer in Q4_K blocks, re-quantizing those the GGUF holds in
-    other types (Q6_K, Q5_0, Q8_0...): a cheaper packing for a model that drafts.
+    `bits` (q4k): a cheaper packing for a model that drafts. 4 puts every linear layer in Q4_K
+    blocks, re-quantizing those the GGUF holds in other types (Q6_K, Q5_0, Q8_0...); 3 and 2
+    put the transformer layers in the kernel's 3- and 2-bit codes (`kquant.quantize_low`) and
+    the LM head in Q4_K.
     """
     if mode.name not in ("int8", "q4k"):
         return
@@ -207,7 +209,10 @@ def _kquant_kernels(
         if b is not None and not from_gguf and not kquant.matches(b, m.weight):
             warnings.warn(f"{gguf}: {name} does not match the converted weights; quantizing it again", stacklevel=3)
             b = None
-        if b is not None and bits == 4 and b.kind != kquant.Q4K:
+        # 3 and 2 bits: the layers' codes narrower, the LM head kept at Q4_K (its rows are what
+        # the draft's top choices are read from, and a cut vocabulary reads them as Q4_K tiles)
+        want = kquant.Q4K if bits == 4 or (bits is not None and name == "lm_head") else bits
+        if b is not None and want is not None and b.kind != want:
             weight = kquant.dequantize(b)[:, : m.in_features]
             b = None
         elif b is None:
@@ -218,7 +223,7 @@ def _kquant_kernels(
             else:
                 weight = m.weight.detach().float().numpy()
         if b is None:
-            b = kquant.quantize(weight, kquant.Q4K if bits == 4 else kquant.REQUANTIZE)
+            b = kquant.quantize(weight, want if want is not None else kquant.REQUANTIZE)
         return b.kind, torch.from_numpy(kquant.tiles(b).view(np.uint8))
 
     # numpy does the work and releases the GIL: one thread per core repacks layers side by side

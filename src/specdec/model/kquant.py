@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -28,11 +29,17 @@ from .native import NativeUnavailableError, library
 QK = 256  # weights per super-block
 Q4K = 4
 Q6K = 6
+# Draft packings (`--draft-bits 3|2`): q4k's format with 3- and 2-bit codes (csrc/kquant.c)
+Q3 = 3
+Q2 = 2
+LOW_BITS = (Q3, Q2)
 
 # The C structs, field for field (see csrc/kquant.c).
 Q4K_DTYPE = np.dtype([("d", "<f4"), ("dmin", "<f4"), ("sc", "u1", 8), ("mn", "u1", 8), ("qs", "u1", 128)])
 Q6K_DTYPE = np.dtype([("d", "<f4"), ("sc", "i1", 16), ("ql", "u1", 128), ("qh", "u1", 64)])
-BLOCK_DTYPES = {Q4K: Q4K_DTYPE, Q6K: Q6K_DTYPE}
+# (the draft packings' blocks: codes one per byte, in weight order; they exist only on the way to tiles)
+LOW_DTYPE = np.dtype([("d", "<f4"), ("dmin", "<f4"), ("sc", "u1", 8), ("mn", "u1", 8), ("q", "u1", QK)])
+BLOCK_DTYPES = {Q4K: Q4K_DTYPE, Q6K: Q6K_DTYPE, Q3: LOW_DTYPE, Q2: LOW_DTYPE}
 # Layers not stored as Q4_K/Q6_K are quantized to this: 6.6 bits, per-16 scales.
 REQUANTIZE = Q6K
 TILE = 16  # outputs per kernel tile
@@ -42,6 +49,10 @@ TILE_DTYPES = {
                    ("qs", "u1", (8, 4, 4 * TILE))]),
     Q6K: np.dtype([("d", "<f4", TILE), ("sc", "i1", (16, TILE)),
                    ("sub", [("ql", "u1", (2, 4 * TILE)), ("qh", "u1", 4 * TILE)], 16)]),
+    Q3: np.dtype([("d", "<f4", TILE), ("dmin", "<f4", TILE), ("sc", "u1", (8, TILE)), ("mn", "u1", (4, TILE, 2)),
+                  ("g", [("qs", "u1", (2, 4 * TILE)), ("qh", "u1", 4 * TILE)], 8)]),
+    Q2: np.dtype([("d", "<f4", TILE), ("dmin", "<f4", TILE), ("sc", "u1", (8, TILE)), ("mn", "u1", (4, TILE, 2)),
+                  ("qs", "u1", (8, 2, 4 * TILE))]),
 }
 
 _SOURCE = Path(__file__).with_name("csrc") / "kquant.c"
@@ -60,7 +71,7 @@ def layout_version() -> str:
 class Blocks:
     """One weight matrix [N, K] as K-quant super-blocks: `data` is [N, K/256] of the kind's dtype."""
 
-    kind: int  # Q4K or Q6K
+    kind: int  # Q4K, Q6K, or a draft packing (Q3, Q2)
     data: np.ndarray  # [N, K // QK] structured
 
     @property
@@ -119,8 +130,8 @@ def _codes_q6k(data: np.ndarray) -> np.ndarray:
 def dequantize(blocks: Blocks) -> np.ndarray:
     """[N, K] float32 weights the blocks stand for (the reference for tests and checks)."""
     d = blocks.data
-    if blocks.kind == Q4K:
-        q = _codes_q4k(d).reshape(*d.shape, 8, 32).astype(np.float32)
+    if blocks.kind in (Q4K, *LOW_BITS):
+        q = (_codes_q4k(d) if blocks.kind == Q4K else d["q"]).reshape(*d.shape, 8, 32).astype(np.float32)
         w = (d["d"][..., None] * d["sc"])[..., None] * q - (d["dmin"][..., None] * d["mn"])[..., None]
     else:
         q = _codes_q6k(d).reshape(*d.shape, 16, 16).astype(np.float32) - 32
@@ -133,6 +144,8 @@ def quantize(weight: np.ndarray, kind: int) -> Blocks:
     weights that do not come as K-quant blocks already. K is zero-padded to whole blocks.
     Q6_K (what installs re-quantize to) runs in the native library where it is built: the
     same bytes as `quantize_reference` (tested), much faster."""
+    if kind in LOW_BITS:
+        return quantize_low(weight, kind)
     if kind == Q6K:
         try:
             lib = library()
@@ -144,6 +157,53 @@ def quantize(weight: np.ndarray, kind: int) -> Blocks:
             lib.specdec_quantize_q6k(w.ctypes.data, w.shape[0], w.shape[1], out.ctypes.data, torch.get_num_threads())
             return Blocks(Q6K, out)
     return quantize_reference(weight, kind)
+
+
+def quantize_low(weight: np.ndarray, bits: int, candidates: int = 9) -> Blocks:
+    """Float weights [N, K] to a draft packing of `bits` (3 or 2) bits per code: per 32-weight
+    group w ~ s * q - m (q in 0..2^bits - 1, m >= 0), s and m fitted by least squares to the
+    rounding of each of `candidates` ranges (the group's [min, max] narrowed by up to 20%: at
+    2 and 3 bits the extremes cost more than they give), the best kept; then s and m as 8-bit
+    multiples of per-block steps, and the codes rounded again against those. In torch (both
+    cores), deterministic."""
+    levels = (1 << bits) - 1
+    w = torch.from_numpy(_padded(weight))
+    n, k = w.shape
+    nb = k // QK
+    g = w.reshape(n, nb, 8, 32)
+    lo, hi = g.amin(-1).clamp_max(0.0), g.amax(-1)  # [n, nb, 8] (the format's offset is -m, m >= 0)
+    sg, sgg = g.sum(-1), (g * g).sum(-1)
+    best_err = torch.full(lo.shape, math.inf)
+    best_s, best_m = torch.zeros(lo.shape), torch.zeros(lo.shape)
+    q = torch.empty_like(g)
+    for c in range(candidates):
+        shrink = 0.2 * c / max(candidates - 1, 1)
+        a = lo * (1 - shrink)
+        inv = levels / ((hi - lo) * (1 - shrink)).clamp_min(1e-30)  # 1 / step over the narrowed range
+        torch.sub(g, a[..., None], out=q).mul_(inv[..., None]).round_().clamp_(0, levels)
+        # least squares of g ~ s q + t over the group's 32 weights (t = -m), by its sums
+        sq, sqq, sqg = q.sum(-1), (q * q).sum(-1), (q * g).sum(-1)
+        det = 32 * sqq - sq * sq
+        s = torch.where(det > 0, (32 * sqg - sq * sg) / det.clamp_min(1e-30), 1 / inv)
+        t = (sg - s * sq) / 32
+        pos = t > 0  # a positive offset cannot be stored: the scale alone
+        s = torch.where(pos, sqg / sqq.clamp_min(1e-30), s).clamp_min(0.0)
+        t = torch.where(pos, torch.zeros_like(t), t)
+        err = s * s * sqq + 2 * s * t * sq + 32 * t * t - 2 * s * sqg - 2 * t * sg + sgg
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s, best_m = torch.where(better, s, best_s), torch.where(better, -t, best_m)
+    d, dmin = best_s.amax(-1) / 255.0, best_m.amax(-1) / 255.0  # [n, nb]
+    sc = torch.where(d[..., None] > 0, torch.round(best_s / d.clamp_min(1e-30)[..., None]), 0).clamp(0, 255)
+    mn = torch.where(dmin[..., None] > 0, torch.round(best_m / dmin.clamp_min(1e-30)[..., None]), 0).clamp(0, 255)
+    step = d[..., None] * sc
+    q = torch.round((g + (dmin[..., None] * mn)[..., None]) / step.clamp_min(1e-30)[..., None])
+    q = torch.where(step[..., None] > 0, q, 0).clamp(0, levels)
+    out = np.empty((n, nb), LOW_DTYPE)
+    out["d"], out["dmin"] = d.numpy(), dmin.numpy()
+    out["sc"], out["mn"] = sc.to(torch.uint8).numpy(), mn.to(torch.uint8).numpy()
+    out["q"] = q.to(torch.uint8).reshape(n, nb, QK).numpy()
+    return Blocks(bits, out)
 
 
 def _padded(weight: np.ndarray) -> np.ndarray:
@@ -191,6 +251,8 @@ def tiles(blocks: Blocks) -> np.ndarray:
     """Repack [N, nb] blocks into the kernel's [ceil(N/16), nb] tiles: each 64-byte code vector
     holds 4 consecutive inputs of 16 outputs (see csrc/kquant.c). Padded outputs have zero scales.
     Runs in the native library where it is built (the same bytes as `tiles_reference`)."""
+    if blocks.kind in LOW_BITS:  # (a draft packing is made once, from floats: numpy is fast enough)
+        return tiles_reference(blocks)
     try:
         lib = library()
     except NativeUnavailableError:
@@ -218,7 +280,20 @@ def tiles_reference(blocks: Blocks) -> np.ndarray:
 
     out = np.zeros((t, nb), TILE_DTYPES[blocks.kind])
     out["d"] = per_output(d["d"])
-    if blocks.kind == Q4K:
+    if blocks.kind in LOW_BITS:
+        out["dmin"], out["sc"] = per_output(d["dmin"]), per_output(d["sc"])
+        out["mn"] = np.swapaxes(per_output(d["mn"]).reshape(t, nb, 4, 2, TILE), -1, -2)
+        q = d["q"].reshape(t, TILE, nb, 8, 2, 4, 4)  # [T, o, nb, group, w, i, e]: chunk 4w + i
+        q = q.transpose(0, 2, 3, 4, 1, 6, 5)  # [T, nb, group, w, o, e, i]
+        low = q & 3
+        packed = (low[..., 0] | (low[..., 1] << 2) | (low[..., 2] << 4) | (low[..., 3] << 6)).reshape(t, nb, 8, 2, 4 * TILE)
+        if blocks.kind == Q2:
+            out["qs"] = packed
+        else:
+            out["g"]["qs"] = packed
+            hb = (q >> 2).reshape(t, nb, 8, 2, 4 * TILE, 4)  # chunk 4w + i's third bit -> bit 4w + i
+            out["g"]["qh"] = sum((hb[:, :, :, w, :, i].astype(np.uint8) << (4 * w + i)) for w in range(2) for i in range(4))
+    elif blocks.kind == Q4K:
         out["dmin"] = per_output(d["dmin"])
         out["sc"] = per_output(d["sc"])  # [T, nb, group, output]
         out["mn"] = np.swapaxes(per_output(d["mn"]).reshape(t, nb, 4, 2, TILE), -1, -2)  # [.., pair, output, 2]
@@ -381,10 +456,11 @@ class _GroupCall:
 
 
 def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
-    """Run `lib` and `reference` (two builds of the kernel) on random Q4_K and Q6_K layers for
-    1..20 rows; None when every output is bitwise equal, else what differed."""
+    """Run `lib` and `reference` (two builds of the kernel) on random layers of every kind
+    (Q4_K, Q6_K, the 3- and 2-bit draft packings) for 1..20 rows; None when every output is
+    bitwise equal, else what differed."""
     rng = np.random.default_rng(0)
-    for kind in (Q4K, Q6K):
+    for kind in (Q4K, Q6K, *LOW_BITS):
         n, k = 40, 768
         packed = torch.from_numpy(tiles(quantize(rng.standard_normal((n, k)).astype(np.float32), kind)).view(np.uint8))
         bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))

@@ -69,10 +69,38 @@ typedef struct {
     } sub[16];                /* one sub-block's codes together: a single forward stream */
 } tile_q6k;
 
+/* Draft packings (`--draft-bits 3|2`): a model that only drafts may run on fewer bits. Not
+ * GGUF formats but q4k's own with narrower codes: w = d * sc[j] * q - dmin * mn[j] with q in
+ * 0..7 or 0..3 per 32-element group, scales and mins of 8 bits (the fit is specdec's, see
+ * kquant.quantize), so the same integer sums and the same float operations as q4k. The header
+ * (d, dmin, sc, mn) is q4k's, field for field. */
+typedef struct {
+    float d[TILE], dmin[TILE];
+    uint8_t sc[8][TILE];
+    uint8_t mn[4][TILE][2];
+    uint8_t qs[8][2][64];     /* [group][w]: chunk 4w + i's codes at bits 2i..2i+1 */
+} tile_q2;
+
+typedef struct {
+    float d[TILE], dmin[TILE];
+    uint8_t sc[8][TILE];
+    uint8_t mn[4][TILE][2];
+    struct {
+        uint8_t qs[2][64];    /* the codes' low two bits, as tile_q2 */
+        uint8_t qh[64];       /* bit v: chunk v's third bit */
+    } g[8];                   /* one group's codes together: a single forward stream */
+} tile_q3;
+
 _Static_assert(sizeof(tile_q4k) == 2432, "q4k tile layout");
 _Static_assert(sizeof(tile_q6k) == 3392, "q6k tile layout");
+_Static_assert(sizeof(tile_q2) == 1408, "q2 tile layout");
+_Static_assert(sizeof(tile_q3) == 1920, "q3 tile layout");
 
-int specdec_tile_bytes(int kind) { return kind == 4 ? (int)sizeof(tile_q4k) : (int)sizeof(tile_q6k); }
+static inline size_t tile_size(int kind) {
+    return kind == 4 ? sizeof(tile_q4k) : kind == 6 ? sizeof(tile_q6k) : kind == 3 ? sizeof(tile_q3) : sizeof(tile_q2);
+}
+
+int specdec_tile_bytes(int kind) { return (int)tile_size(kind); }
 int specdec_tile_outputs(void) { return TILE; }
 
 
@@ -152,7 +180,8 @@ static inline __attribute__((always_inline)) void prefetch_part(const void *t, s
     const size_t lines = bytes / 64;  /* both tile-blocks are whole cache lines */
     for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
 }
-_Static_assert(sizeof(tile_q4k) % 64 == 0 && sizeof(tile_q6k) % 64 == 0, "tile-blocks are whole cache lines");
+_Static_assert(sizeof(tile_q4k) % 64 == 0 && sizeof(tile_q6k) % 64 == 0 && sizeof(tile_q2) % 64 == 0 &&
+               sizeof(tile_q3) % 64 == 0, "tile-blocks are whole cache lines");
 
 /* Per row and output, both builds do the same integer sums and then the same float operations
  * in the same order (one fmadd per block, a final subtraction and bias add), so the AVX2 and
@@ -188,6 +217,65 @@ static inline __attribute__((always_inline)) void half_dot_q4k(
              * multiply-add by the scale gives sc * g in 32 bits. Exact: a pair of products is at
              * most 2 * 15 * 127 = 3810 (maddubs never saturates) and 8 of them 30480 < 2^15; the
              * same integer as the 512-bit path's g * sc, in 17 operations per row, not 26. */
+            const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+            for (int r = 0; r < rb; r++) {
+                const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
+                __m256i g16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(load4(xp)));
+                for (int v = 1; v < 8; v++) g16 = _mm256_add_epi16(g16, _mm256_maddubs_epi16(c[v], _mm256_set1_epi32(load4(xp + 4 * v))));
+                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(g16, sc16));
+            }
+        }
+        const __m256 d = _mm256_loadu_ps(t->d + 8 * h), dmin = _mm256_loadu_ps(t->dmin + 8 * h);
+        for (int r = 0; r < rb; r++) {
+            const __m256 a = _mm256_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
+            facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_mul_ps(d, a), facc[r]);
+            fmin[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dmin, a), fmin[r]);
+        }
+    }
+    for (int r = 0; r < rb; r++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_sub_ps(facc[r], fmin[r]));
+}
+
+/* The draft packings' code vectors of group j, half h (8 outputs), 256-bit: chunk v's codes
+ * (bits = 2: 0..3, bits = 3: 0..7) for 4 inputs of 8 outputs. */
+static inline __attribute__((always_inline)) void low_codes256(const void *tb, int bits, int j, int h, __m256i c[8]) {
+    const __m256i m2 = _mm256_set1_epi8(0x03), b2 = _mm256_set1_epi8(0x04);
+    const uint8_t *qs = bits == 2 ? ((const tile_q2 *)tb)->qs[j][0] : ((const tile_q3 *)tb)->g[j].qs[0];
+    for (int w = 0; w < 2; w++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 64 * w + 32 * h));
+        for (int i = 0; i < 4; i++) c[4 * w + i] = _mm256_and_si256(i ? _mm256_srli_epi16(raw, 2 * i) : raw, m2);
+    }
+    if (bits == 3) {
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(((const tile_q3 *)tb)->g[j].qh + 32 * h));
+        for (int v = 0; v < 8; v++) {
+            const __m256i at2 = v < 2 ? _mm256_slli_epi16(hb, 2 - v) : v > 2 ? _mm256_srli_epi16(hb, v - 2) : hb;
+            c[v] = _mm256_or_si256(c[v], _mm256_and_si256(at2, b2));
+        }
+    }
+}
+
+/* half_dot_q4k for the draft packings: the same operations on narrower codes. Exact: a pair of
+ * products is at most 2 * 7 * 127 = 1778, 8 of them 14224 < 2^15; scales and mins < 2^8. */
+static inline __attribute__((always_inline)) void half_dot_low(
+    const uint8_t *w, int bits, const xquant *xq, int r0, int rb, int h, float out[][TILE]) {
+    const size_t tb = tile_size(bits);
+    __m256 facc[MAXRB], fmin[MAXRB];
+    for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm256_setzero_ps();
+    for (int b = 0; b < xq->nb; b++) {
+        const tile_q2 *t = (const tile_q2 *)(w + b * tb);  /* (the header every packing shares) */
+        __m256i iacc[MAXRB], imin[MAXRB];
+        for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)t->mn[p][8 * h]));
+            for (int r = 0; r < rb; r++) {
+                const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
+                imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(load4(s32))));
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            if (h == 0) prefetch_part(t, tb, j, 8, rb);
+            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[j][8 * h]));
+            __m256i c[8];
+            low_codes256(t, bits, j, h, c);
             const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
             for (int r = 0; r < rb; r++) {
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
@@ -339,6 +427,58 @@ static inline __attribute__((always_inline)) void tile_dot_q4k(
     for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], _mm512_sub_ps(facc[r], fmin[r]));
 }
 
+/* The draft packings' 8 code vectors of group j (see low_codes256), 512-bit. */
+static inline __attribute__((always_inline)) void low_codes512(const void *tb, int bits, int j, __m512i c[8]) {
+    const __m512i m2 = _mm512_set1_epi8(0x03), b2 = _mm512_set1_epi8(0x04);
+    const uint8_t *qs = bits == 2 ? ((const tile_q2 *)tb)->qs[j][0] : ((const tile_q3 *)tb)->g[j].qs[0];
+    for (int w = 0; w < 2; w++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * w));
+        for (int i = 0; i < 4; i++) c[4 * w + i] = _mm512_and_si512(i ? _mm512_srli_epi16(raw, 2 * i) : raw, m2);
+    }
+    if (bits == 3) {
+        const __m512i hb = _mm512_loadu_si512((const void *)((const tile_q3 *)tb)->g[j].qh);
+        for (int v = 0; v < 8; v++) {
+            const __m512i at2 = v < 2 ? _mm512_slli_epi16(hb, 2 - v) : v > 2 ? _mm512_srli_epi16(hb, v - 2) : hb;
+            c[v] = _mm512_or_si512(c[v], _mm512_and_si512(at2, b2));
+        }
+    }
+}
+
+/* tile_dot_q4k for the draft packings (the same integer and float operations). */
+static inline __attribute__((always_inline)) void tile_dot_low(
+    const uint8_t *w, int bits, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    const size_t tb = tile_size(bits);
+    __m512 facc[MAXRB], fmin[MAXRB];
+    for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm512_setzero_ps();
+    for (int b = 0; b < xq->nb; b++) {
+        const tile_q2 *t = (const tile_q2 *)(w + b * tb);  /* (the header every packing shares) */
+        __m512i iacc[MAXRB], imin[MAXRB];
+        for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) {
+            const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)t->mn[p]));
+            for (int r = 0; r < rb; r++) {
+                const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
+                imin[r] = _mm512_dpwssd_epi32(imin[r], mn, _mm512_set1_epi32(load4(s32)));
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            prefetch_part(t, tb, j, 8, rb);
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
+            __m512i c[8];
+            low_codes512(t, bits, j, c);
+            for (int r = 0; r < rb; r++) {
+                const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
+                __m512i g = _mm512_setzero_si512();
+                for (int v = 0; v < 8; v++) g = dpbusd_bcast(g, c[v], xp + 4 * v);
+                iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(g, sc));
+            }
+        }
+        block_fma512(t->d, xq, r0, rb, b, iacc, facc);
+        block_fma512(t->dmin, xq, r0, rb, b, imin, fmin);
+    }
+    for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], _mm512_sub_ps(facc[r], fmin[r]));
+}
+
 static inline __m512i q6_codes512(__m512i lo_src, int lo_shift, __m512i hb, int c) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
     const __m512i lo = _mm512_and_si512(lo_shift ? _mm512_srli_epi16(lo_src, 4) : lo_src, m4);
@@ -388,7 +528,21 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
     half_dot_q6k(w, xq, r0, rb, 0, out);
     half_dot_q6k(w, xq, r0, rb, 1, out);
 }
+
+static inline __attribute__((always_inline)) void tile_dot_low(
+    const uint8_t *w, int bits, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    half_dot_low(w, bits, xq, r0, rb, 0, out);
+    half_dot_low(w, bits, xq, r0, rb, 1, out);
+}
 #endif
+
+/* (the row counts fixed at compile time, as the other kinds') */
+static inline __attribute__((always_inline)) void tile_dot_q3(const uint8_t *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    tile_dot_low(w, 3, xq, r0, rb, out);
+}
+static inline __attribute__((always_inline)) void tile_dot_q2(const uint8_t *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    tile_dot_low(w, 2, xq, r0, rb, out);
+}
 
 
 #ifdef SPECDEC_AMX
@@ -605,14 +759,14 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
     for (int t = 0; t < tiles; t++) {
         int i = 0;
         while (t >= first[i + 1]) i++;
-        const size_t tile_bytes = (size_t)xq->nb * (kinds[i] == 4 ? sizeof(tile_q4k) : sizeof(tile_q6k));
+        const size_t tile_bytes = (size_t)xq->nb * tile_size(kinds[i]);
         const void *wt = (const char *)w[i] + (size_t)(t - first[i]) * tile_bytes;
         const int n0 = (t - first[i]) * TILE, nv = N[i] - n0 < TILE ? N[i] - n0 : TILE;
         const float *res = add ? add[i] : NULL;
         /* rows split evenly over the sweeps of the tile (9 rows: 5 + 4, not 8 + 1), so every
          * sweep carries enough rows to hide the weights' memory time */
 #ifdef SPECDEC_AMX
-        const int most = amx_on && M >= AMX_MIN_ROWS ? AMX_ROWS : MAXRB;
+        const int most = amx_on && M >= AMX_MIN_ROWS && kinds[i] >= 4 ? AMX_ROWS : MAXRB;  /* (drafts: AVX-512) */
 #else
         const int most = MAXRB;
 #endif
@@ -628,8 +782,12 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
 #endif
             if (kinds[i] == 4) {
                 DISPATCH(tile_dot_q4k, (const tile_q4k *)wt, xq, r0, rb, out);
-            } else {
+            } else if (kinds[i] == 6) {
                 DISPATCH(tile_dot_q6k, (const tile_q6k *)wt, xq, r0, rb, out);
+            } else if (kinds[i] == 3) {
+                DISPATCH(tile_dot_q3, (const uint8_t *)wt, xq, r0, rb, out);
+            } else {
+                DISPATCH(tile_dot_q2, (const uint8_t *)wt, xq, r0, rb, out);
             }
             /* y = out + bias, plus a residual connection (x + layer(x)) where given: one
              * branch-free loop per case, which the compiler vectorizes (elementwise, so the
@@ -650,7 +808,7 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
 
 /* Several linear layers over the same input x[M, K] (q/k/v, gate/up): the activations
  * are quantized once, and one parallel loop runs over the tiles of all of them.
- * Layer i: kinds[i] (4 = q4k, 6 = q6k), w[i] = ceil(N[i]/16) tiles of ceil(K/256) tile-blocks,
+ * Layer i: kinds[i] (4 = q4k, 6 = q6k; 3, 2: the draft packings), w[i] = ceil(N[i]/16) tiles of ceil(K/256) tile-blocks,
  * bias[i] (or NULL), y[i] = [M, N[i]]. Returns 0, or -1 if scratch memory ran out. */
 int specdec_kquant_linears(int n_layers, const int *kinds, const void *const *w, const float *const *bias,
                            const int *N, int K, const float *x, int M, float *const *y, int nthreads) {
