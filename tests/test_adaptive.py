@@ -84,6 +84,27 @@ def test_a_known_cost_needs_no_measuring_step():
     assert KController(Known(), 4, PASS).choose(4) == 0
 
 
+def test_a_stored_draft_cost_moves_with_the_machine():
+    """A draft step timed at a slow moment (the stored table's) is read at the machine's speed
+    of now (the pass table's online scale) until the request measures it: a machine running at
+    half the table's times halves it too, and drafting that pays at the table's ratio still does."""
+    import dataclasses
+
+    class Known(_Chain):
+        def cost_ms(self) -> float:
+            return 8.0  # a third of the table's one-row pass
+
+    costs = dataclasses.replace(PASS)
+    c = KController(Known(), 4, costs)
+    before = c.chooser.draft_cost(c.name)
+    costs.observe(1, 0.5 * costs.target(1), weight=1.0)  # the machine now runs twice as fast
+    assert before == 8.0 and c.chooser.draft_cost(c.name) == pytest.approx(4.0)
+    _feed(c, 1, 2, 2, draft_ms=2 * 6.0)  # measured: from now on the measurements lead
+    assert c.chooser.draft_cost(c.name) == pytest.approx(0.7 * 4.0 + 0.3 * 6.0)
+    costs.observe(1, 4 * costs.target(1), weight=1.0)
+    assert c.chooser.draft_cost(c.name) == pytest.approx(0.7 * 4.0 + 0.3 * 6.0)
+
+
 def _switching(monkeypatch, seed: int, k_max: int) -> list[int]:
     """The controller replaced by one that picks a seeded random k in 0..k_max every step."""
     rng = random.Random(seed)

@@ -208,6 +208,10 @@ class MethodChooser:
         self.draft_ms: dict[str, float | None] = {m: (draft_ms or {}).get(m) for m in methods}
         if reproducible:
             self.draft_ms = {m: v or 0.0 for m, v in self.draft_ms.items()}
+        # ...an estimate stored at another moment of the machine (a draft model's step timed once
+        # per machine) moves with it as the pass table does (`Costs.scale`: both are passes over
+        # weights on the same cores) until this request measures the drafter itself
+        self._stored = {m for m, v in self.draft_ms.items() if v}
         self.prober = _Prober(probe_after)
         self.chosen: Counter[tuple[str, int]] = Counter()  # ("plain", 0) for plain steps
         self.switches = 0  # drafting steps whose drafter differs from the previous drafting step's
@@ -231,7 +235,12 @@ class MethodChooser:
             return 1.0 / self.costs.target(1)
         expected = self._acc(method, situation).expected(k)
         setup = switch_ms * expected / max(remaining, 1) if switch_ms and remaining is not None else 0.0
-        return expected / ((self.draft_ms[method] or 0.0) * k + self.costs.target(1 + k) + setup)
+        return expected / (self.draft_cost(method) * k + self.costs.target(1 + k) + setup)
+
+    def draft_cost(self, method: str) -> float:
+        """Expected ms per drafted token of `method` now."""
+        ms = self.draft_ms[method] or 0.0
+        return ms * self.costs.scale if method in self._stored else ms
 
     def ranked(self, outlook: Mapping[str, Outlook], remaining: int | None = None) -> list[tuple[float, str, int]]:
         """(expected tokens/ms, method, k) of every method's best k, best first."""
@@ -280,6 +289,9 @@ class MethodChooser:
                draft_ms: float) -> None:  # fmt: skip
         """A verified step of `method`: asked for `asked` drafts, got `proposed`, `accepted` kept."""
         if asked > 0 and not self.reproducible:
+            if method in self._stored:  # (the estimate as this moment reads it, then measurements)
+                self.draft_ms[method] = self.draft_cost(method)
+                self._stored.discard(method)
             self.draft_ms[method] = _ema(self.draft_ms[method], draft_ms / asked)
         if proposed > 0:
             self._acc(method, situation).update(proposed, accepted)

@@ -305,7 +305,9 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
         progress("measuring pass times for the cost model")
     draft_ms = (make_drafter("draft-model", draft=draft.model, **_draft_options(settings, "draft-model")).cost_ms()
                 if draft is not None else None)  # fmt: skip
-    result.costs = measure_costs(target.model, draft_ms, max_rows=2 * settings.k + 1, repeats=3)
+    result.costs = measure_costs(target.model, None, max_rows=2 * settings.k + 1, repeats=3)
+    if draft_ms:  # (timed once per machine, at another moment: moved as the target's pass moved since)
+        result.costs.draft_ms = draft_ms * result.costs.target_ms[1] / pass_costs(target.model, 2).target_ms[1]
     if settings.peers and 0.0 in settings.temperatures:
         _run_peers(settings, target, draft, prompts, plains, result, bar_progress=progress)
     result.wall_time = time.perf_counter() - t0
