@@ -33,6 +33,18 @@ def test_draft_cost_and_row_cost_enter_the_denominator():
     assert costs.target(3) == pytest.approx(15.0) and costs.target(0.5) == 10.0 and costs.target(99) == 20.0
 
 
+def test_the_runs_measured_drafting_time_is_what_a_step_pays():
+    """Records that carry their drafting time per proposed token (auto's draft-model steps,
+    heads' calls) are priced by it, pooled over the proposed tokens, for every method."""
+    rec = {"steps": 10, "proposed": 20, "accepted_per_position": [8, 4], "proposed_per_position": [10, 10],
+           "scored_rows": 30}
+    acc = Acceptance.pool([rec | {"draft_ms_per_token": 2.0}, rec | {"draft_ms_per_token": 4.0, "proposed": 60}])
+    assert acc.draft_ms == pytest.approx((2 * 20 + 4 * 60) / 80)
+    costs = Costs({1: 10.0, 3: 10.0}, draft_ms=99.0)  # (the stored step is not what these runs paid)
+    assert predict("auto", 2, acc, costs) == pytest.approx((1 + 0.8 + 0.4) * 10 / (acc.draft_ms * 2 + 10))
+    assert Acceptance.pool([rec]).draft_ms is None
+
+
 def test_extrapolation_past_the_measured_positions_is_geometric():
     acc = iid(0.8, 2)  # measured positions: 0.8, 0.64
     A, P = acc.per_step(4)

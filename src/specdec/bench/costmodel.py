@@ -10,8 +10,9 @@ row count, the predicted speedup for k is
 
 where A_i = steps whose position i was accepted / steps, P_i = steps that offered a token at
 position i / steps, t(r) the target's time for a pass over r rows (interpolated) and D(k)
-the drafting time (a draft model: its one-token step times the tokens drafted; prompt lookup
-and lookahead: none beyond the target pass). Beyond the measured positions the curve is
+the drafting time: what the runs measured per drafted token (`draft_ms_per_token`: a draft
+model's steps and catching up, heads' calls, auto's drafters as it chose them), else a draft
+model's stored one-token step. Beyond the measured positions the curve is
 extended geometrically with the last measured ratio A_i / A_{i-1} (i.i.d. acceptance: the
 formula E = (1 - a^(k+1)) / (1 - a)). Extra rows a drafter adds (lookahead's window) are
 taken from the measured rows per pass.
@@ -34,6 +35,7 @@ class Acceptance:
     accepted: list[int]  # accepted_per_position summed
     proposed: list[int]  # proposed_per_position summed
     extra_rows: float = 0.0  # rows per pass beyond 1 + drafted tokens (tree branches, lookahead window)
+    draft_ms: float | None = None  # measured drafting time per proposed token (None: not recorded)
 
     @classmethod
     def pool(cls, records: list[dict[str, Any]]) -> Acceptance:
@@ -43,7 +45,9 @@ class Acceptance:
         prop = [sum(r["proposed_per_position"][i] for r in records if i < len(r["proposed_per_position"])) for i in range(depth)]
         rows = sum(r["scored_rows"] for r in records) / steps if steps else 1.0
         extra = max(0.0, rows - 1 - sum(prop) / steps) if steps else 0.0
-        return cls(steps, acc, prop, extra)
+        timed = [r for r in records if r.get("draft_ms_per_token") is not None and r["proposed"]]
+        draft = sum(r["draft_ms_per_token"] * r["proposed"] for r in timed) / sum(r["proposed"] for r in timed) if timed else None
+        return cls(steps, acc, prop, extra, draft)
 
     def per_step(self, k: int) -> tuple[list[float], list[float]]:
         """(A_i, P_i) for i < k, extended past the measured positions."""
@@ -66,7 +70,8 @@ def predict(method: str, k: int, acc: Acceptance, costs: Costs) -> float:
     A, P = acc.per_step(k)
     tokens = 1 + sum(A)
     rows = 1 + sum(P) + acc.extra_rows
-    draft = (costs.draft_ms or 0.0) * sum(P) if method == "draft-model" else 0.0
+    per_token = acc.draft_ms if acc.draft_ms is not None else costs.draft_ms if method == "draft-model" else None
+    draft = (per_token or 0.0) * sum(P)
     return tokens * costs.target(1) / (draft + costs.target(rows))
 
 
