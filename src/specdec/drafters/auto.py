@@ -45,8 +45,8 @@ from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
 from .base import DRAFTERS, Draft, Drafter, DraftSession, Feedback, Option, make_drafter, register
-from .draft_model import DEFAULT_WINDOW, WINDOW_OPTION
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION
+from .window import DEFAULT_WINDOW, WINDOW_OPTION
 
 
 def switchable() -> list[str]:

@@ -10,20 +10,9 @@ import torch
 from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
 from ..sampling import probs, sample
-from .base import Draft, Drafter, DraftSession, Feedback, Option, register
+from .base import Draft, Drafter, DraftSession, Feedback, register
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
-
-# The draft may read a long context through a window: the first SINK tokens and the last
-# `window` (StreamingLLM's attention sink), at their own positions; exactness does not depend
-# on it. Its prefill of a long prompt costs a third or more of the target's own, but off by
-# default: the prompts that are long (a document to summarise, retrieved passages) are the
-# ones whose answers copy from their middle, which a window hides from the draft (acceptance
-# collapses; docs/results.md).
-SINK = 4
-DEFAULT_WINDOW = 0
-WINDOW_OPTION = Option("window", "the draft reads a long prompt through its first 4 and last N tokens "
-                                 "(a cheaper prefill; exact whatever N, only acceptance changes; 0 = all of it)",
-                       "--draft-window")  # fmt: skip
+from .window import DEFAULT_WINDOW, SINK, WINDOW_OPTION
 
 # Per draft model, the last prompt it prefilled (and its window) with that cache and the tokens
 # the window left out (a batch of sequences with one prompt, as `specdec certify` or a server's
