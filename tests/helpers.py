@@ -7,8 +7,9 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.costs import Costs
-from specdec.drafters import Feedback
+from specdec.drafters import Draft, DraftModelDrafter, Feedback
 from specdec.eagle3.head import Eagle3Head, HeadConfig, attach_target, config_for_target
+from specdec.sampling import probs
 
 ALPHA = 1e-3  # significance level of every statistical test; all runs are seeded
 
@@ -149,3 +150,24 @@ def write_gguf(path, arch: str, size: int, block_count: int | None = None):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+class WholeDraftQ(DraftModelDrafter):
+    """Negative control of a draft that reads less than the whole model or context (a cut
+    vocabulary, a window): draws as configured, but tells the verifier the q of the whole
+    draft model over the whole context, not the q the drafts were drawn from."""
+
+    @classmethod
+    def propose_batch(cls, drafters, ks):
+        drafts = super().propose_batch(drafters, ks)
+        out = []
+        for d, draft in zip(drafters, drafts, strict=True):
+            if draft.probs is None or not len(draft.tokens):
+                out.append(draft)
+                continue
+            ctx = d._tokens + draft.tokens.tolist()
+            base = len(d._tokens)
+            logits = d.model(torch.tensor([ctx]), d.model.new_cache(len(ctx))).logits[0]  # [T, V]
+            q = torch.stack([probs(logits[base - 1 + j], d.session.sampling) for j in range(len(draft.tokens))])
+            out.append(Draft(draft.tokens, q))
+        return out

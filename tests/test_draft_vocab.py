@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import EXACT_MODES
-from helpers import ALPHA, PROMPTS, chi2_pvalue
+from helpers import ALPHA, PROMPTS, WholeDraftQ, chi2_pvalue
 
 import specdec
 from specdec.config import SamplingParams
-from specdec.drafters import Draft, DraftModelDrafter
+from specdec.drafters import DraftModelDrafter
 from specdec.drafters import vocab as dv
-from specdec.sampling import probs
 
 
 def _ids(n: int, vocab: int, seed: int) -> torch.Tensor:
@@ -119,30 +118,10 @@ def test_cut_vocabulary_keeps_the_target_sampling_law(small_vocab, exact_joint, 
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
-class _UncutQ(DraftModelDrafter):
-    """Negative control: draws from the cut q but tells the verifier the uncut one."""
-
-    @classmethod
-    def propose_batch(cls, drafters, ks):
-        drafts = super().propose_batch(drafters, ks)
-        out = []
-        for d, draft in zip(drafters, drafts, strict=True):
-            if draft.probs is None or not len(draft.tokens):
-                out.append(draft)
-                continue
-            # the full head's q at the same prefixes (the cut one zeroes the tokens outside)
-            ctx = d._tokens + draft.tokens.tolist()
-            base = len(d._tokens)
-            logits = d.model(torch.tensor([ctx]), d.model.new_cache(len(ctx))).logits[0]  # [T, V]
-            q = torch.stack([probs(logits[base - 1 + j], d.session.sampling) for j in range(len(draft.tokens))])
-            out.append(Draft(draft.tokens, q))
-        return out
-
-
 def test_verifier_given_the_uncut_q_fails(small_vocab, exact_joint, sample_joint):
     target, draft = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, _UncutQ(draft, vocab=_cut(draft, SUBSET)), sampling, runs=3000)
+    counts = sample_joint(target, WholeDraftQ(draft, vocab=_cut(draft, SUBSET)), sampling, runs=3000)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ALPHA, chi2_pvalue
+from helpers import ALPHA, WholeDraftQ, chi2_pvalue
 
 import specdec
 from specdec.config import SamplingParams
 from specdec.drafters import DraftModelDrafter, make_drafter
-from specdec.drafters.base import Draft
 from specdec.drafters.draft_model import SINK
 from specdec.model.transformer import Segment
-from specdec.sampling import probs
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 6 + "Then the fox"
 
@@ -70,30 +68,10 @@ def test_a_windowed_draft_keeps_the_target_sampling_law(small_vocab, exact_joint
     assert chi2_pvalue(counts, expected) > ALPHA
 
 
-class _WholeContextQ(DraftModelDrafter):
-    """Negative control: draws through the window but tells the verifier the q of the whole
-    context (what a draft that read every token would have drawn from)."""
-
-    @classmethod
-    def propose_batch(cls, drafters, ks):
-        drafts = super().propose_batch(drafters, ks)
-        out = []
-        for d, draft in zip(drafters, drafts, strict=True):
-            if draft.probs is None or not len(draft.tokens):
-                out.append(draft)
-                continue
-            ctx = d._tokens + draft.tokens.tolist()
-            base = len(d._tokens)
-            logits = d.model(torch.tensor([ctx]), d.model.new_cache(len(ctx))).logits[0]  # [T, V]
-            q = torch.stack([probs(logits[base - 1 + j], d.session.sampling) for j in range(len(draft.tokens))])
-            out.append(Draft(draft.tokens, q))
-        return out
-
-
 def test_verifier_given_the_whole_context_q_fails(small_vocab, exact_joint, sample_joint):
     target, draft = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, _WholeContextQ(draft, vocab=0, window=2), sampling, runs=3000, prompt=LONG_IDS)
+    counts = sample_joint(target, WholeDraftQ(draft, vocab=0, window=2), sampling, runs=3000, prompt=LONG_IDS)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, prompt=LONG_IDS)) <= ALPHA
 
 
