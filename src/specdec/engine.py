@@ -223,12 +223,12 @@ class Engine:
                 segments, return_hidden=any(s.drafter is not None and s.drafter.wants_hidden for s in seqs),
                 output_layers=tuple(sorted({i for s in seqs if s.drafter is not None for i in s.drafter.feature_layers})),
             )  # fmt: skip
+        rows = sum(int(seg.tokens.shape[0]) for seg in segments)
         if all(s.last is not None for s in seqs) and all(seg.lo == 0 for seg in segments):
             # decode rows only, every layer: the online cost estimate follows this pass
             from .costs import observe_pass
 
-            observe_pass(self.target, sum(int(seg.tokens.shape[0]) for seg in segments), 1e3 * t[0])
-        rows = sum(int(seg.tokens.shape[0]) for seg in segments)
+            observe_pass(self.target, rows, 1e3 * t[0])
         out_of = {s.id: out for s, out in zip(run, outs, strict=True)}
         for s in seqs:  # (before any sequence finishes and frees its cache)
             if leader.get(s.id, s) is not s:

@@ -323,7 +323,7 @@ class Eagle3Drafter(Drafter):
         self._t0, self._calls0 = time.perf_counter(), self.forwards
         draft = self._propose(k)
         ms = self._spent_ms()
-        self._estimate = (self.forwards - self._calls0) * self.run.stored_call_ms(self.target) if self.repro else 0.0
+        self._estimate = ms if self.repro else 0.0  # (its head calls at their stored time)
         self._step_ms = ms if not self._step_ms else 0.8 * self._step_ms + 0.2 * ms
         return draft
 

@@ -206,7 +206,7 @@ class _HeadsDrafter(Drafter):
         # a seeded sampled request (`reproducible`): tree sizes from stored numbers alone (the
         # pass table unscaled, head calls at their stored time)
         self.repro = reproducible(session.sampling)
-        self.costs = self.pass_ms.unscaled() if self.repro and self.pass_ms is not None else self.pass_ms
+        self.costs = self.pass_ms.unscaled() if self.repro and self.pass_ms is not None else None
         self._step_ms = self._estimate = 0.0
         self.sampling, self.gen = session.sampling, session.generator
         self.h = self._h(session.layers[self.feature_layers[0]][-1])

@@ -29,6 +29,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +92,9 @@ typedef struct {
     } g[8];                   /* one group's codes together: a single forward stream */
 } tile_q3;
 
+_Static_assert(offsetof(tile_q2, mn) == offsetof(tile_q4k, mn) && offsetof(tile_q3, mn) == offsetof(tile_q4k, mn) &&
+               offsetof(tile_q2, qs) == offsetof(tile_q4k, qs) && offsetof(tile_q3, g) == offsetof(tile_q4k, qs),
+               "the draft packings' header is q4k's");
 _Static_assert(sizeof(tile_q4k) == 2432, "q4k tile layout");
 _Static_assert(sizeof(tile_q6k) == 3392, "q6k tile layout");
 _Static_assert(sizeof(tile_q2) == 1408, "q2 tile layout");
@@ -454,13 +458,7 @@ static inline __attribute__((always_inline)) void tile_dot_low(
         const tile_q2 *t = (const tile_q2 *)(w + b * tb);  /* (the header every packing shares) */
         __m512i iacc[MAXRB], imin[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
-        for (int p = 0; p < 4; p++) {
-            const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)t->mn[p]));
-            for (int r = 0; r < rb; r++) {
-                const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
-                imin[r] = _mm512_dpwssd_epi32(imin[r], mn, _mm512_set1_epi32(load4(s32)));
-            }
-        }
+        q4k_mins512((const tile_q4k *)t, xq, r0, rb, b, imin);  /* (q4k's header: its mins are read alike) */
         for (int j = 0; j < 8; j++) {
             prefetch_part(t, tb, j, 8, rb);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
