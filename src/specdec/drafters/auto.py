@@ -124,6 +124,15 @@ class AutoDrafter(Drafter):
     def methods(self) -> list[str]:
         return list(self.subs)
 
+    @classmethod
+    def describe(cls, info: dict[str, Any], brief: bool = False) -> list[str]:
+        out = super().describe(info, brief)
+        if info.get("auto") and not brief:
+            steps = info["auto"]["steps"]
+            out.append("auto steps: " + "; ".join(f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items())
+                                                 for name, ks in steps.items()))  # fmt: skip
+        return out
+
     def begin(self, session: DraftSession) -> None:
         from ..costs import pass_costs, reproducible  # (looked up at call time: tests replace it)
 

@@ -159,6 +159,13 @@ class Drafter:
     def end(self) -> None:
         """The sequence is finished or cancelled."""
 
+    @classmethod
+    def describe(cls, info: dict[str, Any], brief: bool = False) -> list[str]:
+        """Phrases for the line of figures a front end prints after a run, from a drafter's
+        `info` (what it chose for itself); `brief`: only what must be seen even beside a JSON
+        object that carries `info` whole. Default: that the request ran as plain decoding."""
+        return [info["fallback"]] if info.get("fallback") else []
+
     # -- hooks `--drafter auto` uses to switch between drafters (specdec.drafters.auto) ------
     def outlook(self, k: int) -> tuple[Hashable, int] | None:
         """What a proposal of up to k tokens would come from now: (situation, the most tokens

@@ -87,6 +87,16 @@ class EarlyExitDrafter(Drafter):
         self._last = 0  # the last committed token (not yet in the cache)
         self._context_tail: list[int] = []  # end of the committed tokens, for the calibration
 
+    @classmethod
+    def describe(cls, info: dict[str, Any], brief: bool = False) -> list[str]:
+        if "layer" not in info:
+            return super().describe(info, brief)
+        text = (f"early exit after layer {info['layer']} of {info['n_layers']} "
+                f"({'calibrated' if info.get('calibrated') else 'set'})")  # fmt: skip
+        if info.get("calibrated") and not brief:
+            text += f", predicted speedup {info['candidates'][info['layer']]['predicted_speedup']:.2f}x"
+        return [text, *super().describe(info, brief)]
+
     def begin(self, session: DraftSession) -> None:
         if session.target is not self.model or session.target_cache is None:
             raise ValueError("this early-exit drafter was built for a different target model; build it from the target")

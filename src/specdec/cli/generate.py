@@ -1,0 +1,124 @@
+"""`specdec generate`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import registry
+from ..config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments, from_namespace
+from ..drafters import DRAFTERS, Drafter
+from ..model.kernels import AUTO, MODES
+from .common import Help, add_draft_bits, add_drafter_options, drafter_options, load_draft_model, method_of, read_prompt
+
+
+def parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text, speculatively when a draft or drafter is given",
+                       formatter_class=Help)  # fmt: skip
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
+    p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
+    add_draft_bits(p)
+    p.add_argument("--drafter", choices=sorted(DRAFTERS),
+                   help="drafting method (unset: draft-model when --draft is given, else plain decoding): "
+                        + "; ".join(f"{s.name}: {s.help}" for s in DRAFTERS.values()))  # fmt: skip
+    add_drafter_options(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' for stdin)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (unset: when the model has one)")  # fmt: skip
+    add_arguments(p, GenerationConfig)
+    add_arguments(p, SamplingParams)
+    p.set_defaults(k=None)  # unset: the k stored by `specdec bench --tune`, else DEFAULT_K
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],
+                   help="precision/kernel mode; auto = fastest exact mode for the device (q4k on CPU)")  # fmt: skip
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--stream", action="store_true", help="print the text as it is committed, step by step")
+    p.set_defaults(func=_cmd_generate)
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from ..api import compare_requests, load, request, run_request
+
+    method = method_of(ns)
+    if ns.compare and method is None:
+        raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
+    if ns.stream and ns.json:
+        raise ValueError("--stream prints text as it is committed and --json one object at the end; choose one")
+    options = drafter_options(ns, method)
+    k_given = ns.k
+    ns.k = ns.k if ns.k is not None else DEFAULT_K
+    cfg = from_namespace(GenerationConfig, ns)  # checked once, before any model loads
+    sampling = from_namespace(SamplingParams, ns)
+    prompt = read_prompt(ns)
+    target = load(ns.target, dtype=ns.dtype, device=ns.device)
+    draft = load_draft_model(ns)
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "k"}
+    req = request(target, prompt, assistant_model=draft, drafter=method, drafter_options=options, sampling=sampling,
+                  k=k_given if method is not None else cfg.k, chat=ns.chat, **fields)  # fmt: skip
+    drafter = req.drafter
+    header = {"target": ns.target, "drafter": method, "draft": ns.draft, "k": req.config.k if drafter else None,
+              "k_source": req.k_source, "dtype": target.model.mode, "temperature": sampling.temperature,
+              "top_k": sampling.top_k, "top_p": sampling.top_p, "exact": sampling.exact or drafter is None}  # fmt: skip
+    if not header["exact"]:
+        print(f"specdec: NOT EXACT: typical acceptance (epsilon {sampling.epsilon}, delta {sampling.delta}) verifies "
+              "the drafts; the output is not distributed as the target's own (drop --acceptance typical for exact "
+              "sampling)", file=sys.stderr)  # fmt: skip
+    show = (lambda d: print(d.text, end="", flush=True)) if ns.stream else None
+    describe = type(drafter).describe if drafter is not None else Drafter.describe
+    if ns.compare:
+        cmp = compare_requests(target, req, draft, on_delta=show)
+        if ns.json:
+            _note(describe(cmp.speculative.metrics.drafter_info, brief=True))
+            print(json.dumps({**header, **cmp.to_dict()}))
+        else:
+            _print_result(cmp.speculative, describe, streamed=ns.stream, extra=cmp)
+        return 0
+    result = run_request(target, req, on_delta=show)
+    if ns.json:
+        _note(describe(result.metrics.drafter_info, brief=True))
+        m = result.metrics
+        print(json.dumps({**header, "acceptance_rate": m.acceptance_rate, "mean_accepted_tokens":
+                          m.mean_accepted_tokens, "tokens_per_second": m.tokens_per_second, **result.to_dict()}))  # fmt: skip
+    else:
+        _print_result(result, describe, streamed=ns.stream)
+    return 0
+
+
+def _note(notes: list[str]) -> None:
+    """With --json, what the drafter chose for itself still goes to stderr (the JSON has it too,
+    under drafter_info): the early-exit layer, or that the request ran as plain decoding."""
+    if notes:
+        print("specdec: " + "; ".join(notes), file=sys.stderr)
+
+
+def _print_result(result: Any, describe: Callable[[dict[str, Any]], list[str]], streamed: bool,
+                  extra: Any = None) -> None:  # fmt: skip
+    """The text (unless it was streamed already), then one line of figures on stderr: the
+    run's, the drafter's own (`describe`), and the step controller's."""
+    print("" if streamed else result.text, flush=True)
+    m = result.metrics
+    line = f"\n[{m.new_tokens} tokens, {m.tokens_per_second:.2f} tok/s"
+    if m.acceptance_rate is not None:
+        line += f", acceptance {m.acceptance_rate:.2f}, tokens/pass {m.mean_accepted_tokens:.2f}"
+    if extra is not None:
+        line += f"; plain {extra.plain.metrics.tokens_per_second:.2f} tok/s, speedup {extra.speedup:.2f}x"
+        if extra.identical is not None:
+            line += f", identical to plain: {extra.identical}"
+    info = m.drafter_info
+    line += "".join(f"; {text}" for text in describe(info))
+    if info.get("adaptive_k"):
+        chosen = ", ".join(f"k={k}: {n}" for k, n in info["adaptive_k"]["k_chosen"].items())
+        line += f"; adaptive k chosen {chosen}"
+    if info.get("guard"):
+        g = info["guard"]
+        line += f"; guard: {g['drafted_steps']} drafted steps, {g['plain_steps']} plain steps"
+    if not m.exact:
+        line += "; NOT EXACT (typical acceptance)"
+    print(line + "]", file=sys.stderr)

