@@ -81,7 +81,9 @@ def test_tokenizer_mismatch_is_refused(tiny, tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"k": 0}, "k .* must be >= 1"),
+        ({"k": 0}, "k .* must be between 1 and 64"),
+        ({"k": 65}, "k .* must be between 1 and 64"),
+        ({"temperature": float("nan")}, "temperature must be a number >= 0 .* got nan"),
         ({"temperature": -0.5}, "temperature must be >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
@@ -125,7 +127,8 @@ def run_cli(*args: str, env_home=None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["-k", "0"], "k (draft tokens per step) must be >= 1"),
+        (["-k", "0"], "k (draft tokens per step) must be between 1 and 64"),
+        (["-k", "1000"], "k (draft tokens per step) must be between 1 and 64"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top-p", "2"], "top_p must be in (0, 1]"),
         (["--top-k", "-3"], "top_k must be an integer >= 0"),

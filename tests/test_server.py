@@ -196,12 +196,26 @@ CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]
     ({"messages": []}, 400, "messages"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"speculative": {"method": "prompt-lookup", "k": 65}}, 400, "speculative.k"),
+    ({"temperature": float("nan")}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
 ])  # fmt: skip
 def test_bad_requests_get_openai_errors(server, change, status, param):
     r = _post(server, "/v1/chat/completions", {**CHAT, **change})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"]
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("change, reason", [
+    ({"temperature": float("nan")}, "finite number"),  # not "less than or equal to 100"
+    ({"messages": [{"role": "user", "content": None}]}, "not null"),
+    ({"speculative": {"method": "prompt-lookup", "k": 1000}}, "less than or equal to 64"),
+])  # fmt: skip
+def test_bad_requests_say_what_is_wrong(server, change, reason):
+    r = _post(server, "/v1/chat/completions", {**CHAT, **change})
+    assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.real

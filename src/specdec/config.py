@@ -9,6 +9,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 OverflowPolicy = Literal["error", "truncate"]
 DEFAULT_K = 4  # draft tokens per step when neither the caller nor `specdec bench --tune` chose one
+MAX_K = 64  # the most draft tokens per step anywhere (CLI, API, server): a pass of k + 1 rows must stay cheap
 
 
 def _opt(help: str, *flags: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -32,7 +33,9 @@ class SamplingParams:
     delta: float = field(default=0.3, metadata=_opt("typical acceptance: see --epsilon"))
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+        if isinstance(self.temperature, float) and math.isnan(self.temperature):
+            raise ValueError("temperature must be a number >= 0 (0 means greedy), got nan")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if math.isinf(self.temperature):
             raise ValueError("temperature must be finite")
@@ -84,8 +87,8 @@ class GenerationConfig:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"k (draft tokens per step) must be >= 1, got {self.k}")
+        if not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+            raise ValueError(f"k (draft tokens per step) must be between 1 and {MAX_K}, got {self.k}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -79,8 +79,11 @@ class Delta:
         return self.finish_reason is not None
 
 
-def plan_length(prompt_len: int, cfg: GenerationConfig, context: int) -> int:
-    """How many new tokens fit, per the context-overflow policy."""
+def plan_length(prompt_len: int, cfg: GenerationConfig, context: int, *, length_name: str = "max_new_tokens",
+                fix: str = "lower max_new_tokens or let the output stop at the context end (--context-overflow "
+                           "truncate; API: context_overflow='truncate')") -> int:  # fmt: skip
+    """How many new tokens fit, per the context-overflow policy. `length_name`, `fix`: how the
+    caller's interface spells the length and the remedy (the server's is OpenAI's max_tokens)."""
     if prompt_len < 1:
         raise ValueError("the prompt is empty; give at least one token of input")
     if prompt_len >= context:
@@ -90,9 +93,8 @@ def plan_length(prompt_len: int, cfg: GenerationConfig, context: int) -> int:
     if prompt_len + cfg.max_new_tokens > context:
         if cfg.context_overflow == "error":
             raise ContextOverflowError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
-                f"context of {context}; lower max_new_tokens or let the output stop at the context end "
-                "(--context-overflow truncate; API: context_overflow='truncate')"
+                f"prompt ({prompt_len} tokens) + {length_name} ({cfg.max_new_tokens}) exceeds the model's "
+                f"context of {context}; {fix}"
             )
         return context - prompt_len
     return cfg.max_new_tokens

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import registry
-from ..config import DEFAULT_K
+from ..config import DEFAULT_K, GenerationConfig
 from ..drafters import DRAFTERS, uses_draft_model
 from ..model.kernels import AUTO, MODES
 from .common import Help, add_draft_bits, add_drafter_options, drafter_options, load_draft_model, method_of
@@ -46,8 +46,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from ..server import ServeSettings, serve
 
     method = method_of(ns, draft_for_others=True)
-    if ns.k < 1 or ns.max_batch < 1 or ns.default_max_tokens < 1 or ns.max_body_bytes < 1:
-        raise ValueError("-k, --max-batch, --max-tokens and --max-body-bytes must be at least 1")
+    GenerationConfig(k=ns.k)  # the one bound on k, as generate and each request have it
+    if ns.max_batch < 1 or ns.default_max_tokens < 1 or ns.max_body_bytes < 1:
+        raise ValueError("--max-batch, --max-tokens and --max-body-bytes must be at least 1")
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     options = drafter_options(ns, method)

@@ -124,6 +124,13 @@ class AutoDrafter(Drafter):
     def methods(self) -> list[str]:
         return list(self.subs)
 
+    def prepare(self) -> None:
+        from ..costs import pass_costs  # (looked up at call time: tests replace it)
+
+        pass_costs(self.target, K_MAX + 1)
+        for sub in self.subs.values():
+            sub.prepare()
+
     @classmethod
     def describe(cls, info: dict[str, Any], brief: bool = False) -> list[str]:
         out = super().describe(info, brief)

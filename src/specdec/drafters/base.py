@@ -187,6 +187,12 @@ class Drafter:
         auto then drafts once to measure it)."""
         return None
 
+    def prepare(self) -> None:
+        """Do now what this drafter's first proposal would otherwise pay once per process or
+        machine (timing its drafting step); a server calls it before it says it is ready.
+        Default: look up `cost_ms`."""
+        self.cost_ms()
+
     def estimated_ms(self, proposed: int) -> float:
         """The last proposal's time (`proposed` tokens) as estimated from stored numbers, not
         the clock: what a seeded sampled request's guard counts (`costs.reproducible`), so that

@@ -189,6 +189,10 @@ class DraftModelDrafter(Drafter):
         vocabulary), timed on this machine once and kept (`costs.draft_step_ms`)."""
         return step_cost_ms(self.model, self.vocab)
 
+    def prepare(self) -> None:
+        self.cost_ms()
+        self._costs()
+
     def _behind(self) -> int:
         """Committed tokens the cache lacks beyond what a proposal's first forward feeds anyway
         (up to 2 in steady decoding: the last accepted draft, never fed, and the target's token)."""

@@ -1,0 +1,325 @@
+"""The ASGI app: one function per route over a `Service` that owns the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..api import LoadedModel, build_drafter, encode_prompt
+from ..config import GenerationConfig, SamplingParams
+from ..drafters import uses_draft_model
+from ..engine import ContextOverflowError, Delta, GenerationResult, plan_length
+
+from .gate import Gate
+from .metrics import ServerMetrics
+from .schemas import FINISH, NONE, APIError, ChatRequest, CompletionRequest, _Common
+from .worker import Job, ServeSettings, Worker
+
+
+log = logging.getLogger("specdec.serve")
+
+
+# -- what the routes share -----------------------------------------------------------------
+class Service:
+    """One server's models, settings, engine worker and metrics; the routes below call it."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings) -> None:
+        self.target, self.draft, self.settings = target, draft, settings
+        self.metrics = ServerMetrics()
+        self.worker = Worker(target, draft, settings, self.metrics)
+        self.context = target.model.args.max_seq_len
+
+    def check_model(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves "
+                                f"{self.settings.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+
+    @staticmethod
+    def encode(tokenizer_call: Any, param: str) -> list[int]:
+        try:
+            return tokenizer_call()
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), param=param) from exc
+
+    async def make_job(self, body: _Common, prompt_ids: list[int], max_tokens: int | None) -> Job:
+        """The request's settings checked (the engine's own length rule, in the API's words) and
+        its drafter built on the engine thread."""
+        settings, spec = self.settings, body.speculative
+        method = spec.method if spec is not None else (settings.method or NONE)
+        options = dict(spec.model_extra or {}) if spec is not None else dict(settings.options)
+        if method == "draft-model" and self.draft is None:
+            raise APIError(400, "this server has no draft model (start it with --draft NAME)", param="speculative")
+        k = spec.k if spec is not None and spec.k is not None else settings.k
+        n = max_tokens if max_tokens is not None else max(1, min(settings.default_max_tokens,
+                                                                  self.context - len(prompt_ids)))  # fmt: skip
+        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        try:
+            cfg = GenerationConfig(max_new_tokens=n, k=k, stop=stops)
+            sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        try:
+            plan_length(len(prompt_ids), cfg, self.context, length_name="max_tokens", fix="lower max_tokens")
+        except ContextOverflowError as exc:
+            too_long = len(prompt_ids) >= self.context
+            param = ("messages" if isinstance(body, ChatRequest) else "prompt") if too_long else "max_tokens"
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
+        drafter = None
+        if method != NONE:
+            helper = self.draft if uses_draft_model(method) else None
+            try:  # (on the engine thread: a head is loaded from disk the first time it is asked for)
+                drafter = await self.worker.call(lambda: build_drafter(self.target, helper, method, **options))
+            except (ValueError, TypeError) as exc:
+                raise APIError(400, f"speculative: {exc}", param="speculative") from exc
+        return Job(prompt_ids, cfg, sampling, method, drafter, asyncio.get_running_loop(), asyncio.Queue())
+
+    async def respond(self, request: Request, job: Job, body: _Common, kind: str) -> Response:
+        """Run `job` and answer: a stream of server-sent events, or one JSON object."""
+        self.worker.submit(job)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self.stream(job, rid, created, kind, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        texts: list[str] = []
+        events = asyncio.ensure_future(self._drain(job, texts))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({events, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if events not in done:  # the client left: free its sequence
+                self.worker.cancel(job)
+                return Response(status_code=499)
+            result = events.result()
+        finally:
+            gone.cancel()
+        text = "".join(texts)
+        finish = FINISH[result.finish_reason]
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": finish} if kind == "chat" else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})  # fmt: skip
+        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                             "created": created, "model": self.settings.model_name, "choices": [choice],
+                             "usage": usage(job, result)})  # fmt: skip
+
+    async def _drain(self, job: Job, texts: list[str]) -> GenerationResult:
+        while True:
+            kind, value = await job.events.get()
+            if kind == "error":
+                raise value
+            if kind == "done":
+                self.metrics.e2e.observe(time.perf_counter() - job.arrived)
+                return value
+            self.observe_delta(job, value)
+            texts.append(value.text)
+
+    def observe_delta(self, job: Job, d: Delta) -> None:
+        now = time.perf_counter()
+        n = len(d.token_ids)
+        if n:
+            self.metrics.generated.inc(n)
+            if job.last_token_at is None:
+                self.metrics.ttft.observe(now - job.arrived)
+            else:
+                for _ in range(n):
+                    self.metrics.itl.observe((now - job.last_token_at) / n)
+            job.last_token_at = now
+
+    async def stream(self, job: Job, rid: str, created: int, kind: str, include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created,
+                                          "model": self.settings.model_name, "choices": choices, **extra}) + "\n\n"  # fmt: skip
+
+        def choice(text: str, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if kind == "chat":
+                delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text}
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+        finished = False
+        try:
+            if kind == "chat":
+                yield chunk([choice("", None, role=True)])
+            while True:
+                ev, value = await job.events.get()
+                if ev == "error":
+                    yield "data: " + json.dumps(value.body()) + "\n\n"
+                    break
+                if ev == "done":
+                    self.metrics.e2e.observe(time.perf_counter() - job.arrived)
+                    yield chunk([choice("", FINISH[value.finish_reason])])
+                    if include_usage:
+                        yield chunk([], usage=usage(job, value))
+                    break
+                self.observe_delta(job, value)
+                if value.text:
+                    yield chunk([choice(value.text, None)])
+            finished = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client disconnected mid-stream: its sequence ends at the next step
+                self.worker.cancel(job)
+
+
+def usage(job: Job, result: GenerationResult) -> dict[str, Any]:
+    m = result.metrics
+    u: dict[str, Any] = {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.new_tokens,
+                         "total_tokens": m.prompt_tokens + m.new_tokens}  # fmt: skip
+    u["speculative"] = {"method": job.method, "k": job.config.k if job.method != NONE else None,
+                        "draft_tokens": m.proposed, "accepted_tokens": m.accepted, "target_passes": m.steps,
+                        "acceptance_rate": m.acceptance_rate, "tokens_per_pass": m.mean_accepted_tokens}  # fmt: skip
+    return u
+
+
+async def _disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+# -- the routes ----------------------------------------------------------------------------
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    svc = _service(request)
+    svc.check_model(body.model)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    tokenizer = svc.target.tokenizer
+    if not tokenizer.has_chat_template:
+        raise APIError(400, f"{svc.settings.model_name} has no chat template; use /v1/completions", param="messages")
+    ids = svc.encode(lambda: encode_prompt(tokenizer, messages), "messages")
+    job = await svc.make_job(body, ids, body.max_completion_tokens or body.max_tokens)
+    return await svc.respond(request, job, body, "chat")
+
+
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    svc = _service(request)
+    svc.check_model(body.model)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "one prompt per request (n = 1)", param="prompt")
+        prompt = prompt[0]
+    if body.suffix:
+        raise APIError(400, "suffix is not supported by this server", param="suffix")
+    ids = svc.encode(lambda: encode_prompt(svc.target.tokenizer, prompt, chat=False), "prompt")  # type: ignore[arg-type]
+    job = await svc.make_job(body, ids, body.max_tokens)
+    return await svc.respond(request, job, body, "completion")
+
+
+async def list_models(request: Request) -> dict[str, Any]:
+    svc = _service(request)
+    return {"object": "list", "data": [{"id": svc.settings.model_name, "object": "model", "created": 0,
+                                        "owned_by": "specdec", "max_model_len": svc.context}]}  # fmt: skip
+
+
+async def health(request: Request) -> dict[str, Any]:
+    worker = _service(request).worker
+    if not worker.alive():
+        raise APIError(503, "the engine thread is not running", type="server_error")
+    return {"status": "ok", "model": worker.settings.model_name, "batch": len(worker.jobs), "queue": len(worker.waiting)}
+
+
+async def prometheus(request: Request) -> Response:
+    return Response(generate_latest(_service(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0] if exc.errors() else {}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON", code="invalid_json").response()
+    msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+    return APIError(400, f"{'.'.join(loc) or 'body'}: {msg}", param=".".join(loc) or None).response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("request failed:\n%s", traceback.format_exc())
+    return APIError(500, "internal server error", type="server_error").response()
+
+
+# -- the app -------------------------------------------------------------------------------
+def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings,
+               engine_thread: bool = True) -> FastAPI:  # fmt: skip
+    """The ASGI app. `engine_thread`: its worker runs in a thread of its own from startup to
+    shutdown; otherwise the caller runs `app.state.worker.run()` (as `serve` does, on the main
+    thread) and shutdown stops it."""
+    service = Service(target, draft, settings)
+    worker = service.worker
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if engine_thread:
+            worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+
+    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    app.state.worker, app.state.metrics, app.state.settings = worker, service.metrics, settings
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", prometheus, methods=["GET"])
+    app.add_middleware(Gate, limit=settings.max_body_bytes, api_key=settings.api_key, metrics=service.metrics)  # type: ignore[arg-type]
+    return app
+
+
+def serve(target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings, host: str, port: int) -> None:
+    """Run the server until interrupted (Ctrl-C / SIGTERM: in-flight requests get up to 30 s to
+    finish, then are cancelled). The engine runs on this (the main) thread, uvicorn beside it."""
+    import signal
+    import socket
+
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host") from exc
+    app = create_app(target, draft, settings, engine_thread=False)
+    log.info("preparing %s (pass times, the default drafter) before listening", settings.model_name)
+    app.state.worker.prepare(warm=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30))
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specdec-http", daemon=True)
+
+    def shut(signum: int, frame: Any) -> None:  # uvicorn in a thread installs no handlers: ours tell it
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, shut)
+    http.start()
+    log.info("serving %s on http://%s:%d/v1", settings.model_name, host if ":" not in host else f"[{host}]", port)
+    app.state.worker.run(keep_going=http.is_alive)
+    http.join(60)
