@@ -5,6 +5,7 @@ wrong acceptance rules the statistical tests use as negative controls."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import Counter
 
 import pytest
@@ -17,6 +18,7 @@ from specdec.config import GenerationConfig, SamplingParams
 from specdec.model import load_transformer
 from specdec.model.kernels import MODES
 from specdec.model.native import available as native_available
+from specdec.model.transformer import Transformer
 from specdec.sampling import probs
 from specdec.testing import make_tiny_model
 from specdec.certify import BROKEN_RULES
@@ -27,13 +29,26 @@ EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
+# every model this session loads (the fixtures share them between tests)
+_MODELS: weakref.WeakSet[Transformer] = weakref.WeakSet()
+_init = Transformer.__init__
+
+
+def _tracked_init(self: Transformer, *args, **kwargs) -> None:
+    _init(self, *args, **kwargs)
+    _MODELS.add(self)
+
+
+Transformer.__init__ = _tracked_init  # type: ignore[method-assign]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_acceptance_memory():
     """Each test starts as a new process would: no acceptance remembered from other tests'
-    requests (`specdec.adaptive.acceptance_memory`), so no test depends on the order."""
-    from specdec import adaptive
-
-    adaptive._MEMORY.clear()
+    requests (`specdec.adaptive.acceptance_memory`, kept by each model), so no test depends
+    on the order."""
+    for model in list(_MODELS):
+        model.state.acceptance.clear()
     yield
 
 

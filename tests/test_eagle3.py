@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-import weakref
 
 import pytest
 import torch
@@ -86,7 +85,7 @@ def test_training_layout_is_what_drafting_computes(tiny):
     ex = _examples(model, 1, 24, seed=2)[0]
     steps = 3
     gs = unroll(head, ex.tokens, ex.features, steps)
-    run = _Runner(head, quantize=False)
+    run = _Runner(head, model)  # (an fp32 target: the head runs on its own float weights)
     c = head.cfg
     for i in (0, 5, 17):
         kc = torch.zeros(c.num_key_value_heads, 32, c.head_dim)
@@ -628,10 +627,10 @@ def test_pass_costs_are_timed_once_per_machine(tiny, tmp_path, monkeypatch):
     calls = []
     real = costs._time_rows
     monkeypatch.setattr(costs, "_time_rows", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
-    monkeypatch.setattr(costs, "_PASS_COSTS", weakref.WeakKeyDictionary())  # nothing timed in this process yet
+    monkeypatch.setattr(model.state, "pass_costs", None)  # nothing timed in this process yet
     first = costs.pass_costs(model, 9)
     assert costs.pass_costs(model, 9) is first  # kept in this process
-    monkeypatch.setattr(costs, "_PASS_COSTS", weakref.WeakKeyDictionary())  # "a new process": read back from disk
+    model.state.pass_costs = None  # "a new process": read back from disk
     again = costs.pass_costs(model, 9)
     assert len(calls) == 1 and again.target_ms == pytest.approx(first.target_ms, abs=1e-3)
     assert sorted(first.target_ms) == list(range(1, 10)) and (tmp_path / costs.PASS_COSTS_FILE).exists()

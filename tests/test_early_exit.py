@@ -86,7 +86,7 @@ def test_calibration_picks_and_reports_a_layer(four_layers):
     assert drafter.info is not info and drafter.info["layer"] == best
 
 
-def _predict(monkeypatch, speedup: float) -> None:
+def _predict(monkeypatch, speedup: float, target=None) -> None:
     """Calibration replaced by one whose best layer (2) is predicted at `speedup` of plain
     (no calibration kept from before: neither in this process nor on disk)."""
 
@@ -97,12 +97,11 @@ def _predict(monkeypatch, speedup: float) -> None:
                                         "predicted_speedup": speedup - 0.1}}}  # fmt: skip
         return 2
 
-    import weakref
-
     from specdec.drafters import early_exit
 
+    if target is not None:
+        monkeypatch.setattr(target.model.state, "calibrations", {})
     monkeypatch.setattr(EarlyExitDrafter, "calibrate", calibrate)
-    monkeypatch.setattr(early_exit, "_CALIBRATED", weakref.WeakKeyDictionary())
     monkeypatch.setattr(early_exit, "_stored_calibration", lambda model, key: None)
 
 
@@ -111,7 +110,7 @@ def test_a_predicted_slowdown_falls_back_to_plain_decoding(four_layers, monkeypa
     """Never slower than plain: a calibration that predicts < 1 turns drafting off for the
     request (said in drafter_info); force=True drafts anyway; the output is plain decoding's."""
     target = four_layers("llama", dtype)
-    _predict(monkeypatch, 0.6)
+    _predict(monkeypatch, 0.6, target)
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=16, ignore_eos=True)
     off = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=3, max_new_tokens=16,
                            ignore_eos=True, adaptive_k=False)  # fmt: skip
@@ -122,7 +121,7 @@ def test_a_predicted_slowdown_falls_back_to_plain_decoding(four_layers, monkeypa
                               max_new_tokens=16, ignore_eos=True, adaptive_k=False)  # fmt: skip
     assert forced.token_ids == plain.token_ids and forced.metrics.proposed > 0
     assert "fallback" not in forced.metrics.drafter_info
-    _predict(monkeypatch, 1.3)  # a layer that pays is used
+    _predict(monkeypatch, 1.3, target)  # a layer that pays is used
     on = specdec.generate(target, PROMPTS[1], drafter=EarlyExitDrafter(target.model), k=3, max_new_tokens=16,
                           ignore_eos=True, adaptive_k=False)  # fmt: skip
     assert on.metrics.proposed > 0 and "fallback" not in on.metrics.drafter_info
@@ -148,17 +147,13 @@ def test_force_flag_and_the_fallback_line(four_layers, monkeypatch, capsys):
 def test_a_calibration_is_kept_for_later_processes(four_layers, monkeypatch, tmp_path):
     """The calibration lands in the specdec cache; a new process (no calibration in memory)
     reuses it instead of calibrating again."""
-    import weakref
-
-    from specdec.drafters import early_exit
-
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    monkeypatch.setattr(early_exit, "_CALIBRATED", weakref.WeakKeyDictionary())
     target = four_layers("llama", "fp32")
+    monkeypatch.setattr(target.model.state, "calibrations", {})
     first = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6,
                              adaptive_k=False)
     assert (tmp_path / "early_exit.json").exists()
-    monkeypatch.setattr(early_exit, "_CALIBRATED", weakref.WeakKeyDictionary())  # "a new process"
+    target.model.state.calibrations.clear()  # "a new process"
 
     def no_calibration(self, context, k):
         raise AssertionError("calibrated again")

@@ -384,3 +384,57 @@ def test_wrong_sampled_tree_rule_fails_end_to_end(small_vocab, exact_joint, samp
     sampling = SamplingParams(temperature=0.5)
     counts = sample_joint(target, SampledTreeDrafter(draft), sampling, runs=3000, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
+
+
+@pytest.mark.parametrize("dtype", EXACT_MODES)
+def test_a_prompt_read_in_chunks_gives_what_one_pass_gives(tiny, monkeypatch, dtype):
+    """A prompt longer than PREFILL_CHUNK is read over several steps, each reporting its
+    progress (a delta without tokens); every output, greedy and sampled, speculative and plain,
+    beside sequences with the same prompt (which share its chunks), is bitwise what one pass
+    gives."""
+    from specdec import engine as eng
+
+    target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
+    prompt = list(range(3, 60)) * 2  # 114 tokens
+    cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True, k=3, adaptive_k=False)
+
+    def runs() -> list[list[int]]:
+        out, progress = [], []
+        for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=5)):
+            e = eng.Engine(target.model, target.tokenizer)
+            ids = [e.add(prompt, cfg, sampling, None), e.add(prompt, cfg, sampling, DraftModelDrafter(draft.model)),
+                   e.add(prompt, cfg, sampling, None)]  # fmt: skip
+            while e.has_work():
+                progress += [d.prefilled for d in e.step() if d.seq_id == ids[0] and d.prefilled is not None]
+            out += [e.result(i).token_ids for i in ids]
+        return out, progress
+
+    whole, none = runs()
+    assert none == [] and whole[0] == whole[1] == whole[2] and whole[3] == whole[5]  # (sampled: the law, not the draws)
+    monkeypatch.setattr(eng, "PREFILL_CHUNK", 25)
+    chunked, progress = runs()
+    assert chunked == whole
+    assert progress == [25, 50, 75, 100] * 2  # then the first token, at 114
+
+
+def test_wrong_chunks_fail_the_same_check(tiny, monkeypatch):
+    """Negative control: a chunked prefill that skips a token of the prompt changes the output
+    (the identity above is not vacuous)."""
+    from specdec import engine as eng
+
+    target = tiny("llama", dtype="q4k" if "q4k" in EXACT_MODES else EXACT_MODES[0])
+    prompt = list(range(3, 60)) * 2
+    cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    whole = eng.run(target.model, prompt, cfg, SamplingParams(), tokenizer=target.tokenizer).token_ids
+    monkeypatch.setattr(eng, "PREFILL_CHUNK", 25)
+    real = eng.Engine._segment
+
+    def skipping(self, s, draft):
+        seg = real(self, s, draft)
+        if s.last is None and s.prefilled == 25:  # drop the chunk's first token
+            s.prompt = s.prompt[:25] + s.prompt[26:]
+            seg = real(self, s, draft)
+        return seg
+
+    monkeypatch.setattr(eng.Engine, "_segment", skipping)
+    assert eng.run(target.model, prompt, cfg, SamplingParams(), tokenizer=target.tokenizer).token_ids != whole

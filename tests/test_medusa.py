@@ -53,7 +53,7 @@ def test_head_files_round_trip(tiny, tmp_path, kind):
     import dataclasses
 
     wider = MedusaHeads(dataclasses.replace(heads.cfg, hidden_size=2 * heads.cfg.hidden_size))
-    with pytest.raises(ValueError, match=f"these {kind} heads were trained for 'test'"):
+    with pytest.raises(ValueError, match=f"this {kind} head was trained for 'test'"):
         attach_target(wider, model)
     with pytest.raises(FileNotFoundError, match="specdec train medusa"):
         MedusaHeads.load(tmp_path / "nothing")
@@ -234,7 +234,7 @@ def test_heads_drafters_without_heads_say_how_to_get_them(tiny_dir, capsys):
         assert main(["generate", "--target", str(tiny_dir("llama")), "--drafter", kind, "--prompt", "hi",
                      "--max-new-tokens", "4"]) == 2  # fmt: skip
         err = capsys.readouterr().err
-        assert f"no {kind} heads ship for this target" in err and f"specdec train {kind}" in err and "Traceback" not in err
+        assert f"no {kind} head ships for this target" in err and f"specdec train {kind}" in err and "Traceback" not in err
 
 
 # -- typical acceptance (lossy, opt-in) ----------------------------------------------------------

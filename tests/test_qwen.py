@@ -39,10 +39,10 @@ def test_shipped_eagle3_head_is_small_documented_and_exact(pair):
     """The head that ships for the default target: within its size limit, its recipe recorded
     beside it, used by default by --drafter eagle3, greedy output identical to plain decoding
     (cost-model trees and fixed trees), and some of its drafts accepted."""
-    from specdec.drafters.eagle3 import shipped_for
+    from specdec.drafters.heads import shipped
     from specdec.eagle3.head import CONFIG_NAME, WEIGHTS_NAME, Eagle3Head
 
-    where = shipped_for("qwen2.5-coder-1.5b")
+    where = shipped("eagle3", name="qwen2.5-coder-1.5b")
     assert where is not None
     assert (where / WEIGHTS_NAME).stat().st_size + (where / CONFIG_NAME).stat().st_size <= 48 * 2**20
     rec = Eagle3Head.training_record(where)

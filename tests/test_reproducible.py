@@ -54,7 +54,7 @@ def _run(target, drafter, monkeypatch, step_s: float) -> list[int]:
 def _disturb(target, drafter) -> None:
     """What other requests leave behind: a slow moment in the shared pass table, and greedy
     trees that accepted far more than EAGLE-3 predicted."""
-    table = costs._PASS_COSTS.get(target)
+    table = target.state.pass_costs
     if table is not None:
         table.observe(1, 50 * table.target(1), weight=1.0)
     run = getattr(drafter, "run", None)

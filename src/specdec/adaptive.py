@@ -35,7 +35,6 @@ negative control).
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -86,8 +85,6 @@ class Acceptance:
 
 
 MEMORY_GAMMA = 0.99  # discount per new observation in the memory kept across requests (~100 proposals)
-# per target, greedy requests only: (drafter, situation) -> acceptance over recent requests
-_MEMORY: weakref.WeakKeyDictionary[Any, dict[tuple[str, Hashable], Acceptance]] = weakref.WeakKeyDictionary()
 
 
 def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], Acceptance] | None:
@@ -98,13 +95,13 @@ def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], A
     learn that again. Exact as before: what the memory holds comes from verified steps only.
     None for sampled requests: a seeded request must give the same answer every time, and the
     draft lengths it chooses decide which random numbers its verification draws."""
-    return _MEMORY.setdefault(target, {}) if greedy else None
+    return target.state.acceptance if greedy else None
 
 
 def forget(target: Any) -> None:
     """Drop what `acceptance_memory` holds for `target` (a benchmark's untimed warm-up runs
     must not inform its timed ones)."""
-    _MEMORY.pop(target, None)
+    target.state.acceptance.clear()
 
 
 def remembered(methods: list[str]) -> frozenset[str]:

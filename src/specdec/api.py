@@ -23,7 +23,7 @@ import torch
 
 from . import store
 from .config import GenerationConfig, SamplingParams, resolve_k
-from .drafters.base import Drafter, make_drafter, uses_draft_model
+from .drafters.base import Drafter, draft_model_method, make_drafter, uses_draft_model
 from .engine import Delta, Engine, GenerationResult
 from .model.load import load_transformer
 from .model.transformer import Transformer
@@ -115,7 +115,7 @@ def build_drafter(target: LoadedModel, assistant_model: LoadedModel | None = Non
         if drafter is not None and not uses_draft_model(drafter):
             raise ValueError(f"pass either assistant_model or drafter={drafter!r}, not both (auto uses both)")
         check_same_tokenizer(target.tokenizer, assistant_model.tokenizer, names=(target.name, assistant_model.name))
-        drafter = drafter or "draft-model"
+        drafter = drafter or draft_model_method()
     if drafter is None:
         given = sorted(k for k, v in options.items() if v is not None)
         if given:

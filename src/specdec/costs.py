@@ -8,7 +8,6 @@ import hashlib
 import itertools
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -185,7 +184,7 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     specdec cache (`PASS_COSTS_FILE`), keyed by `machine_key`: a drafter that sizes its
     proposals by it pays the timing (a few seconds) once per machine, not once per process.
     Re-timed where the key or the row range is new."""
-    known = _PASS_COSTS.get(target)
+    known = target.state.pass_costs
     if known is not None and max(known.target_ms) >= max_rows:
         return known
     key = machine_key(target)
@@ -200,11 +199,9 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
         costs = Costs({r: round(ms, 3) for r, ms in _time_rows(target, rows, context=128, repeats=7).items()})
         if key is not None:  # (a model without a directory is kept in this process only)
             store_measurement(PASS_COSTS_FILE, key, {str(r): ms for r, ms in costs.target_ms.items()})
-    _PASS_COSTS[target] = costs
+    target.state.pass_costs = costs
     return costs
 
-
-_PASS_COSTS: weakref.WeakKeyDictionary[Transformer, Costs] = weakref.WeakKeyDictionary()  # this process's
 
 DRAFT_STEP_FILE = "draft_step-v1.json"
 
@@ -214,7 +211,7 @@ def draft_step_ms(model: Transformer, key: str, step: Callable[[], None], reset:
     the pass table (the median of a few rounds, after a warm-up) once per machine and kept in
     the specdec cache (`DRAFT_STEP_FILE`) under `machine_key(model)` and `key` (what else the
     step depends on: a draft vocabulary's size)."""
-    known = _DRAFT_STEPS.setdefault(model, {})
+    known = model.state.draft_steps
     if key in known:
         return known[key]
     mk = machine_key(model)
@@ -235,8 +232,6 @@ def draft_step_ms(model: Transformer, key: str, step: Callable[[], None], reset:
     return known[key]
 
 
-_DRAFT_STEPS: weakref.WeakKeyDictionary[Transformer, dict[str, float]] = weakref.WeakKeyDictionary()
-
 
 def head_call_ms(target: Transformer, what: str, weights: Iterable[torch.Tensor], call: Callable[[], None]) -> float:
     """One call of a drafter's own network over one row (`call`: a trained head's), timed like
@@ -253,6 +248,6 @@ def head_call_ms(target: Transformer, what: str, weights: Iterable[torch.Tensor]
 def observe_pass(target: Transformer, rows: int, ms: float) -> None:
     """The engine's measured pass time for `rows` decode rows of `target`: followed by the cost
     table this process uses for it (`pass_costs`), if any."""
-    costs = _PASS_COSTS.get(target)
+    costs = target.state.pass_costs
     if costs is not None:
         costs.observe(rows, ms)

@@ -73,6 +73,7 @@ class Delta:
     token_ids: list[int]  # tokens committed in this step (none past a stop)
     text: str  # text they completed (never a stop string or text after it)
     finish_reason: str | None = None  # set on the sequence's last delta
+    prefilled: int | None = None  # while the prompt is read in chunks: its tokens read so far (no tokens yet)
 
     @property
     def finished(self) -> bool:
@@ -100,6 +101,13 @@ def plan_length(prompt_len: int, cfg: GenerationConfig, context: int, *, length_
     return cfg.max_new_tokens
 
 
+# The most prompt rows one sequence brings to a step. A long prompt is read over several steps,
+# so a front end can show its progress, Ctrl-C acts between chunks, and the other sequences of
+# a batch keep decoding meanwhile. A row's result depends on its own prefix only (bitwise, in
+# the batch-invariant modes), so the chunks compute what one pass over the prompt computes.
+PREFILL_CHUNK = 512
+
+
 @dataclass
 class _Sequence:
     """One request's state in the engine."""
@@ -116,6 +124,7 @@ class _Sequence:
     metrics: Metrics
     started: float
     last: int | None = None  # last committed token, not yet in the cache (None: not prefilled)
+    prefilled: int = 0  # prompt tokens in the cache (the prompt is read PREFILL_CHUNK rows per step)
     forwards_before: int = 0  # the drafter's forward count at begin
     controller: KController | StepGuard | None = None  # adaptive_k: chooses each step's k (0: plain)
     k_now: int = 0  # this step's k (planned once per step)
@@ -216,8 +225,8 @@ class Engine:
         # computes it, the others copy its cache slots and its output. A row of a pass depends
         # on its own prefix only, so that is what their own prefill computes (bitwise in the
         # batch-invariant modes).
-        first: dict[tuple[int, ...], _Sequence] = {}
-        leader = {s.id: first.setdefault(tuple(s.prompt), s) for s in seqs if s.last is None}
+        first: dict[tuple[Any, ...], _Sequence] = {}
+        leader = {s.id: first.setdefault((s.prefilled, *s.prompt), s) for s in seqs if s.last is None}
         run = [s for s in seqs if leader.get(s.id, s) is s]
         segments = [self._segment(s, drafts.get(s.id)) for s in run]
         with timer(self.target.device) as t:
@@ -232,16 +241,23 @@ class Engine:
 
             observe_pass(self.target, rows, 1e3 * t[0])
         out_of = {s.id: out for s, out in zip(run, outs, strict=True)}
+        for s in run:
+            if s.last is None:
+                s.prefilled = s.cache.length  # type: ignore[union-attr]
         for s in seqs:  # (before any sequence finishes and frees its cache)
             if leader.get(s.id, s) is not s:
                 assert s.cache is not None and leader[s.id].cache is not None
-                s.cache.copy_prefix(leader[s.id].cache, len(s.prompt))
+                s.prefilled = leader[s.id].prefilled
+                s.cache.copy_prefix(leader[s.id].cache, s.prefilled)
         deltas = []
         for s in seqs:
             draft = drafts.get(s.id)
             out = out_of[leader.get(s.id, s).id]
             if s.last is None:
                 s.metrics.prefill_time += t[0]
+                if s.prefilled < len(s.prompt):  # more of the prompt to read
+                    deltas.append(Delta(s.id, [], "", prefilled=s.prefilled))
+                    continue
                 deltas.append(self._first_token(s, out))
             else:
                 s.metrics.target_forwards += 1
@@ -283,7 +299,8 @@ class Engine:
         dev = self.target.device
         assert s.cache is not None
         if s.last is None:
-            return Segment(torch.tensor(s.prompt, dtype=torch.long, device=dev), s.cache, last_only=True)
+            chunk = s.prompt[s.prefilled : s.prefilled + PREFILL_CHUNK]
+            return Segment(torch.tensor(chunk, dtype=torch.long, device=dev), s.cache, last_only=True)
         last = torch.tensor([s.last], dtype=torch.long, device=dev)
         if draft is None or (draft.tokens.numel() == 0 and draft.extra is None):
             return Segment(last, s.cache)

@@ -23,6 +23,9 @@ class Tokenizer:
     def __init__(self, hf: Any, eos_ids: frozenset[int]) -> None:
         self.hf = hf
         self.eos_ids = eos_ids
+        # draft tokenizers already found equal to this one (comparing two vocabularies of
+        # 152k tokens is worth doing once, not per request)
+        self.same: weakref.WeakSet[Tokenizer] = weakref.WeakSet()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -78,18 +81,15 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-# target tokenizer -> draft tokenizers already found equal (reading a 152k vocabulary twice
-# took 0.3 s, once per request)
-_SAME: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, *, names: tuple[str, str] = ("target", "draft")) -> None:
     """Speculative decoding compares token ids, so both models must share one vocabulary."""
-    if target is draft or draft in _SAME.get(target, ()):
+    if target is draft or draft in target.same:
         return
     tv, dv = target.hf.get_vocab(), draft.hf.get_vocab()
     if tv == dv:
-        _SAME.setdefault(target, weakref.WeakSet()).add(draft)
+        target.same.add(draft)
         return
     diff = [t for t in tv.keys() ^ dv.keys()][:3] or [t for t in tv if tv[t] != dv.get(t)][:3]
     raise TokenizerMismatchError(

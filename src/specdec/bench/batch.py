@@ -21,6 +21,7 @@ from typing import Any
 from .. import registry
 from ..api import LoadedModel, build_drafter, load, load_draft
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams
+from ..drafters.base import needs_draft_model
 from ..engine import Engine
 from .grid import machine, prompt_ids
 from . import save_figure
@@ -115,7 +116,7 @@ def run_batch(settings: BatchSettings, progress: Callable[[str], None] | None = 
     target = load(settings.target, dtype=settings.dtype)
     draft_name = settings.draft or default_draft(settings.target)
     draft = None
-    if "draft-model" in settings.methods:
+    if any(map(needs_draft_model, settings.methods)):
         draft = target if draft_name == settings.target else load_draft(draft_name, dtype=settings.dtype)
     suite = [p for p in load_prompts(settings.prompts_file) if len(prompt_ids(target, p)) <= settings.max_prompt_tokens]
     if not suite:
@@ -151,8 +152,8 @@ def _timed(target: LoadedModel, ids: list[list[int]], cfg: GenerationConfig, sam
            draft: LoadedModel | None) -> tuple[BatchRun, list[list[int]]]:  # fmt: skip
     engine = Engine(target.model, target.tokenizer)
     t0 = time.perf_counter()
-    sids = [engine.add(p, cfg, sampling, None if method == PLAIN else build_drafter(target, draft if method ==
-                       "draft-model" else None, method)) for p in ids]  # fmt: skip
+    sids = [engine.add(p, cfg, sampling, None if method == PLAIN else build_drafter(
+                       target, draft if needs_draft_model(method) else None, method)) for p in ids]  # fmt: skip
     steps = 0
     while engine.has_work():
         engine.step()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..costs import K_MAX, Costs
+from ..drafters.base import needs_draft_model
 
 
 @dataclass
@@ -70,7 +71,7 @@ def predict(method: str, k: int, acc: Acceptance, costs: Costs) -> float:
     A, P = acc.per_step(k)
     tokens = 1 + sum(A)
     rows = 1 + sum(P) + acc.extra_rows
-    per_token = acc.draft_ms if acc.draft_ms is not None else costs.draft_ms if method == "draft-model" else None
+    per_token = acc.draft_ms if acc.draft_ms is not None else costs.draft_ms if needs_draft_model(method) else None
     draft = (per_token or 0.0) * sum(P)
     return tokens * costs.target(1) / (draft + costs.target(rows))
 

@@ -33,12 +33,14 @@ from ..api import LoadedModel, encode_prompt, generate, load, load_draft
 from ..config import DEFAULT_K
 from ..costs import K_MAX, Costs, measure_costs, pass_costs
 from ..drafters import DRAFTERS, make_drafter, uses_draft_model
+from ..drafters.base import draft_model_method, needs_draft_model
+from ..drafters import heads
 from ..engine import GenerationResult
 from .costmodel import Acceptance, Recommendation, recommend
 from .suite import Prompt, load_prompts, select
 
 METHODS = tuple(DRAFTERS)  # every registered drafter
-TRAINED = ("eagle3", "medusa", "hydra")  # drafters that need heads trained for the target
+TRAINED = tuple(m for m in METHODS if DRAFTERS[m].head)  # drafters that need heads trained for the target
 # the default: every drafter that needs nothing trained for the target (the CLI adds the
 # trained ones where heads ship for the target: `shipped`)
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in TRAINED)
@@ -46,15 +48,8 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m not in TRAINED)
 
 def shipped(method: str, target: str) -> bool:
     """Whether `method` runs on `target` without a head given: it needs none, or one ships."""
-    if method == "eagle3":
-        from ..drafters.eagle3 import shipped_for
-
-        return shipped_for(target) is not None
-    if method in ("medusa", "hydra"):
-        from ..drafters.medusa import shipped_for as heads_for
-
-        return heads_for(method, target) is not None
-    return True
+    kind = DRAFTERS[method].head
+    return kind is None or heads.shipped(kind, name=target) is not None
 NOISE = "plain-again"  # the noise control: plain decoding again, timed against the first plain run
 WARM_UP_TOKENS = 8
 
@@ -83,7 +78,7 @@ class GridSettings:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
             raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
-        if "draft-model" in self.methods and not self.draft:
+        if any(map(needs_draft_model, self.methods)) and not self.draft:
             raise ValueError("the draft-model method needs a draft model (--draft NAME)")
         if self.k < 1 or self.max_new_tokens < 1 or self.repeats < 1:
             raise ValueError("k, max_new_tokens and repeats must be >= 1")
@@ -260,7 +255,7 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
     prompts = select(load_prompts(settings.prompts_file), list(settings.categories) if settings.categories else None,
                      settings.per_category)  # fmt: skip
     target = target or load(settings.target, dtype=settings.dtype)
-    if "draft-model" in settings.methods or ("auto" in settings.methods and settings.draft):
+    if any(map(needs_draft_model, settings.methods)) or (settings.draft and any(map(uses_draft_model, settings.methods))):
         draft = draft or load_draft(settings.draft, dtype=settings.dtype, bits=settings.draft_bits)  # type: ignore[arg-type]
     result = GridResult(settings, machine(), mode=target.model.mode)
     generate(target, [1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)  # warm-up: first-call costs
@@ -303,7 +298,8 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                         bar.update()
     if progress is not None:
         progress("measuring pass times for the cost model")
-    draft_ms = (make_drafter("draft-model", draft=draft.model, **_draft_options(settings, "draft-model")).cost_ms()
+    drafting = draft_model_method()
+    draft_ms = (make_drafter(drafting, draft=draft.model, **_draft_options(settings, drafting)).cost_ms()
                 if draft is not None else None)  # fmt: skip
     result.costs = measure_costs(target.model, None, max_rows=2 * settings.k + 1, repeats=3)
     if draft_ms:  # (timed once per machine, at another moment: moved as the target's pass moved since)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..drafters.base import needs_draft_model
 from . import save_figure
 from .grid import NOISE, GridResult
 
@@ -84,9 +85,9 @@ def markdown(result: GridResult, plots: list[str]) -> str:
     methods = list(dict.fromkeys(r["method"] for r in summary))
     cats = list(dict.fromkeys(r["category"] for r in summary if r["category"] != "all")) + ["all"]
     out = [
-        f"# specdec benchmark: {s.target}" + (f" + {s.draft}" if "draft-model" in s.methods else ""),
+        f"# specdec benchmark: {s.target}" + (f" + {s.draft}" if any(map(needs_draft_model, s.methods)) else ""),
         "",
-        f"Target `{s.target}`" + (f", draft `{s.draft}`" if "draft-model" in s.methods else "")
+        f"Target `{s.target}`" + (f", draft `{s.draft}`" if any(map(needs_draft_model, s.methods)) else "")
         + f", mode `{result.mode}`, k = {s.k} ("
         + ("adaptive: never-slower guard on" if s.adaptive_k else "fixed: k drafts every step")
         + f"), {s.max_new_tokens} new tokens, {s.repeats} repeat(s), seed {s.seed}.",

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("specdec: interrupted", file=sys.stderr)
+        print(("\r\033[K" if sys.stderr.isatty() else "") + "specdec: interrupted", file=sys.stderr)  # (over a progress line)
         return 130
     except Exception as exc:  # noqa: BLE001 - a bug: one line for the user, the traceback on request
         if os.environ.get("SPECDEC_DEBUG"):

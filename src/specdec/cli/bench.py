@@ -10,6 +10,7 @@ from pathlib import Path
 from .. import registry, store
 from ..config import DEFAULT_K
 from ..drafters import DRAFTERS
+from ..drafters.base import draft_model_method, needs_draft_model
 from ..model.kernels import AUTO, MODES
 from .common import Help, add_draft_bits, draft_bits
 
@@ -134,7 +135,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     ) for target, draft in pairs]  # fmt: skip
     results = []
     for s in settings:
-        print(f"== {s.target}" + (f" + {s.draft}" if s.draft and "draft-model" in s.methods else ""), file=sys.stderr)
+        print(f"== {s.target}" + (f" + {s.draft}" if s.draft and any(map(needs_draft_model, s.methods)) else ""), file=sys.stderr)
         result = run_grid(s, progress=lambda msg: print(msg, file=sys.stderr))
         print(report.table(result))
         results.append(result)
@@ -154,8 +155,9 @@ def _pair(text: str, methods: list[str]) -> tuple[str, str | None]:
     target, _, draft = text.partition(":")
     if not target or (":" in text and not draft):
         raise ValueError(f"--pairs takes TARGET or TARGET:DRAFT, got {text!r}")
-    if not draft and "draft-model" in methods:
-        raise ValueError(f"pair {text!r} has no draft; write TARGET:DRAFT or leave draft-model out of --methods")
+    if not draft and any(map(needs_draft_model, methods)):
+        raise ValueError(f"pair {text!r} has no draft; write TARGET:DRAFT or leave {draft_model_method()} out of "
+                         "--methods")  # fmt: skip
     return target, draft or None
 
 

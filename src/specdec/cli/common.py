@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..drafters import DRAFTERS, uses_draft_model
+from ..drafters.base import draft_model_method, needs_draft_model
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -87,9 +88,9 @@ def method_of(ns: argparse.Namespace, draft_for_others: bool = False) -> str | N
     """The drafter --drafter/--draft ask for (None: plain decoding), checked: draft-model needs
     --draft, and (unless a server's requests may pick the draft model) --draft needs a drafter
     that uses it."""
-    method = ns.drafter or ("draft-model" if ns.draft else None)
-    if method == "draft-model" and not ns.draft:
-        raise ValueError("--drafter draft-model needs --draft MODEL")
+    method = ns.drafter or (draft_model_method() if ns.draft else None)
+    if needs_draft_model(method) and not ns.draft:
+        raise ValueError(f"--drafter {method} needs --draft MODEL")
     if not draft_for_others and method is not None and not uses_draft_model(method) and ns.draft:
         raise ValueError(f"--draft is only used by the draft-model and auto drafters; drop it or drop --drafter {method}")
     return method

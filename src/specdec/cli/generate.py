@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from .. import registry
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments, from_namespace
 from ..drafters import DRAFTERS, Drafter
+from ..engine import Delta
 from ..model.kernels import AUTO, MODES
 from .common import Help, add_draft_bits, add_drafter_options, drafter_options, load_draft_model, method_of, read_prompt
 
@@ -70,7 +72,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         print(f"specdec: NOT EXACT: typical acceptance (epsilon {sampling.epsilon}, delta {sampling.delta}) verifies "
               "the drafts; the output is not distributed as the target's own (drop --acceptance typical for exact "
               "sampling)", file=sys.stderr)  # fmt: skip
-    show = (lambda d: print(d.text, end="", flush=True)) if ns.stream else None
+    show = _shower(ns.stream, len(req.prompt_ids))
     describe = type(drafter).describe if drafter is not None else Drafter.describe
     if ns.compare:
         cmp = compare_requests(target, req, draft, on_delta=show)
@@ -91,6 +93,32 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _shower(stream: bool, prompt_len: int) -> Callable[[Delta], None] | None:
+    """What each step's delta prints: with --stream its text; on a terminal, the progress of
+    reading a long prompt (on stderr, one line rewritten, erased when the first token comes)."""
+    progress = sys.stderr.isatty()
+    if not stream and not progress:
+        return None
+    started = time.perf_counter()
+    shown = [False]
+
+    def show(d: Delta) -> None:
+        if d.prefilled is not None:
+            if progress:
+                rate = d.prefilled / max(time.perf_counter() - started, 1e-9)
+                print(f"\rreading the prompt: {d.prefilled}/{prompt_len} tokens ({rate:.0f} tok/s, Ctrl-C stops)",
+                      end="", file=sys.stderr, flush=True)  # fmt: skip
+                shown[0] = True
+            return
+        if shown[0]:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+            shown[0] = False
+        if stream:
+            print(d.text, end="", flush=True)
+
+    return show
+
+
 def _note(notes: list[str]) -> None:
     """With --json, what the drafter chose for itself still goes to stderr (the JSON has it too,
     under drafter_info): the early-exit layer, or that the request ran as plain decoding."""
@@ -105,6 +133,9 @@ def _print_result(result: Any, describe: Callable[[dict[str, Any]], list[str]], 
     print("" if streamed else result.text, flush=True)
     m = result.metrics
     line = f"\n[{m.new_tokens} tokens, {m.tokens_per_second:.2f} tok/s"
+    if m.prefill_time > 0:  # reading the prompt and generating, apart
+        line += (f" ({m.decode_tokens_per_second:.2f} tok/s generating; prompt of {m.prompt_tokens} tokens read in "
+                 f"{m.prefill_time:.2f} s, {m.prompt_tokens / m.prefill_time:.0f} tok/s)")  # fmt: skip
     if m.acceptance_rate is not None:
         line += f", acceptance {m.acceptance_rate:.2f}, tokens/pass {m.mean_accepted_tokens:.2f}"
     if extra is not None:

@@ -67,14 +67,22 @@ def _size(n: int) -> str:
 
 
 def _cmd_list(ns: argparse.Namespace) -> int:
-    print(f"{'model':20s} {'status':13s} {'total':>9s} {'gguf':>9s} {'q4k':>9s} {'float32':>9s} {'other':>8s}  description")
-    total = 0
+    print(f"{'model':20s} {'status':13s} {'total':>9s} {'gguf':>10s} {'q4k':>9s} {'float32':>9s} {'other':>8s}  description")
+    total, sparse = 0, []
     for name, spec in registry.MODELS.items():
         files = store.model_files(name)
         total += sum(files.values())
         mark = "installed" if store.is_installed(name) else "not installed"
-        print(f"{name:20s} {mark:13s} {_size(sum(files.values())):>9s} {_size(files['gguf']):>9s} "
+        gguf = store.gguf_path(spec)
+        length = gguf.stat().st_size if gguf.exists() else 0
+        star = "*" if length > files["gguf"] + 2**20 else ""  # its q4k-packed blocks are holes in it
+        if star:
+            sparse.append(f"{name} {_size(length)}")
+        print(f"{name:20s} {mark:13s} {_size(sum(files.values())):>9s} {_size(files['gguf']) + star:>10s} "
               f"{_size(files['q4k']):>9s} {_size(files['float32']):>9s} {_size(files['other']):>8s}  {spec.description}")
+    if sparse:
+        print(f"* space on disk; the file is longer ({', '.join(sparse)}): the blocks the q4k file holds are holes in "
+              "it, kept once (`specdec models remove NAME` frees both)")  # fmt: skip
     print(f"cache: {store.cache_root()}  ({_size(total)} for these models; `specdec models remove NAME` frees one)")
     return 0
 

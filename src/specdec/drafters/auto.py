@@ -51,7 +51,7 @@ from .window import DEFAULT_WINDOW, WINDOW_OPTION
 
 def switchable() -> list[str]:
     """Registered drafters that `auto` can switch between (they implement `catch_up`)."""
-    return [n for n, spec in DRAFTERS.items() if spec.cls.catch_up is not Drafter.catch_up]
+    return [n for n, spec in DRAFTERS.items() if spec.switchable]
 
 
 @register(
@@ -78,10 +78,10 @@ class AutoDrafter(Drafter):
         super().__init__()
         ok = switchable()
         if methods is None:
-            # the draft model when one is given; the EAGLE-3 head only when one is given (see above);
-            # Medusa/Hydra heads only when named in `methods`
+            # a drafter of a draft model when one is given; of a trained head only when auto is
+            # given its head (see above; the others' heads only when named in `methods`)
             names = [n for n in ok if (draft is not None if DRAFTERS[n].needs == "draft" else
-                                       head is not None if n == "eagle3" else n not in ("medusa", "hydra"))]  # fmt: skip
+                                       head is not None and DRAFTERS[n].auto_head if DRAFTERS[n].head else True)]  # fmt: skip
         else:
             names = [n.strip() for n in methods.split(",") if n.strip()]
             if not names:
@@ -98,12 +98,15 @@ class AutoDrafter(Drafter):
             raise ValueError("auto uses the draft model only with draft-model among its methods; drop --draft or "
                              "add draft-model to --auto-methods")  # fmt: skip
         self.target = target
-        if head is not None and "eagle3" not in names:
-            raise ValueError("--auto-head gives auto an EAGLE-3 head; add eagle3 to --auto-methods or drop it")
+        takes_head = [n for n in ok if DRAFTERS[n].auto_head]
+        if head is not None and not set(takes_head) & set(names):
+            raise ValueError(f"--auto-head gives auto a head for {' / '.join(takes_head)}; add {takes_head[0]} to "
+                             "--auto-methods or drop --auto-head")  # fmt: skip
+        mine = {"head": head, "vocab": vocab, "window": window}  # auto's options its members may declare
         self.subs: dict[str, Drafter] = {
             n: make_drafter(n, target=target, draft=draft if DRAFTERS[n].needs == "draft" else None,
-                            **({"head": head} if n == "eagle3" else
-                               {"vocab": vocab, "window": window} if n == "draft-model" else {}))
+                            **{o.name: mine[o.name] for o in DRAFTERS[n].options if o.name in mine
+                               and (o.name != "head" or DRAFTERS[n].auto_head)})
             for n in names
         }  # fmt: skip
         for sub in self.subs.values():

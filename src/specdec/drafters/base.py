@@ -253,6 +253,9 @@ class DrafterSpec:
     # "any": from the target and, where given, a draft model (auto)
     options: tuple[Option, ...]
     help: str
+    head: str | None = None  # the kind of trained head it loads (`drafters.heads`); None: needs none
+    switchable: bool = False  # auto may switch to it step by step (it implements `catch_up`)
+    auto_head: bool = False  # auto's --auto-head is this drafter's head (and asks auto to include it)
 
     def defaults(self) -> dict[str, Any]:
         sig = inspect.signature(self.cls.__init__)
@@ -262,6 +265,18 @@ class DrafterSpec:
 DRAFTERS: dict[str, DrafterSpec] = {}
 
 
+def draft_model_method() -> str:
+    """The registered drafter built from a draft model alone: what an assistant model (--draft)
+    drafts with when no drafter is named."""
+    return next(name for name, spec in DRAFTERS.items() if spec.needs == "draft")
+
+
+def needs_draft_model(name: str | None) -> bool:
+    """Whether the drafter registered as `name` cannot run without a draft model."""
+    spec = DRAFTERS.get(name) if name is not None else None
+    return spec is not None and spec.needs == "draft"
+
+
 def uses_draft_model(name: str | None) -> bool:
     """Whether the drafter registered as `name` takes a draft model (draft-model; auto, where
     one is given)."""
@@ -269,7 +284,11 @@ def uses_draft_model(name: str | None) -> bool:
     return spec is not None and spec.needs in ("draft", "any")
 
 
-def register(name: str, *, help: str, needs: Needs = "", options: tuple[Option, ...] = ()) -> Callable[[type], type]:
+def register(name: str, *, help: str, needs: Needs = "", options: tuple[Option, ...] = (), head: str | None = None,
+             switchable: bool = False, auto_head: bool = False) -> Callable[[type], type]:  # fmt: skip
+    """Add a drafter class to the registry under `name`: what it needs built (`needs`), its
+    options (defaults from its constructor), the trained head it loads (`head`), whether auto
+    may switch to it (`switchable`: it implements `catch_up`)."""
     def deco(cls: type) -> type:
         if name in DRAFTERS:
             raise ValueError(f"drafter {name!r} registered twice")
@@ -277,7 +296,9 @@ def register(name: str, *, help: str, needs: Needs = "", options: tuple[Option, 
         for o in options:
             if o.name not in params or params[o.name].default is inspect.Parameter.empty:
                 raise TypeError(f"{cls.__name__} declares option {o.name!r} without a default in __init__")
-        DRAFTERS[name] = DrafterSpec(name, cls, needs, options, help)
+        if switchable and cls.catch_up is Drafter.catch_up:
+            raise TypeError(f"{cls.__name__} is registered as switchable but does not implement catch_up")
+        DRAFTERS[name] = DrafterSpec(name, cls, needs, options, help, head, switchable, auto_head)
         cls.name = name
         return cls
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -14,10 +13,9 @@ from .base import Draft, Drafter, DraftSession, Feedback, register
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
 from .window import DEFAULT_WINDOW, SINK, WINDOW_OPTION
 
-# Per draft model, the last prompt it prefilled (and its window) with that cache and the tokens
-# the window left out (a batch of sequences with one prompt, as `specdec certify` or a server's
-# n > 1 sends, prefills the draft model once).
-_PREFILLED: weakref.WeakKeyDictionary[Transformer, tuple[tuple[int, ...], int, KVCache, int]] = weakref.WeakKeyDictionary()
+# The draft model keeps the last prompt it prefilled (`state.prefilled`: with its window, that
+# cache and the tokens the window left out), so a batch of sequences with one prompt, as
+# `specdec certify` or a server's n > 1 sends, prefills the draft model once.
 
 
 def draft_step(model: Transformer, vocab: DraftVocab | None,
@@ -59,7 +57,7 @@ def step_cost_ms(model: Transformer, vocab: DraftVocab | None, context: int = 12
                                lambda: greedy_token(model, vocab, row, cache[0]), reset)  # fmt: skip
 
 
-@register("draft-model", needs="draft", help="a smaller model of the same tokenizer drafts k tokens (--draft MODEL)",
+@register("draft-model", needs="draft", switchable=True, help="a smaller model of the same tokenizer drafts k tokens (--draft MODEL)",
           options=(VOCAB_OPTION, WINDOW_OPTION))  # fmt: skip
 class DraftModelDrafter(Drafter):
     """Keeps its own KV cache of the committed tokens. A proposal feeds whatever committed
@@ -218,7 +216,7 @@ class DraftModelDrafter(Drafter):
         if self._behind() > 0:
             pending = self._tokens[self._fed() : -1]
             fresh = self.cache.length == 0
-            shared = _PREFILLED.get(self.model) if fresh else None
+            shared = self.model.state.prefilled if fresh else None
             if shared is not None and shared[:2] == (tuple(pending), self.window) and self.cache.capacity >= shared[2].length:
                 # the same prompt was just prefilled for another sequence: copy its cache
                 # (each row depends on its own prefix only, so this is what the pass computes)
@@ -238,7 +236,7 @@ class DraftModelDrafter(Drafter):
             if fresh:
                 snapshot = self.model.new_cache(self.cache.length)
                 snapshot.copy_prefix(self.cache, self.cache.length)
-                _PREFILLED[self.model] = (tuple(pending), self.window, snapshot, self.skip)
+                self.model.state.prefilled = (tuple(pending), self.window, snapshot, self.skip)
 
     def accepted(self, feedback: Feedback) -> None:
         assert self.cache is not None

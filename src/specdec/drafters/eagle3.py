@@ -43,85 +43,40 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..eagle3.head import Eagle3Head, attach_target
+from ..eagle3.head import Eagle3Head
+from ..model.transformer import Transformer
 from ..sampling import probs as sampling_probs
+from . import heads
 from .base import Draft, Drafter, DraftSession, Feedback, Option, register
-
-SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads that ship with specdec, one directory each
-
-
-def _shipped() -> dict[str, Path]:
-    """Target name -> directory of each head that ships with specdec."""
-    import json
-
-    from ..eagle3.head import CONFIG_NAME
-
-    if not SHIPPED.exists():
-        return {}
-    dirs = sorted(p for p in SHIPPED.iterdir() if (p / CONFIG_NAME).exists())
-    return {json.loads((d / CONFIG_NAME).read_text())["target"]: d for d in dirs}
+from .heads import HeadRunner
 
 
-def shipped_for(name: str) -> Path | None:
-    """The shipped head trained for a registered model name, if any."""
-    return _shipped().get(name)
+class _Runner(HeadRunner):
+    """The EAGLE-3 head's stages on the kernels, and its calibration (shared by every drafter of
+    this head and target, as the runner is)."""
 
+    kind = "eagle3"
 
-def shipped_head(target: Any) -> Path | None:
-    """The shipped head trained for this target (a registered model, matched by the directory
-    the target was loaded from), if any."""
-    from ..registry import MODELS
-    from ..store import converted_dir
-
-    src = getattr(target, "source_dir", None)
-    if src is None:
-        return None
-    for name, d in _shipped().items():
-        if name in MODELS and converted_dir(MODELS[name].sha256).resolve() == Path(src).resolve():
-            return d
-    return None
-
-
-class _Runner:
-    """The head's stages with its linear layers on specdec's q4k kernels (or its own float
-    weights where those cannot run), its measured costs and calibration: one per head and
-    target, shared by every drafter of them."""
-
-    def __init__(self, head: Eagle3Head, quantize: bool) -> None:
+    def __init__(self, head: Eagle3Head, target: Transformer) -> None:
+        super().__init__(target, {name: (w, None) for name, w in head.weights().items()})
         self.head = head
-        self.kernels: dict[str, Any] = {}
-        if quantize:
-            from ..model import kquant as kq
-
-            for name, weight in head.weights().items():
-                kind = kq.Q6K if name == "lm" else kq.Q4K
-                blocks = kq.quantize(weight.detach().float().numpy(), kind)
-                self.kernels[name] = kq.KQuantKernel.from_blocks(blocks, None, in_features=weight.shape[1])
-        self.pass_ms: Any = None  # specdec.costs.Costs of the target, timed at first use
         self.accepted_sum, self.predicted_sum = 1.0, 1.0  # calibration of exp(score) as acceptance (greedy)
-        self.call_ms: float | None = None  # one head call over a depth's nodes, ms (a moving average)
-        self._stored_ms: float | None = None
 
-    def stored_call_ms(self, target: Any) -> float:
-        """One call over one row as timed once per machine (`costs.head_call_ms`): the clock-free
-        cost of a seeded sampled request's choices."""
-        if self._stored_ms is None:
-            from ..costs import head_call_ms
+    def weights(self) -> Iterable[torch.Tensor]:
+        return self.head.weights().values()
 
-            c = self.head.cfg
-            row = torch.zeros(1, c.hidden_size)
-            kv = torch.zeros(c.num_key_value_heads, 1, c.head_dim)
-            one = torch.zeros(1, dtype=torch.long)
-            self._stored_ms = head_call_ms(target, "eagle3", self.head.weights().values(), lambda: self.step(
-                row, row, one, kv, kv.clone(), one, torch.ones(1, 1, dtype=torch.bool)))  # fmt: skip
-        return self._stored_ms
+    def probe(self) -> None:
+        c = self.head.cfg
+        row = torch.zeros(1, c.hidden_size)
+        kv = torch.zeros(c.num_key_value_heads, 1, c.head_dim)
+        one = torch.zeros(1, dtype=torch.long)
+        self.step(row, row, one, kv, kv.clone(), one, torch.ones(1, 1, dtype=torch.bool))
 
     @property
     def calibration(self) -> float:
@@ -168,24 +123,13 @@ class _Runner:
         return h, logits  # type: ignore[return-value]
 
 
-def _runner(head: Eagle3Head, target: Any) -> _Runner:
-    """The runner of `head` for `target`, kept on the head and weakly by target."""
-    runners = head.__dict__.setdefault("_runners", weakref.WeakKeyDictionary())
-    if target not in runners:
-        from ..model.native import available
-
-        runners[target] = _Runner(head, quantize=available() and target.mode in ("q4k", "int8"))
-    return runners[target]
-
-
-# loaded heads by directory, per target (weakly: gone with it)
-_HEADS: weakref.WeakKeyDictionary[Any, dict[str, Eagle3Head]] = weakref.WeakKeyDictionary()
-
-
 @register(
     "eagle3",
     help="EAGLE-3 head over the target's features (trained with `specdec train eagle3`), dynamic token trees",
     needs="target",
+    head="eagle3",
+    switchable=True,
+    auto_head=True,
     options=(
         Option("head", "directory of a trained EAGLE-3 head (default: the one shipped for the target)", type=str),
         Option("topk", "greedy trees: children per expanded node, nodes expanded per depth", flag="--tree-topk"),
@@ -198,24 +142,11 @@ _HEADS: weakref.WeakKeyDictionary[Any, dict[str, Eagle3Head]] = weakref.WeakKeyD
 class Eagle3Drafter(Drafter):
     """`k` (the generation config's) is the tree depth."""
 
-    def __init__(self, target: Any, head: str | Path | Eagle3Head | None = None, topk: int = 8,
+    def __init__(self, target: Transformer, head: str | Path | Eagle3Head | None = None, topk: int = 8,
                  total: int | None = None, sample_children: int = 2, sample_frontier: int = 2,
                  max_total: int = 31) -> None:  # fmt: skip
         super().__init__()
-        if isinstance(head, Eagle3Head):
-            self.head = head
-        else:
-            where = Path(head) if head is not None else shipped_head(target)
-            if where is None:
-                raise ValueError("no EAGLE-3 head ships for this target; train one (`specdec train eagle3 --target NAME "
-                                 "--out DIR`) and pass it with --head DIR (with --drafter auto: --auto-head DIR)")  # fmt: skip
-            heads = _HEADS.setdefault(target, {})
-            key = str(Path(where).resolve())
-            if key not in heads:  # one load (and one quantization, one timing) per head and target
-                heads[key] = attach_target(Eagle3Head.load(where), target, getattr(target, "source_dir", None))
-            self.head = heads[key]
-        if self.head.embed_weight.numel() == 0:
-            attach_target(self.head, target, getattr(target, "source_dir", None))
+        self.head, self.run = heads.load("eagle3", target, head, Eagle3Head.load, _Runner)
         if min(topk, total or 1, sample_children, sample_frontier, max_total) < 1:
             raise ValueError("topk, total, sample_children and sample_frontier must be at least 1")
         self.target = target
@@ -224,7 +155,6 @@ class Eagle3Drafter(Drafter):
         self.feature_layers = tuple(self.head.cfg.feature_layers)
         self.max_total = total or max_total
         self.scratch_rows = max(self.max_total, sample_children + 64 * sample_frontier * sample_children)
-        self.run = _runner(self.head, target)
         self.repro, self.pass_ms, self._estimate, self._calls0 = False, None, 0.0, 0
         c = self.head.cfg
         self.info = {"head": c.target, "draft_vocab": c.draft_vocab_size, "topk": topk, "total": total or "cost model"}
@@ -438,8 +368,7 @@ class Eagle3Drafter(Drafter):
             pos = torch.tensor([P + depth[j] for j in expand])
             t_call = time.perf_counter()
             g, logits = self.run.step(emb, g_in, pos, self.k_cache, self.v_cache, slots, mask)
-            ms = (time.perf_counter() - t_call) * 1e3
-            self.run.call_ms = ms if self.run.call_ms is None else 0.8 * self.run.call_ms + 0.2 * ms
+            self.run.timed(t_call)
             self.forwards += 1
             for r, j in enumerate(expand):
                 g_of[j] = g[r]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -43,9 +42,8 @@ from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 CALIBRATION_TOKENS = 32  # prompt tail used to measure agreement
 CALIBRATION_REPEATS = 3  # timed repeats per measurement (median)
 
-# Calibrations done in this process, per target model, k and greedy/sampled: one drafter
-# object serves one sequence, the calibration serves every sequence of that target.
-_CALIBRATED: weakref.WeakKeyDictionary[Transformer, dict[tuple, dict[str, Any]]] = weakref.WeakKeyDictionary()
+# Calibrations done in this process are kept by the target (`state.calibrations`, by k and
+# greedy/sampled): one drafter object serves one sequence, the calibration every sequence.
 
 
 @register(
@@ -110,14 +108,14 @@ class EarlyExitDrafter(Drafter):
             raise RuntimeError("EarlyExitDrafter.propose() called before begin()")
         if self.layer is None:
             key = (max(k, 1), self.session.sampling.greedy, self.candidates)
-            known = _CALIBRATED.setdefault(self.model, {}).get(key)
+            known = self.model.state.calibrations.get(key)
             if known is None:
                 known = _stored_calibration(self.model, key)
             if known is None:
                 self.calibrate(self._context_tail, max(k, 1))
                 _store_calibration(self.model, key, self.info)
                 known = dict(self.info)
-            _CALIBRATED[self.model][key] = known
+            self.model.state.calibrations[key] = known
             self.info = dict(known)
             self.layer = self.info["layer"]
             predicted = self.info["candidates"][self.layer]["predicted_speedup"]

@@ -24,82 +24,43 @@ Under `--drafter auto` (`chain_only`): a chain of the k asked for (top-1, or one
 
 from __future__ import annotations
 
-import json
 import math
 import time
-import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..medusa.heads import CONFIG_NAME, MedusaHeads, attach_target, greedy_tree
+from ..medusa.heads import MedusaHeads, greedy_tree
+from ..model.transformer import Transformer
 from ..sampling import probs as sampling_probs
 from .base import Draft, Drafter, DraftSession, Feedback, Option, register
-from .eagle3 import SHIPPED
+from . import heads
+from .heads import HeadRunner
 
 ASSUMED_ACCURACY = 0.6  # heads without a measured table: head d's rank j taken as 0.6^d * 0.5^j
 
 
-def shipped_heads(kind: str, target: Any) -> Path | None:
-    """The shipped Medusa/Hydra heads of this kind for this target (a registered model, matched
-    by the directory it was loaded from), if any."""
-    from ..registry import MODELS
-    from ..store import converted_dir
+class _Runner(HeadRunner):
+    """The heads' linear layers on the kernels: one per heads object and target, shared by
+    every drafter of them."""
 
-    src = getattr(target, "source_dir", None)
-    if src is None or not SHIPPED.exists():
-        return None
-    for d in sorted(p for p in SHIPPED.iterdir() if (p / CONFIG_NAME).exists()):
-        cfg = json.loads((d / CONFIG_NAME).read_text())
-        name = cfg.get("target")
-        if cfg.get("kind") == kind and name in MODELS and converted_dir(MODELS[name].sha256).resolve() == Path(src).resolve():
-            return d
-    return None
-
-
-def shipped_for(kind: str, name: str) -> Path | None:
-    """The shipped heads of this kind trained for a registered model name, if any."""
-    if not SHIPPED.exists():
-        return None
-    for d in sorted(p for p in SHIPPED.iterdir() if (p / CONFIG_NAME).exists()):
-        cfg = json.loads((d / CONFIG_NAME).read_text())
-        if cfg.get("kind") == kind and cfg.get("target") == name:
-            return d
-    return None
-
-
-class _Runner:
-    """The heads' linear layers on specdec's q4k kernels where they run (else float), and their
-    measured call time: one per heads object and target, shared by every drafter of them."""
-
-    def __init__(self, heads: MedusaHeads, quantize: bool) -> None:
+    def __init__(self, heads: MedusaHeads, target: Transformer) -> None:
+        params = dict(heads.named_parameters())
+        linears = {name: (p, params.get(name[: -len("weight")] + "bias"))
+                   for name, p in params.items() if name.endswith(".weight")}  # fmt: skip
+        super().__init__(target, {**linears, "lm": (heads.lm_weight, None)})
         self.heads = heads
-        self.kernels: dict[str, Any] = {}
-        if quantize:
-            from ..model import kquant as kq
+        self.kind = heads.cfg.kind
 
-            for name, p in heads.named_parameters():
-                if name.endswith(".weight"):
-                    bias = dict(heads.named_parameters()).get(name[: -len("weight")] + "bias")
-                    blocks = kq.quantize(p.detach().float().numpy(), kq.Q4K)
-                    self.kernels[name] = kq.KQuantKernel.from_blocks(blocks, bias, in_features=p.shape[1])
-            lm = kq.quantize(heads.lm_weight.numpy(), kq.Q6K)
-            self.kernels["lm"] = kq.KQuantKernel.from_blocks(lm, None, in_features=heads.lm_weight.shape[1])
-        self.call_ms: float | None = None  # one heads call (all of Medusa's, one depth of Hydra's), moving average
-        self._stored_ms: float | None = None
+    def weights(self) -> Iterable[torch.Tensor]:
+        return list(self.heads.parameters())
 
-    def stored_call_ms(self, target: Any) -> float:
-        """One head's call over one row as timed once per machine (`costs.head_call_ms`): the
-        clock-free cost of a seeded sampled request's choices."""
-        if self._stored_ms is None:
-            from ..costs import head_call_ms
-
-            z, y = torch.zeros(1, self.heads.cfg.hidden_size), torch.zeros(1, dtype=torch.long)
-            self._stored_ms = head_call_ms(target, self.heads.cfg.kind, list(self.heads.parameters()),
-                                           lambda: self.logits(self.block(0, z, y)))  # fmt: skip
-        return self._stored_ms
+    def probe(self) -> None:
+        z, y = torch.zeros(1, self.heads.cfg.hidden_size), torch.zeros(1, dtype=torch.long)
+        self.logits(self.block(0, z, y))
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if name in self.kernels:
@@ -122,22 +83,6 @@ class _Runner:
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         return self.linear("lm", z)
 
-    def timed(self, t0: float) -> None:
-        ms = (time.perf_counter() - t0) * 1e3
-        self.call_ms = ms if self.call_ms is None else 0.8 * self.call_ms + 0.2 * ms
-
-
-def _runner(heads: MedusaHeads, target: Any) -> _Runner:
-    runners = heads.__dict__.setdefault("_runners", weakref.WeakKeyDictionary())
-    if target not in runners:
-        from ..model.native import available
-
-        runners[target] = _Runner(heads, quantize=available() and target.mode in ("q4k", "int8"))
-    return runners[target]
-
-
-# loaded heads by directory, per target (weakly: gone with it)
-_LOADED: weakref.WeakKeyDictionary[Any, dict[str, MedusaHeads]] = weakref.WeakKeyDictionary()
 
 OPTIONS = (
     Option("head", "directory of trained heads (`specdec train medusa|hydra`; default: those shipped for the "
@@ -153,32 +98,18 @@ class _HeadsDrafter(Drafter):
 
     kind = "medusa"
 
-    def __init__(self, target: Any, head: str | Path | MedusaHeads | None = None, total: int | None = None,
+    def __init__(self, target: Transformer, head: str | Path | MedusaHeads | None = None, total: int | None = None,
                  topk: int = 8, max_total: int = 31) -> None:  # fmt: skip
         super().__init__()
-        if isinstance(head, MedusaHeads):
-            self.heads = head
-        else:
-            where = Path(head) if head is not None else shipped_heads(self.kind, target)
-            if where is None:
-                raise ValueError(f"no {self.kind} heads ship for this target; train them (`specdec train {self.kind} "
-                                 "--target NAME --out DIR`) and pass them with --head DIR")  # fmt: skip
-            loaded = _LOADED.setdefault(target, {})
-            key = str(Path(where).resolve())
-            if key not in loaded:
-                loaded[key] = attach_target(MedusaHeads.load(where), target, getattr(target, "source_dir", None))
-            self.heads = loaded[key]
+        self.heads, self.run = heads.load(self.kind, target, head, MedusaHeads.load, _Runner)
         if self.heads.cfg.kind != self.kind:
             raise ValueError(f"{head} holds {self.heads.cfg.kind} heads; use --drafter {self.heads.cfg.kind}")
-        if self.heads.lm_weight.numel() == 0:
-            attach_target(self.heads, target, getattr(target, "source_dir", None))
         if min(topk, total or 1, max_total) < 1:
             raise ValueError("topk, total (--tree-tokens) and max_total must be at least 1")
         self.target, self.total, self.topk = target, total, topk
         self.max_total = total or max_total
         self.scratch_rows = self.max_total
         self.feature_layers = (target.args.n_layers - 1,)
-        self.run = _runner(self.heads, target)
         K = self.heads.cfg.num_heads
         table = self.heads.record.get("validation_topk_accuracy")
         if not table:
@@ -343,13 +274,13 @@ class _HeadsDrafter(Drafter):
         return Draft(tokens, probs, None if chain else parents_idx)
 
 
-@register("medusa", needs="target", options=OPTIONS,
+@register("medusa", needs="target", options=OPTIONS, head="medusa", switchable=True,
           help="Medusa heads on the target's last hidden state (trained with `specdec train medusa`), sparse trees")
 class MedusaDrafter(_HeadsDrafter):
     kind = "medusa"
 
 
-@register("hydra", needs="target", options=OPTIONS,
+@register("hydra", needs="target", options=OPTIONS, head="hydra", switchable=True,
           help="Hydra heads: Medusa heads that read the tokens guessed before them (`specdec train hydra`)")
 class HydraDrafter(_HeadsDrafter):
     kind = "hydra"

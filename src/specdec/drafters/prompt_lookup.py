@@ -22,6 +22,7 @@ from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 
 @register(
     "prompt-lookup",
+    switchable=True,
     help="copy what followed an earlier occurrence of the last n tokens (no second model)",
     options=(Option("max_ngram", "prompt-lookup: longest n-gram to match", "--ngram-max"),
              Option("min_ngram", "prompt-lookup: shortest n-gram to match", "--ngram-min")),

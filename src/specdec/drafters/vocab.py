@@ -19,7 +19,6 @@ the specdec cache (``vocab/``); `lookup` finds either by the tokenizer's key.
 from __future__ import annotations
 
 import hashlib
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -283,8 +282,6 @@ def head_rows(model: Transformer, ids: torch.Tensor):  # noqa: ANN201 - a Linear
     raise ValueError(f"cannot cut a draft vocabulary from a {type(kern).__name__} head")
 
 
-# per draft model: N -> its DraftVocab (built once; a request builds a drafter each time)
-_CACHE: weakref.WeakKeyDictionary[Transformer, dict[int, DraftVocab | None]] = weakref.WeakKeyDictionary()
 
 
 def draft_vocab(model: Transformer, n: int) -> DraftVocab | None:
@@ -292,7 +289,7 @@ def draft_vocab(model: Transformer, n: int) -> DraftVocab | None:
     vocabulary, or when no frequency list is known for this tokenizer (then the full head runs)."""
     if n < 0:
         raise ValueError(f"a draft vocabulary of {n} tokens; give N > 0, or 0 for the whole vocabulary")
-    per = _CACHE.setdefault(model, {})
+    per = model.state.vocabs  # (built once per model: a request builds a drafter each time)
     if n not in per:
         per[n] = None
         if 0 < n < model.args.vocab_size and model.source_dir is not None:

@@ -148,6 +148,12 @@ class Eagle3Head(DraftVocabulary, nn.Module):
     arrange the attention between them; both call these same stages (drafting passes its
     quantized kernels as `linears`)."""
 
+    kind = "eagle3"
+
+    @property
+    def needs_output_rows(self) -> bool:
+        return self.cfg.tie_lm_head
+
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -329,16 +335,9 @@ def target_output_rows(target: Any, model_dir: str | Path | None = None) -> torc
     raise ValueError("the target's LM head weights are packed and its model directory has no lm_head.weight")
 
 
-def attach_target(head: Eagle3Head, target: Any, model_dir: str | Path | None = None) -> Eagle3Head:
-    """Give `head` the target's frozen embedding (and output rows for a tied head)."""
-    if head.cfg.hidden_size != target.args.dim or head.cfg.target_vocab_size != target.args.vocab_size:
-        raise ValueError(
-            f"this EAGLE-3 head was trained for {head.cfg.target!r} (hidden {head.cfg.hidden_size}, vocabulary "
-            f"{head.cfg.target_vocab_size}); the target has hidden {target.args.dim}, vocabulary {target.args.vocab_size}"
-        )
-    embed = target.model.embed_tokens.weight.detach().float()
-    if target.args.embed_scale != 1.0:
-        embed = embed * target.args.embed_scale
-    model_dir = model_dir or getattr(target, "source_dir", None)
-    head.attach(embed, target_output_rows(target, model_dir) if head.cfg.tie_lm_head else None)
-    return head
+def attach_target(head: Any, target: Any, model_dir: str | Path | None = None) -> Any:
+    """Give a head (EAGLE-3, Medusa or Hydra) the target's frozen embedding and, where it reads
+    them, output rows (`specdec.drafters.heads.attach`)."""
+    from ..drafters.heads import attach
+
+    return attach(head, target, model_dir)

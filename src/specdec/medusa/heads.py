@@ -85,6 +85,12 @@ class _HydraBlock(nn.Module):
 class MedusaHeads(DraftVocabulary, nn.Module):
     """K Medusa or Hydra heads over a frozen target (see the module doc)."""
 
+    needs_output_rows = True
+
+    @property
+    def kind(self) -> str:
+        return self.cfg.kind
+
     def __init__(self, cfg: MedusaConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -102,8 +108,10 @@ class MedusaHeads(DraftVocabulary, nn.Module):
         self.record: dict[str, Any] = {}  # the training record (of loaded heads)
 
     # -- set-up ---------------------------------------------------------------------------
-    def attach(self, embed: torch.Tensor, output_rows: torch.Tensor) -> None:
+    def attach(self, embed: torch.Tensor, output_rows: torch.Tensor | None) -> None:
         """The target's embedding table [V, H] and LM head rows [V, H] (frozen, shared)."""
+        if output_rows is None:
+            raise ValueError("Medusa/Hydra heads need the target's LM head rows")
         self.embed_weight = embed.detach().float()
         self.lm_weight = output_rows.detach().float()[self.draft_ids].contiguous()
 
@@ -185,20 +193,10 @@ def config_for_target(target: Any, name: str, kind: str, *, num_heads: int, draf
 
 
 def attach_target(heads: MedusaHeads, target: Any, model_dir: str | Path | None = None) -> MedusaHeads:
-    """Give `heads` the target's frozen embedding and output rows."""
-    from ..eagle3.head import target_output_rows
+    """Give `heads` the target's frozen embedding and output rows (`drafters.heads.attach`)."""
+    from ..drafters.heads import attach
 
-    if heads.cfg.hidden_size != target.args.dim or heads.cfg.target_vocab_size != target.args.vocab_size:
-        raise ValueError(
-            f"these {heads.cfg.kind} heads were trained for {heads.cfg.target!r} (hidden {heads.cfg.hidden_size}, "
-            f"vocabulary {heads.cfg.target_vocab_size}); the target has hidden {target.args.dim}, vocabulary "
-            f"{target.args.vocab_size}"
-        )
-    embed = target.model.embed_tokens.weight.detach().float()
-    if target.args.embed_scale != 1.0:
-        embed = embed * target.args.embed_scale
-    heads.attach(embed, target_output_rows(target, model_dir or getattr(target, "source_dir", None)))
-    return heads
+    return attach(heads, target, model_dir)
 
 
 def greedy_tree(accuracy: list[list[float]], size: int) -> tuple[list[tuple[int, ...]], list[float]]:

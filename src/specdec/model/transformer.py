@@ -27,6 +27,7 @@ from .cache import ContextOverflowError, KVCache
 from .config import ModelArgs
 from .kernels import MODES
 from .linear import Linear, linear_group
+from .state import ModelState
 
 # Longer runs of new tokens (prompt prefill) attend in one batched call: prefill is the same
 # call in plain and speculative decoding, so it needs no row-by-row treatment.
@@ -212,6 +213,7 @@ class Transformer(nn.Module):
         self._scratch = fused.Scratch()  # the native layers' working memory (see `fused`)
         self._native_stack: fused.NativeStack | None = None  # every block in native calls, several at a time
         self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
+        self.state = ModelState()  # what this process learns about the model (see `state`)
         self.bits: int | None = None  # q4k: a cheaper packing than the file's (see load_transformer), set by the loader
         self.source_dir: Path | None = None  # the model directory it was loaded from (set by the loader)
 

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..api import LoadedModel, build_drafter, encode_prompt
 from ..config import GenerationConfig, SamplingParams
-from ..drafters import uses_draft_model
+from ..drafters.base import needs_draft_model, uses_draft_model
 from ..engine import ContextOverflowError, Delta, GenerationResult, plan_length
 
 from .gate import Gate
@@ -60,7 +60,7 @@ class Service:
         settings, spec = self.settings, body.speculative
         method = spec.method if spec is not None else (settings.method or NONE)
         options = dict(spec.model_extra or {}) if spec is not None else dict(settings.options)
-        if method == "draft-model" and self.draft is None:
+        if needs_draft_model(method) and self.draft is None:
             raise APIError(400, "this server has no draft model (start it with --draft NAME)", param="speculative")
         k = spec.k if spec is not None and spec.k is not None else settings.k
         n = max_tokens if max_tokens is not None else max(1, min(settings.default_max_tokens,
