@@ -20,9 +20,10 @@ from pathlib import Path
 
 import specdec
 from specdec import store
-from specdec.eagle3 import features as fe
-from specdec.eagle3.head import Eagle3Head, attach_target
-from specdec.eagle3.train import evaluate, moving_average
+from specdec.training import features as fe
+from specdec.training.eagle3 import Eagle3Head
+from specdec.training.vocabulary import attach as attach_target
+from specdec.training.loop import evaluate, moving_average
 
 
 def main() -> int:

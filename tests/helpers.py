@@ -8,7 +8,8 @@ from scipy.stats import chisquare
 
 from specdec.costs import Costs
 from specdec.drafters import Draft, DraftModelDrafter, Feedback
-from specdec.eagle3.head import Eagle3Head, HeadConfig, attach_target, config_for_target
+from specdec.training.eagle3 import Eagle3Head, HeadConfig, config_for_target
+from specdec.training.vocabulary import attach as attach_target
 from specdec.sampling import probs
 
 ALPHA = 1e-3  # significance level of every statistical test; all runs are seeded
@@ -120,9 +121,9 @@ def random_heads(model, kind: str = "medusa", seed: int = 0, num_heads: int = 3,
                  draft_vocab: int | None = None, hydra_inner: int = 16, vocab_ids=None, model_dir=None):  # fmt: skip
     """Seeded heads for `model`: Medusa's initialisation (each head starts as the target's own
     LM head) plus `noise` on every weight; draft vocabulary every other token, or `vocab_ids`."""
-    from specdec.medusa.heads import MedusaHeads
-    from specdec.medusa.heads import attach_target as attach_heads
-    from specdec.medusa.heads import config_for_target as heads_config
+    from specdec.training.medusa import MedusaHeads
+    from specdec.training.vocabulary import attach as attach_heads
+    from specdec.training.medusa import config_for_target as heads_config
 
     V = model.args.vocab_size
     n = len(vocab_ids) if vocab_ids is not None else draft_vocab or V // 2

@@ -20,9 +20,10 @@ from specdec import engine
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import Eagle3Drafter, make_drafter
 from specdec.drafters.eagle3 import _Runner
-from specdec.eagle3 import features as fe
-from specdec.eagle3.head import Eagle3Head, HeadConfig, attach_target, config_for_target
-from specdec.eagle3.train import TrainConfig, evaluate, sequence_loss, train, unroll
+from specdec.training import features as fe
+from specdec.training.eagle3 import Eagle3Head, HeadConfig, config_for_target
+from specdec.training.vocabulary import attach as attach_target
+from specdec.training.loop import TrainConfig, evaluate, sequence_loss, train, unroll
 
 
 def _examples(model, n: int, length: int, seed: int) -> list[fe.Example]:
@@ -475,7 +476,8 @@ def _proposals(model, head, prompt_ids) -> list[list[int]]:
 def test_export_writes_the_engines_layout_and_loads_back(tiny, tmp_path):
     from safetensors.torch import load_file
 
-    from specdec.eagle3.export import WEIGHT_NAMES, export
+    from specdec.training.export import EAGLE3_WEIGHT_NAMES as WEIGHT_NAMES
+    from specdec.training.export import export_eagle3 as export
 
     lm = tiny("llama")
     model = lm.model

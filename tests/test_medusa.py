@@ -16,10 +16,11 @@ from specdec import engine
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.costs import Costs
 from specdec.drafters import DraftSession, HydraDrafter, MedusaDrafter, make_drafter
-from specdec.eagle3 import features as fe
-from specdec.eagle3.train import TrainConfig, train
-from specdec.medusa.heads import MedusaHeads, attach_target, greedy_tree
-from specdec.medusa.train import head_states, heads_loss, topk_accuracy
+from specdec.training import features as fe
+from specdec.training.loop import TrainConfig, train
+from specdec.training.medusa import MedusaHeads, greedy_tree
+from specdec.training.vocabulary import attach as attach_target
+from specdec.training.medusa import head_states, heads_loss, topk_accuracy
 
 KINDS = ["medusa", "hydra"]
 DRAFTER = {"medusa": MedusaDrafter, "hydra": HydraDrafter}
@@ -296,7 +297,8 @@ def test_typical_acceptance_on_the_command_line(tiny_dir, capsys):
 
 # -- export -------------------------------------------------------------------------------------
 def test_export_writes_vllms_medusa_layout_and_loads_back(tiny, tmp_path):
-    from specdec.medusa.export import export, load_exported
+    from specdec.training.export import export_medusa as export
+    from specdec.training.export import load_medusa as load_exported
 
     model = tiny("llama").model
     heads = random_heads(model, "medusa", seed=4, noise=0.3)

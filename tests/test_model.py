@@ -13,7 +13,7 @@ ARCHS = ["llama", "qwen2", "gemma3"]
 
 
 def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
-    from specdec.convert import float_weights
+    from specdec.model.convert import float_weights
 
     ref = AutoModelForCausalLM.from_pretrained(float_weights(path), dtype=torch.float32)
     with torch.no_grad():

@@ -34,6 +34,18 @@ PROMPTS = [
 ]
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying when it has started (an event to wait on, not a flag to poll)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        self.ready.set()
+
+
 class Running:
     """A uvicorn server for an app, in a thread, on a free port."""
 
@@ -42,14 +54,11 @@ class Running:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_s)
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.time() + 120
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.05)
+        if not self.server.ready.wait(120):
+            raise RuntimeError("the server did not start")
         self.url = f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
@@ -269,19 +278,22 @@ def test_graceful_shutdown_finishes_or_cancels_in_flight_requests(models):
         body = {**CHAT, "max_tokens": max_tokens, "stream": True, "messages": [{"role": "user", "content": PROMPTS[0]}],
                 "speculative": {"method": "none"}}  # fmt: skip
 
+        started = threading.Event()
+
         def read() -> None:
             try:
                 with httpx.stream("POST", running.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                    got.extend(r.iter_lines())
+                    for line in r.iter_lines():
+                        got.append(line)
+                        if line.startswith("data: "):
+                            started.set()
             except httpx.HTTPError as exc:  # a cancelled stream may end abruptly
                 got.append(f"closed: {type(exc).__name__}")
+            started.set()
 
         reader = threading.Thread(target=read)
         reader.start()
-        deadline = time.time() + 60
-        while not any(line.startswith("data: ") for line in got) and time.time() < deadline:
-            time.sleep(0.02)
-        assert got, "the stream did not start"
+        assert started.wait(60) and got, "the stream did not start"
         t0 = time.time()
         running.close()
         reader.join(60)
@@ -311,13 +323,12 @@ def test_specdec_serve_command_serves_and_stops_on_sigterm(smollm2_exact):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        lines = []  # its log, up to the line that says it serves (it prepares before it listens)
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving smollm2-135m on http://" in line:
+                break
+        assert httpx.get(url + "/health", timeout=10).status_code == 200, "".join(lines)
         out = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120).chat.completions.create(
             model="smollm2-135m", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=16, temperature=0)
         assert out.choices[0].message.content == _reference(smollm2_exact, None, PROMPTS[2], "prompt-lookup", 16)

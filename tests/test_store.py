@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdec import registry, store
-from specdec.convert import BASE_WEIGHTS, FLOAT_WEIGHTS, float_weights, has_float_weights
+from specdec.model.convert import BASE_WEIGHTS, FLOAT_WEIGHTS, float_weights, has_float_weights
 from specdec.model.load import load_transformer
 from specdec.model.native import available as native_available
 

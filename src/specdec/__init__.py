@@ -41,9 +41,10 @@ from .verify import (
     tree_rejection_sample,
 )
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "DRAFTERS",
     "Comparison",
     "Delta",

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from . import __version__, registry, store
+from . import registry, store
+from .version import __version__
 
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
          "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip

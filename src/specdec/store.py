@@ -30,18 +30,14 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .model.gguf_file import UnsupportedArchitectureError, gguf_architecture, gguf_truncation
+from .paths import cache_root, lock_path, sha256_file, write_json
 from .registry import MODELS, ModelSpec, PackagedFile, WheelPart, get_spec
 
+__all__ = ["UnsupportedArchitectureError", "cache_root", "gguf_architecture", "gguf_truncation", "lock_path",
+           "sha256_file", "write_json"]  # (where they live: paths and the GGUF reader)
+
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
-
-
-def write_json(path: Path, value: object, indent: int = 1) -> None:
-    """Write JSON whole or not at all: to a file of this process beside `path`, then renamed
-    over it (a reader, or a writer in another process, never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=indent) + "\n")
-    tmp.replace(path)
 
 
 class ModelNotInstalledError(RuntimeError):
@@ -52,25 +48,6 @@ class ChecksumError(RuntimeError):
     pass
 
 
-class UnsupportedArchitectureError(ValueError):
-    pass
-
-
-def cache_root() -> Path:
-    if env := os.environ.get("SPECDEC_HOME"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specdec"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def gguf_path(spec: ModelSpec) -> Path:
     return cache_root() / "gguf" / spec.filename
 
@@ -79,15 +56,8 @@ def converted_dir(sha256: str) -> Path:
     return cache_root() / "converted" / sha256
 
 
-def lock_path(key: str) -> Path:
-    """The lock file serializing installs and conversions of one model (key: its sha256)."""
-    path = cache_root() / "locks" / f"{key}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def is_installed(name: str) -> bool:
-    from .convert import BASE_WEIGHTS, FLOAT_WEIGHTS
+    from .model.convert import BASE_WEIGHTS, FLOAT_WEIGHTS
 
     d = converted_dir(get_spec(name).sha256)
     return (d / "config.json").exists() and ((d / BASE_WEIGHTS).exists() or (d / FLOAT_WEIGHTS).exists())
@@ -96,7 +66,7 @@ def is_installed(name: str) -> bool:
 def model_files(name: str) -> dict[str, int]:
     """Bytes on disk per kind of file for a registered model: gguf, float32 (model.safetensors),
     q4k (repacked blocks), other (config, tokenizer, norms); zero where absent."""
-    from .convert import FLOAT_WEIGHTS
+    from .model.convert import FLOAT_WEIGHTS
 
     spec = get_spec(name)
     d = converted_dir(spec.sha256)
@@ -235,7 +205,7 @@ def install(name: str, *, keep_downloads: bool = False, floats: bool = False,
     Under the model's lock: a second install of the same model waits, then finds it done."""
     from filelock import FileLock
 
-    from .convert import _write_float_weights, convert_gguf, has_float_weights
+    from .model.convert import _write_float_weights, convert_gguf, has_float_weights
     from .model import sparse
 
     spec = get_spec(name)
@@ -266,7 +236,8 @@ def install(name: str, *, keep_downloads: bool = False, floats: bool = False,
         if not is_installed(name):
             log(f"{name}: reading config, tokenizer, norms and biases from {gguf.name}"
                 + (" and de-quantizing every weight to float32" if floats else ""))
-            convert_gguf(gguf, target, expected_architecture=spec.architecture, floats=floats)
+            convert_gguf(gguf, target, expected_architecture=spec.architecture, floats=floats,
+                         pin=(spec.name, spec.sha256))  # fmt: skip
         elif floats:
             log(f"{name}: de-quantizing {gguf.name} to float32 weights")
             _write_float_weights(gguf, target)
@@ -274,67 +245,28 @@ def install(name: str, *, keep_downloads: bool = False, floats: bool = False,
     return target
 
 
-def gguf_truncation(path: Path) -> str | None:
-    """'truncated: N bytes, its tensor table needs M' when a GGUF file ends before the tensor
-    data its header describes (a download or copy cut short); None when it does not, or when
-    the header itself cannot be read. Reads the header and tensor table with the gguf
-    package's reader, stopping before it maps the tensors (where a short file fails with a
-    reshape error that names neither size)."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-
-    from .model.gguf_file import GGUFFile
-
-    class _Header(GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list) -> None:  # the tensor table only
-            self.table = (start_offs, fields)
-
-    class _FastHeader(_Header, GGUFFile):
-        pass
-
+def _pin(model_dir: Path, spec: ModelSpec) -> None:
+    """A directory converted before its `specdec.json` named the model and its pinned sha256
+    (what `model.sparse` checks a rebuilt file against) gets them now."""
+    path = model_dir / "specdec.json"
     try:
-        start, fields = _FastHeader(str(path), "r").table
-        need = 0
-        for f in fields:  # parts: name length, name, n_dims, dims, type, offset (gguf's layout)
-            _, _, _, dims, raw_type, offset = f.parts
-            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
-            need = max(need, int(start + offset[0]) + int(np.prod(dims)) * size // block)
-    except Exception:  # a header the reader cannot parse: no size to compare
-        return None
-    have = path.stat().st_size
-    return f"truncated: {have} bytes, its tensor table needs {need}" if have < need else None
-
-
-def gguf_architecture(path: Path) -> str:
-    from .model.gguf_file import open_gguf
-
-    try:
-        reader = open_gguf(path)
-    except Exception as exc:  # the gguf reader raises plain ValueError/struct errors on junk
-        short = gguf_truncation(path)
-        if short is not None:
-            raise UnsupportedArchitectureError(f"{path} is {short} (a download or copy cut short; fetch it "
-                                               "again)") from None  # fmt: skip
-        raise UnsupportedArchitectureError(f"{path} is not a readable GGUF file: {exc}") from exc
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise UnsupportedArchitectureError(f"{path} has no general.architecture field")
-    try:
-        return bytes(field.parts[field.data[0]]).decode()
-    except (UnicodeDecodeError, IndexError) as exc:
-        raise UnsupportedArchitectureError(f"{path} is not a readable GGUF file: its architecture field is "
-                                           f"damaged ({exc})") from None  # fmt: skip
+        meta = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return
+    if meta.get("name") != spec.name or meta.get("sha256") != spec.sha256:
+        write_json(path, {**meta, "name": spec.name, "sha256": spec.sha256})
 
 
 def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     """Return a Hugging Face style directory for a registered name, a directory or a GGUF path."""
-    from .convert import convert_gguf
+    from .model.convert import convert_gguf
 
     text = str(name_or_path)
     if text in MODELS:
         spec = MODELS[text]
         target = converted_dir(spec.sha256)
         if (target / "config.json").exists():
+            _pin(target, spec)
             return target
         raise ModelNotInstalledError(
             f"model {text!r} is not installed. Run `specdec models install {text}` "

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .. import __version__, registry
+from .. import registry
+from ..version import __version__
 from ..api import LoadedModel, encode_prompt, generate, load, load_draft
 from ..config import DEFAULT_K
 from ..costs import K_MAX, Costs, measure_costs, pass_costs

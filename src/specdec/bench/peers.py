@@ -52,7 +52,7 @@ class TransformersPeers:
     def __init__(self, target_dir: Path, draft_dir: Path | None, k: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        from ..convert import float_weights  # transformers reads float weights (made on first use)
+        from ..model.convert import float_weights  # transformers reads float weights (made on first use)
 
         self.target = AutoModelForCausalLM.from_pretrained(float_weights(target_dir), dtype=torch.bfloat16)
         self.draft = AutoModelForCausalLM.from_pretrained(float_weights(draft_dir), dtype=torch.bfloat16) if draft_dir else None

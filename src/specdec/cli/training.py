@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,48 +118,48 @@ def _check_training_data(ns: argparse.Namespace) -> None:
     store.resolve(ns.target)
 
 
-def _cmd_train_medusa(ns: argparse.Namespace) -> int:
-    from ..eagle3.recipe import Recipe
-    from ..eagle3.train import TrainConfig
-    from ..medusa.train import run
+def _recipe(ns: argparse.Namespace, recipe: dict[str, Any], train: dict[str, Any]) -> tuple[Any, Any]:
+    """The recipe and training settings a `specdec train` command line gives (checked first)."""
+    from ..training.loop import TrainConfig
+    from ..training.recipe import Recipe
 
     if ns.threads:
         torch.set_num_threads(ns.threads)
+    _check_training_data(ns)
+    made = Recipe(target=ns.target, out=ns.out, data=ns.data, data_mode=ns.data_mode, tokens=ns.tokens,
+                  max_len=ns.max_len, draft_vocab=ns.draft_vocab, features=ns.features,
+                  regen_tokens=ns.answer_tokens, regen_batch=ns.gen_batch, **recipe)  # fmt: skip
+    tc = TrainConfig(lr=ns.lr, seqs_per_step=ns.seqs_per_step, epochs=ns.epochs, minutes=ns.minutes,
+                     max_len=ns.max_len, seed=ns.seed, loss_fraction=ns.loss_fraction, dtype=ns.compute_dtype,
+                     **train)  # fmt: skip
+    return made, tc
+
+
+def _wrote(ns: argparse.Namespace, result: dict[str, Any], what: str, values: list[float] | None) -> None:
+    if values is not None:
+        print(f"wrote {ns.out}: {result['optimizer_steps']} steps in {result['wall_minutes']} min; validation top-1 "
+              f"{what} {', '.join(f'{v:.2f}' for v in values)}", file=sys.stderr)  # fmt: skip
+
+
+def _cmd_train_medusa(ns: argparse.Namespace) -> int:
+    from ..training.recipe import run_heads
+
     if ns.heads < 1:
         raise ValueError("--heads must be at least 1")
-    _check_training_data(ns)
-    recipe = Recipe(target=ns.target, out=ns.out, data=ns.data, data_mode=ns.data_mode, tokens=ns.tokens,
-                    max_len=ns.max_len, draft_vocab=ns.draft_vocab, features=ns.features,
-                    regen_tokens=ns.answer_tokens, regen_batch=ns.gen_batch)  # fmt: skip
-    tc = TrainConfig(lr=ns.lr, seqs_per_step=ns.seqs_per_step, epochs=ns.epochs, minutes=ns.minutes,
-                     max_len=ns.max_len, seed=ns.seed, loss_fraction=ns.loss_fraction, dtype=ns.compute_dtype)  # fmt: skip
-    result = run(recipe, tc, ns.kind, ns.heads, hydra_inner=getattr(ns, "hydra_inner", 512),
+    recipe, tc = _recipe(ns, {}, {})
+    result = run_heads(recipe, tc, ns.kind, ns.heads, hydra_inner=getattr(ns, "hydra_inner", 512),
                  command="specdec " + " ".join(ns.argv), progress=ns.progress)  # fmt: skip
     acc = result.get("validation_topk_accuracy")
-    if acc is not None:
-        print(f"wrote {ns.out}: {result['optimizer_steps']} steps in {result['wall_minutes']} min; validation top-1 "
-              f"accuracy by head {', '.join(f'{row[0]:.2f}' for row in acc)}", file=sys.stderr)  # fmt: skip
+    _wrote(ns, result, "accuracy by head", [row[0] for row in acc] if acc is not None else None)
     return 0
 
 
 def _cmd_train_eagle3(ns: argparse.Namespace) -> int:
-    from ..eagle3.recipe import Recipe, run
-    from ..eagle3.train import TrainConfig
+    from ..training.recipe import run
 
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
-    _check_training_data(ns)
-    recipe = Recipe(target=ns.target, out=ns.out, data=ns.data, data_mode=ns.data_mode, tokens=ns.tokens,
-                    max_len=ns.max_len, draft_vocab=ns.draft_vocab, intermediate_size=ns.intermediate_size,
-                    features=ns.features, regen_tokens=ns.answer_tokens, regen_batch=ns.gen_batch)  # fmt: skip
-    tc = TrainConfig(steps=ns.ttt_steps, lr=ns.lr, seqs_per_step=ns.seqs_per_step, epochs=ns.epochs,
-                     minutes=ns.minutes, max_len=ns.max_len, seed=ns.seed, loss_fraction=ns.loss_fraction,
-                     dtype=ns.compute_dtype)  # fmt: skip
+    recipe, tc = _recipe(ns, {"intermediate_size": ns.intermediate_size}, {"steps": ns.ttt_steps})
     result = run(recipe, tc, command="specdec " + " ".join(ns.argv), progress=ns.progress)
-    acc = result.get("validation_top1_by_step")
-    if acc is not None:
-        print(f"wrote {ns.out}: {result['optimizer_steps']} steps in {result['wall_minutes']} min; validation top-1 "
-              f"agreement by draft step {', '.join(f'{a:.2f}' for a in acc)}", file=sys.stderr)  # fmt: skip
+    _wrote(ns, result, "agreement by draft step", result.get("validation_top1_by_step"))
     return 0
 
 
@@ -186,27 +187,29 @@ def export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export_medusa(ns: argparse.Namespace) -> int:
-    from ..medusa.export import export
-    from ..medusa.heads import MedusaHeads, attach_target
+    from ..training.export import export_medusa as export
+    from ..training.medusa import MedusaHeads
+    from ..training.vocabulary import attach
     from ..model import load_transformer
 
     heads = MedusaHeads.load(ns.head)
     path = store.resolve(ns.target or heads.cfg.target)
-    attach_target(heads, load_transformer(path, dtype="fp32", device="cpu"), path)
+    attach(heads, load_transformer(path, dtype="fp32", device="cpu"), path)
     out = export(heads, ns.out, ns.format, getattr(torch, ns.dtype))
     print(f"wrote {out} ({ns.format}: {len(list(out.iterdir()))} files)", file=sys.stderr)
     return 0
 
 
 def _cmd_export_eagle3(ns: argparse.Namespace) -> int:
-    from ..eagle3.export import export
-    from ..eagle3.head import Eagle3Head, attach_target
+    from ..training.eagle3 import Eagle3Head
+    from ..training.export import export_eagle3 as export
+    from ..training.vocabulary import attach
     from ..model import load_transformer
 
     head = Eagle3Head.load(ns.head)
     if head.cfg.tie_lm_head:
         path = store.resolve(ns.target or head.cfg.target)
-        attach_target(head, load_transformer(path, dtype="fp32", device="cpu"), path)
+        attach(head, load_transformer(path, dtype="fp32", device="cpu"), path)
     out = export(head, ns.out, ns.format, getattr(torch, ns.dtype))
     print(f"wrote {out} ({ns.format}: {len(list(out.iterdir()))} files)", file=sys.stderr)
     return 0

@@ -1,6 +1,6 @@
 """EAGLE-3 drafting: a one-layer head over the target's own features, dynamic token trees.
 
-Each proposal (see `specdec.eagle3.head` for the head itself):
+Each proposal (see `specdec.training.eagle3` for the head itself):
 
 1. the head catches up on the committed positions whose target features arrived since the
    last proposal (the prompt's at `begin`, then the accepted rows of each verification pass):
@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..eagle3.head import Eagle3Head
+from ..training.eagle3 import Eagle3Head
 from ..model.transformer import Transformer
 from ..sampling import probs as sampling_probs
 from . import heads

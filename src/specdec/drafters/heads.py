@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..model.transformer import Transformer
+from ..training.vocabulary import attach
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads that ship with specdec, one directory each
 CONFIGS = {"specdec_eagle3.json": "eagle3", "specdec_medusa.json": None}  # config file -> kind (None: in the file)
@@ -83,25 +84,6 @@ def load(kind: str, target: Transformer, head: str | Path | H | None, read: Call
             attach(obj, target)
         known = target.state.heads[key] = (obj, runner(obj, target))  # type: ignore[arg-type]
     return known  # type: ignore[return-value]
-
-
-def attach(head: Any, target: Transformer, model_dir: str | Path | None = None) -> Any:
-    """Give a head the target's frozen embedding table (scaled as the target scales it) and its
-    LM head rows (heads that read them: `head.needs_output_rows`), checked against the sizes it
-    was trained for."""
-    from ..eagle3.head import target_output_rows
-
-    c = head.cfg
-    if c.hidden_size != target.args.dim or c.target_vocab_size != target.args.vocab_size:
-        raise ValueError(f"this {head.kind} head was trained for {c.target!r} (hidden {c.hidden_size}, vocabulary "
-                         f"{c.target_vocab_size}); the target has hidden {target.args.dim}, vocabulary "
-                         f"{target.args.vocab_size}")  # fmt: skip
-    embed = target.model.embed_tokens.weight.detach().float()
-    if target.args.embed_scale != 1.0:
-        embed = embed * target.args.embed_scale
-    rows = target_output_rows(target, model_dir or target.source_dir) if head.needs_output_rows else None
-    head.attach(embed, rows)
-    return head
 
 
 class HeadRunner:

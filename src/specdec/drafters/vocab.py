@@ -173,7 +173,7 @@ def build(model: str, out: Path | None = None, *, data: str = "sharegpt", limit:
     command = f"specdec models vocab {model} --data {data}" + (f" --limit {limit}" if limit else "")
     command += f" --out {out}" if out is not None else ""
     out = out or user_dir() / f"{Path(model).stem if Path(model).exists() else model}.safetensors"
-    from .. import __version__  # (the package is still importing this module when it is loaded)
+    from ..version import __version__
 
     spec = DATASETS.get(data)
     source = ", ".join(f"{w.package}=={w.version}" for w in spec.parts) + f" (sha256 {spec.sha256})" if spec else data

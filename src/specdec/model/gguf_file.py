@@ -188,3 +188,56 @@ class GGUFEmbedding(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} rows from {self.path.name}"
+
+
+# -- what a file says it is ----------------------------------------------------------------
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def gguf_truncation(path: Path) -> str | None:
+    """'truncated: N bytes, its tensor table needs M' when a GGUF file ends before the tensor
+    data its header describes (a download or copy cut short); None when it does not, or when
+    the header itself cannot be read. Reads the header and tensor table with the gguf
+    package's reader, stopping before it maps the tensors (where a short file fails with a
+    reshape error that names neither size)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class _Header(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:  # the tensor table only
+            self.table = (start_offs, fields)
+
+    class _FastHeader(_Header, GGUFFile):
+        pass
+
+    try:
+        start, fields = _FastHeader(str(path), "r").table
+        need = 0
+        for f in fields:  # parts: name length, name, n_dims, dims, type, offset (gguf's layout)
+            _, _, _, dims, raw_type, offset = f.parts
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            need = max(need, int(start + offset[0]) + int(np.prod(dims)) * size // block)
+    except Exception:  # a header the reader cannot parse: no size to compare
+        return None
+    have = path.stat().st_size
+    return f"truncated: {have} bytes, its tensor table needs {need}" if have < need else None
+
+
+def gguf_architecture(path: Path) -> str:
+    try:
+        reader = open_gguf(path)
+    except Exception as exc:  # the gguf reader raises plain ValueError/struct errors on junk
+        short = gguf_truncation(path)
+        if short is not None:
+            raise UnsupportedArchitectureError(f"{path} is {short} (a download or copy cut short; fetch it "
+                                               "again)") from None  # fmt: skip
+        raise UnsupportedArchitectureError(f"{path} is not a readable GGUF file: {exc}") from exc
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise UnsupportedArchitectureError(f"{path} has no general.architecture field")
+    try:
+        return bytes(field.parts[field.data[0]]).decode()
+    except (UnicodeDecodeError, IndexError) as exc:
+        raise UnsupportedArchitectureError(f"{path} is not a readable GGUF file: its architecture field is "
+                                           f"damaged ({exc})") from None  # fmt: skip

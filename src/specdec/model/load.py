@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelArgs
+from .convert import BASE_WEIGHTS, float_weights, gguf_source, has_float_weights
 from .kernels import DRAFT_BITS, apply_mode, get_mode
 from .transformer import Transformer
 
@@ -59,13 +60,11 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
 
     A directory installed from a GGUF loads the q4k mode from the GGUF itself (no float copy);
     the other modes read `model.safetensors`, which is de-quantized from the GGUF the first
-    time one of them is asked for (`specdec.convert.float_weights`).
+    time one of them is asked for (`specdec.model.convert.float_weights`).
 
     `bits` (q4k mode only): a cheaper packing than the file's, for a model that drafts — 4: every
     linear layer in Q4_K blocks (`kernels.apply_mode`), kept in its own packed file."""
     from safetensors.torch import load_file
-
-    from ..convert import BASE_WEIGHTS, float_weights, has_float_weights
 
     path = Path(path)
     args = ModelArgs.from_dir(path)
@@ -123,7 +122,6 @@ def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path, bits: int
     file), embedding rows de-quantized from the GGUF when looked up."""
     from safetensors.torch import load_file
 
-    from ..convert import BASE_WEIGHTS
     from .gguf_file import GGUFEmbedding
 
     with torch.device("meta"):
@@ -142,18 +140,23 @@ def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path, bits: int
                          "again")  # fmt: skip
     _prune_packed(keep=packed)
     if fresh:
-        _sparsify(gguf, packed, args)
+        _sparsify(path, gguf, packed, args)
     model.mode, model.bits = mode.name, bits
     model.set_native_layers(True)
     model.source_dir = path
     return model
 
 
-def _sparsify(gguf: Path, packed: Path, args: ModelArgs) -> int:
-    """Keep the blocks `packed` holds only there, not also in the cached GGUF (see `sparse`)."""
+def _sparsify(path: Path, gguf: Path, packed: Path, args: ModelArgs) -> int:
+    """Keep the blocks `packed` holds only there, not also in the cached GGUF (see `sparse`), for
+    a registered model (its name and pinned sha256 in the directory's `specdec.json`)."""
+    import json
+
     from . import sparse
 
-    return sparse.sparsify(gguf, packed, tied=args.tie_embeddings, model_type=args.model_type,
+    meta = json.loads((path / "specdec.json").read_text()) if (path / "specdec.json").exists() else {}
+    pin = (meta["name"], meta["sha256"]) if "name" in meta and "sha256" in meta else None
+    return sparse.sparsify(gguf, packed, pin=pin, tied=args.tie_embeddings, model_type=args.model_type,
                            n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)  # fmt: skip
 
 
@@ -164,7 +167,7 @@ def packed_path(path: Path, files: list[Path], gguf: Path | None, bits: int | No
     weights exist, so adding them keeps the key.)"""
     import hashlib
 
-    from ..store import cache_root
+    from ..paths import cache_root
     from . import kquant
 
     h = hashlib.sha256(f"{kquant.layout_version()}:{kquant.REQUANTIZE}".encode() + (f":bits{bits}".encode() if bits else b""))
@@ -233,24 +236,8 @@ def prepare_q4k(path: str | Path, draft_bits: int | None = None) -> bool:
         from .sparse import state
 
         if state(gguf) is None:  # packed by an earlier version, or killed in between
-            _sparsify(gguf, packed, ModelArgs.from_dir(path))
+            _sparsify(path, gguf, packed, ModelArgs.from_dir(path))
     return True
-
-
-def gguf_source(path: Path) -> Path | None:
-    """The GGUF file a converted directory came from, if it is still there."""
-    import json
-
-    from ..store import cache_root
-
-    meta = path / "specdec.json"
-    if not meta.exists():
-        return None
-    info = json.loads(meta.read_text())
-    for candidate in (info.get("source_path"), cache_root() / "gguf" / info.get("source", "")):
-        if candidate and Path(candidate).is_file() and Path(candidate).suffix == ".gguf":
-            return Path(candidate)
-    return None
 
 
 def _strip_prefix(key: str) -> str:

@@ -186,7 +186,7 @@ def _build(variant: str) -> tuple[list[str], Any]:
 
 @cache
 def _library(variant: str) -> ctypes.CDLL:
-    from ..store import cache_root
+    from ..paths import cache_root
 
     cmd, key = _build(variant)
     sources = [_CSRC / name for name in _SOURCES]

@@ -28,13 +28,9 @@ import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from filelock import FileLock
-
-if TYPE_CHECKING:
-    from ..registry import ModelSpec
 
 SUFFIX = ".blocks.json"
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -64,16 +60,9 @@ def disk_bytes(path: Path) -> int:
 
 
 def _in_cache(gguf: Path) -> bool:
-    from ..store import cache_root
+    from ..paths import cache_root
 
     return gguf.resolve().parent == (cache_root() / "gguf").resolve()
-
-
-def _spec(gguf: Path) -> ModelSpec | None:
-    """The registered model whose file this is (by name, as the cache stores it)."""
-    from ..registry import MODELS
-
-    return next((s for s in MODELS.values() if s.filename == Path(gguf).name), None)
 
 
 @cache
@@ -134,15 +123,14 @@ def tensor_data(gguf: Path, name: str, data: np.ndarray) -> np.ndarray:
 
 
 def _lost(gguf: Path, why: str) -> str:
-    spec = _spec(gguf)
-    name = spec.name if spec else "NAME"
+    name = (state(gguf) or {}).get("name", "NAME")
     return (f"{gguf.name}: its weight blocks were kept only in the q4k packed file, and {why}; install it "
             f"again (downloads it): specdec models install {name}")  # fmt: skip
 
 
 def held_packings() -> set[Path]:
     """The packed files that hold punched blocks of a GGUF in the cache."""
-    from ..store import cache_root
+    from ..paths import cache_root
 
     held = set()
     for note in (cache_root() / "gguf").glob(f"*{SUFFIX}"):
@@ -235,17 +223,19 @@ def _punch_with_note(gguf: Path, info: dict) -> bool:
     return True
 
 
-def sparsify(gguf: Path, packed: Path, *, tied: bool, model_type: str, n_heads: int, n_kv_heads: int) -> int:
+def sparsify(gguf: Path, packed: Path, *, pin: tuple[str, str] | None, tied: bool, model_type: str, n_heads: int,
+             n_kv_heads: int) -> int:  # fmt: skip
     """Punch out of a cached GGUF the tensors `packed` holds losslessly (checked byte for byte).
-    Returns the bytes freed (0 where nothing could be or was done)."""
+    `pin`: the registered model's (name, pinned sha256), which the file is checked against when
+    it is made whole again; None (a file of one's own) leaves it alone. Returns the bytes freed
+    (0 where nothing could be or was done)."""
     from gguf import GGMLQuantizationType
 
     from . import kquant
     from .gguf_file import open_gguf
 
     gguf = Path(gguf)
-    spec = _spec(gguf)
-    if spec is None or not _in_cache(gguf) or not packed.exists() or _fallocate() is None:
+    if pin is None or not _in_cache(gguf) or not packed.exists() or _fallocate() is None:
         return 0
     from safetensors import safe_open
 
@@ -255,7 +245,7 @@ def sparsify(gguf: Path, packed: Path, *, tied: bool, model_type: str, n_heads: 
         with safe_open(str(packed), framework="pt") as f:
             modules = set(f.keys())
         tensors = {t.name: t for t in open_gguf(gguf).tensors}
-        info = {"sha256": spec.sha256, "packed": str(packed.resolve()), "format": kquant.tile_format(), "tensors": {}}
+        info = {"name": pin[0], "sha256": pin[1], "packed": str(packed.resolve()), "format": kquant.tile_format(), "tensors": {}}
         candidates = {}
         for module in sorted(modules):
             name = kquant.gguf_tensor_name(module, tied)
@@ -292,7 +282,7 @@ def sparsify(gguf: Path, packed: Path, *, tied: bool, model_type: str, n_heads: 
 def restore(gguf: Path) -> bool:
     """Write a sparse GGUF's punched blocks back from the packed tiles and check the whole file
     against its pinned sha256. Returns whether anything was written."""
-    from ..store import sha256_file
+    from ..paths import sha256_file
 
     gguf = Path(gguf)
     if state(gguf) is None:  # (a whole file needs no lock: nothing here makes a file sparse but sparsify)

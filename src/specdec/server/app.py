@@ -304,6 +304,7 @@ def serve(target: LoadedModel, draft: LoadedModel | None, settings: ServeSetting
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(2048)  # from here a client's connection waits in the queue, never refused
     except OSError as exc:
         raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host") from exc
     app = create_app(target, draft, settings, engine_thread=False)

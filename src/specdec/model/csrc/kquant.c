@@ -191,57 +191,18 @@ _Static_assert(sizeof(tile_q4k) % 64 == 0 && sizeof(tile_q6k) % 64 == 0 && sizeo
  * in the same order (one fmadd per block, a final subtraction and bias add), so the AVX2 and
  * AVX-512 builds give bitwise identical results. */
 
-/* One half (8 outputs, h = 0 or 1) of a tile, rows r0..r0+rb-1, with 256-bit vectors. */
-static inline __attribute__((always_inline)) void half_dot_q4k(
-    const tile_q4k *w, const xquant *xq, int r0, int rb, int h, float out[][TILE]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 facc[MAXRB], fmin[MAXRB];
-    for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm256_setzero_ps();
-    for (int b = 0; b < xq->nb; b++) {
-        const tile_q4k *t = w + b;
-        __m256i iacc[MAXRB], imin[MAXRB];
-        for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)t->mn[p][8 * h]));
-            for (int r = 0; r < rb; r++) {
-                const int16_t *s32 = xq->s32 + ((size_t)(r0 + r) * xq->nb + b) * 8 + 2 * p;
-                imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(load4(s32))));
-            }
+/* The 8 code vectors of group j, half h (8 outputs), 256-bit: chunk v's codes for 4 inputs of 8
+ * outputs. bits = 4: q4k's nibbles; 3 or 2: the draft packings' codes (0..7, 0..3). */
+static inline __attribute__((always_inline)) void codes256(const void *tb, int bits, int j, int h, __m256i c[8]) {
+    if (bits == 4) {
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        for (int v = 0; v < 4; v++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)&((const tile_q4k *)tb)->qs[j][v][32 * h]);
+            c[v] = _mm256_and_si256(raw, m4);
+            c[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         }
-        for (int j = 0; j < 8; j++) {
-            if (h == 0) prefetch_part(t, sizeof(tile_q4k), j, 8, rb);  /* (the second half finds the tile in cache) */
-            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[j][8 * h]));
-            __m256i c[8];
-            for (int v = 0; v < 4; v++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)&t->qs[j][v][32 * h]);
-                c[v] = _mm256_and_si256(raw, m4);
-                c[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            }
-            /* Each output's group sum in two 16-bit halves (lanes 2o, 2o+1), then one
-             * multiply-add by the scale gives sc * g in 32 bits. Exact: a pair of products is at
-             * most 2 * 15 * 127 = 3810 (maddubs never saturates) and 8 of them 30480 < 2^15; the
-             * same integer as the 512-bit path's g * sc, in 17 operations per row, not 26. */
-            const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-            for (int r = 0; r < rb; r++) {
-                const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
-                __m256i g16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(load4(xp)));
-                for (int v = 1; v < 8; v++) g16 = _mm256_add_epi16(g16, _mm256_maddubs_epi16(c[v], _mm256_set1_epi32(load4(xp + 4 * v))));
-                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(g16, sc16));
-            }
-        }
-        const __m256 d = _mm256_loadu_ps(t->d + 8 * h), dmin = _mm256_loadu_ps(t->dmin + 8 * h);
-        for (int r = 0; r < rb; r++) {
-            const __m256 a = _mm256_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
-            facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_mul_ps(d, a), facc[r]);
-            fmin[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dmin, a), fmin[r]);
-        }
+        return;
     }
-    for (int r = 0; r < rb; r++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_sub_ps(facc[r], fmin[r]));
-}
-
-/* The draft packings' code vectors of group j, half h (8 outputs), 256-bit: chunk v's codes
- * (bits = 2: 0..3, bits = 3: 0..7) for 4 inputs of 8 outputs. */
-static inline __attribute__((always_inline)) void low_codes256(const void *tb, int bits, int j, int h, __m256i c[8]) {
     const __m256i m2 = _mm256_set1_epi8(0x03), b2 = _mm256_set1_epi8(0x04);
     const uint8_t *qs = bits == 2 ? ((const tile_q2 *)tb)->qs[j][0] : ((const tile_q3 *)tb)->g[j].qs[0];
     for (int w = 0; w < 2; w++) {
@@ -257,15 +218,16 @@ static inline __attribute__((always_inline)) void low_codes256(const void *tb, i
     }
 }
 
-/* half_dot_q4k for the draft packings: the same operations on narrower codes. Exact: a pair of
- * products is at most 2 * 7 * 127 = 1778, 8 of them 14224 < 2^15; scales and mins < 2^8. */
-static inline __attribute__((always_inline)) void half_dot_low(
+/* One half (8 outputs, h = 0 or 1) of a tile of q4k or a draft packing (`bits` 4, 3, 2: a
+ * constant wherever it is called, so each is compiled on its own), rows r0..r0+rb-1, with
+ * 256-bit vectors. The packings share q4k's header (scales, mins, d, dmin). */
+static inline __attribute__((always_inline)) void half_dot_k(
     const uint8_t *w, int bits, const xquant *xq, int r0, int rb, int h, float out[][TILE]) {
     const size_t tb = tile_size(bits);
     __m256 facc[MAXRB], fmin[MAXRB];
     for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm256_setzero_ps();
     for (int b = 0; b < xq->nb; b++) {
-        const tile_q2 *t = (const tile_q2 *)(w + b * tb);  /* (the header every packing shares) */
+        const tile_q4k *t = (const tile_q4k *)(w + b * tb);  /* (the header every packing shares) */
         __m256i iacc[MAXRB], imin[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
@@ -276,10 +238,14 @@ static inline __attribute__((always_inline)) void half_dot_low(
             }
         }
         for (int j = 0; j < 8; j++) {
-            if (h == 0) prefetch_part(t, tb, j, 8, rb);
+            if (h == 0) prefetch_part(t, tb, j, 8, rb);  /* (the second half finds the tile in cache) */
             const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[j][8 * h]));
             __m256i c[8];
-            low_codes256(t, bits, j, h, c);
+            codes256(t, bits, j, h, c);
+            /* Each output's group sum in two 16-bit halves (lanes 2o, 2o+1), then one
+             * multiply-add by the scale gives sc * g in 32 bits. Exact: a pair of products is at
+             * most 2 * 15 * 127 = 3810 (maddubs never saturates) and 8 of them 30480 < 2^15; the
+             * same integer as the 512-bit path's g * sc, in 17 operations per row, not 26. */
             const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
             for (int r = 0; r < rb; r++) {
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
@@ -381,58 +347,18 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
     return acc;
 }
 
-/* The 8 code vectors of q4k group j (chunk v: inputs 4v..4v+3 of the group, 16 outputs). */
-static inline __attribute__((always_inline)) void q4k_codes512(const tile_q4k *t, int j, __m512i c[8]) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    for (int v = 0; v < 4; v++) {
-        const __m512i raw = _mm512_loadu_si512((const void *)t->qs[j][v]);
-        c[v] = _mm512_and_si512(raw, m4);
-        c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-    }
-}
-
-/* End of block b: acc[r] += float(isum[r]) * (scale * a[r, b]), one fused multiply-add per
- * block in block order: the float part every path shares. */
-static inline __attribute__((always_inline)) void block_fma512(
-    const float *scale, const xquant *xq, int r0, int rb, int b, const __m512i isum[], __m512 acc[]) {
-    const __m512 s = _mm512_loadu_ps(scale);
-    for (int r = 0; r < rb; r++) {
-        const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, a), acc[r]);
-    }
-}
-
-/* The same computation on whole tiles with 512-bit vectors: twice the products per
- * instruction, which is what bounds a pass over several rows. */
-static inline __attribute__((always_inline)) void tile_dot_q4k(
-    const tile_q4k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
-    __m512 facc[MAXRB], fmin[MAXRB];
-    for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm512_setzero_ps();
-    for (int b = 0; b < xq->nb; b++) {
-        const tile_q4k *t = w + b;
-        __m512i iacc[MAXRB], imin[MAXRB];
-        for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
-        q4k_mins512(t, xq, r0, rb, b, imin);
-        for (int j = 0; j < 8; j++) {
-            prefetch_part(t, sizeof(tile_q4k), j, 8, rb);
-            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
-            __m512i c[8];
-            q4k_codes512(t, j, c);
-            for (int r = 0; r < rb; r++) {
-                const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
-                __m512i g = _mm512_setzero_si512();
-                for (int v = 0; v < 8; v++) g = dpbusd_bcast(g, c[v], xp + 4 * v);
-                iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(g, sc));
-            }
+/* The 8 code vectors of group j (chunk v: inputs 4v..4v+3 of the group, 16 outputs), 512-bit:
+ * q4k's nibbles (bits = 4) or a draft packing's codes (3, 2; see codes256). */
+static inline __attribute__((always_inline)) void codes512(const void *tb, int bits, int j, __m512i c[8]) {
+    if (bits == 4) {
+        const __m512i m4 = _mm512_set1_epi8(0x0F);
+        for (int v = 0; v < 4; v++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)((const tile_q4k *)tb)->qs[j][v]);
+            c[v] = _mm512_and_si512(raw, m4);
+            c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
         }
-        block_fma512(t->d, xq, r0, rb, b, iacc, facc);
-        block_fma512(t->dmin, xq, r0, rb, b, imin, fmin);
+        return;
     }
-    for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], _mm512_sub_ps(facc[r], fmin[r]));
-}
-
-/* The draft packings' 8 code vectors of group j (see low_codes256), 512-bit. */
-static inline __attribute__((always_inline)) void low_codes512(const void *tb, int bits, int j, __m512i c[8]) {
     const __m512i m2 = _mm512_set1_epi8(0x03), b2 = _mm512_set1_epi8(0x04);
     const uint8_t *qs = bits == 2 ? ((const tile_q2 *)tb)->qs[j][0] : ((const tile_q3 *)tb)->g[j].qs[0];
     for (int w = 0; w < 2; w++) {
@@ -448,22 +374,35 @@ static inline __attribute__((always_inline)) void low_codes512(const void *tb, i
     }
 }
 
-/* tile_dot_q4k for the draft packings (the same integer and float operations). */
-static inline __attribute__((always_inline)) void tile_dot_low(
+/* End of block b: acc[r] += float(isum[r]) * (scale * a[r, b]), one fused multiply-add per
+ * block in block order: the float part every path shares. */
+static inline __attribute__((always_inline)) void block_fma512(
+    const float *scale, const xquant *xq, int r0, int rb, int b, const __m512i isum[], __m512 acc[]) {
+    const __m512 s = _mm512_loadu_ps(scale);
+    for (int r = 0; r < rb; r++) {
+        const __m512 a = _mm512_set1_ps(xq->a[(size_t)(r0 + r) * xq->nb + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, a), acc[r]);
+    }
+}
+
+/* The same computation on whole tiles with 512-bit vectors: twice the products per
+ * instruction, which is what bounds a pass over several rows. q4k or a draft packing (`bits`,
+ * a constant wherever it is called). */
+static inline __attribute__((always_inline)) void tile_dot_k(
     const uint8_t *w, int bits, const xquant *xq, int r0, int rb, float out[][TILE]) {
     const size_t tb = tile_size(bits);
     __m512 facc[MAXRB], fmin[MAXRB];
     for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm512_setzero_ps();
     for (int b = 0; b < xq->nb; b++) {
-        const tile_q2 *t = (const tile_q2 *)(w + b * tb);  /* (the header every packing shares) */
+        const tile_q4k *t = (const tile_q4k *)(w + b * tb);  /* (the header every packing shares) */
         __m512i iacc[MAXRB], imin[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
-        q4k_mins512((const tile_q4k *)t, xq, r0, rb, b, imin);  /* (q4k's header: its mins are read alike) */
+        q4k_mins512(t, xq, r0, rb, b, imin);
         for (int j = 0; j < 8; j++) {
             prefetch_part(t, tb, j, 8, rb);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
             __m512i c[8];
-            low_codes512(t, bits, j, c);
+            codes512(t, bits, j, c);
             for (int r = 0; r < rb; r++) {
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
                 __m512i g = _mm512_setzero_si512();
@@ -515,11 +454,6 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
     for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], facc[r]);
 }
 #else
-static inline __attribute__((always_inline)) void tile_dot_q4k(
-    const tile_q4k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
-    half_dot_q4k(w, xq, r0, rb, 0, out);
-    half_dot_q4k(w, xq, r0, rb, 1, out);
-}
 
 static inline __attribute__((always_inline)) void tile_dot_q6k(
     const tile_q6k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
@@ -527,19 +461,22 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
     half_dot_q6k(w, xq, r0, rb, 1, out);
 }
 
-static inline __attribute__((always_inline)) void tile_dot_low(
+static inline __attribute__((always_inline)) void tile_dot_k(
     const uint8_t *w, int bits, const xquant *xq, int r0, int rb, float out[][TILE]) {
-    half_dot_low(w, bits, xq, r0, rb, 0, out);
-    half_dot_low(w, bits, xq, r0, rb, 1, out);
+    half_dot_k(w, bits, xq, r0, rb, 0, out);
+    half_dot_k(w, bits, xq, r0, rb, 1, out);
 }
 #endif
 
-/* (the row counts fixed at compile time, as the other kinds') */
+/* One function per kind, its bits a constant (the row counts fixed at compile time, as DISPATCH does). */
+static inline __attribute__((always_inline)) void tile_dot_q4k(const uint8_t *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    tile_dot_k(w, 4, xq, r0, rb, out);
+}
 static inline __attribute__((always_inline)) void tile_dot_q3(const uint8_t *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
-    tile_dot_low(w, 3, xq, r0, rb, out);
+    tile_dot_k(w, 3, xq, r0, rb, out);
 }
 static inline __attribute__((always_inline)) void tile_dot_q2(const uint8_t *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
-    tile_dot_low(w, 2, xq, r0, rb, out);
+    tile_dot_k(w, 2, xq, r0, rb, out);
 }
 
 
@@ -651,7 +588,7 @@ static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, fl
         for (int j = 0; j < 8; j++) {
             prefetch_part(t, sizeof(tile_q4k), j, 8, rb);
             __m512i c[8];  /* the group's 8 code vectors: B in VNNI layout */
-            q4k_codes512(t, j, c);
+            codes512(t, 4, j, c);
             for (int v = 0; v < 8; v++) _mm512_store_si512((void *)bbuf[v], c[v]);
             TILE_ZERO(0);
             TILE_LOADD(1, xq->q + (size_t)r0 * xq->K + (size_t)b * QK + 32 * j, xq->K);
@@ -779,7 +716,7 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
             } else
 #endif
             if (kinds[i] == 4) {
-                DISPATCH(tile_dot_q4k, (const tile_q4k *)wt, xq, r0, rb, out);
+                DISPATCH(tile_dot_q4k, (const uint8_t *)wt, xq, r0, rb, out);
             } else if (kinds[i] == 6) {
                 DISPATCH(tile_dot_q6k, (const tile_q6k *)wt, xq, r0, rb, out);
             } else if (kinds[i] == 3) {

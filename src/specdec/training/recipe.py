@@ -5,7 +5,7 @@
    stopped extraction resumes, and a larger `tokens` grows the cache); under torchrun each
    rank extracts every world-th conversation into its own sub-directory;
 2. the draft vocabulary: the `draft_vocab` tokens the target most often predicts in the data;
-3. a seeded head shaped after the target, trained with the training-time test (`train.py`);
+3. a seeded head shaped after the target, trained with the training-time test (`loop.py`);
 4. the head, its config and the training record (command, data, seed, CPU time) in `out`.
 """
 
@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from . import features as fe
-from .head import Eagle3Head, HeadConfig, attach_target, config_for_target
-from .train import TrainConfig, evaluate, train
+from .eagle3 import Eagle3Head, HeadConfig, config_for_target
+from .loop import TrainConfig, evaluate, train
+from .vocabulary import attach
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def run(r: Recipe, tc: TrainConfig, *, command: str | None = None, progress: boo
     """Features, vocabulary, training; returns the training record."""
     from .. import store
     from ..api import load
-    from .train import _dist
+    from .loop import _dist
 
     rank, world = _dist()
     lm = load(r.target)
@@ -104,7 +105,7 @@ def run(r: Recipe, tc: TrainConfig, *, command: str | None = None, progress: boo
     head = Eagle3Head(cfg)
     head.init_weights(torch.Generator().manual_seed(tc.seed))
     head.set_vocab(fe.draft_vocabulary(examples, cfg.draft_vocab_size, cfg.target_vocab_size))
-    attach_target(head, lm.model, store.resolve(r.target))
+    attach(head, lm.model, store.resolve(r.target))
     result = train(head, examples, tc, r.out, record=record, progress=progress)
     if rank == 0:
         acc = evaluate(head, val, tc.steps, tc.max_len)
@@ -113,6 +114,44 @@ def run(r: Recipe, tc: TrainConfig, *, command: str | None = None, progress: boo
     if world > 1:
         # every rank leaves together, after rank 0 has written the head, and closes the process
         # group: a rank that exits with gloo's connections still open can abort (SIGABRT) at exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return result
+
+
+def run_heads(r: Recipe, tc: TrainConfig, kind: str, num_heads: int, *, hydra_inner: int = 512,
+              command: str | None = None, progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """`specdec train medusa|hydra`: features, vocabulary, training, per-head accuracies;
+    returns the training record.
+    The recipe is EAGLE-3's (`run`), with the target's last layer as the features."""
+    from .. import store
+    from ..api import load
+    from .loop import _dist
+    from .medusa import MedusaHeads, config_for_target, heads_loss, topk_accuracy
+
+    rank, world = _dist()
+    lm = load(r.target)
+    examples, val, record = prepare(r, lm, (lm.model.args.n_layers - 1,), seed=tc.seed, command=command,
+                                    progress=progress)  # fmt: skip
+    cfg = config_for_target(lm.model, r.target, kind, num_heads=num_heads, draft_vocab_size=r.draft_vocab,
+                            hydra_inner=hydra_inner)  # fmt: skip
+    heads = MedusaHeads(cfg)
+    heads.init_weights(torch.Generator().manual_seed(tc.seed))
+    heads.set_vocab(fe.draft_vocabulary(examples, cfg.draft_vocab_size, cfg.target_vocab_size))
+    attach(heads, lm.model, store.resolve(r.target))
+    norm = lm.model.model.norm
+    for p in norm.parameters():
+        p.requires_grad_(False)
+
+    def loss(h: Any, ex: fe.Example, fraction: float, gen: torch.Generator | None) -> Any:
+        return heads_loss(h, ex, norm, tc.max_len, fraction, gen)
+
+    result = train(heads, examples, tc, r.out, record=record, progress=progress, loss=loss, name=kind)
+    if rank == 0:
+        acc = topk_accuracy(heads, val, norm, tc.max_len)
+        result["validation_topk_accuracy"] = acc  # [head][rank]: the tree's input
+        heads.save(r.out, extra={k: v for k, v in result.items() if k != "history"})
+    if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return result

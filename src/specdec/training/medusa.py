@@ -17,6 +17,22 @@ Both keep the LM cost small the way EAGLE-3 does: logits over a *draft vocabular
 target tokens the target most often predicts in the training data (`d2t`/`t2d` as EAGLE-3's),
 through the target's own output rows for those tokens (tied: nothing stored; every head
 shares them, so all K heads' logits are one matrix product over K rows).
+
+Training (`specdec train medusa|hydra`, below):
+The recipe and trainer are EAGLE-3's (`training.recipe`, `training.loop`): the
+same data modes (teacher: the data's answers; self: the target's own), the same feature
+cache — here the residual after the target's last layer, which the target's final norm turns
+into h_t, the state the LM head reads — the same draft vocabulary, seeded resumable training
+with progress, checkpoints and torchrun/DDP.
+
+Loss: head d at anchor t predicts token t + 1 + d; its label is the target's own distribution
+there (top-k, mapped into the draft vocabulary), a soft cross-entropy weighted 0.8^(d-1)
+(Medusa's λ_d), counted where the predicted token belongs to an answer. Hydra's heads read
+the true tokens y_1..y_d (teacher forcing: the accepted path is what they follow when
+drafting).
+
+After training, the validation sequences give each head's top-k accuracy — how often its
+(j+1)-th choice is the target's own next token there — the table Medusa's tree is built from.
 """
 
 from __future__ import annotations
@@ -30,7 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..eagle3.head import DraftVocabulary
+from . import features as fe
+from .loop import counted, soft_targets_loss
+from .vocabulary import DraftVocabulary
 
 CONFIG_NAME = "specdec_medusa.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -192,13 +210,6 @@ def config_for_target(target: Any, name: str, kind: str, *, num_heads: int, draf
                         hydra_inner=hydra_inner)  # fmt: skip
 
 
-def attach_target(heads: MedusaHeads, target: Any, model_dir: str | Path | None = None) -> MedusaHeads:
-    """Give `heads` the target's frozen embedding and output rows (`drafters.heads.attach`)."""
-    from ..drafters.heads import attach
-
-    return attach(heads, target, model_dir)
-
-
 def greedy_tree(accuracy: list[list[float]], size: int) -> tuple[list[tuple[int, ...]], list[float]]:
     """Medusa's tree construction: `accuracy[d][j]` is how often head d's (j+1)-th choice is
     the right token; a node is a path of choice ranks (j_1, ..., j_d), expected to be accepted
@@ -223,3 +234,49 @@ def greedy_tree(accuracy: list[list[float]], size: int) -> tuple[list[tuple[int,
         if d + 1 < len(accuracy) and accuracy[d + 1]:  # its first child
             heapq.heappush(heap, (neg * accuracy[d + 1][0], path + (0,), -neg))
     return paths, probs
+
+
+# -- training (`specdec train medusa|hydra`) --------------------------------------------
+TOPK_EVAL = 8  # choices per head whose accuracy is measured (the tree's widest level)
+
+
+def head_states(heads: MedusaHeads, ex: fe.Example, norm: Any, L: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Anchors 0..L-3 of a sequence cut to L tokens: their index [A] and every head's state [A, H]."""
+    with torch.no_grad():
+        h = norm(ex.features[: L - 2].float()).float()  # [A, H] h_t: the target's final norm of the cached residual
+    anchors = torch.arange(L - 2)
+    K = heads.cfg.num_heads
+    y = ex.tokens[(anchors[:, None] + 1 + torch.arange(K)[None]).clamp(max=L - 1)]  # [A, K] true y_1..y_K
+    return anchors, heads.states(h, y)
+
+
+def heads_loss(heads: MedusaHeads, ex: fe.Example, norm: Any, max_len: int, fraction: float = 1.0,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
+    """Summed weighted loss of one sequence and, per head, (top-1 agreements, predictions): head d
+    at anchor t predicts token t + 1 + d (`loop.soft_targets_loss`)."""
+    return soft_targets_loss(heads, ex, heads.cfg.num_heads, max_len, lambda L: head_states(heads, ex, norm, L),
+                             fraction, generator)  # fmt: skip
+
+
+@torch.no_grad()
+def topk_accuracy(heads: MedusaHeads, examples: list[fe.Example], norm: Any, max_len: int,
+                  topk: int = TOPK_EVAL) -> list[list[float]]:  # fmt: skip
+    """Per head d and rank j: how often the head's (j+1)-th choice is the target's top-1 token
+    (answer positions, teacher-forced)."""
+    K = heads.cfg.num_heads
+    hits = torch.zeros(K, topk, dtype=torch.float64)
+    n = torch.zeros(K, dtype=torch.float64)
+    for ex in examples:
+        L = min(int(ex.tokens.numel()), max_len)
+        if L < 3:
+            continue
+        anchors, states = head_states(heads, ex, norm, L)
+        for d, z in enumerate(states, start=1):
+            lab = anchors + d
+            idx = counted(lab, ex.mask[:L], L)
+            if idx.numel() == 0:
+                continue
+            ranked = heads.draft_ids[heads.logits(z[idx]).topk(topk, -1).indices]  # [n, topk]
+            hits[d - 1] += (ranked == ex.top_ids[lab[idx], :1]).double().sum(0)
+            n[d - 1] += idx.numel()
+    return [[round(float(h / max(m, 1.0)), 4) for h in row] for row, m in zip(hits, n, strict=True)]

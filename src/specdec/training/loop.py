@@ -23,7 +23,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .features import Example
-from .head import Eagle3Head
+from .eagle3 import Eagle3Head
 
 DECAY = 0.8  # the reference implementation's weight of step j's loss: DECAY ** (j - 1)
 
@@ -136,20 +136,25 @@ def soft_loss(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, t2d:
     return -(probs * t2d[ids] * logp.gather(1, t2d_index[ids].clamp(min=0))).sum()
 
 
-def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int, fraction: float = 1.0,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
-    """Summed weighted loss of one sequence and, per step, (top-1 agreements, predictions);
-    with `fraction` < 1, over a random subset of the predictions (drawn from `generator`)."""
+def soft_targets_loss(head: torch.nn.Module, ex: Example, count: int, max_len: int,
+                      states: Callable[[int], tuple[torch.Tensor, Iterable[torch.Tensor]]], fraction: float = 1.0,
+                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
+    """The loss every head type shares, on one sequence cut to `max_len` (L tokens): `states(L)`
+    gives the anchors [A] and, per draft step or head j = 1..`count`, the head's output [A, H]
+    there, which predicts the target's own distribution at anchor + j (its top-k mapped into the
+    draft vocabulary): a soft cross-entropy weighted DECAY^(j-1), counted where the label is an
+    answer token (a random `fraction` of those, drawn from `generator`). Returns the summed loss
+    and per j (top-1 agreements, predictions)."""
     L = min(int(ex.tokens.numel()), max_len)
     # zero that still reaches every parameter: a backward (and DDP's all-reduce) always runs
     total = sum((p.reshape(-1)[0] * 0.0 for p in head.parameters() if p.requires_grad), torch.zeros(()))
     if L < 3:
-        return total, [(0, 0)] * steps
+        return total, [(0, 0)] * count
     mask, top_ids, top_p = ex.mask[:L], ex.top_ids[:L], ex.top_p[:L].float()
     t2d_index = torch.cumsum(head.t2d.long(), 0) - 1  # target id -> draft id (inside the draft vocabulary)
-    anchors = torch.arange(L - 1)
+    anchors, outs = states(L)
     stats: list[tuple[int, int]] = []
-    for j, g in enumerate(unroll(head, ex.tokens[:L], ex.features[:L], steps), start=1):
+    for j, g in enumerate(outs, start=1):
         lab = anchors + j
         idx = counted(lab, mask, L, fraction, generator)
         if idx.numel() == 0:
@@ -161,6 +166,14 @@ def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int, fract
         pred = head.draft_ids[logits.argmax(-1)]
         stats.append((int((pred == ids[:, 0]).sum()), int(idx.numel())))
     return total, stats
+
+
+def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int, fraction: float = 1.0,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
+    """EAGLE-3's loss on one sequence: draft step j of the unrolled head at anchor t predicts
+    token t + 1 + j (`soft_targets_loss`)."""
+    return soft_targets_loss(head, ex, steps, max_len, lambda L: (torch.arange(L - 1), unroll(
+        head, ex.tokens[:L], ex.features[:L], steps)), fraction, generator)  # fmt: skip
 
 
 # a head's loss on one sequence: (head, example, share of predictions counted, generator) ->

@@ -37,7 +37,7 @@ def _parsed_once(gguf_file: Path) -> Iterator[None]:
     faster parse of this file instead (it imports `gguf.GGUFReader` when called)."""
     import gguf
 
-    from .model.gguf_file import open_gguf
+    from .gguf_file import open_gguf
 
     real = gguf.GGUFReader
     mine = Path(gguf_file).resolve()
@@ -65,16 +65,16 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path, *, expected_architecture: str | None = None,
-                 floats: bool = False) -> Path:  # fmt: skip
+                 floats: bool = False, pin: tuple[str, str] | None = None) -> Path:  # fmt: skip
     """Write `out_dir` for `gguf_file`: config, tokenizer, norms and biases (and, with
     `floats`, every weight in float32). Written to a temporary directory beside it and renamed,
     so `out_dir` is whole or absent."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
-    from .model.config import ModelArgs
-    from .model.gguf_file import open_gguf, small_state
-    from .store import UnsupportedArchitectureError, gguf_architecture
+    from .config import ModelArgs
+    from .gguf_file import open_gguf, small_state
+    from .gguf_file import UnsupportedArchitectureError, gguf_architecture
 
     arch = gguf_architecture(gguf_file)
     if expected_architecture is not None and arch != expected_architecture:
@@ -96,6 +96,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, expected_architecture: str |
         save_file(small_state(open_gguf(gguf_file), base_keys(args), args), str(tmp / BASE_WEIGHTS),
                   metadata={"format": "pt", "source_gguf": gguf_file.name})  # fmt: skip
         meta = {"source": gguf_file.name, "source_path": str(gguf_file.resolve()), "architecture": arch}
+        if pin is not None:  # a registered model: its name and pinned sha256 (see `sparse`)
+            meta["name"], meta["sha256"] = pin
         (tmp / "specdec.json").write_text(json.dumps(meta))
         if floats:
             _write_float_weights(gguf_file, tmp)
@@ -111,13 +113,29 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, expected_architecture: str |
 def base_keys(args) -> list[str]:  # noqa: ANN001 - ModelArgs
     """State-dict keys of the tensors kept in float in every mode: all but the linear layers'
     weights and the embedding table."""
-    from .model.linear import Linear
-    from .model.transformer import Transformer
+    from .linear import Linear
+    from .transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(args)
     linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)}
     return [k for k in model.state_dict() if k not in linear and k != "model.embed_tokens.weight"]
+
+
+def gguf_source(path: Path) -> Path | None:
+    """The GGUF file a converted directory came from, if it is still there."""
+    import json
+
+    from ..paths import cache_root
+
+    meta = path / "specdec.json"
+    if not meta.exists():
+        return None
+    info = json.loads(meta.read_text())
+    for candidate in (info.get("source_path"), cache_root() / "gguf" / info.get("source", "")):
+        if candidate and Path(candidate).is_file() and Path(candidate).suffix == ".gguf":
+            return Path(candidate)
+    return None
 
 
 def has_float_weights(model_dir: Path) -> bool:
@@ -133,8 +151,7 @@ def float_weights(model_dir: Path, log: Callable[[str], None] | None = None) -> 
     several processes at once: one converts, the others wait and reuse its file."""
     from filelock import FileLock
 
-    from .model.load import gguf_source
-    from .store import lock_path
+    from ..paths import lock_path
 
     model_dir = Path(model_dir)
     if has_float_weights(model_dir):
@@ -156,7 +173,7 @@ def _write_float_weights(gguf_file: Path, model_dir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from .model import sparse
+    from . import sparse
 
     folder, name = str(gguf_file.parent), gguf_file.name
     # transformers reads every tensor from the file: its punched blocks are written back first

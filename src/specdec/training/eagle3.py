@@ -14,7 +14,7 @@ an MLP; `norm` and a *draft vocabulary* LM head (the N most frequent target toke
 maps draft id j to target id j + d2t[j], `t2d` marks target ids in the draft vocabulary)
 give the next token's draft distribution. Field and weight names follow the EAGLE-3
 checkpoints vLLM and SGLang load (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`), so
-export is a renaming-free copy (see `specdec.eagle3.export`).
+export is a renaming-free copy (see `specdec.training.export`).
 
 Our head may *tie* its LM head to the target's own output rows for the draft vocabulary
 (`tie_lm_head`): it then stores no LM head (the shipped head stays small) and reads
@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .vocabulary import DraftVocabulary
 
 CONFIG_NAME = "specdec_eagle3.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -84,39 +86,6 @@ class HeadConfig:
         return cls(**kw)
 
 
-def vocab_maps(draft_to_target: torch.Tensor, size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The EAGLE-3 format's draft-vocabulary maps for `size` distinct target ids: d2t [size]
-    (draft id j is target id j + d2t[j]; draft ids follow target ids in increasing order) and
-    t2d [vocab_size] (whether a target id is in the draft vocabulary)."""
-    ids = draft_to_target.long().sort().values
-    if ids.shape != (size,) or len(set(ids.tolist())) != ids.numel():
-        raise ValueError(f"the draft vocabulary needs {size} distinct target ids")
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(size), t2d
-
-
-class DraftVocabulary:
-    """The draft vocabulary of a head module whose config has `draft_vocab_size` and
-    `target_vocab_size` and which holds `d2t`/`t2d` buffers (EAGLE-3, Medusa and Hydra heads)."""
-
-    cfg: Any
-    d2t: torch.Tensor
-    t2d: torch.Tensor
-
-    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """The draft vocabulary: a set of N target ids. Draft ids follow target ids in
-        increasing order (as the EAGLE-3 format's d2t offsets assume)."""
-        d2t, t2d = vocab_maps(draft_to_target, self.cfg.draft_vocab_size, self.cfg.target_vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """Target id of each draft id, [N]."""
-        return self.d2t + torch.arange(self.d2t.numel())
-
-
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # in float32 whatever autocast made of x (bf16 training), back in x's dtype
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
@@ -144,7 +113,7 @@ Linears = Callable[[tuple[str, ...], torch.Tensor], list[torch.Tensor]]
 class Eagle3Head(DraftVocabulary, nn.Module):
     """The head's parameters and its three stages: `project` (target features -> g),
     `qkv` (token embedding + g -> rotated queries, keys, values), `finish` (attention output
-    -> next g and draft logits). Training (`train.py`) and drafting (`drafters/eagle3.py`)
+    -> next g and draft logits). Training (`loop.py`) and drafting (`drafters/eagle3.py`)
     arrange the attention between them; both call these same stages (drafting passes its
     quantized kernels as `linears`)."""
 
@@ -273,9 +242,8 @@ class Eagle3Head(DraftVocabulary, nn.Module):
 
         d = Path(directory)
         if not (d / CONFIG_NAME).exists() and (d / "config.json").exists():
-            from .export import load_exported  # a checkpoint in the vLLM/SGLang layout
 
-            return load_exported(d)
+            return load_eagle3(d)  # a checkpoint in the vLLM/SGLang layout
         if not (d / CONFIG_NAME).exists() or not (d / WEIGHTS_NAME).exists():
             raise FileNotFoundError(f"{d} is not an EAGLE-3 head directory ({CONFIG_NAME} and {WEIGHTS_NAME} expected)")
         cfg = HeadConfig.from_json(json.loads((d / CONFIG_NAME).read_text()))
@@ -311,33 +279,39 @@ def config_for_target(target: Any, name: str, *, draft_vocab_size: int, intermed
     )  # fmt: skip
 
 
-def target_output_rows(target: Any, model_dir: str | Path | None = None) -> torch.Tensor:
-    """The target's LM head weight [V, H] as floats: its embedding table when tied, else the
-    loaded weight, or (packed q4k weights) the float weight in the model directory."""
-    a = target.args
-    if a.tie_embeddings:
-        return target.model.embed_tokens.weight.detach().float()
-    w = target.lm_head.weight
-    if w.numel():
-        return w.detach().float()
-    from safetensors import safe_open
-
-    for f in sorted(Path(model_dir or "").glob("*.safetensors")) if model_dir else []:
-        with safe_open(str(f), "pt") as st:
-            if "lm_head.weight" in st.keys():
-                return st.get_tensor("lm_head.weight").float()
-    from ..model.gguf_file import float_tensor, open_gguf
-    from ..model.load import gguf_source
-
-    gguf = gguf_source(Path(model_dir)) if model_dir else None
-    if gguf is not None:  # installed without float weights: the output rows straight from the GGUF
-        return torch.from_numpy(float_tensor(open_gguf(gguf), "output.weight", a))
-    raise ValueError("the target's LM head weights are packed and its model directory has no lm_head.weight")
+# -- the engines' layout (`training.export`) ----------------------------------------------
+ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
-def attach_target(head: Any, target: Any, model_dir: str | Path | None = None) -> Any:
-    """Give a head (EAGLE-3, Medusa or Hydra) the target's frozen embedding and, where it reads
-    them, output rows (`specdec.drafters.heads.attach`)."""
-    from ..drafters.heads import attach
+def load_eagle3(directory: str | Path) -> Eagle3Head:
+    """A head from an engine checkpoint (ours or another trainer's in this layout)."""
+    from safetensors.torch import load_file
 
-    return attach(head, target, model_dir)
+    d = Path(directory)
+    cfg = json.loads((d / "config.json").read_text())
+    if ARCHITECTURE not in cfg.get("architectures", []) and "Eagle3LlamaForCausalLM" not in cfg.get("architectures", []):
+        raise ValueError(f"{d}/config.json is not an EAGLE-3 head (architectures {cfg.get('architectures')})")
+    layer_ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    feature_layers = tuple((cfg.get("specdec") or {}).get("feature_layers") or [i - 1 for i in layer_ids])
+    hc = HeadConfig(
+        target=(cfg.get("specdec") or {}).get("target", str(d)), target_vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        intermediate_size=cfg["intermediate_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+        feature_layers=feature_layers, rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg.get("rope_theta", 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192), tie_lm_head=False,
+    )  # fmt: skip
+    head = Eagle3Head(hc)
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(d / "model.safetensors")).items()}
+    state.pop("embed_tokens.weight", None)
+    if "t2d" not in state:
+        t2d = torch.zeros(hc.target_vocab_size, dtype=torch.bool)
+        t2d[state["d2t"] + torch.arange(state["d2t"].numel())] = True
+        state["t2d"] = t2d
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if unexpected or any(m != "embed_weight" for m in missing):
+        raise ValueError(f"{d}: weights do not match an EAGLE-3 head (missing {missing}, unexpected {unexpected})")
+    return head

@@ -1,1 +1,0 @@
-"""Medusa and Hydra heads: training and files (drafting: `specdec.drafters.medusa`)."""
