@@ -21,7 +21,7 @@ from specdec.model.native import available as native_available
 from specdec.model.transformer import Transformer
 from specdec.sampling import probs
 from specdec.testing import make_tiny_model
-from specdec.certify import BROKEN_RULES
+from specdec.certify import broken_rules
 
 # the batch-invariant modes this machine can run (q4k needs the native kernels)
 EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != "q4k" or native_available())]
@@ -165,7 +165,8 @@ def wrong_rule(monkeypatch):
     wrong_rule("point-mass"), wrong_rule("tree") or wrong_rule("sampled-tree")."""
 
     def install(which: str) -> None:
-        name, rule = BROKEN_RULES[which]  # the same broken rules `specdec certify` runs as its control
-        monkeypatch.setattr(engine, name, rule)
+        # every engine built from here verifies with it: the same broken rules `specdec certify`
+        # hands its control's engine
+        monkeypatch.setattr(engine, "EXACT", broken_rules([which]))
 
     return install

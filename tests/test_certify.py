@@ -4,6 +4,7 @@ with an 8-token vocabulary (exact rules pass, the broken control is caught)."""
 from __future__ import annotations
 
 import json
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -62,6 +63,9 @@ class _IdTokenizer:
     vocab_size = V_SMALL
     eos_ids = frozenset()
     has_chat_template = False
+
+    def __init__(self) -> None:
+        self.same: weakref.WeakSet = weakref.WeakSet()  # (as `Tokenizer`: drafts' tokenizers found equal)
 
     def decode(self, ids) -> str:
         return " ".join(map(str, ids))

@@ -90,8 +90,10 @@ def cached_model(tmp_path, monkeypatch):
     return g, packed, sha, blocks
 
 
-def _sparsify(g, packed):
-    return sparse.sparsify(g, packed, tied=False, model_type="llama", n_heads=4, n_kv_heads=4)
+def _sparsify(g, packed, pin=True):
+    """As the loader calls it for a registered model: with its name and pinned sha256."""
+    named = ("sparse-test", registry.MODELS["sparse-test"].sha256) if pin else None
+    return sparse.sparsify(g, packed, pin=named, tied=False, model_type="llama", n_heads=4, n_kv_heads=4)
 
 
 def test_sparsify_keeps_blocks_once_and_restores_the_exact_file(cached_model):
@@ -143,7 +145,7 @@ def test_blocks_that_do_not_come_back_are_not_punched(cached_model):
     """Control for the byte-for-byte check: a packed file whose tiles differ from the GGUF's
     blocks (here: q rows left in GGUF order, as a packer for another architecture would)."""
     g, packed, sha, _ = cached_model
-    sparse.sparsify(g, packed, tied=False, model_type="qwen2", n_heads=4, n_kv_heads=4)
+    sparse.sparsify(g, packed, pin=("sparse-test", sha), tied=False, model_type="qwen2", n_heads=4, n_kv_heads=4)
     info = sparse.state(g)
     assert info is None or "blk.0.attn_q.weight" not in info["tensors"]
     sparse.restore(g)
@@ -174,6 +176,7 @@ def test_files_outside_the_cache_are_never_touched(cached_model, tmp_path):
     mine.write_bytes(g.read_bytes())
     assert _sparsify(mine, packed) == 0 and sparse.state(mine) is None
     assert store.sha256_file(mine) == sha
+    assert _sparsify(g, packed, pin=False) == 0 and sparse.state(g) is None  # no pin (not registered): left whole
 
 
 @pytest.mark.real

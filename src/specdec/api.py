@@ -28,6 +28,7 @@ from .engine import Delta, Engine, GenerationResult
 from .model.load import load_transformer
 from .model.transformer import Transformer
 from .tokenizer import Messages, Tokenizer, check_same_tokenizer
+from .verify import Rules
 
 Prompt = str | Messages | list[int]
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)} - {"k"}
@@ -263,7 +264,13 @@ def generate_batch(target: LoadedModel, prompts: Sequence[Prompt], *, seed: int 
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     reqs = [_request_kw(target, p, kwargs | {"seed": s}) for p, s in zip(prompts, seeds, strict=True)]
-    engine = Engine(target.model, target.tokenizer)
+    return run_requests(target, reqs)
+
+
+def run_requests(target: LoadedModel, reqs: Sequence[Request], rules: Rules | None = None) -> list[GenerationResult]:
+    """Decode requests together to the end. `rules`: the sampling rules the engine verifies
+    with (`verify.EXACT`; only `specdec certify`'s control passes others)."""
+    engine = Engine(target.model, target.tokenizer, rules)
     sids = [_submit(engine, r) for r in reqs]
     while engine.has_work():
         engine.step()

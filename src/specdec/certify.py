@@ -17,17 +17,17 @@ prompts, catches a real error. A certificate whose control passes proves nothing
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .verify import TreeVerdict, Verdict
+from .verify import EXACT, Rules, TreeVerdict, Verdict
 
 TREE_TOKENS = 8  # draft tokens per step of the tree drafters (EAGLE-3, Medusa, Hydra) unless --tree-tokens
 
@@ -146,29 +146,18 @@ def broken_tree_recovery_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[i
             return TreeVerdict(path, int(torch.multinomial(p[row], 1, generator=generator)))
 
 
-BROKEN_RULES: dict[str, tuple[str, Callable[..., Any]]] = {
-    "rejection": ("rejection_sample", broken_rejection_sample),
-    "point-mass": ("point_mass_sample", broken_point_mass_sample),
-    "tree": ("tree_point_mass_sample", broken_tree_point_mass_sample),
-    "sampled-tree": ("tree_rejection_sample", broken_tree_recovery_sample),
+BROKEN_RULES: dict[str, tuple[str, Callable[..., Any]]] = {  # name -> (the `verify.Rules` field, its broken rule)
+    "rejection": ("rejection", broken_rejection_sample),
+    "point-mass": ("point_mass", broken_point_mass_sample),
+    "tree": ("tree_point_mass", broken_tree_point_mass_sample),
+    "sampled-tree": ("tree_rejection", broken_tree_recovery_sample),
 }
 
 
-@contextlib.contextmanager
-def broken_verifier(which: Sequence[str] = tuple(BROKEN_RULES)) -> Iterator[None]:
-    """Run the engine with broken sampling rules (all four by default, so whichever rule a
-    method uses is the broken one). For certificates and tests only."""
-    from . import engine
-
-    saved = {name: getattr(engine, name) for name, _ in (BROKEN_RULES[w] for w in which)}
-    try:
-        for w in which:
-            name, rule = BROKEN_RULES[w]
-            setattr(engine, name, rule)
-        yield
-    finally:
-        for name, rule in saved.items():
-            setattr(engine, name, rule)
+def broken_rules(which: Sequence[str] = tuple(BROKEN_RULES)) -> Rules:
+    """The exact rules with `which` of them broken (all four by default, so whichever rule a
+    method uses is the broken one): what the control's engine verifies with."""
+    return dataclasses.replace(EXACT, **dict(BROKEN_RULES[w] for w in which))
 
 
 # -- the test ------------------------------------------------------------------------------------
@@ -274,10 +263,11 @@ class Draws:
 
 
 def draw(target: Any, prompts: Sequence[str], n: int, *, tokens: int, first_seed: int, batch: int = 32,
-         progress: Callable[[int], None] | None = None, **method: Any) -> Draws:  # fmt: skip
+         progress: Callable[[int], None] | None = None, rules: Rules | None = None, **method: Any) -> Draws:  # fmt: skip
     """`n` continuations of `tokens` tokens per prompt, seeds first_seed, first_seed + 1, ...;
-    `method`: generate's keywords (temperature, top_p, drafter, assistant_model, k, options)."""
-    from .api import generate_batch
+    `method`: generate's keywords (temperature, top_p, drafter, assistant_model, k, options);
+    `rules`: the sampling rules the engine verifies with (the control's are broken)."""
+    from .api import _request_kw, run_requests
 
     out = Draws([Counter() for _ in prompts])
     start = time.perf_counter()
@@ -285,8 +275,9 @@ def draw(target: Any, prompts: Sequence[str], n: int, *, tokens: int, first_seed
     for i, prompt in enumerate(prompts):
         for lo in range(0, n, batch):
             m = min(batch, n - lo)
-            results = generate_batch(target, [prompt] * m, seed=list(range(seed, seed + m)), max_new_tokens=tokens,
-                                     ignore_eos=True, chat=False, **method)  # fmt: skip
+            reqs = [_request_kw(target, prompt, {**method, "seed": s, "max_new_tokens": tokens, "ignore_eos": True,
+                                                 "chat": False}) for s in range(seed, seed + m)]  # fmt: skip
+            results = run_requests(target, reqs, rules)
             seed += m
             for r in results:
                 out.counts[i][tuple(r.token_ids)] += 1
@@ -410,9 +401,8 @@ def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | N
     test = two_sample_test(plain.counts, mine.counts, seed=seed)
     ctrl, ctrl_draws = None, None
     if control:
-        with broken_verifier():
-            ctrl_draws = draw(target, prompts, samples, tokens=tokens, first_seed=seed + 2 * 10**7, batch=batch,
-                              progress=progress, **common, **spec)  # fmt: skip
+        ctrl_draws = draw(target, prompts, samples, tokens=tokens, first_seed=seed + 2 * 10**7, batch=batch,
+                          progress=progress, rules=broken_rules(), **common, **spec)  # fmt: skip
         ctrl = two_sample_test(plain.counts, ctrl_draws.counts, seed=seed + 1)
     outcomes = sum(len(set(a) | set(b)) for a, b in zip(plain.counts, mine.counts, strict=True))
     return Certificate(

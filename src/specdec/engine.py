@@ -41,15 +41,7 @@ from .model.transformer import ForwardOutput, Segment, Transformer
 from .sampling import make_generator, pick, probs
 from .stops import StopChecker
 from .tokenizer import Tokenizer
-from .verify import (
-    greedy_verify,
-    lossy_typical_acceptance,
-    point_mass_sample,
-    rejection_sample,
-    tree_greedy_verify,
-    tree_point_mass_sample,
-    tree_rejection_sample,
-)
+from .verify import EXACT, Rules, greedy_verify, lossy_typical_acceptance, tree_greedy_verify
 
 
 @dataclass
@@ -149,9 +141,11 @@ class _Sequence:
 class Engine:
     """Steps any number of sequences together over one target model (see the module doc)."""
 
-    def __init__(self, target: Transformer, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, target: Transformer, tokenizer: Tokenizer | None = None, rules: Rules | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
+        # the sampling rules it verifies with: `verify.EXACT` (certify's control hands it broken ones)
+        self.rules = rules if rules is not None else EXACT
         self._live: dict[int, _Sequence] = {}
         self._done: dict[int, GenerationResult] = {}
         self._next_id = 0
@@ -353,7 +347,7 @@ class Engine:
         assert s.cache is not None
         K = draft.tokens.shape[0]
         logits = out.logits[0]  # [K+1+R, V]
-        path, nxt = _verify(logits[: K + 1], draft, s.sampling, s.gen)
+        path, nxt = _verify(logits[: K + 1], draft, s.sampling, s.gen, self.rules)
         start = s.cache.length - logits.shape[0]  # slot of the last committed token
         if draft.parents is None and draft.extra is None:
             s.cache.truncate(start + 1 + len(path))  # keep `last` and the accepted drafts; drop the rest
@@ -398,7 +392,8 @@ class Engine:
         self._done[s.id] = GenerationResult(s.stopper.tokens, s.stopper.text(), reason, s.seed, m)
 
 
-def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: torch.Generator) -> tuple[list[int], int]:
+def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: torch.Generator,
+            rules: Rules = EXACT) -> tuple[list[int], int]:  # fmt: skip
     """The accepted draft nodes (a chain's first n, or a tree path) and the next token.
     logits: [K+1, V]."""
     K = draft.tokens.shape[0]
@@ -413,23 +408,24 @@ def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: t
         if sampling.greedy:
             tv = tree_greedy_verify(logits, tokens, draft.parents)
         elif draft.probs is None:
-            tv = tree_point_mass_sample(probs(logits, sampling), tokens, draft.parents, gen)
+            tv = rules.tree_point_mass(probs(logits, sampling), tokens, draft.parents, gen)
         else:  # siblings drawn from q without replacement
-            tv = tree_rejection_sample(probs(logits, sampling), draft.probs, tokens, draft.parents, gen)
+            tv = rules.tree_rejection(probs(logits, sampling), draft.probs, tokens, draft.parents, gen)
         return tv.path, tv.next_token
     if sampling.greedy:
         verdict = greedy_verify(logits[None], draft.tokens[None])
     elif draft.probs is None:  # deterministic drafter: q is a point mass on each draft
-        verdict = point_mass_sample(probs(logits[None], sampling), draft.tokens[None], gen)
+        verdict = rules.point_mass(probs(logits[None], sampling), draft.tokens[None], gen)
     else:
-        verdict = rejection_sample(probs(logits[None], sampling), draft.probs[None], draft.tokens[None], gen)
+        verdict = rules.rejection(probs(logits[None], sampling), draft.probs[None], draft.tokens[None], gen)
     return list(range(int(verdict.num_accepted[0]))), int(verdict.next_token[0])
 
 
 def run(target: Transformer, prompt_ids: list[int], cfg: GenerationConfig, sampling: SamplingParams,
-        drafter: Drafter | None = None, tokenizer: Tokenizer | None = None) -> GenerationResult:  # fmt: skip
+        drafter: Drafter | None = None, tokenizer: Tokenizer | None = None,
+        rules: Rules | None = None) -> GenerationResult:  # fmt: skip
     """One sequence, to the end: plain decoding without a drafter, speculative with one."""
-    engine = Engine(target, tokenizer)
+    engine = Engine(target, tokenizer, rules)
     sid = engine.add(prompt_ids, cfg, sampling, drafter)
     while engine.has_work():
         engine.step()

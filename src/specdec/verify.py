@@ -8,7 +8,9 @@ Every step therefore yields between 1 and K + 1 tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -276,3 +278,18 @@ def lossy_typical_acceptance(
     path.reverse()
     row = path[-1] + 1 if path else 0
     return TreeVerdict(path, int(sample(p[row], generator)))
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The sampling rules an engine verifies with (greedy verification has no alternative).
+    `EXACT` is every engine's; `specdec certify` and the tests hand an engine a deliberately
+    broken set as the negative control their statistics must catch."""
+
+    rejection: Callable[..., Any] = rejection_sample  # a chain with draft probabilities q
+    point_mass: Callable[..., Any] = point_mass_sample  # a chain of deterministic drafts
+    tree_point_mass: Callable[..., Any] = tree_point_mass_sample  # a tree of deterministic drafts
+    tree_rejection: Callable[..., Any] = tree_rejection_sample  # a tree whose siblings were drawn from q
+
+
+EXACT = Rules()
