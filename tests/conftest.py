@@ -170,3 +170,11 @@ def wrong_rule(monkeypatch):
         monkeypatch.setattr(engine, "EXACT", broken_rules([which]))
 
     return install
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs a real model (`real`) is slow too: `pytest -m "not slow"` is the fast
+    subset a developer iterates with (tiny random models, hand-built logits), the whole suite
+    what CI runs."""
+    for item in items:
+        if item.get_closest_marker("real") is not None:
+            item.add_marker(pytest.mark.slow)

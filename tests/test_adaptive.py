@@ -150,6 +150,7 @@ def test_the_real_controller_is_exact_and_reports(tiny):
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
                          ids=["T1", "T0.7-topk"])  # fmt: skip
+@pytest.mark.slow
 def test_sampling_law_with_k_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
     target, draft = small_vocab
     no_timing(monkeypatch)
@@ -159,6 +160,7 @@ def test_sampling_law_with_k_switching(small_vocab, exact_joint, sample_joint, m
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
+@pytest.mark.slow
 def test_wrong_rule_fails_with_k_switching(small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule):
     """Negative control: the same test with a rule that recovers from p after a rejection."""
     wrong_rule("rejection")

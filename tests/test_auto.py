@@ -189,6 +189,7 @@ def test_a_draft_model_that_auto_would_not_use_is_refused(tiny):
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
                          ids=["T1", "T0.7-topk"])  # fmt: skip
+@pytest.mark.slow
 def test_sampling_law_with_drafter_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
     target, draft = small_vocab
     no_timing(monkeypatch)
@@ -199,6 +200,7 @@ def test_sampling_law_with_drafter_switching(small_vocab, exact_joint, sample_jo
 
 
 @pytest.mark.parametrize("rule", ["rejection", "point-mass"])
+@pytest.mark.slow
 def test_wrong_rule_fails_with_drafter_switching(small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule, rule):
     """Negative controls: the same test with a wrong rule for the draft model's steps (recovers
     from p after a rejection) or for prompt lookup's (keeps the rejected token's mass)."""
@@ -270,6 +272,7 @@ def test_auto_takes_eagle3_only_when_asked(tiny):
 
 
 @pytest.mark.parametrize("rule", ["exact", "rejection"])
+@pytest.mark.slow
 def test_sampling_law_with_eagle3_chains_switching(small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule,
                                                     rule):  # fmt: skip
     """The head's drawn chains, switching with prompt lookup and plain steps, keep the target's

@@ -137,6 +137,7 @@ def run_cli(*args: str, env_home=None) -> subprocess.CompletedProcess:
         (["--acceptance", "typical"], "typical acceptance is a sampling rule"),
     ],
 )
+@pytest.mark.slow
 def test_cli_bad_input_is_one_clear_line(tiny_dir, args, message):
     base = ["generate", "--target", str(tiny_dir("llama")), "--draft", str(tiny_dir("llama", "close"))]
     if "--prompt" not in args:
@@ -160,6 +161,7 @@ def test_cli_missing_model_names_install_command(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_cli_json_on_tiny_models(tiny_dir):
     res = run_cli("generate", "--target", str(tiny_dir("qwen2")), "--draft", str(tiny_dir("qwen2", "close")),
                   "-k", "3", "--max-new-tokens", "12", "--compare", "--json", "--prompt", "abc", "--ignore-eos")  # fmt: skip

@@ -173,6 +173,7 @@ def in_flight(target, draft, sampling: SamplingParams, runs: int, width: int = 4
     return counts, accepted / proposed
 
 
+@pytest.mark.slow
 def test_sampling_law_with_sequences_in_flight(small_vocab, exact_joint):
     target, draft = small_vocab
     sampling = SamplingParams(temperature=1.0)
@@ -181,6 +182,7 @@ def test_sampling_law_with_sequences_in_flight(small_vocab, exact_joint):
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
+@pytest.mark.slow
 def test_wrong_rule_fails_with_sequences_in_flight(small_vocab, exact_joint, wrong_rule):
     wrong_rule("rejection")
     target, draft = small_vocab

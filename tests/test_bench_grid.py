@@ -82,6 +82,7 @@ def test_bad_settings_are_refused():
         GridSettings(k=0)
 
 
+@pytest.mark.slow
 def test_cli_bench_quick_as_written(tiny_dir, prompt_file, tmp_path):
     """`specdec bench --quick --out DIR --prompts FILE` writes DIR/results.json, report.md, plots."""
     out = tmp_path / "b"

@@ -83,6 +83,7 @@ def v8(small_vocab):
 
 
 @pytest.mark.parametrize("method", ["draft-model", "prompt-lookup", "early-exit"])
+@pytest.mark.slow
 def test_certificate_passes_an_exact_method_and_catches_the_broken_control(v8, method):
     target, draft = v8
     cert = certify(target, method=method, assistant_model=draft if method == "draft-model" else None, k=2,

@@ -128,6 +128,7 @@ def test_other_drafters_compare_json_as_written(drafter, extra):
     (["--exit-layer", "1"], "--exit-layer is an option of the early-exit drafter"),
     (["--drafter", "prompt-lookup", "--stream", "--json"], "--stream prints text as it is committed"),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_drafter_option_errors_are_one_line(tiny_dir, args, message):
     res = specdec_cli("generate", "--target", str(tiny_dir("llama")), "--max-new-tokens", "4", "--prompt", "ab", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr

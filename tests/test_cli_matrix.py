@@ -91,6 +91,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("argv", BAD, ids=[" ".join(a)[:80] for a in BAD])
+@pytest.mark.slow
 def test_bad_value_is_one_clear_line(argv, tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPECDEC_DEBUG", "1")  # a bug escapes with its traceback here, for the test report
     argv = [a.replace(TINY, str(tiny_dir("llama"))).replace("{tmp}", str(tmp_path)) for a in argv]

@@ -111,6 +111,7 @@ SUBSET = [0, 2, 3, 5, 6]  # 5 of the 8 tokens
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)],
                          ids=["T1", "T0.8-topk-topp"])  # fmt: skip
+@pytest.mark.slow
 def test_cut_vocabulary_keeps_the_target_sampling_law(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
     counts = sample_joint(target, DraftModelDrafter(draft, vocab=_cut(draft, SUBSET)), sampling, runs=3000)
@@ -118,6 +119,7 @@ def test_cut_vocabulary_keeps_the_target_sampling_law(small_vocab, exact_joint, 
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
+@pytest.mark.slow
 def test_verifier_given_the_uncut_q_fails(small_vocab, exact_joint, sample_joint):
     target, draft = small_vocab
     sampling = SamplingParams(temperature=1.0)
@@ -164,6 +166,7 @@ def test_models_vocab_counts_chat_rendered_conversations(tiny_dir, tmp_path, mon
     assert freq.meta["tokenizer"] == dv.tokenizer_key(tiny_dir("llama")) and "--out" in freq.meta["command"]
 
 
+@pytest.mark.slow
 def test_bench_forward_times_the_draft(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     counts = np.arange(264, dtype=np.int64)

@@ -60,6 +60,7 @@ LONG_IDS = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # 10 tokens over the 8-token vocabula
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.3, top_k=6)],
                          ids=["T1", "T1.3-topk"])  # fmt: skip
+@pytest.mark.slow
 def test_a_windowed_draft_keeps_the_target_sampling_law(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
     counts = sample_joint(target, DraftModelDrafter(draft, vocab=0, window=2), sampling, runs=3000, prompt=LONG_IDS)
@@ -68,6 +69,7 @@ def test_a_windowed_draft_keeps_the_target_sampling_law(small_vocab, exact_joint
     assert chi2_pvalue(counts, expected) > ALPHA
 
 
+@pytest.mark.slow
 def test_verifier_given_the_whole_context_q_fails(small_vocab, exact_joint, sample_joint):
     target, draft = small_vocab
     sampling = SamplingParams(temperature=1.0)

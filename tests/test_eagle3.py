@@ -111,6 +111,7 @@ def test_training_layout_is_what_drafting_computes(tiny):
             prev = g[0]
 
 
+@pytest.mark.slow
 def test_training_learns_and_is_reproducible(tiny, tmp_path):
     lm = tiny("llama")
     model = lm.model
@@ -163,6 +164,7 @@ def test_loss_counts_only_answer_tokens(tiny):
     assert [m for _, m in stats] == [18, 17]
 
 
+@pytest.mark.slow
 def test_conversation_mask_marks_the_answers(smollm2):
     messages = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there, friend."},
                 {"role": "user", "content": "Again."}, {"role": "assistant", "content": "Hello again."}]  # fmt: skip
@@ -208,6 +210,7 @@ def test_draft_vocabulary_prefers_what_the_target_predicts(tiny):
 # -- drafting -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("mode", EXACT_MODES)
+@pytest.mark.slow
 def test_greedy_identity_on_tiny_models(tiny, arch, mode):
     lm = tiny(arch, dtype=mode)
     head = random_head(lm.model, seed=2, scale=20.0)
@@ -225,6 +228,7 @@ def test_greedy_identity_on_tiny_models(tiny, arch, mode):
     assert accepted > 0  # some drafts were right, so the accept path ran
 
 
+@pytest.mark.slow
 def test_greedy_identity_with_a_trained_head_on_smollm2(smollm2_exact, tmp_path):
     lm = smollm2_exact
     model = lm.model
@@ -309,6 +313,7 @@ def test_cost_model_sizes_trees_by_the_price_of_rows(tiny):
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
                                       SamplingParams(temperature=0.5)], ids=["T1", "T0.7-topk-topp", "T0.5"])  # fmt: skip
+@pytest.mark.slow
 def test_sampled_trees_keep_the_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
     drafter = Eagle3Drafter(target, head=small_head(target), sample_children=2, sample_frontier=2)
@@ -316,6 +321,7 @@ def test_sampled_trees_keep_the_target_distribution(small_vocab, exact_joint, sa
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
+@pytest.mark.slow
 def test_wrong_sampled_tree_rule_fails_with_eagle3_trees(small_vocab, exact_joint, sample_joint, wrong_rule):
     """Negative control: the rule that keeps a rejected child's mass in q must fail here."""
     wrong_rule("sampled-tree")
@@ -440,6 +446,7 @@ def test_eagle3_without_a_head_says_how_to_get_one(tiny_dir, capsys):
     assert rc == 2 and "specdec train eagle3" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_train_runs_under_torchrun_with_two_processes(tiny_dir, tmp_path):
     """Scale-out is DDP: two CPU processes (gloo) train one head; each takes half the data."""
     data = tmp_path / "conv.jsonl"

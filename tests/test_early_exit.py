@@ -33,6 +33,7 @@ def four_layers(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", EXACT_MODES)  # where identity is guaranteed
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.slow
 def test_greedy_identity_tiny(four_layers, arch, dtype):
     target = four_layers(arch, dtype)
     accepted = rejected = 0
@@ -199,12 +200,14 @@ def test_greedy_identity_smollm2(smollm2_exact):
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.slow
 def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
     counts = sample_joint(target, EarlyExitDrafter(target, layer=1), sampling, runs=3000, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
+@pytest.mark.slow
 def test_wrong_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wrong_rule):
     wrong_rule("rejection")
     target, _ = small_vocab

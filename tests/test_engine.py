@@ -108,12 +108,14 @@ SAMPLINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, to
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-topk-topp"])
+@pytest.mark.slow
 def test_speculative_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
     counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
+@pytest.mark.slow
 def test_wrong_acceptance_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wrong_rule):
     """Negative control: recovering from p instead of norm(max(0, p - q)) after a rejection."""
     wrong_rule("rejection")
@@ -370,12 +372,14 @@ class SampledTreeDrafter(Drafter):
 
 
 @pytest.mark.parametrize("sampling", [*SAMPLINGS, SamplingParams(temperature=0.5)], ids=["T1", "T0.7-topk-topp", "T0.5"])
+@pytest.mark.slow
 def test_sampled_token_trees_match_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
     counts = sample_joint(target, SampledTreeDrafter(draft), sampling, runs=3000, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
+@pytest.mark.slow
 def test_wrong_sampled_tree_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wrong_rule):
     """Negative control: keeping a rejected child's mass in the proposal over-accepts the later
     siblings (most visible with a peaked draft: T = 0.5)."""

@@ -100,6 +100,7 @@ def test_a_row_gets_the_same_bits_beside_a_framework_prefill(tiny_dir):
     assert torch.equal(decode(False), decode(True))
 
 
+@pytest.mark.slow
 def test_every_build_gives_the_same_forward(tiny_dir):
     """The native layer's float steps are the same operations in the AVX2 and AVX-512 builds:
     a whole forward (prefill and a 5-row pass) gives the same logits bitwise."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +36,7 @@ line = st.one_of(
 
 @FUZZ
 @given(lines=st.lists(line, max_size=6), raw=st.binary(max_size=20), use_raw=st.booleans())
+@pytest.mark.slow
 def test_prompt_file_loader_returns_checked_prompts_or_one_clear_error(tmp_path_factory, lines, raw, use_raw):
     path = tmp_path_factory.mktemp("p") / "prompts.jsonl"
     if use_raw:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -78,6 +79,7 @@ def _check_path(path: list[int], parents: list[int]) -> None:
 
 @FUZZ
 @given(chain_case())
+@pytest.mark.slow
 def test_chain_rules_return_what_the_target_could_produce(case):
     p, q, tokens, seed = case
     K = tokens.numel()
@@ -100,6 +102,7 @@ def test_chain_rules_return_what_the_target_could_produce(case):
 
 @FUZZ
 @given(tree_case())
+@pytest.mark.slow
 def test_tree_rules_return_what_the_target_could_produce(case):
     p, q, tokens, parents, seed = case
     g = torch.Generator().manual_seed(seed)

@@ -103,6 +103,7 @@ def test_bench_forward_harness_on_tiny(tiny_dir):
     assert "k=8" in bench_forward.table(out)
 
 
+@pytest.mark.slow
 def test_bench_forward_cli_json(tiny_dir):
     res = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "forward", "--model", str(tiny_dir("qwen2")),
                           "--modes", "int8", "--context", "8", "--repeats", "1", "--json"],
@@ -166,6 +167,7 @@ def test_kernel_build_can_be_forced_for_a_before_after_comparison(monkeypatch):
         native.dispatch()
 
 
+@pytest.mark.slow
 def test_info_reports_the_machine_and_the_kernel_path():
     res = subprocess.run([sys.executable, "-m", "specdec.cli", "info", "--json", "--no-bandwidth"],
                          capture_output=True, text=True)  # fmt: skip

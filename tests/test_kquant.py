@@ -152,6 +152,7 @@ def _builds_here() -> dict[str, object]:
     return builds
 
 
+@pytest.mark.slow
 def test_every_build_agrees_bitwise():
     """AVX2, AVX-512 VNNI and the AMX build (its AMX path where the CPU has AMX and the OS
     grants it, else its AVX-512 path) give the same bits, for 1..20 rows and both block kinds."""
@@ -203,6 +204,7 @@ def test_amx_path_is_bitwise_equal_to_avx512():
     assert native.dispatch()[0] == native.AMX
 
 
+@pytest.mark.slow
 def test_amx_path_logic_on_emulated_tiles():
     """The AMX path's own code (tile configuration, A/B layouts, strides, row counts, the
     integer and float steps around each tile multiply) run through a scalar model of the tile
@@ -217,6 +219,7 @@ def test_amx_path_logic_on_emulated_tiles():
         emulated.specdec_amx_enable(0)
 
 
+@pytest.mark.slow
 def test_self_check_catches_a_wrong_tile_multiply(monkeypatch):
     """Negative control for the check above: the emulated build with the wrong tile multiply
     (tdpbusd, which reads the activations' bytes as unsigned) must fail the self-check."""

@@ -75,6 +75,7 @@ CONFIGS = [dict(window=2, ngram=3, guesses=2), dict(window=4, ngram=4, guesses=3
 
 @pytest.mark.parametrize("dtype", EXACT_MODES)  # where identity is guaranteed
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.slow
 def test_greedy_identity_tiny(tiny, arch, dtype):
     target = tiny(arch, dtype=dtype)
     accepted = 0
@@ -123,6 +124,7 @@ def test_greedy_identity_smollm2(smollm2_exact):
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.slow
 def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
     counts = sample_joint(target, LookaheadDrafter(window=3, ngram=2, guesses=3), sampling, runs=3000,
@@ -130,6 +132,7 @@ def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_j
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, PROMPT_IDS * 2)) > ALPHA
 
 
+@pytest.mark.slow
 def test_wrong_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wrong_rule):
     wrong_rule("tree")
     target, _ = small_vocab

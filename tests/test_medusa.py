@@ -137,6 +137,7 @@ def test_drafting_reads_what_training_trained(tiny, kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("mode", EXACT_MODES)
+@pytest.mark.slow
 def test_greedy_identity_on_tiny_models(tiny, kind, arch, mode):
     lm = tiny(arch, dtype=mode)
     heads = random_heads(lm.model, kind, seed=2)
@@ -176,6 +177,7 @@ def _v8_heads(target, kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.slow
 def test_sampled_trees_keep_the_target_distribution(small_vocab, exact_joint, sample_joint, sampling, kind):
     target, _ = small_vocab
     drafter = DRAFTER[kind](target, head=_v8_heads(target, kind), total=5)
@@ -184,6 +186,7 @@ def test_sampled_trees_keep_the_target_distribution(small_vocab, exact_joint, sa
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_wrong_sampled_tree_rule_fails_with_heads_trees(small_vocab, exact_joint, sample_joint, wrong_rule, kind):
     """Negative control: the rule that keeps a rejected child's mass in q must fail here."""
     wrong_rule("sampled-tree")
@@ -261,6 +264,7 @@ def test_typical_acceptance_by_hand():
         lossy_typical_acceptance(p, [0, 0], [-1, -1], 0.09, 0.3, g)
 
 
+@pytest.mark.slow
 def test_typical_acceptance_is_lossy_and_flagged(small_vocab, exact_joint, sample_joint):
     """Measured, not assumed: with typical acceptance the output law is detectably not the
     target's (so every output says so); the same drafter verified exactly keeps it."""

@@ -80,6 +80,7 @@ def test_bad_ngram_sizes_are_refused():
 
 @pytest.mark.parametrize("dtype", EXACT_MODES)  # where identity is guaranteed
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.slow
 def test_greedy_identity_tiny(tiny, arch, dtype):
     target = tiny(arch, dtype=dtype)
     proposed = 0
@@ -146,12 +147,14 @@ def test_match_running_into_eos(smollm2_exact):
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.slow
 def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
     counts = sample_joint(target, PromptLookupDrafter(max_ngram=2), sampling, runs=3000, k=3, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
+@pytest.mark.slow
 def test_wrong_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wrong_rule):
     wrong_rule("point-mass")
     target, _ = small_vocab

@@ -28,6 +28,7 @@ def test_qwen_pair_shares_a_tokenizer(pair):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.slow
 def test_qwen_pair_greedy_identity(pair, prompt):
     target, draft = pair
     cmp = specdec.compare(target, prompt, assistant_model=draft, k=4, max_new_tokens=32, adaptive_k=False)

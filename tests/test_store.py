@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not native_available(), reason="the q4k kernel c
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.slow
 def test_q4k_from_the_gguf_equals_q4k_from_float_weights(name, tmp_path, monkeypatch):
     """A model installed without float weights computes bit for bit what the same model
     computes when its q4k kernels are made from transformers' float conversion: the norms,
@@ -103,6 +104,7 @@ def _env(home: Path) -> dict[str, str]:
     return {**os.environ, "SPECDEC_HOME": str(home), "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.mark.slow
 def test_two_installs_at_once_end_with_one_verified_copy(tmp_path):
     spec = _fake_model(tmp_path)
     procs = [subprocess.Popen(_install_cmd(spec), env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -114,6 +116,7 @@ def test_two_installs_at_once_end_with_one_verified_copy(tmp_path):
     _assert_one_verified_copy(tmp_path, spec)
 
 
+@pytest.mark.slow
 def test_an_install_killed_half_way_is_finished_by_the_next(tmp_path):
     """SIGKILL at seeded moments through assembly, conversion and packing; each rerun ends
     with one verified copy and nothing half-written."""
@@ -186,6 +189,7 @@ def test_a_gguf_whose_packed_blocks_are_gone_is_assembled_again(tmp_path, monkey
     assert any("already installed" in m for m in messages)  # and now it is
 
 
+@pytest.mark.slow
 def test_float_weights_on_first_use_and_remove_frees_everything(tmp_path, monkeypatch):
     spec = _fake_model(tmp_path)
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))

@@ -172,6 +172,7 @@ def _exact_sampled_tree() -> dict[tuple, float]:
     return {(a, b): float(p0[a] * p1[a, b]) for a in range(V_TREE) for b in range(V_TREE)}
 
 
+@pytest.mark.slow
 def test_sampled_tree_law():
     counts = sampled_tree_two_tokens(verify.tree_rejection_sample, runs=20000)
     assert chi2_pvalue(counts, _exact_sampled_tree()) > ALPHA
@@ -185,6 +186,7 @@ def test_sampled_tree_rule_that_keeps_rejected_drafts_fails():
     assert chi2_pvalue(counts, _exact_sampled_tree()) <= ALPHA
 
 
+@pytest.mark.slow
 def test_sampled_tree_rule_that_recovers_from_p_fails():
     """Negative control (`specdec certify`'s): children tested right, but the token after an
     all-rejected node drawn from p instead of the residual."""
@@ -192,6 +194,7 @@ def test_sampled_tree_rule_that_recovers_from_p_fails():
     assert chi2_pvalue(counts, _exact_sampled_tree()) <= ALPHA
 
 
+@pytest.mark.slow
 def test_sampled_tree_with_one_child_per_node_is_rejection_sampling():
     """A chain drawn from q: the same law of the first token as `rejection_sample`."""
     p0, q0, p1, q1 = _sampled_tree_setup()
