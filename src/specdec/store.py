@@ -219,6 +219,7 @@ def install(name: str, *, keep_downloads: bool = False, floats: bool = False,
             sparse.note_path(gguf).unlink(missing_ok=True)
         if (is_installed(name) and (gguf.exists() or has_float_weights(target))
                 and (not floats or has_float_weights(target))):
+            _pin(target, spec)  # (a directory converted before it named its pin)
             log(f"{name}: already installed at {target}")
             return target
         # A sparse GGUF was checked when it was punched and is checked again whenever it is made
