@@ -44,7 +44,7 @@ def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     cumulative mass first exceeds u, then the token inside it by the block's own cumulative
     sums. The same law as `torch.multinomial(weights, 1)` (a zero weight is never drawn) at a
     small fraction of its CPU cost on a large vocabulary, which every sampled decoding step and
-    every residual draw of a verification pays (see the README's sampling note). Two levels
+    every residual draw of a verification pays (docs/exactness.md; timings in docs/results.md). Two levels
     keep each token's share exact to float64 rounding of sums of at most a few hundred terms,
     where one float32 cumsum over the whole vocabulary would blur tokens of probability ~1e-7."""
     one = weights.dim() == 1

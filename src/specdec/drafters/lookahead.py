@@ -44,7 +44,7 @@ class LookaheadDrafter(Drafter):
     def __init__(self, window: int = 1, ngram: int = 3, guesses: int = 2, pool_from_context: bool = True) -> None:
         """`window` W, `ngram` N, `guesses` G as in the paper; a pass scores 1 + W(N-1) + up to
         G(N-1) rows. The defaults are small because rows are dear on a CPU (each row beyond
-        the second costs a fraction of a one-token pass in the q4k mode; see the README), and
+        the second costs a fraction of a one-token pass in the q4k mode; see docs/precision.md), and
         wider windows lost more than they gained there. Accelerators, where a pass of tens of
         rows costs about one row, want the paper's wider settings (W=15, N=5, G=15 for 7B
         models on an A100)."""

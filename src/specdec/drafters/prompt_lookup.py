@@ -36,7 +36,7 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, single_token_match_limit: int = 2) -> None:
         """`single_token_match_limit`: at most this many tokens are proposed when only the last
         token matched (n = 1), which is weak evidence: such copies are accepted far less often
-        than after a longer match (see the README's measurements)."""
+        than after a longer match (measured: docs/results.md)."""
         super().__init__()
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(

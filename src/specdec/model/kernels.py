@@ -67,7 +67,7 @@ def default_mode_name(device: torch.device) -> str:
 
     On the CPU that is q4k when its kernel can be built here (AVX2 and a C compiler), else
     int8 (q4k reads about half the bytes per token; `specdec bench forward` measures both, and
-    the README quotes the figures with the CPU they came from).
+    docs/results.md has the figures with the CPU they came from).
     The integer kernels are CPU-only for now, so CUDA gets bf16, which is fast there but not
     batch-invariant.
     """
