@@ -442,3 +442,16 @@ def test_wrong_chunks_fail_the_same_check(tiny, monkeypatch):
 
     monkeypatch.setattr(eng.Engine, "_segment", skipping)
     assert eng.run(target.model, prompt, cfg, SamplingParams(), tokenizer=target.tokenizer).token_ids != whole
+
+
+def test_copying_part_of_a_prefix_needs_the_part_before_it(tiny):
+    """`copy_prefix(..., start=)` copies only slots start..n of a prefix the cache holds up to
+    `start` already; a start past what it holds is refused, not silently left stale."""
+    model = tiny("llama").model
+    a, b = model.new_cache(16), model.new_cache(16)
+    model(torch.arange(3, 11)[None], a, last_only=True)  # 8 slots
+    b.copy_prefix(a, 4)
+    b.copy_prefix(a, 8, start=4)
+    assert b.length == 8 and torch.equal(b.k[0][:, :, :8], a.k[0][:, :, :8]) and torch.equal(b.pos[:, :8], a.pos[:, :8])
+    with pytest.raises(ValueError, match="from slot 6"):
+        model.new_cache(16).copy_prefix(a, 8, start=6)

@@ -241,8 +241,9 @@ class Engine:
         for s in seqs:  # (before any sequence finishes and frees its cache)
             if leader.get(s.id, s) is not s:
                 assert s.cache is not None and leader[s.id].cache is not None
+                # (it holds the leader's earlier chunks already: copied when they were read)
+                s.cache.copy_prefix(leader[s.id].cache, leader[s.id].prefilled, start=s.prefilled)
                 s.prefilled = leader[s.id].prefilled
-                s.cache.copy_prefix(leader[s.id].cache, s.prefilled)
         deltas = []
         for s in seqs:
             draft = drafts.get(s.id)
@@ -393,7 +394,7 @@ class Engine:
 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: torch.Generator,
-            rules: Rules = EXACT) -> tuple[list[int], int]:  # fmt: skip
+            rules: Rules) -> tuple[list[int], int]:  # fmt: skip
     """The accepted draft nodes (a chain's first n, or a tree path) and the next token.
     logits: [K+1, V]."""
     K = draft.tokens.shape[0]

@@ -42,13 +42,17 @@ class KVCache:
             )
         return self.length
 
-    def copy_prefix(self, other: KVCache, n: int) -> None:
-        """Hold the first `n` slots of `other` (a sequence that prefilled the same prompt)."""
+    def copy_prefix(self, other: KVCache, n: int, start: int = 0) -> None:
+        """Hold the first `n` slots of `other` (a sequence that prefilled the same prompt). With
+        `start`, the first `start` slots are held already (copied before: a prompt read in
+        chunks) and only the rest is copied."""
         if n > self.capacity or n > other.length:
             raise ValueError(f"cannot copy {n} slots from a cache of length {other.length} into capacity {self.capacity}")
-        self.k[:, :, :, :n] = other.k[:, :, :, :n]
-        self.v[:, :, :, :n] = other.v[:, :, :, :n]
-        self.pos[:, :n] = other.pos[:, :n]
+        if not 0 <= start <= min(n, self.length):
+            raise ValueError(f"cannot copy from slot {start} into a cache of length {self.length}")
+        self.k[:, :, :, start:n] = other.k[:, :, :, start:n]
+        self.v[:, :, :, start:n] = other.v[:, :, :, start:n]
+        self.pos[:, start:n] = other.pos[:, start:n]
         self.length = n
 
     def truncate(self, length: int) -> None:

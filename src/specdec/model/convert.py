@@ -122,16 +122,20 @@ def base_keys(args) -> list[str]:  # noqa: ANN001 - ModelArgs
     return [k for k in model.state_dict() if k not in linear and k != "model.embed_tokens.weight"]
 
 
+def converted_meta(path: Path) -> dict:
+    """What `convert_gguf` noted in a converted directory (`specdec.json`: the source GGUF, its
+    architecture, and for a registered model its name and pinned sha256); {} where none."""
+    meta = Path(path) / "specdec.json"
+    return json.loads(meta.read_text()) if meta.exists() else {}
+
+
 def gguf_source(path: Path) -> Path | None:
     """The GGUF file a converted directory came from, if it is still there."""
-    import json
-
     from ..paths import cache_root
 
-    meta = path / "specdec.json"
-    if not meta.exists():
+    info = converted_meta(path)
+    if not info:
         return None
-    info = json.loads(meta.read_text())
     for candidate in (info.get("source_path"), cache_root() / "gguf" / info.get("source", "")):
         if candidate and Path(candidate).is_file() and Path(candidate).suffix == ".gguf":
             return Path(candidate)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelArgs
-from .convert import BASE_WEIGHTS, float_weights, gguf_source, has_float_weights
+from .convert import BASE_WEIGHTS, converted_meta, float_weights, gguf_source, has_float_weights
 from .kernels import DRAFT_BITS, apply_mode, get_mode
 from .transformer import Transformer
 
@@ -150,11 +150,9 @@ def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path, bits: int
 def _sparsify(path: Path, gguf: Path, packed: Path, args: ModelArgs) -> int:
     """Keep the blocks `packed` holds only there, not also in the cached GGUF (see `sparse`), for
     a registered model (its name and pinned sha256 in the directory's `specdec.json`)."""
-    import json
-
     from . import sparse
 
-    meta = json.loads((path / "specdec.json").read_text()) if (path / "specdec.json").exists() else {}
+    meta = converted_meta(path)
     pin = (meta["name"], meta["sha256"]) if "name" in meta and "sha256" in meta else None
     return sparse.sparsify(gguf, packed, pin=pin, tied=args.tie_embeddings, model_type=args.model_type,
                            n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)  # fmt: skip

@@ -22,7 +22,6 @@ from ..api import LoadedModel, build_drafter, encode_prompt
 from ..config import GenerationConfig, SamplingParams
 from ..drafters.base import needs_draft_model, uses_draft_model
 from ..engine import ContextOverflowError, Delta, GenerationResult, plan_length
-
 from .gate import Gate
 from .metrics import ServerMetrics
 from .schemas import FINISH, NONE, APIError, ChatRequest, CompletionRequest, _Common

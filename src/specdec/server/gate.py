@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..adaptive import PRIOR_ALPHA

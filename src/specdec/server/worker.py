@@ -12,13 +12,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from ..adaptive import batch_drafting_pays
 from ..api import LoadedModel, build_drafter
 from ..config import GenerationConfig, SamplingParams
 from ..drafters.base import Drafter, uses_draft_model
 from ..engine import Engine
-
 from .metrics import ServerMetrics
 from .schemas import NONE, APIError
 
