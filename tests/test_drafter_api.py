@@ -20,7 +20,7 @@ def test_drafter_by_name_matches_the_object(tiny):
     assert by_name.metrics.proposed == by_obj.metrics.proposed > 0
 
 
-@pytest.mark.parametrize("name", ["early-exit", "lookahead"])
+@pytest.mark.parametrize("name", ["early-exit", "lookahead", "suffix"])
 def test_other_model_free_drafters_by_name(tiny, name):
     target = tiny("llama", dtype=EXACT_MODES[-1])
     prompt = "abcabcabcabc"
@@ -30,7 +30,7 @@ def test_other_model_free_drafters_by_name(tiny, name):
 
 
 def test_unknown_or_model_drafter_names_are_refused(tiny):
-    with pytest.raises(ValueError, match="unknown drafter 'n-gram'; choose one of auto, draft-model, eagle3, early-exit, hydra, lookahead, medusa, prompt-lookup"):
+    with pytest.raises(ValueError, match="unknown drafter 'n-gram'; choose one of auto, draft-model, eagle3, early-exit, hydra, lookahead, medusa, prompt-lookup, suffix"):
         specdec.generate(tiny("qwen2"), "ab", drafter="n-gram", max_new_tokens=2, adaptive_k=False)
     with pytest.raises(ValueError, match="needs a draft model"):
         specdec.generate(tiny("qwen2"), "ab", drafter="draft-model", max_new_tokens=2, adaptive_k=False)
@@ -48,14 +48,15 @@ def test_registry_declares_each_drafter_once():
     from specdec.cli import build_parser
 
     assert list(specdec.DRAFTERS) == ["auto", "draft-model", "eagle3", "early-exit", "lookahead", "medusa", "hydra",
-                                    "prompt-lookup"]
+                                    "prompt-lookup", "suffix"]
     assert specdec.DRAFTERS["auto"].needs == "any"
     la = specdec.DRAFTERS["lookahead"]
     assert la.defaults() == {"window": 1, "ngram": 3, "guesses": 2} and la.needs == ""
     assert specdec.DRAFTERS["early-exit"].needs == "target" and specdec.DRAFTERS["draft-model"].needs == "draft"
     help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
     for flag in ("--ngram-max", "--ngram-min", "--exit-layer", "--window", "--ngram", "--guesses", "--head",
-                 "--tree-topk", "--tree-tokens", "--tree-children", "--tree-frontier"):
+                 "--tree-topk", "--tree-tokens", "--tree-children", "--tree-frontier", "--suffix-factor",
+                 "--suffix-min-prob", "--suffix-max-nodes", "--suffix-max-tokens"):
         assert flag in help_text
     built = specdec.make_drafter("lookahead", window=3)
     assert isinstance(built, specdec.LookaheadDrafter) and built.W == 3 and built.N == 3

@@ -76,7 +76,7 @@ def models(smollm2_exact):
 def server(models):
     target, draft = models
     app = create_app(target, draft, ServeSettings("smollm2-135m", "prompt-lookup", {}, k=4, max_batch=8,
-                                                  api_key=KEY, max_body_bytes=64 * 1024))  # fmt: skip
+                                                  api_keys=(KEY,), max_body_bytes=64 * 1024))  # fmt: skip
     running = Running(app)
     yield running
     running.close()

@@ -99,9 +99,10 @@ def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], A
 
 
 def forget(target: Any) -> None:
-    """Drop what `acceptance_memory` holds for `target` (a benchmark's untimed warm-up runs
-    must not inform its timed ones)."""
+    """Drop what `target`'s requests taught the drafters (`acceptance_memory`, suffix decoding's
+    stores of outputs): a benchmark's untimed warm-up runs must not inform its timed ones."""
     target.state.acceptance.clear()
+    target.state.suffix.clear()
 
 
 def remembered(methods: list[str]) -> frozenset[str]:

@@ -101,7 +101,8 @@ class GenerationConfig:
 
 def resolve_k(k: int | None, *, target: str, method: str | None, draft: str | None, mode: str) -> tuple[int, str]:
     """(k, where it came from): "given", "tuned" (stored by `specdec bench --tune` for this
-    target, method, draft and mode) or "default" (DEFAULT_K)."""
+    target, method, draft and mode) or "default" (the method's own, `DrafterSpec.default_k`,
+    else DEFAULT_K)."""
     if k is not None:
         return k, "given"
     if method is not None:
@@ -110,6 +111,11 @@ def resolve_k(k: int | None, *, target: str, method: str | None, draft: str | No
         tuned = lookup(target, method, draft, mode)
         if tuned is not None:
             return tuned, "tuned"
+        from .drafters.base import DRAFTERS
+
+        spec = DRAFTERS.get(method)
+        if spec is not None and spec.default_k is not None:
+            return spec.default_k, "default"
     return DEFAULT_K, "default"
 
 

@@ -30,7 +30,7 @@ import torch
 
 from .. import registry
 from ..version import __version__
-from ..api import LoadedModel, encode_prompt, generate, load, load_draft
+from ..api import LoadedModel, build_drafter, encode_prompt, generate, load, load_draft
 from ..config import DEFAULT_K
 from ..costs import K_MAX, Costs, measure_costs, pass_costs
 from ..drafters import DRAFTERS, make_drafter, uses_draft_model
@@ -61,7 +61,7 @@ class GridSettings:
     draft: str | None = registry.DEFAULT_DRAFT  # for the draft-model method
     methods: tuple[str, ...] = DEFAULT_METHODS
     temperatures: tuple[float, ...] = (0.0, 1.0)
-    k: int = DEFAULT_K
+    k: int | None = None  # None: each method's default (`DrafterSpec.default_k`, else DEFAULT_K)
     max_new_tokens: int = 128
     repeats: int = 3
     seed: int = 0
@@ -81,12 +81,21 @@ class GridSettings:
             raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
         if any(map(needs_draft_model, self.methods)) and not self.draft:
             raise ValueError("the draft-model method needs a draft model (--draft NAME)")
-        if self.k < 1 or self.max_new_tokens < 1 or self.repeats < 1:
+        if (self.k is not None and self.k < 1) or self.max_new_tokens < 1 or self.repeats < 1:
             raise ValueError("k, max_new_tokens and repeats must be >= 1")
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise ValueError("temperatures must be >= 0 (0 = greedy)")
         if self.per_category is not None and self.per_category < 1:
             raise ValueError("per_category must be >= 1")
+
+    @property
+    def chain_k(self) -> int:
+        """k of the chain drafters, the peers and the cost model's predictions."""
+        return self.k if self.k is not None else DEFAULT_K
+
+    def k_for(self, method: str) -> int:
+        """The k `method` runs with: the one given, else the method's own default."""
+        return self.k if self.k is not None else DRAFTERS[method].default_k or DEFAULT_K
 
 
 # one prompt per category, short outputs: ~8 minutes here with every method and peer
@@ -164,7 +173,7 @@ class GridResult:
                 continue
             rs = [x for x in self.records if x["method"] == r["method"] and x["temperature"] == r["temperature"]
                   and (r["category"] == "all" or x["category"] == r["category"])]  # fmt: skip
-            out.append(recommend(r["method"], r["temperature"], r["category"], rs, self.costs, self.settings.k))
+            out.append(recommend(r["method"], r["temperature"], r["category"], rs, self.costs, self.settings.chain_k))
         return out
 
     def auto_choices(self) -> list[dict[str, Any]]:
@@ -275,9 +284,9 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                 ids = prompt_ids(target, prompt)
                 for temp in settings.temperatures:
                     seed = settings.seed + 1000 * rep + i
-                    common = dict(k=settings.k, max_new_tokens=settings.max_new_tokens, temperature=temp, seed=seed,
+                    common = dict(max_new_tokens=settings.max_new_tokens, temperature=temp, seed=seed,
                                   context_overflow="truncate", adaptive_k=settings.adaptive_k)  # fmt: skip
-                    plain_kw = {key: v for key, v in common.items() if key not in ("k", "adaptive_k")}
+                    plain_kw = {key: v for key, v in common.items() if key != "adaptive_k"}
                     bar.set_postfix_str(f"{prompt.id} T={temp} plain")
                     plain = generate(target, ids, **plain_kw)
                     if temp == 0.0:
@@ -288,8 +297,13 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                         # a fresh drafter per run, with its default options (early exit's
                         # calibration is kept per target: done on the first prompt)
                         # auto chooses among prompt lookup and, where one is loaded, the draft model
-                        res = generate(target, ids, drafter=method, assistant_model=draft if uses_draft_model(method)
-                                       else None, **common, **_draft_options(settings, method))  # fmt: skip
+                        drafter = build_drafter(target, draft if uses_draft_model(method) else None, method,
+                                                **_draft_options(settings, method))  # fmt: skip
+                        # what a drafter learns from earlier requests (suffix decoding's outputs)
+                        # comes from this repeat's other prompts, never from this prompt's own
+                        # earlier answer
+                        drafter.pool = f"repeat-{rep}"  # type: ignore[union-attr]
+                        res = generate(target, ids, drafter=drafter, k=settings.k_for(method), **common)
                         result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
                         bar.update()
                     if settings.noise_control:
@@ -302,7 +316,7 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
     drafting = draft_model_method()
     draft_ms = (make_drafter(drafting, draft=draft.model, **_draft_options(settings, drafting)).cost_ms()
                 if draft is not None else None)  # fmt: skip
-    result.costs = measure_costs(target.model, None, max_rows=2 * settings.k + 1, repeats=3)
+    result.costs = measure_costs(target.model, None, max_rows=2 * settings.chain_k + 1, repeats=3)
     if draft_ms:  # (timed once per machine, at another moment: moved as the target's pass moved since)
         result.costs.draft_ms = draft_ms * result.costs.target_ms[1] / pass_costs(target.model, 2).target_ms[1]
     if settings.peers and 0.0 in settings.temperatures:
@@ -324,7 +338,7 @@ def _warm_up(settings: GridSettings, target: LoadedModel, draft: LoadedModel | N
         t0 = time.perf_counter()
         for temp in settings.temperatures:
             generate(target, ids, drafter=method, assistant_model=draft if uses_draft_model(method) else None,
-                     k=settings.k, max_new_tokens=WARM_UP_TOKENS, temperature=temp, seed=settings.seed,
+                     k=settings.k_for(method), max_new_tokens=WARM_UP_TOKENS, temperature=temp, seed=settings.seed,
                      context_overflow="truncate", adaptive_k=settings.adaptive_k,
                      **_draft_options(settings, method))  # fmt: skip
         result.first_use[method] = time.perf_counter() - t0
@@ -361,7 +375,7 @@ def _run_peers(settings: GridSettings, target: LoadedModel, draft: LoadedModel |
     hf = [p for p in wanted if p.startswith("transformers")]
     if hf:
         say("peers: transformers (bf16)")
-        tp = peers.TransformersPeers(target.path, draft.path if draft is not None else None, settings.k)
+        tp = peers.TransformersPeers(target.path, draft.path if draft is not None else None, settings.chain_k)
         for peer in hf:
             runs[peer] = {key: tp.run(peer, ids[key[0]], settings.max_new_tokens) for key in keys}
         del tp
@@ -370,7 +384,7 @@ def _run_peers(settings: GridSettings, target: LoadedModel, draft: LoadedModel |
         eos = sorted(target.tokenizer.eos_ids)
         reqs = [{"id": f"{pid}#{rep}", "ids": ids[pid], "max_new_tokens": settings.max_new_tokens, "eos": eos}
                 for pid, rep in keys]  # fmt: skip
-        got = peers.run_llama_cpp(gguf, peer.endswith("prompt-lookup"), reqs, settings.k)  # type: ignore[arg-type]
+        got = peers.run_llama_cpp(gguf, peer.endswith("prompt-lookup"), reqs, settings.chain_k)  # type: ignore[arg-type]
         runs[peer] = {(pid, rep): got[f"{pid}#{rep}"] for pid, rep in keys}
     by_id = {p.id: p for p in prompts}
     for peer, table in runs.items():

@@ -88,7 +88,7 @@ def markdown(result: GridResult, plots: list[str]) -> str:
         f"# specdec benchmark: {s.target}" + (f" + {s.draft}" if any(map(needs_draft_model, s.methods)) else ""),
         "",
         f"Target `{s.target}`" + (f", draft `{s.draft}`" if any(map(needs_draft_model, s.methods)) else "")
-        + f", mode `{result.mode}`, k = {s.k} ("
+        + f", mode `{result.mode}`, k = {s.chain_k} ("
         + ("adaptive: never-slower guard on" if s.adaptive_k else "fixed: k drafts every step")
         + f"), {s.max_new_tokens} new tokens, {s.repeats} repeat(s), seed {s.seed}.",
         f"Machine: {mach['cpu']} ({mach['cpu_count']} CPUs, {mach['torch_threads']} torch threads), "
@@ -153,7 +153,7 @@ def markdown(result: GridResult, plots: list[str]) -> str:
                 ("Predicted from the measured pass times and per-position acceptance (expected-tokens formula,"
                  " Leviathan et al.), against the measured median speedup; best k = the k in 1..8 with the"
                  " highest predicted speedup."), "",
-                f"| method | T | category | measured (k = {s.k}) | predicted | best k | predicted at best k |",
+                f"| method | T | category | measured (k = {s.chain_k}) | predicted | best k | predicted at best k |",
                 "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in recs:
             out.append(f"| {r.method} | {r.temperature:g} | {r.category} | {_fmt(r.measured_speedup, '.2f', '×')} | "
@@ -186,7 +186,7 @@ def plots(result: GridResult, out_dir: Path, suffix: str = "") -> list[str]:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speedup over plain decoding")
-    ax.set_title(f"{result.settings.target}, T = {temp:g}, k = {result.settings.k}")
+    ax.set_title(f"{result.settings.target}, T = {temp:g}, k = {result.settings.chain_k}")
     ax.legend(fontsize=8)
     names.append(save_figure(fig, out_dir / f"speedup_by_category{suffix}.png").name)
 

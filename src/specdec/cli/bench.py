@@ -38,7 +38,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
                         "medusa and hydra where heads ship for the target)")  # fmt: skip
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0],
                    help="sampling temperatures to run (0 = greedy, checked token for token against plain decoding)")
-    p.add_argument("-k", type=int, default=DEFAULT_K, help="draft tokens per step")
+    p.add_argument("-k", type=int, help=f"draft tokens per step (default: the method's own, else {DEFAULT_K})")
     p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 40 with --quick)")
     p.add_argument("--repeats", type=int, help="repeats of every run (default 3; 1 with --quick)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs (seed + prompt index)")

@@ -24,11 +24,17 @@ def parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", choices=sorted(DRAFTERS),
                    help="the server's default method (unset: draft-model when --draft is given, else plain decoding)")
     add_drafter_options(p)
-    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=DEFAULT_K,
-                   help="draft tokens per step, unless a request says otherwise")
+    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int,
+                   help=f"draft tokens per step, unless a request says otherwise (default: the method's own, else "
+                        f"{DEFAULT_K})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (anything but loopback exposes the server)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/ requests (repeat for several clients: what "
+                        "one client generated never drafts for another, see --suffix-shared)")
+    p.add_argument("--suffix-shared", action="store_true",
+                   help="suffix decoding drafts from every client's earlier outputs, not each API key's own (a "
+                        "response's speed can then reveal what another client generated)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together at most; more wait in order")
     p.add_argument("--max-tokens", dest="default_max_tokens", type=int, default=512,
                    help="max_tokens of a request that gives none")
@@ -46,13 +52,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from ..server import ServeSettings, serve
 
     method = method_of(ns, draft_for_others=True)
-    GenerationConfig(k=ns.k)  # the one bound on k, as generate and each request have it
+    if ns.k is not None:
+        GenerationConfig(k=ns.k)  # the one bound on k, as generate and each request have it
     if ns.max_batch < 1 or ns.default_max_tokens < 1 or ns.max_body_bytes < 1:
         raise ValueError("--max-batch, --max-tokens and --max-body-bytes must be at least 1")
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     options = drafter_options(ns, method)
-    if ns.host not in ("127.0.0.1", "localhost", "::1") and ns.api_key is None:
+    if ns.host not in ("127.0.0.1", "localhost", "::1") and not ns.api_keys:
         print(f"specdec: warning: serving on {ns.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)  # fmt: skip
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
@@ -62,7 +69,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
         build_drafter(target, draft if uses_draft_model(method) else None, method, **options)
     settings = ServeSettings(ns.served_model_name or ns.target, method, options, ns.k, ns.max_batch,
-                             default_max_tokens=ns.default_max_tokens, api_key=ns.api_key,
+                             default_max_tokens=ns.default_max_tokens, api_keys=tuple(ns.api_keys or ()),
+                             suffix_shared=ns.suffix_shared,
                              max_body_bytes=ns.max_body_bytes, batch_guard=ns.batch_guard)  # fmt: skip
     serve(target, draft, settings, ns.host, ns.port)
     return 0

@@ -19,6 +19,7 @@ from .early_exit import EarlyExitDrafter
 from .lookahead import LookaheadDrafter
 from .medusa import HydraDrafter, MedusaDrafter
 from .prompt_lookup import PromptLookupDrafter
+from .suffix import SuffixDrafter
 
 __all__ = [
     "AutoDrafter",
@@ -37,6 +38,7 @@ __all__ = [
     "MedusaDrafter",
     "Option",
     "PromptLookupDrafter",
+    "SuffixDrafter",
     "make_drafter",
     "point_mass",
     "register",

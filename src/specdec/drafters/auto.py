@@ -149,6 +149,7 @@ class AutoDrafter(Drafter):
         self._plan, self._proposal, self._sync_ms = None, [], 0.0
         self._length, self._capacity = len(session.context), session.capacity
         for name, sub in self.subs.items():
+            sub.pool = self.pool
             # each drafter its own generator, seeded from the session's: reproducible, independent
             seed = int(torch.randint(0, 2**62, (1,), generator=session.generator))
             sub.begin(DraftSession(session.context, session.capacity, session.sampling,

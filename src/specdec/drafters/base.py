@@ -142,6 +142,11 @@ class Drafter:
     # True: propose a chain of exactly the k asked for (a tree drafter drafts its most likely
     # chain): whoever sets it sized k itself (auto, which switches between chain drafters)
     chain_only: bool = False
+    # whose sequence this is: drafters that learn from earlier requests (suffix decoding's store
+    # of outputs) keep what they learn per pool and draft from their pool's alone. A server sets
+    # it per API key before the sequence starts (one client's outputs never draft for another);
+    # "" in a process of one user
+    pool: str = ""
 
     def __init__(self) -> None:
         self.forwards = 0  # model forward calls made so far (0 for model-free drafters)
@@ -256,6 +261,8 @@ class DrafterSpec:
     head: str | None = None  # the kind of trained head it loads (`drafters.heads`); None: needs none
     switchable: bool = False  # auto may switch to it step by step (it implements `catch_up`)
     auto_head: bool = False  # auto's --auto-head is this drafter's head (and asks auto to include it)
+    default_k: int | None = None  # k when none is given or tuned (a tree drafter that sizes itself: its deepest
+    # draft); None: config.DEFAULT_K
 
     def defaults(self) -> dict[str, Any]:
         sig = inspect.signature(self.cls.__init__)
@@ -285,10 +292,12 @@ def uses_draft_model(name: str | None) -> bool:
 
 
 def register(name: str, *, help: str, needs: Needs = "", options: tuple[Option, ...] = (), head: str | None = None,
-             switchable: bool = False, auto_head: bool = False) -> Callable[[type], type]:  # fmt: skip
+             switchable: bool = False, auto_head: bool = False, default_k: int | None = None,
+             ) -> Callable[[type], type]:  # fmt: skip
     """Add a drafter class to the registry under `name`: what it needs built (`needs`), its
     options (defaults from its constructor), the trained head it loads (`head`), whether auto
-    may switch to it (`switchable`: it implements `catch_up`)."""
+    may switch to it (`switchable`: it implements `catch_up`), its k when none is given
+    (`default_k`)."""
     def deco(cls: type) -> type:
         if name in DRAFTERS:
             raise ValueError(f"drafter {name!r} registered twice")
@@ -298,7 +307,7 @@ def register(name: str, *, help: str, needs: Needs = "", options: tuple[Option, 
                 raise TypeError(f"{cls.__name__} declares option {o.name!r} without a default in __init__")
         if switchable and cls.catch_up is Drafter.catch_up:
             raise TypeError(f"{cls.__name__} is registered as switchable but does not implement catch_up")
-        DRAFTERS[name] = DrafterSpec(name, cls, needs, options, help, head, switchable, auto_head)
+        DRAFTERS[name] = DrafterSpec(name, cls, needs, options, help, head, switchable, auto_head, default_k)
         cls.name = name
         return cls
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # (annotations only: the model layer imports nothing above it)
     from ..adaptive import Acceptance
     from ..costs import Costs
+    from ..drafters.suffix import SuffixStore
     from ..drafters.vocab import DraftVocab
     from .cache import KVCache
 
@@ -32,3 +33,5 @@ class ModelState:
     # drafters.draft_model: the last prefill of this draft model (tokens, window, cache, skip),
     # copied by the next request with the same prompt instead of computed again
     prefilled: tuple[tuple[int, ...], int, KVCache, int] | None = None
+    # drafters.suffix: earlier requests' outputs by pool (a server's API key; "" in a process)
+    suffix: dict[str, SuffixStore] = field(default_factory=dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import threading
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..api import LoadedModel, build_drafter, encode_prompt
-from ..config import GenerationConfig, SamplingParams
+from ..config import GenerationConfig, SamplingParams, resolve_k
 from ..drafters.base import needs_draft_model, uses_draft_model
 from ..engine import ContextOverflowError, Delta, GenerationResult, plan_length
 from .gate import Gate
@@ -53,15 +54,26 @@ class Service:
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param=param) from exc
 
-    async def make_job(self, body: _Common, prompt_ids: list[int], max_tokens: int | None) -> Job:
+    def pool(self, request: Request) -> str:
+        """Whose request it is, for drafters that learn from earlier requests (`Drafter.pool`):
+        one pool per API key (the Gate has checked it), one for all where the server has no key
+        or pools them (--suffix-shared). The key itself is not kept: a digest names the pool."""
+        if not self.settings.api_keys or self.settings.suffix_shared:
+            return ""
+        return "key-" + hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()[:16]
+
+    async def make_job(self, body: _Common, prompt_ids: list[int], max_tokens: int | None, pool: str = "") -> Job:
         """The request's settings checked (the engine's own length rule, in the API's words) and
-        its drafter built on the engine thread."""
+        its drafter built on the engine thread, drafting from `pool`'s memory."""
         settings, spec = self.settings, body.speculative
         method = spec.method if spec is not None else (settings.method or NONE)
         options = dict(spec.model_extra or {}) if spec is not None else dict(settings.options)
         if needs_draft_model(method) and self.draft is None:
             raise APIError(400, "this server has no draft model (start it with --draft NAME)", param="speculative")
         k = spec.k if spec is not None and spec.k is not None else settings.k
+        if k is None:
+            k = resolve_k(None, target=self.target.name, method=None if method == NONE else method,
+                          draft=self.draft.name if self.draft is not None else None, mode=self.target.model.mode)[0]  # fmt: skip
         n = max_tokens if max_tokens is not None else max(1, min(settings.default_max_tokens,
                                                                   self.context - len(prompt_ids)))  # fmt: skip
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -83,6 +95,8 @@ class Service:
                 drafter = await self.worker.call(lambda: build_drafter(self.target, helper, method, **options))
             except (ValueError, TypeError) as exc:
                 raise APIError(400, f"speculative: {exc}", param="speculative") from exc
+            if drafter is not None:
+                drafter.pool = pool
         return Job(prompt_ids, cfg, sampling, method, drafter, asyncio.get_running_loop(), asyncio.Queue())
 
     async def respond(self, request: Request, job: Job, body: _Common, kind: str) -> Response:
@@ -203,7 +217,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     if not tokenizer.has_chat_template:
         raise APIError(400, f"{svc.settings.model_name} has no chat template; use /v1/completions", param="messages")
     ids = svc.encode(lambda: encode_prompt(tokenizer, messages), "messages")
-    job = await svc.make_job(body, ids, body.max_completion_tokens or body.max_tokens)
+    job = await svc.make_job(body, ids, body.max_completion_tokens or body.max_tokens, svc.pool(request))
     return await svc.respond(request, job, body, "chat")
 
 
@@ -218,7 +232,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.suffix:
         raise APIError(400, "suffix is not supported by this server", param="suffix")
     ids = svc.encode(lambda: encode_prompt(svc.target.tokenizer, prompt, chat=False), "prompt")  # type: ignore[arg-type]
-    job = await svc.make_job(body, ids, body.max_tokens)
+    job = await svc.make_job(body, ids, body.max_tokens, svc.pool(request))
     return await svc.respond(request, job, body, "completion")
 
 
@@ -286,7 +300,7 @@ def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSe
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
-    app.add_middleware(Gate, limit=settings.max_body_bytes, api_key=settings.api_key, metrics=service.metrics)  # type: ignore[arg-type]
+    app.add_middleware(Gate, limit=settings.max_body_bytes, api_keys=settings.api_keys, metrics=service.metrics)  # type: ignore[arg-type]
     return app
 
 

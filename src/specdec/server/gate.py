@@ -12,10 +12,11 @@ from .schemas import APIError
 class Gate:
     """Pure ASGI (so streaming and disconnects pass through untouched): refuses bodies over
     `limit` bytes (413, whether they announce their length or not), `/v1/` requests without
-    the API key (401), and counts `/v1/` responses by status."""
+    one of the API keys (401), and counts `/v1/` responses by status."""
 
-    def __init__(self, app: ASGIApp, limit: int, api_key: str | None, metrics: ServerMetrics) -> None:
-        self.app, self.limit, self.api_key, self.metrics = app, limit, api_key, metrics
+    def __init__(self, app: ASGIApp, limit: int, api_keys: tuple[str, ...], metrics: ServerMetrics) -> None:
+        self.app, self.limit, self.metrics = app, limit, metrics
+        self.accepted = {f"Bearer {key}".encode("latin-1") for key in api_keys}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -30,8 +31,8 @@ class Gate:
                 self.metrics.requests.labels(path, str(err.status)).inc()
             await err.response()(scope, receive, send)
 
-        if self.api_key is not None and counted:
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+        if self.accepted and counted:
+            if headers.get(b"authorization", b"") not in self.accepted:
                 await refuse(APIError(401, "missing or wrong API key (send the header 'Authorization: Bearer KEY')",
                                       code="invalid_api_key"))  # fmt: skip
                 return

@@ -29,11 +29,12 @@ class ServeSettings:
     model_name: str  # the id clients send as "model"
     method: str | None = None  # the default drafting method (None: plain decoding)
     options: dict[str, Any] = field(default_factory=dict)  # the default method's options
-    k: int = 4
+    k: int | None = None  # None: the method's own default (`config.resolve_k`)
     max_batch: int = 8
     max_queue: int = 256  # waiting requests beyond the batch; more get 429
     default_max_tokens: int = 512
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # accepted keys, one per client (none: open)
+    suffix_shared: bool = False  # drafters that learn across requests pool every key's outputs
     max_body_bytes: int = 1 << 20
     batch_guard: bool = True  # drafting off for steps whose batch leaves it no room
 
@@ -110,12 +111,14 @@ class Worker:
         from the cache), and with `warm` the table the step controllers read and the default
         drafter built once and prepared (a draft model's step timed, a head loaded). Nothing is
         generated, so no request learns from it."""
+        from ..config import DEFAULT_K
         from ..costs import K_MAX, pass_costs
 
         s = self.settings
-        guard_rows = min(64, s.max_batch * (s.k + 1)) if s.batch_guard and s.max_batch > 1 else 0
+        k = s.k if s.k is not None else DEFAULT_K
+        guard_rows = min(64, s.max_batch * (k + 1)) if s.batch_guard and s.max_batch > 1 else 0
         if warm:  # (the widest table first: a narrower one is read from it)
-            pass_costs(self.target.model, max(guard_rows, K_MAX + 1, s.k + 1))
+            pass_costs(self.target.model, max(guard_rows, K_MAX + 1, k + 1))
         if guard_rows and self.costs is None:
             self.costs = pass_costs(self.target.model, guard_rows)
         if warm and s.method is not None:
