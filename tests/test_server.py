@@ -384,3 +384,33 @@ def test_bench_serve_is_localhost_only(url, capsys):
     assert main(["bench", "serve", "--url", url]) == 2
     err = capsys.readouterr().err
     assert err.startswith("specdec: error: --url") and "Traceback" not in err
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("shared", [False, True], ids=["per-key", "suffix-shared"])
+def test_one_clients_outputs_never_draft_for_another(models, shared):
+    """Suffix decoding keeps earlier outputs per API key: a response's speed must not reveal
+    what another client generated. Two keys, the same request from each: each key's outputs
+    are in its own pool and nowhere else (with --suffix-shared: one pool for both)."""
+    target, draft = models
+    target.model.state.suffix.clear()
+    keys = ("key-a", "key-b")
+    app = create_app(target, draft, ServeSettings("smollm2-135m", "suffix", {}, max_batch=4, api_keys=keys,
+                                                  suffix_shared=shared))  # fmt: skip
+    running = Running(app)
+    try:
+        texts, pools = [], []
+        for key in keys:
+            client = openai.OpenAI(base_url=running.url + "/v1", api_key=key, max_retries=0, timeout=120)
+            texts.append(client.completions.create(model="smollm2-135m", prompt=PROMPTS[2], max_tokens=24,
+                                                   temperature=0).choices[0].text)  # fmt: skip
+            pools.append({name: len(store.docs) for name, store in target.model.state.suffix.items()})
+    finally:
+        running.close()
+    assert texts[0] == texts[1]  # (drafts never change an output)
+    if shared:
+        assert pools == [{"": 1}, {"": 2}]
+    else:  # after a's request only a's pool holds anything; b's request fills a pool of its own
+        (a_pool,) = pools[0]
+        assert pools[0] == {a_pool: 1} and a_pool != "" and "key-a" not in a_pool  # (named by a digest)
+        assert pools[1][a_pool] == 1 and len(pools[1]) == 2 and all(n == 1 for n in pools[1].values())

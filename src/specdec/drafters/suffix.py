@@ -35,6 +35,7 @@ adds to it like every request.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from array import array
 from collections import OrderedDict
@@ -75,15 +76,13 @@ class _Doc:
             if end >= 2:
                 self.bigrams.setdefault((toks[end - 2], t), array("l")).append(end)
 
-    def positions(self, tail: Sequence[int]) -> tuple[array, int]:
-        """Positions right after earlier occurrences of `tail`'s last two tokens (match length
-        at least 2), else of its last token (1)."""
+    def positions(self, tail: Sequence[int]) -> list[tuple[array, int]]:
+        """Positions right after earlier occurrences of `tail`'s last two tokens (a match of at
+        least 2), then of its last token (1)."""
+        out = []
         if len(tail) >= 2:
-            pos = self.bigrams.get((tail[-2], tail[-1]))
-            if pos:
-                return pos, 2
-        pos = self.unigrams.get(tail[-1])
-        return (pos, 1) if pos else (array("l"), 0)
+            out.append((self.bigrams.get((tail[-2], tail[-1]), array("l")), 2))
+        return [*out, (self.unigrams.get(tail[-1], array("l")), 1)]
 
 
 @dataclass
@@ -95,18 +94,21 @@ class _Candidate:
 
 def _candidates(doc: _Doc, tail: Sequence[int], max_match: int) -> list[_Candidate]:
     """The most recent occurrences of `tail`'s end in `doc` that something follows (`doc` may
-    be the text itself, whose last occurrence is its end), with their match lengths."""
-    positions, least = doc.positions(tail)
+    be the text itself, whose last occurrence is its end), with their match lengths: those of
+    the last two tokens, else of the last one."""
     toks, out, n = doc.tokens, [], len(tail)
-    for pos in reversed(positions[-CANDIDATES - 1 :]):
-        if pos >= len(toks):
-            continue
-        m = least
-        while m < max_match and m < pos and m < n and toks[pos - 1 - m] == tail[n - 1 - m]:
-            m += 1
-        out.append(_Candidate(m, toks, pos))
-        if len(out) == CANDIDATES:
-            break
+    for positions, least in doc.positions(tail):
+        for pos in reversed(positions[-CANDIDATES - 1 :]):
+            if pos >= len(toks):
+                continue
+            m = least
+            while m < max_match and m < pos and m < n and toks[pos - 1 - m] == tail[n - 1 - m]:
+                m += 1
+            out.append(_Candidate(m, toks, pos))
+            if len(out) == CANDIDATES:
+                break
+        if out:
+            return out
     return out
 
 
@@ -282,11 +284,11 @@ class SuffixDrafter(Drafter):
         self._doc = _Doc()
         self._doc.extend(session.context)
         self._prompt_len = len(session.context) - 1
-        self._store = shared_store(target, self.pool, self.max_tokens)
+        self._store = shared_store(target, self.pool, self.max_tokens) if self.max_tokens else None
         repro = reproducible(session.sampling)
         # (a seeded sampled request's drafts, hence its random numbers, must not depend on what
         # ran before it)
-        self._shared = None if repro or self.max_tokens == 0 else self._store
+        self._shared = None if repro else self._store
         costs = pass_costs(target, self._rows()) if self.nodes is None else None
         self._costs = costs.unscaled() if costs is not None and repro else costs
         self._memory = acceptance_memory(target, session.sampling.greedy)
@@ -334,7 +336,9 @@ class SuffixDrafter(Drafter):
                 use = [c for c in cands if c.match >= t][:TREE_CANDIDATES]
                 cap = min(self.max_nodes, max(1, math.floor(self.factor * t)))
                 sit = situation(t)
-                tree = build_tree(use, k, cap, self.min_prob, self._acc(sit).alpha())
+                # (a deeper position is never more likely to be reached than a shallower one)
+                alpha = list(itertools.accumulate(self._acc(sit).alpha(), min))
+                tree = build_tree(use, k, cap, self.min_prob, alpha)
                 n, rate = self._best(tree)
                 if n and rate > best_rate:
                     chosen, best_rate = SuffixTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n]), rate
