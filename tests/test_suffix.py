@@ -30,7 +30,7 @@ class _Target:
 
 def started(tokens: list[int], target=None, pool: str = "", sampling: SamplingParams | None = None,
             **kw) -> SuffixDrafter:  # fmt: skip
-    d = SuffixDrafter(nodes=kw.pop("nodes", 8), **kw)
+    d = SuffixDrafter(total=kw.pop("total", 8), **kw)
     d.pool = pool
     d.begin(DraftSession(list(tokens), 1000, sampling or SamplingParams(), torch.Generator().manual_seed(0),
                          target or _Target()))  # fmt: skip
@@ -140,7 +140,7 @@ def test_cost_model_sizes_the_tree(monkeypatch):
 
 
 def test_bad_options_are_refused():
-    for kw in ({"factor": 0}, {"min_prob": 2}, {"max_nodes": 0}, {"max_tokens": -1}, {"nodes": 0}):
+    for kw in ({"factor": 0}, {"min_prob": 2}, {"max_nodes": 0}, {"max_tokens": -1}, {"total": 0}):
         with pytest.raises(ValueError, match="suffix|nodes"):
             SuffixDrafter(**kw)
 
@@ -153,7 +153,7 @@ def test_greedy_identity_tiny(tiny, arch, dtype):
     proposed = 0
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=40, ignore_eos=True)
-        for kw, k in (({"nodes": 6}, 3), ({"nodes": 12, "factor": 8.0}, 6), ({}, 16)):
+        for kw, k in (({"total": 6}, 3), ({"total": 12, "factor": 8.0}, 6), ({}, 16)):
             out = specdec.generate(target, prompt, drafter=SuffixDrafter(**kw), k=k, max_new_tokens=40, ignore_eos=True)
             assert out.token_ids == plain.token_ids, (arch, prompt, kw)
             proposed += out.metrics.proposed
@@ -170,7 +170,7 @@ def test_greedy_identity_smollm2(smollm2_exact):
     accepted = 0
     for prompt in prompts * 2:  # the second round drafts from the first's outputs too
         plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=48)
-        for drafter in (SuffixDrafter(nodes=8), SuffixDrafter()):
+        for drafter in (SuffixDrafter(total=8), SuffixDrafter()):
             out = specdec.generate(smollm2_exact, prompt, drafter=drafter, max_new_tokens=48)
             assert out.token_ids == plain.token_ids, prompt
             accepted += out.metrics.accepted
@@ -181,7 +181,7 @@ def _sampled(target, sampling, runs: int):
     """Joint law of 4 tokens with trees from the prompt and from earlier runs' outputs (the
     store is read although the runs are seeded: what is tested is the rule, given any tree)."""
     target.state.suffix.clear()
-    return dict(drafter=SuffixDrafter(nodes=4, min_prob=0.0), sampling=sampling, runs=runs, k=3,
+    return dict(drafter=SuffixDrafter(total=4, min_prob=0.0), sampling=sampling, runs=runs, k=3,
                 prompt=PROMPT_IDS * 2, bounds=(0.05, 0.99))  # fmt: skip
 
 

@@ -120,6 +120,9 @@ class _Sequence:
     forwards_before: int = 0  # the drafter's forward count at begin
     controller: KController | StepGuard | None = None  # adaptive_k: chooses each step's k (0: plain)
     k_now: int = 0  # this step's k (planned once per step)
+    # draft rows it sends per pass when drafting is on (an average of recent steps; None: none
+    # yet): what a batch of it costs, whatever k allowed (a tree drafter sizes its own)
+    draft_rows: float | None = None
     draft_ms: float = 0.0  # this step's drafting time (ms)
 
     def k(self) -> int:
@@ -197,6 +200,11 @@ class Engine:
     def live(self) -> list[int]:
         return list(self._live)
 
+    def draft_rows(self, seq_id: int) -> float | None:
+        """Draft rows the live sequence has sent per pass of late when drafting was on (None:
+        it has not drafted yet)."""
+        return self._live[seq_id].draft_rows
+
     def result(self, seq_id: int) -> GenerationResult:
         """The finished sequence's result (removed from the engine)."""
         if seq_id in self._live:
@@ -259,6 +267,9 @@ class Engine:
                 s.metrics.target_time += t[0]
                 s.metrics.record_pass(rows, 1e3 * t[0])
                 deltas.append(self._commit(s, draft or Draft.empty(), out))
+                if drafting and s.drafter is not None:
+                    n = float(draft.tokens.shape[0]) if draft is not None else 0.0
+                    s.draft_rows = n if s.draft_rows is None else 0.7 * s.draft_rows + 0.3 * n
             if deltas[-1].finished:
                 self._finish(s)
         return deltas

@@ -55,6 +55,7 @@ TREE_CANDIDATES = 32  # longest-matching candidates merged into one tree
 THRESHOLDS = 3  # distinct match lengths tried as t per step
 GAMMA = 0.9  # discount of a request's own acceptance per proposal, as auto's chooser has it
 K_MAX_ROWS = 32  # the pass table's rows it reads at least (a table the target has anyway)
+_NONE = array("l")  # (no occurrence; never appended to)
 
 
 class _Doc:
@@ -81,8 +82,8 @@ class _Doc:
         least 2), then of its last token (1)."""
         out = []
         if len(tail) >= 2:
-            out.append((self.bigrams.get((tail[-2], tail[-1]), array("l")), 2))
-        return [*out, (self.unigrams.get(tail[-1], array("l")), 1)]
+            out.append((self.bigrams.get((tail[-2], tail[-1]), _NONE), 2))
+        return [*out, (self.unigrams.get(tail[-1], _NONE), 1)]
 
 
 @dataclass
@@ -237,26 +238,28 @@ def situation(match: int) -> int:
              Option("max_nodes", "suffix: most draft tokens per step (the cost model chooses fewer where rows are "
                                  "dear)", "--suffix-max-nodes"),
              Option("max_tokens", "suffix: tokens of earlier outputs kept for drafting (per pool; 0: this "
-                                  "request's text only)", "--suffix-max-tokens")),
+                                  "request's text only)", "--suffix-max-tokens"),
+             Option("total", "tree: draft tokens sent to the target per step (unset: the cost model's choice)",
+                    flag="--tree-tokens")),
 )  # fmt: skip
 class SuffixDrafter(Drafter):
-    """See the module doc. `nodes`: send the best-first tree of up to this many nodes every
-    step (None: the cost model sizes it; tests fix it)."""
+    """See the module doc. `total`: send the best-first tree of up to this many nodes every
+    step (None: the cost model sizes it; tests and `specdec certify` fix it)."""
 
     own_schedule = True  # it sizes its trees by the cost model itself, plain steps included
 
     def __init__(self, factor: float = 4.0, min_prob: float = 0.1, max_nodes: int = 24,
-                 max_tokens: int = DEFAULT_STORE_TOKENS, max_match: int = 32, nodes: int | None = None,
+                 max_tokens: int = DEFAULT_STORE_TOKENS, max_match: int = 32, total: int | None = None,
                  margin: float = 1.03) -> None:  # fmt: skip
         super().__init__()
         if not factor > 0 or not 0 <= min_prob <= 1 or max_nodes < 1 or max_tokens < 0 or max_match < 2:
             raise ValueError(f"suffix needs factor > 0, 0 <= min_prob <= 1, max_nodes >= 1 and max_tokens >= 0 "
                              f"(got factor={factor}, min_prob={min_prob}, max_nodes={max_nodes}, "
                              f"max_tokens={max_tokens})")  # fmt: skip
-        if nodes is not None and nodes < 1:
-            raise ValueError(f"nodes must be >= 1 (or None: sized by the cost model), got {nodes}")
-        self.factor, self.min_prob, self.max_nodes = factor, min_prob, nodes or max_nodes
-        self.max_tokens, self.max_match, self.nodes, self.margin = max_tokens, max_match, nodes, margin
+        if total is not None and total < 1:
+            raise ValueError(f"suffix: --tree-tokens must be >= 1 (unset: sized by the cost model), got {total}")
+        self.factor, self.min_prob, self.max_nodes = factor, min_prob, total or max_nodes
+        self.max_tokens, self.max_match, self.total, self.margin = max_tokens, max_match, total, margin
         self.scratch_rows = self.max_nodes
         self._doc = _Doc()
         self._prompt_len = 0
@@ -289,7 +292,7 @@ class SuffixDrafter(Drafter):
         # (a seeded sampled request's drafts, hence its random numbers, must not depend on what
         # ran before it)
         self._shared = None if repro else self._store
-        costs = pass_costs(target, self._rows()) if self.nodes is None else None
+        costs = pass_costs(target, self._rows()) if self.total is None else None
         self._costs = costs.unscaled() if costs is not None and repro else costs
         self._memory = acceptance_memory(target, session.sampling.greedy)
         self._acceptance, self._proposal, self._sizes = {}, [], []
@@ -312,7 +315,7 @@ class SuffixDrafter(Drafter):
 
     def _best(self, tree: SuffixTree) -> tuple[int, float]:
         """(nodes to send, expected tokens per ms) for the best prefix of `tree`'s order."""
-        if self.nodes is not None:
+        if self.total is not None:
             return len(tree.tokens), float(len(tree.tokens))
         best_n, best = 0, self.margin / self._costs.target(1)
         expected = 1.0

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..adaptive import batch_drafting_pays
 from ..api import LoadedModel, build_drafter
-from ..config import GenerationConfig, SamplingParams
+from ..config import DEFAULT_K, GenerationConfig, SamplingParams
 from ..drafters.base import Drafter, uses_draft_model
 from ..engine import Engine
 from .metrics import ServerMetrics
@@ -111,7 +111,6 @@ class Worker:
         from the cache), and with `warm` the table the step controllers read and the default
         drafter built once and prepared (a draft model's step timed, a head loaded). Nothing is
         generated, so no request learns from it."""
-        from ..config import DEFAULT_K
         from ..costs import K_MAX, pass_costs
 
         s = self.settings
@@ -216,7 +215,10 @@ class Worker:
         drafting = [j for j in live if j.method != NONE]
         if self.costs is None or len(live) <= 1 or not drafting:
             return True
-        k = sum(j.config.k for j in drafting) / len(live)  # drafts per sequence, the plain ones counted as 0
+        # drafts per sequence, the plain ones counted as 0: the rows each has sent of late, or
+        # before it has drafted, its k (a drafter that sizes its own trees: at most DEFAULT_K)
+        k = sum(rows if (rows := self.engine.draft_rows(j.seq_id)) is not None else  # type: ignore[arg-type]
+                min(j.config.k, DEFAULT_K) for j in drafting) / len(live)  # fmt: skip
         return batch_drafting_pays(self.costs, len(live), k, self.metrics.acceptance())
 
     def _step(self) -> None:
