@@ -162,7 +162,7 @@ def sample_joint():
 @pytest.fixture
 def wrong_rule(monkeypatch):
     """Install a subtly wrong verification rule in the engine (`specdec.certify.BROKEN_RULES`): wrong_rule("rejection"),
-    wrong_rule("point-mass"), wrong_rule("tree") or wrong_rule("sampled-tree")."""
+    wrong_rule("point-mass"), wrong_rule("tree"), wrong_rule("sampled-tree") or wrong_rule("mixed-tree")."""
 
     def install(which: str) -> None:
         # every engine built from here verifies with it: the same broken rules `specdec certify`

@@ -414,3 +414,46 @@ def test_one_clients_outputs_never_draft_for_another(models, shared):
         (a_pool,) = pools[0]
         assert pools[0] == {a_pool: 1} and a_pool != "" and "key-a" not in a_pool  # (named by a digest)
         assert pools[1][a_pool] == 1 and len(pools[1]) == 2 and all(n == 1 for n in pools[1].values())
+
+
+def _trace(path, lines) -> str:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.mark.real
+def test_bench_serve_replays_an_agent_trace(tmp_path, capsys):
+    ask = [{"role": "user", "content": "Write a Python function add(a, b) that returns a + b."}]
+    again = [*ask, {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+             {"role": "user", "content": "Add type hints. Reply with the whole function."}]  # fmt: skip
+    trace = _trace(tmp_path / "t.jsonl", [{"conversation": "c1", "turn": 1, "messages": again, "max_tokens": 24},
+                                          {"conversation": "c1", "turn": 0, "messages": ask, "max_tokens": 24},
+                                          {"conversation": "c2", "turn": 0, "messages": ask, "max_tokens": 16}])  # fmt: skip
+    out = tmp_path / "out"
+    assert main(["bench", "serve", "--trace", trace, "--target", "smollm2-135m", "--methods", "suffix",
+                 "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "agent trace: 3 requests in 2 conversations" in printed and "suffix memory after suffix" in printed
+    result = json.loads((out / "trace.json").read_text())
+    assert list(result["methods"]) == ["none", "suffix", "none-again"]
+    for r in result["methods"].values():  # greedy: every answer plain decoding's
+        assert r["failed"] == 0 and r["identical"] and r["completion_tokens"] > 0
+    assert result["methods"]["none"]["speedup"] == 1.0 and result["suffix_memory"]["suffix"]["tokens"] > 0
+    assert (out / "trace.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("{not json", "a trace line is a JSON object"),
+    (json.dumps({"conversation": "c", "turn": 0, "messages": []}), "max_tokens"),
+    (json.dumps({"conversation": "c", "turn": 0, "messages": [], "max_tokens": 8}), "non-empty list"),
+    (json.dumps({"conversation": "c", "turn": 0, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+     "positive integer"),
+])  # fmt: skip
+def test_bad_trace_is_one_clear_line(tmp_path, capsys, line, reason):
+    path = tmp_path / "t.jsonl"
+    path.write_text(line + "\n")
+    assert main(["bench", "serve", "--trace", str(path), "--target", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specdec: error: {path}:1: ") and reason in err and "Traceback" not in err
+    assert main(["bench", "serve", "--trace", str(path), "--url", "http://127.0.0.1:9"]) == 2
+    assert "drop --url" in capsys.readouterr().err

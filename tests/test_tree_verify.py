@@ -205,3 +205,103 @@ def test_sampled_tree_with_one_child_per_node_is_rejection_sampling():
         tv = verify.tree_rejection_sample(torch.stack([p0, p1[x]]), q0[None], [x], [-1], g)
         counts[([x][0] if tv.path else tv.next_token,)] += 1
     assert chi2_pvalue(counts, {(t,): float(p0[t]) for t in range(V_TREE)}) > ALPHA
+
+
+# -- mixed trees: drafts drawn from q beside deterministic ones ------------------------------
+def _mixed_setup():
+    g = torch.Generator().manual_seed(11)
+    p0 = _dist(g, 1.5)
+    q0 = torch.softmax(torch.tensor([0.0, 0.5, 0.0, 2.0, 0.0, 0.3]), -1)  # often draws 3, a fixed draft's token
+    p1 = torch.stack([_dist(g, 1.5) for _ in range(V_TREE)])
+    q1 = torch.stack([_dist(g, 1.5) for _ in range(V_TREE)])
+    return p0, q0, p1, q1
+
+
+def mixed_tree_two_tokens(rule, runs: int) -> Counter:
+    """Each run: at the root, the fixed drafts 3 then 1 (prompt lookup's, suffix decoding's)
+    and the draft model's token y drawn from q0, tried in the order 3, y, 1 (y may be 3 or 1
+    itself: then its node is tried twice); under 3 the fixed draft 2, under y the draft model's
+    next token z drawn from q1[y]. The first two tokens are recorded (a second token the step
+    did not reach is drawn from p1, as the next step would)."""
+    p0, q0, p1, q1 = _mixed_setup()
+    g = torch.Generator().manual_seed(5)
+    counts: Counter = Counter()
+    for _ in range(runs):
+        y = int(torch.multinomial(q0, 1, generator=g))
+        z = int(torch.multinomial(q1[y], 1, generator=g))
+        tokens, parents, attempts = [3, 1], [-1, -1], [(0, False)]
+        node_y = {3: 0, 1: 1}.get(y)
+        if node_y is None:
+            tokens.append(y)
+            parents.append(-1)
+            node_y = 2
+        attempts += [(node_y, True), (1, False)]
+        tokens.append(2)  # under 3 (fixed)
+        parents.append(0)
+        attempts.append((len(tokens) - 1, False))
+        if not (node_y == 0 and z == 2):  # under y (drawn); merged with the fixed 2 when it is the same
+            tokens.append(z)
+            parents.append(node_y)
+            attempts.append((len(tokens) - 1, True))
+            node_z = len(tokens) - 1
+        else:
+            node_z = len(tokens) - 1
+            attempts.append((node_z, True))
+        q = torch.zeros(len(tokens), V_TREE)
+        q[node_y], q[node_z] = q0, q1[y]
+        p = torch.stack([p0, *(p1[t] for t in tokens)])  # [K+1, V]: row j + 1 after node j
+        tv = rule(p, q, tokens, parents, attempts, g)
+        seq = [tokens[j] for j in tv.path] + [tv.next_token]
+        t2 = seq[1] if len(seq) > 1 else int(torch.multinomial(p1[seq[0]], 1, generator=g))
+        counts[(seq[0], t2)] += 1
+    return counts
+
+
+def _exact_mixed_tree() -> dict[tuple, float]:
+    p0, _, p1, _ = _mixed_setup()
+    return {(a, b): float(p0[a] * p1[a, b]) for a in range(V_TREE) for b in range(V_TREE)}
+
+
+@pytest.mark.slow
+def test_mixed_tree_law():
+    counts = mixed_tree_two_tokens(verify.tree_mixed_sample, runs=20000)
+    assert chi2_pvalue(counts, _exact_mixed_tree()) > ALPHA
+
+
+@pytest.mark.slow
+def test_mixed_tree_rule_that_recovers_from_p_fails():
+    """Negative control (`specdec certify`'s): attempts tested right, the token after an
+    all-rejected node drawn from p instead of the residual."""
+    from specdec.certify import broken_tree_mixed_sample
+
+    counts = mixed_tree_two_tokens(broken_tree_mixed_sample, runs=20000)
+    assert chi2_pvalue(counts, _exact_mixed_tree()) <= ALPHA
+
+
+def test_mixed_tree_rule_that_drops_a_repeated_node_fails():
+    """Negative control for the docstring's warning: when the draft model drew a token a fixed
+    draft had proposed, skipping its attempt (the node was tried already) drops the residual
+    update that attempt owes — which siblings are tried then depends on the draw."""
+
+    def dedupe(p, q, tokens, parents, attempts, generator):
+        kept, tried = [], set()
+        for j, drawn in attempts:
+            if j not in tried:
+                kept.append((j, drawn))
+            tried.add(j)
+        return verify.tree_mixed_sample(p, q, tokens, parents, kept, generator)
+
+    counts = mixed_tree_two_tokens(dedupe, runs=20000)
+    assert chi2_pvalue(counts, _exact_mixed_tree()) <= ALPHA
+
+
+def test_mixed_tree_checks_its_attempts():
+    p, q = fixed_p(V=6, rows=3), torch.zeros(2, 6)
+    with pytest.raises(ValueError, match="needs an attempt"):
+        verify.tree_mixed_sample(p, q, [1, 2], [-1, -1], [(0, False)], torch.Generator())
+    with pytest.raises(ValueError, match="repeats one"):
+        verify.tree_mixed_sample(p, q, [1, 2], [-1, -1], [(0, False), (1, False), (0, False)], torch.Generator())
+    # fixed drafts only: the law of `tree_point_mass_sample` (the same draws, the same verdicts)
+    a = verify.tree_mixed_sample(p, q, [1, 2], [-1, 0], [(0, False), (1, False)], torch.Generator().manual_seed(3))
+    b = tree_point_mass_sample(p, [1, 2], [-1, 0], torch.Generator().manual_seed(3))
+    assert a == b

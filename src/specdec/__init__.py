@@ -38,6 +38,7 @@ from .verify import (
     rejection_sample,
     tree_greedy_verify,
     tree_point_mass_sample,
+    tree_mixed_sample,
     tree_rejection_sample,
 )
 
@@ -81,5 +82,6 @@ __all__ = [
     "stream",
     "tree_greedy_verify",
     "tree_point_mass_sample",
+    "tree_mixed_sample",
     "tree_rejection_sample",
 ]  # fmt: skip

@@ -146,16 +146,45 @@ def broken_tree_recovery_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[i
             return TreeVerdict(path, int(torch.multinomial(p[row], 1, generator=generator)))
 
 
+def broken_tree_mixed_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[int], parents: list[int],
+                             attempts: list[tuple[int, bool]], generator: torch.Generator) -> TreeVerdict:  # fmt: skip
+    """NOT EXACT, on purpose. `tree_mixed_sample`'s attempts, tested right, but when every
+    attempt at a node fails the token is drawn from p itself instead of the residual: the chain
+    rule's classic mistake, in a tree that mixes drawn and deterministic drafts."""
+    from .verify import _children
+
+    _children(parents, tokens)
+    order: dict[int, list[tuple[int, bool]]] = {}
+    for j, drawn in attempts:
+        order.setdefault(parents[j] + 1, []).append((j, drawn))
+    V = p.shape[-1]
+    path, row = [], 0
+    while True:
+        r, moved = p[row].float().clone(), False
+        for j, drawn in order.get(row, []):
+            x = tokens[j]
+            s = q[j, :V].float() if drawn else torch.nn.functional.one_hot(torch.tensor(x), V).float()
+            if float(torch.rand(1, generator=generator)) * float(s[x]) < float(r[x]):
+                path.append(j)
+                row, moved = j + 1, True
+                break
+            residual = (r - s).clamp_min(0)
+            r = residual / residual.sum() if float(residual.sum()) > 0 else r
+        if not moved:
+            return TreeVerdict(path, int(torch.multinomial(p[row].float(), 1, generator=generator)))
+
+
 BROKEN_RULES: dict[str, tuple[str, Callable[..., Any]]] = {  # name -> (the `verify.Rules` field, its broken rule)
     "rejection": ("rejection", broken_rejection_sample),
     "point-mass": ("point_mass", broken_point_mass_sample),
     "tree": ("tree_point_mass", broken_tree_point_mass_sample),
     "sampled-tree": ("tree_rejection", broken_tree_recovery_sample),
+    "mixed-tree": ("tree_mixed", broken_tree_mixed_sample),
 }
 
 
 def broken_rules(which: Sequence[str] = tuple(BROKEN_RULES)) -> Rules:
-    """The exact rules with `which` of them broken (all four by default, so whichever rule a
+    """The exact rules with `which` of them broken (all of them by default, so whichever rule a
     method uses is the broken one): what the control's engine verifies with."""
     return dataclasses.replace(EXACT, **dict(BROKEN_RULES[w] for w in which))
 

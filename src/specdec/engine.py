@@ -419,6 +419,9 @@ def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: t
     if draft.parents is not None:
         if sampling.greedy:
             tv = tree_greedy_verify(logits, tokens, draft.parents)
+        elif draft.attempts is not None:  # drawn and deterministic drafts in one tree
+            q = draft.probs if draft.probs is not None else torch.zeros(K, logits.shape[-1], device=logits.device)
+            tv = rules.tree_mixed(probs(logits, sampling), q, tokens, draft.parents, draft.attempts, gen)
         elif draft.probs is None:
             tv = rules.tree_point_mass(probs(logits, sampling), tokens, draft.parents, gen)
         else:  # siblings drawn from q without replacement

@@ -240,6 +240,74 @@ def tree_rejection_sample(
             return TreeVerdict(path, int(sample(r, generator)))
 
 
+def tree_mixed_sample(
+    p: torch.Tensor,  # [K+1, V] target probabilities (temperature/top-k/top-p applied)
+    q: torch.Tensor,  # [K, V] row j: the law node j's sampled attempt was drawn from (other rows unused)
+    tokens: list[int],  # [K] draft node tokens
+    parents: list[int],  # [K]
+    attempts: list[tuple[int, bool]],  # (node, drawn from q[node]?) in the order they are tried at their parent
+    generator: torch.Generator,
+) -> TreeVerdict:
+    """Exact sampling over a token tree whose children mix drafts drawn from a draft model's q
+    with deterministic ones (prompt lookup, suffix decoding: point masses): recursive rejection
+    sampling over each node's *attempts*, in order. With r = p at the node, an attempt of token
+    x with proposal law s (q's row, or the point mass on x) is accepted with probability
+    min(1, r(x) / s(x)); on rejection r <- norm(max(0, r - s)) (for a point mass: x removed
+    from r). Accepting moves down to x's node; when every attempt fails the next token is drawn
+    from r. The output is distributed exactly as p.
+
+    Why: write R_i = (P(reaching attempt i)) * r_i. Attempt i outputs y with probability
+    min(R_i(y), M_i s_i(y)) (M_i = P(reaching it)), and R_{i+1} = max(0, R_i - M_i s_i), so the
+    outputs of all attempts plus the final draw sum to R_0 - R_n + R_n = p (telescoping). This
+    needs each attempt's token drawn from its s independently of the others' draws and of the
+    verification's: a deterministic attempt is fixed by the context, a sampled one is the draft
+    model's own draw. Hence two attempts may name one node (the draft model drew the token a
+    deterministic drafter proposed too): both are tried, in order, and neither may be dropped
+    for the other — which siblings are tried must not depend on what the draft model drew."""
+    _children(parents, tokens)  # checks the tree
+    K = len(tokens)
+    seen: set[tuple[int, bool]] = set()
+    order: dict[int, list[tuple[int, bool]]] = {}
+    for j, sampled in attempts:
+        if not 0 <= j < K or (j, sampled) in seen:
+            raise ValueError(f"attempt ({j}, {sampled}) names no node or repeats one; each node is tried at most "
+                             "once as drawn and once as fixed")  # fmt: skip
+        seen.add((j, sampled))
+        order.setdefault(parents[j] + 1, []).append((j, sampled))
+    if {j for j, _ in attempts} != set(range(K)):
+        raise ValueError("every draft node needs an attempt (a node no attempt names can never be reached)")
+    p, q = p.float(), q.float()
+    V = p.shape[-1]
+    path: list[int] = []
+    row = 0
+    while True:
+        r = p[row].clone()
+        moved = False
+        for j, sampled in order.get(row, []):
+            x = tokens[j]
+            u = float(torch.rand(1, generator=generator, device=p.device))
+            r_x = float(r[x]) if x < V else 0.0
+            if sampled:
+                s = q[j, :V]
+                s_x = float(s[x]) if x < V else 0.0
+                accept = u * s_x < r_x  # u < r/s without dividing: s = 0 < r accepts, r = 0 rejects
+                residual = (r - s).clamp_min(0) if not accept else r
+            else:
+                accept = u < r_x
+                residual = r.clone()
+                if not accept and x < V:
+                    residual[x] = 0.0
+            if accept:
+                path.append(j)
+                row, moved = j + 1, True
+                break
+            mass = float(residual.sum())
+            # a rejection implies mass elsewhere; guard rounding
+            r = residual / mass if mass > 0 else r
+        if not moved:
+            return TreeVerdict(path, int(sample(r, generator)))
+
+
 def lossy_typical_acceptance(
     p: torch.Tensor,  # [K+1, V] target probabilities (temperature/top-k/top-p applied)
     tokens: list[int],  # [K] draft node tokens
@@ -290,6 +358,7 @@ class Rules:
     point_mass: Callable[..., Any] = point_mass_sample  # a chain of deterministic drafts
     tree_point_mass: Callable[..., Any] = tree_point_mass_sample  # a tree of deterministic drafts
     tree_rejection: Callable[..., Any] = tree_rejection_sample  # a tree whose siblings were drawn from q
+    tree_mixed: Callable[..., Any] = tree_mixed_sample  # a tree mixing drafts drawn from q with fixed ones
 
 
 EXACT = Rules()

@@ -79,6 +79,7 @@ class RequestStat:
     tokens: int = 0
     error: str | None = None
     speculative: dict[str, Any] | None = None
+    text: str = ""
 
 
 @dataclass
@@ -100,14 +101,14 @@ class Level:
             "wall_s": round(self.wall_s, 3), "completion_tokens": tokens,
             "tokens_per_second": tokens / self.wall_s if self.wall_s > 0 else 0.0,
             "requests_per_second": len(ok) / self.wall_s if self.wall_s > 0 else 0.0,
-            "ttft_s": _percentiles(ttft), "latency_s": _percentiles(lat),
+            "ttft_s": percentiles(ttft), "latency_s": percentiles(lat),
             "inter_token_s_mean": statistics.fmean(itl) if itl else None,
             "acceptance_rate": accepted / drafted if drafted else None,
             "errors": sorted({s.error for s in self.stats if s.error})[:5],
         }  # fmt: skip
 
 
-def _percentiles(xs: list[float]) -> dict[str, float | None]:
+def percentiles(xs: list[float]) -> dict[str, float | None]:
     if not xs:
         return {"p50": None, "p90": None, "p99": None}
 
@@ -117,14 +118,17 @@ def _percentiles(xs: list[float]) -> dict[str, float | None]:
     return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
-async def _one(client: Any, s: ServeBenchSettings, model: str, messages: list[dict[str, str]]) -> RequestStat:
+async def one_request(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int, temperature: float,
+                      speculative: dict[str, Any] | None = None) -> RequestStat:  # fmt: skip
+    """One streaming chat request: its time to first token, latency, completion tokens and text."""
     t0 = time.perf_counter()
     first = None
     usage = None
-    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": s.max_tokens,
-                            "temperature": s.temperature, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    if s.speculative is not None:
-        body["speculative"] = s.speculative
+    texts: list[str] = []
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
+                            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    if speculative is not None:
+        body["speculative"] = speculative
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -139,12 +143,16 @@ async def _one(client: Any, s: ServeBenchSettings, model: str, messages: list[di
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 choices = chunk.get("choices") or []
-                if first is None and choices and (choices[0].get("delta") or {}).get("content"):
-                    first = time.perf_counter() - t0
+                content = (choices[0].get("delta") or {}).get("content") if choices else None
+                if content:
+                    texts.append(content)
+                    if first is None:
+                        first = time.perf_counter() - t0
     except Exception as exc:  # a load test reports failures, it does not stop at the first
         return RequestStat(False, error=f"{type(exc).__name__}: {exc}")
     tokens = int((usage or {}).get("completion_tokens") or 0)
-    return RequestStat(True, first, time.perf_counter() - t0, tokens, speculative=(usage or {}).get("speculative"))
+    return RequestStat(True, first, time.perf_counter() - t0, tokens, speculative=(usage or {}).get("speculative"),
+                       text="".join(texts))  # fmt: skip
 
 
 async def _level(s: ServeBenchSettings, model: str, conversations: list[list[dict[str, str]]], c: int) -> Level:
@@ -157,7 +165,8 @@ async def _level(s: ServeBenchSettings, model: str, conversations: list[list[dic
 
         async def bounded(i: int) -> RequestStat:
             async with sem:
-                return await _one(client, s, model, conversations[i % len(conversations)])
+                return await one_request(client, model, conversations[i % len(conversations)], s.max_tokens,
+                                         s.temperature, s.speculative)  # fmt: skip
 
         t0 = time.perf_counter()
         tasks = [asyncio.ensure_future(bounded(i)) for i in range(s.requests)]

@@ -98,7 +98,8 @@ def parser(sub: argparse._SubParsersAction) -> None:
                                       "DIR/serve.json and DIR/serve.png. Localhost only; bounded in count and time.",
                           formatter_class=Help)  # fmt: skip
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="the server (a loopback address)")
-    srv.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16], help="requests in flight, per level")
+    srv.add_argument("--concurrency", nargs="+", type=int,
+                     help="requests in flight, per level (default 1 4 16; with --trace: conversations at once, 1)")
     srv.add_argument("--requests", type=int, default=32, help="requests per level (at most 1000)")
     srv.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     srv.add_argument("--model", help="model id (default: the server's first)")
@@ -107,8 +108,20 @@ def parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("-k", type=int, help="with --method: draft tokens per step")
     srv.add_argument("--temperature", type=float, default=0.0)
     srv.add_argument("--api-key", help="the server's API key")
-    srv.add_argument("--timeout", type=float, default=600.0, help="seconds per level, at most")
+    srv.add_argument("--timeout", type=float, help="seconds per level, at most (default 600; with --trace: per "
+                                                   "method, 3600)")
     srv.add_argument("--out", type=Path, default=Path("bench-out/serve"), help="output directory")
+    tr = srv.add_argument_group("agent trace (--trace): each method through a server of its own in this process, "
+                                "against plain decoding")  # fmt: skip
+    tr.add_argument("--trace", nargs="?", const="bundled", metavar="FILE",
+                    help="replay an agent trace (JSONL: conversation, turn, messages, max_tokens; no FILE: the "
+                         "bundled one, HumanEval coding-agent sessions) instead of the load test")  # fmt: skip
+    tr.add_argument("--target", default=registry.DEFAULT_TARGET, help="with --trace: the model to serve")
+    tr.add_argument("--draft", help="with --trace: draft model for draft-model and auto")
+    tr.add_argument("--methods", nargs="+", choices=list(DRAFTERS), default=["suffix", "prompt-lookup", "auto"],
+                    help="with --trace: methods to replay, each beside plain decoding")
+    tr.add_argument("--conversations", type=int, help="with --trace: the first N conversations (default: all)")
+    tr.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="with --trace: precision/kernel mode")
     srv.set_defaults(func=_cmd_bench_serve)
 
 
@@ -204,13 +217,33 @@ def _cmd_bench_batch(ns: argparse.Namespace) -> int:
 def _cmd_bench_serve(ns: argparse.Namespace) -> int:
     from ..bench import serve as sb
 
+    if ns.trace is not None:
+        return _bench_trace(ns)
+
     if ns.k is not None and ns.method is None:
         raise ValueError("-k goes with --method (the server's own k applies otherwise)")
     spec = None if ns.method is None else {"method": ns.method, **({"k": ns.k} if ns.k is not None else {})}
-    settings = sb.ServeBenchSettings(url=ns.url, concurrency=tuple(ns.concurrency), requests=ns.requests,
-                                     max_tokens=ns.max_tokens, model=ns.model, speculative=spec,
-                                     temperature=ns.temperature, api_key=ns.api_key, level_timeout_s=ns.timeout)  # fmt: skip
+    settings = sb.ServeBenchSettings(url=ns.url, concurrency=tuple(ns.concurrency or (1, 4, 16)),
+                                     requests=ns.requests, max_tokens=ns.max_tokens, model=ns.model, speculative=spec,
+                                     temperature=ns.temperature, api_key=ns.api_key,
+                                     level_timeout_s=ns.timeout or 600.0)  # fmt: skip
     result = sb.run(settings, progress=lambda msg: print(msg, file=sys.stderr))
     print(sb.table(result))
     sb.write(result, ns.out)
+    return 0
+
+
+def _bench_trace(ns: argparse.Namespace) -> int:
+    from ..bench import trace as bt
+
+    if ns.url != "http://127.0.0.1:8000" or ns.method is not None or ns.k is not None:
+        raise ValueError("--trace starts its own server per method: drop --url, --method and -k (use --methods)")
+    if ns.concurrency is not None and len(ns.concurrency) != 1:
+        raise ValueError("with --trace, --concurrency takes one number: the conversations replayed at once")
+    settings = bt.TraceSettings(trace=None if ns.trace == "bundled" else ns.trace, target=ns.target, draft=ns.draft,
+                                methods=tuple(ns.methods), concurrency=ns.concurrency[0] if ns.concurrency else 1,
+                                conversations=ns.conversations, dtype=ns.dtype, timeout_s=ns.timeout or 3600.0)  # fmt: skip
+    result = bt.run(settings, progress=lambda msg: print(msg, file=sys.stderr))
+    print(bt.table(result))
+    bt.write(result, ns.out)
     return 0

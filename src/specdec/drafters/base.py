@@ -57,6 +57,10 @@ class Draft:
     tokens: torch.Tensor  # [K] proposed token ids (K may be 0)
     probs: torch.Tensor | None = None  # [K, V] q the tokens were drawn from; None: deterministic (point mass)
     parents: list[int] | None = None  # token tree; None: a chain
+    # a tree mixing drafts drawn from q (`probs[node]`) with deterministic ones: each child's
+    # attempts in the order they are tried at its parent, (node, drawn?); a node may be tried
+    # twice, drawn and fixed (`verify.tree_mixed_sample`). None: the rules above
+    attempts: list[tuple[int, bool]] | None = None
     extra: ExtraRows | None = None  # scored in the same pass; logits go to `Feedback.extra_logits`
     # Self-speculation: the drafter already ran blocks [0, from_layer) of the target for the
     # last committed token and every draft token (writing their KV in the target's cache);

@@ -1,0 +1,237 @@
+"""`specdec bench serve --trace`: replay an agent trace through `specdec serve`, per method
+against plain decoding.
+
+An agent trace (JSONL, one request per line: `conversation`, `turn`, `messages`, `max_tokens`)
+holds sessions in which every request resends the growing conversation, as a coding agent does;
+the bundled one (`bench/prompts/agent_trace.jsonl`, built by `benchmarks/agent_trace.py` from
+HumanEval tasks with the target itself) is the default. Each method gets a server of its own
+in this process (the app `specdec serve` runs, on a free localhost port, prepared before it
+listens), started with no memory of earlier requests, so what suffix decoding learns from one
+method's replay never drafts for another's. Within a conversation the turns go one after
+another; `concurrency` conversations run at once. Greedy (temperature 0): every method's
+answers are checked equal to plain decoding's. Plain decoding runs first and again last (its
+second run against its first is the noise control). Reported per method: completion tokens/s
+over the replay's wall time and its ratio to plain's, request latency and time to first token
+(p50, p90), acceptance, and the memory suffix decoding holds after the replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import registry
+from .serve import RequestStat, one_request, percentiles
+
+TRACE = Path(__file__).parent / "prompts" / "agent_trace.jsonl"
+PLAIN, NOISE = "none", "none-again"
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    trace: str | None = None  # None: the bundled agent trace
+    target: str = registry.DEFAULT_TARGET
+    draft: str | None = None  # for draft-model and auto
+    methods: tuple[str, ...] = ("suffix", "prompt-lookup", "auto")
+    concurrency: int = 1  # conversations at once
+    conversations: int | None = None  # the first N (None: all)
+    dtype: str = "auto"
+    timeout_s: float = 3600.0  # per method, at most
+
+    def __post_init__(self) -> None:
+        from ..drafters import DRAFTERS
+
+        unknown = [m for m in self.methods if m not in DRAFTERS]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown methods {unknown}; choose from {', '.join(DRAFTERS)}")
+        if self.concurrency < 1 or (self.conversations is not None and self.conversations < 1):
+            raise ValueError("--concurrency and --conversations must be at least 1")
+
+
+def load_trace(path: str | Path | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Conversation -> its requests in turn order; errors name the line."""
+    path = Path(path) if path is not None else TRACE
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read the trace {path}: {exc.strerror}") from None
+    out: dict[str, list[dict[str, Any]]] = {}
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            conv, turn, messages, max_tokens = rec["conversation"], rec["turn"], rec["messages"], rec["max_tokens"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{n}: a trace line is a JSON object with conversation, turn, messages and "
+                             f"max_tokens ({type(exc).__name__}: {exc})") from None  # fmt: skip
+        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                                  for m in messages)):  # fmt: skip
+            raise ValueError(f"{path}:{n}: messages must be a non-empty list of {{role, content}} objects")
+        if not isinstance(max_tokens, int) or max_tokens < 1 or not isinstance(turn, int):
+            raise ValueError(f"{path}:{n}: turn must be an integer and max_tokens a positive integer")
+        out.setdefault(str(conv), []).append(rec)
+    if not out:
+        raise ValueError(f"the trace {path} holds no requests")
+    for reqs in out.values():
+        reqs.sort(key=lambda r: r["turn"])
+    return out
+
+
+class _Server:
+    """The app `specdec serve` runs, on a free localhost port, in a thread of this process."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            async def startup(inner, sockets: Any = None) -> None:  # noqa: N805
+                await super().startup(sockets=sockets)
+                self.ready.set()
+
+        self.ready = threading.Event()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        if not self.ready.wait(300):
+            raise RuntimeError("the server did not start")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(120)
+
+
+async def _replay(url: str, model: str, convs: dict[str, list[dict[str, Any]]], concurrency: int,
+                  timeout_s: float) -> tuple[float, dict[tuple[str, int], RequestStat]]:  # fmt: skip
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    stats: dict[tuple[str, int], RequestStat] = {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+
+        async def conversation(name: str, reqs: list[dict[str, Any]]) -> None:
+            async with sem:
+                for r in reqs:  # (each turn after the one before: the agent waits for its answer)
+                    stats[(name, r["turn"])] = await one_request(client, model, r["messages"], r["max_tokens"], 0.0)
+
+        t0 = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(conversation(n, rs) for n, rs in convs.items())), timeout_s)
+        return time.perf_counter() - t0, stats
+
+
+def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
+    from ..adaptive import forget
+    from ..api import load, load_draft
+    from ..drafters.base import uses_draft_model
+    from ..server import ServeSettings, create_app
+    from .grid import machine
+
+    convs = load_trace(s.trace)
+    if s.conversations is not None:
+        convs = dict(list(convs.items())[: s.conversations])
+    target = load(s.target, dtype=s.dtype)
+    draft = load_draft(s.draft, dtype=s.dtype) if s.draft else None
+    if draft is None and any(m != "auto" and uses_draft_model(m) for m in s.methods):
+        raise ValueError("the draft-model method needs a draft model (--draft NAME)")
+    runs: dict[str, dict[str, Any]] = {}
+    plain_texts: dict[tuple[str, int], str] = {}
+    memory: dict[str, Any] = {}
+    for method in (PLAIN, *s.methods, NOISE):
+        forget(target.model)  # no memory of another method's replay (suffix stores, acceptance)
+        name = None if method in (PLAIN, NOISE) else method
+        helper = draft if name is not None and uses_draft_model(name) else None
+        settings = ServeSettings(target.name, name, {}, max_batch=max(8, s.concurrency))
+        app = create_app(target, helper, settings)
+        app.state.worker.prepare(warm=True)
+        server = _Server(app)
+        try:
+            if progress:
+                progress(f"{method}: {sum(len(r) for r in convs.values())} requests in {len(convs)} conversations")
+            wall, stats = asyncio.run(_replay(server.url, target.name, convs, s.concurrency, s.timeout_s))
+        finally:
+            server.close()
+        if method == PLAIN:
+            plain_texts = {key: st.text for key, st in stats.items()}
+        if target.model.state.suffix:
+            memory[method] = {"tokens": sum(st.tokens for st in target.model.state.suffix.values()),
+                              "bytes": sum(st.bytes() for st in target.model.state.suffix.values())}  # fmt: skip
+        runs[method] = _summary(wall, stats, plain_texts)
+    base = runs[PLAIN]["tokens_per_second"]
+    for r in runs.values():
+        r["speedup"] = r["tokens_per_second"] / base if base else None
+    forget(target.model)
+    return {"settings": asdict(s), "machine": machine(), "mode": target.model.mode, "model": target.name,
+            "requests": sum(len(r) for r in convs.values()), "conversations": len(convs), "methods": runs,
+            "suffix_memory": memory}  # fmt: skip
+
+
+def _summary(wall: float, stats: dict[tuple[str, int], RequestStat], plain: dict[tuple[str, int], str]) -> dict[str, Any]:
+    ok = [st for st in stats.values() if st.ok]
+    tokens = sum(st.tokens for st in ok)
+    drafted = sum((st.speculative or {}).get("draft_tokens") or 0 for st in ok)
+    accepted = sum((st.speculative or {}).get("accepted_tokens") or 0 for st in ok)
+    return {
+        "requests": len(stats), "failed": len(stats) - len(ok), "wall_s": round(wall, 3), "completion_tokens": tokens,
+        "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+        "latency_s": percentiles(sorted(st.latency for st in ok if st.latency is not None)),
+        "ttft_s": percentiles(sorted(st.ttft for st in ok if st.ttft is not None)),
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "identical": all(plain.get(key) == st.text for key, st in stats.items()) if plain else None,
+        "errors": sorted({st.error for st in stats.values() if st.error})[:5],
+    }  # fmt: skip
+
+
+def table(result: dict[str, Any]) -> str:
+    head = (f"{'method':14s} {'ok/all':>7s} {'tok/s':>7s} {'speedup':>8s} {'lat p50':>8s} {'p90':>7s} "
+            f"{'TTFT p50':>9s} {'alpha':>6s} identical")  # fmt: skip
+    lines = [f"agent trace: {result['requests']} requests in {result['conversations']} conversations, "
+             f"{result['model']} ({result['mode']}), concurrency {result['settings']['concurrency']}", head,
+             "-" * len(head)]  # fmt: skip
+
+    def f(x: float | None, fmt: str) -> str:
+        return "–".rjust(int(fmt.split(".")[0])) if x is None else format(x, fmt)
+
+    for method, r in result["methods"].items():
+        ok = f"{r['requests'] - r['failed']}/{r['requests']}"
+        same = "–" if r["identical"] is None else "yes" if r["identical"] else "NO"
+        lines.append(f"{method:14s} {ok:>7s} {r['tokens_per_second']:7.1f} {f(r['speedup'], '7.2f')}x "
+                     f"{f(r['latency_s']['p50'], '8.2f')} {f(r['latency_s']['p90'], '7.2f')} "
+                     f"{f(r['ttft_s']['p50'], '9.2f')} {f(r['acceptance_rate'], '6.2f')} {same}")  # fmt: skip
+        for e in r["errors"]:
+            lines.append(f"     error: {e}")
+    for method, m in result["suffix_memory"].items():
+        lines.append(f"suffix memory after {method}: {m['tokens']} tokens, {m['bytes'] / 2**20:.1f} MiB")
+    return "\n".join(lines)
+
+
+def write(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """trace.json and trace.png (tokens/s per method against plain)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from . import save_figure
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "trace.json"
+    path.write_text(json.dumps(result, indent=1))
+    names = list(result["methods"])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(names, [result["methods"][n]["speedup"] or 0 for n in names], color="C0")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(ylabel="tokens/s against plain", title=f"agent trace through specdec serve ({result['model']})")
+    png = save_figure(fig, out_dir / "trace.png")
+    print(f"wrote {path}\nwrote {png}", file=sys.stderr)
+    return [path, png]
