@@ -457,3 +457,15 @@ def test_bad_trace_is_one_clear_line(tmp_path, capsys, line, reason):
     assert err.startswith(f"specdec: error: {path}:1: ") and reason in err and "Traceback" not in err
     assert main(["bench", "serve", "--trace", str(path), "--url", "http://127.0.0.1:9"]) == 2
     assert "drop --url" in capsys.readouterr().err
+
+
+def test_the_bundled_agent_trace_resends_a_growing_conversation():
+    from specdec.bench.trace import load_trace
+
+    convs = load_trace()
+    assert len(convs) == 8 and sum(len(r) for r in convs.values()) == 32
+    for reqs in convs.values():
+        assert [r["turn"] for r in reqs] == [0, 1, 2, 3]
+        for before, after in zip(reqs, reqs[1:]):  # each request: the one before, its answer, the next ask
+            assert after["messages"][: len(before["messages"])] == before["messages"]
+            assert after["messages"][len(before["messages"])] == {"role": "assistant", "content": before["answer"]}
