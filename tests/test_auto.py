@@ -16,7 +16,7 @@ from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import AutoDrafter
 from specdec.engine import Engine
 
-LOOKUP, DRAFT, EAGLE3 = "prompt-lookup", "draft-model", "eagle3"
+LOOKUP, DRAFT, EAGLE3, SUFFIX = "prompt-lookup", "draft-model", "eagle3", "suffix"
 
 
 def _feed(c: MethodChooser, method: str, situation, steps: int, asked: int, accepted: int, draft_ms: float) -> None:
@@ -127,7 +127,7 @@ def test_greedy_identity_with_drafter_switching_every_step(tiny, monkeypatch, dt
             out = specdec.generate(target, prompt, k=4, max_new_tokens=24, ignore_eos=True, **kw)
             assert out.token_ids == plain.token_ids, (prompt, kw)
     methods = {m for m, _ in picks}
-    assert methods == {"plain", LOOKUP, DRAFT} and {k for m, k in picks if m == DRAFT} >= {1, 4}
+    assert methods == {"plain", LOOKUP, SUFFIX, DRAFT} and {k for m, k in picks if m == DRAFT} >= {1, 4}
 
 
 def test_greedy_identity_in_a_batch_of_auto_sequences(tiny, monkeypatch):
@@ -154,7 +154,7 @@ def test_the_real_chooser_is_exact_and_reports(tiny):
                            ignore_eos=True, adaptive_k=False)  # fmt: skip
     assert out.token_ids == plain.token_ids
     rep = out.metrics.drafter_info["auto"]
-    assert rep["methods"] == [DRAFT, LOOKUP]
+    assert rep["methods"] == [DRAFT, LOOKUP, SUFFIX]
     steps = sum(n for ks in rep["steps"].values() for n in ks.values())
     # one choice per step with budget for a draft (the last step, one token left, has none)
     assert out.metrics.target_forwards - 1 <= steps <= out.metrics.target_forwards
@@ -164,11 +164,11 @@ def test_the_real_chooser_is_exact_and_reports(tiny):
     assert out.metrics.proposed > 0
 
 
-def test_auto_without_a_draft_model_uses_prompt_lookup(tiny):
+def test_auto_without_a_draft_model_uses_the_model_free_drafters(tiny):
     target = tiny("llama", dtype=EXACT_MODES[-1])
     out = specdec.generate(target, PROMPTS[0], drafter="auto", k=4, max_new_tokens=12, ignore_eos=True,
                            adaptive_k=False)
-    assert out.metrics.drafter_info["auto"]["methods"] == [LOOKUP]
+    assert out.metrics.drafter_info["auto"]["methods"] == [LOOKUP, SUFFIX]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -195,7 +195,7 @@ def test_sampling_law_with_drafter_switching(small_vocab, exact_joint, sample_jo
     no_timing(monkeypatch)
     picks = _switching(monkeypatch, 1)
     counts = sample_joint(target, AutoDrafter(target, draft), sampling, runs=3000)
-    assert {m for m, _ in picks} == {"plain", LOOKUP, DRAFT}
+    assert {m for m, _ in picks} == {"plain", LOOKUP, SUFFIX, DRAFT}
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
@@ -209,10 +209,10 @@ def test_wrong_rule_fails_with_drafter_switching(small_vocab, exact_joint, sampl
     no_timing(monkeypatch)
     _switching(monkeypatch, 1)
     sampling = SamplingParams(temperature=1.0)
-    # (the point-mass rule's control switches between prompt lookup and plain steps only, so
+    # (each control switches between the drafter whose rule is broken and plain steps only, so
     # that enough steps go through the rule under test)
     if rule == "rejection":
-        counts = sample_joint(target, AutoDrafter(target, draft), sampling, runs=3000)
+        counts = sample_joint(target, AutoDrafter(target, draft, methods=DRAFT), sampling, runs=3000)
     else:
         counts = sample_joint(target, AutoDrafter(target, methods=LOOKUP), sampling, runs=3000, k=3,
                               expect_mixed=False)  # fmt: skip
@@ -255,16 +255,16 @@ def test_greedy_identity_with_eagle3_among_the_switching_drafters(tiny, monkeypa
         plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
         out = specdec.generate(target, prompt, drafter="auto", head=head, k=4, max_new_tokens=24, ignore_eos=True)
         assert out.token_ids == plain.token_ids, prompt
-        assert out.metrics.drafter_info["auto"]["methods"] == [EAGLE3, LOOKUP]
+        assert out.metrics.drafter_info["auto"]["methods"] == [EAGLE3, LOOKUP, SUFFIX]
         accepted += out.metrics.accepted
-    assert {m for m, _ in picks} == {"plain", LOOKUP, EAGLE3} and {k for m, k in picks if m == EAGLE3} >= {1, 4}
+    assert {m for m, _ in picks} == {"plain", LOOKUP, SUFFIX, EAGLE3} and {k for m, k in picks if m == EAGLE3} >= {1, 4}
     assert accepted > 0
 
 
 def test_auto_takes_eagle3_only_when_asked(tiny):
     target = tiny("llama").model
-    assert AutoDrafter(target).methods == [LOOKUP]  # the head only when asked for (no head ships for it anyway)
-    assert AutoDrafter(target, head=random_head(target)).methods == [EAGLE3, LOOKUP]
+    assert AutoDrafter(target).methods == [LOOKUP, SUFFIX]  # the head only when asked for (none ships for it)
+    assert AutoDrafter(target, head=random_head(target)).methods == [EAGLE3, LOOKUP, SUFFIX]
     with pytest.raises(ValueError, match="add eagle3 to --auto-methods"):
         AutoDrafter(target, methods=LOOKUP, head=random_head(target))
     with pytest.raises(ValueError, match="--auto-head DIR"):

@@ -229,6 +229,7 @@ def situation(match: int) -> int:
 
 @register(
     "suffix",
+    switchable=True,
     default_k=16,
     help="suffix decoding: a token tree from what followed the longest matching suffix in the prompt, the output "
          "and earlier requests' outputs (no second model)",
@@ -272,6 +273,7 @@ class SuffixDrafter(Drafter):
         self._situation = 0  # the match-length bucket of the last proposal
         self._depth = 0
         self._sizes: list[int] = []
+        self._cached: tuple[int, list[_Candidate]] = (-1, [])
         self._device = torch.device("cpu")
 
     def _rows(self) -> int:
@@ -295,7 +297,7 @@ class SuffixDrafter(Drafter):
         costs = pass_costs(target, self._rows()) if self.total is None else None
         self._costs = costs.unscaled() if costs is not None and repro else costs
         self._memory = acceptance_memory(target, session.sampling.greedy)
-        self._acceptance, self._proposal, self._sizes = {}, [], []
+        self._acceptance, self._proposal, self._sizes, self._cached = {}, [], [], (-1, [])
 
     def prepare(self) -> None:
         """Nothing per process: the pass table is the target's (the server times it)."""
@@ -326,14 +328,49 @@ class SuffixDrafter(Drafter):
                 best_n, best = n, rate
         return best_n, best
 
-    def propose(self, k: int) -> Draft:
+    def _matches(self) -> list[_Candidate]:
+        """This step's candidates, longest match first (kept until the text grows)."""
         toks = self._doc.tokens
-        cands = _candidates(self._doc, toks, self.max_match)
-        if self._shared is not None:
-            cands += self._shared.candidates(toks, self.max_match)
+        if self._cached[0] != len(toks):
+            cands = _candidates(self._doc, toks, self.max_match)
+            if self._shared is not None:
+                cands += self._shared.candidates(toks, self.max_match)
+            cands.sort(key=lambda c: -c.match)  # (stable: the most recent first among equals)
+            self._cached = (len(toks), cands)
+        return self._cached[1]
+
+    def _chain(self, k: int) -> tuple[int, list[int]]:
+        """(match-length bucket, the most likely continuation of up to k tokens) after the
+        longest match: what it drafts as a chain (`chain_only`: auto sizes k itself)."""
+        cands = self._matches()
+        if not cands or k <= 0:
+            return 0, []
+        t = cands[0].match
+        tree = build_tree([c for c in cands if c.match >= t][:TREE_CANDIDATES], k, k, self.min_prob, [1.0] * k)
+        chain, node = [], -1
+        for j, (tok, par) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+            if par == node:  # (best first: a node's first child listed is its most likely)
+                chain.append(tok)
+                node = j
+        return situation(t), chain
+
+    def outlook(self, k: int) -> tuple[int, int] | None:
+        """The situation is the match-length bucket (acceptance depends on it)."""
+        sit, chain = self._chain(k)
+        return (sit, len(chain)) if chain else None
+
+    def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
+        self._doc.extend(tokens)
+        self._proposal = []
+
+    def propose(self, k: int) -> Draft:
+        if self.chain_only:
+            self._situation, chain = self._chain(k)
+            self._proposal, self._depth = chain, len(chain)
+            return Draft(torch.tensor(chain, dtype=torch.long, device=self._device))
+        cands = self._matches()
         chosen, self._situation = SuffixTree([], [], []), 0
         if cands and k > 0:
-            cands.sort(key=lambda c: -c.match)  # (stable: the most recent first among equals)
             best_rate = -1.0
             for t in sorted({c.match for c in cands}, reverse=True)[:THRESHOLDS]:
                 use = [c for c in cands if c.match >= t][:TREE_CANDIDATES]
