@@ -2,7 +2,8 @@
 or a plain step where none is predicted to beat plain decoding.
 
 Candidates are the drafters that can follow tokens another drafter proposed (`catch_up`):
-prompt lookup always, the draft model when one is given (`--draft`), and an EAGLE-3 head when
+prompt lookup and suffix decoding always, the draft model when one is given (`--draft`), and an
+EAGLE-3 head when
 asked for (eagle3 in `methods`: the head shipped for the target, or `--auto-head DIR`), Medusa
 or Hydra heads when named in `methods` (the ones shipped for the target). The
 head is not among the defaults: with the shipped head's agreement, auto with it was no faster
@@ -57,10 +58,10 @@ def switchable() -> list[str]:
 @register(
     "auto",
     needs="any",
-    help="choose the drafter (prompt lookup; the draft model with --draft; an EAGLE-3 head if asked for) and k "
+    help="choose the drafter (prompt lookup, suffix; the draft model with --draft; an EAGLE-3 head if asked for) and k "
          "each step, or a plain step, by predicted tokens per second",
     options=(Option("methods", "auto: the drafters to choose from, comma-separated (default: prompt-lookup, "
-                               "draft-model with --draft, eagle3 with --auto-head)", "--auto-methods", type=str),
+                               "suffix, draft-model with --draft, eagle3 with --auto-head)", "--auto-methods", type=str),
              Option("head", "auto: include this EAGLE-3 head (directory; with eagle3 in --auto-methods, default: "
                             "the head shipped for the target)", "--auto-head", type=str),
              VOCAB_OPTION, WINDOW_OPTION),
