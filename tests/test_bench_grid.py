@@ -38,7 +38,8 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     assert len(result.records) == 2 * 2 * 2 * (len(METHODS) + 1)
     assert {r["prompt_id"] for r in result.records} == {"c1", "e1"}
     for r in result.records:
-        assert r["speedup"] > 0 and r["new_tokens"] == 12
+        # (a sampled run may draw the end token early: its draws depend on the method's drafts)
+        assert r["speedup"] > 0 and (r["new_tokens"] == 12 if r["temperature"] == 0 else 1 <= r["new_tokens"] <= 12)
         assert r["steps"] >= 1 if r["method"] != NOISE else r["steps"] == 0 and r["proposed"] == 0
         # plain decoding twice gives the same greedy tokens (the control checks determinism too)
         assert (r["identical"] is True) if r["temperature"] == 0 else (r["identical"] is None)

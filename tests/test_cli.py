@@ -86,7 +86,7 @@ def test_auto_compare_json_as_written():
     out = json.loads(res.stdout.strip())
     assert out["identical"] is True and out["drafter"] == "auto"
     auto = out["speculative"]["metrics"]["drafter_info"]["auto"]
-    assert auto["methods"] == ["draft-model", "prompt-lookup"] and "prompt-lookup" in auto["steps"]
+    assert auto["methods"] == ["draft-model", "prompt-lookup", "suffix"] and "prompt-lookup" in auto["steps"]
     text = specdec_cli("generate", "--target", "smollm2-135m", "--drafter", "auto", "--max-new-tokens", "8",
                        "--no-chat", "--prompt", "one two three one two three one two")  # fmt: skip
     assert text.returncode == 0 and "auto steps:" in text.stderr
