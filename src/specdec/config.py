@@ -111,12 +111,16 @@ def resolve_k(k: int | None, *, target: str, method: str | None, draft: str | No
         tuned = lookup(target, method, draft, mode)
         if tuned is not None:
             return tuned, "tuned"
-        from .drafters.base import DRAFTERS
+    return method_default_k(method), "default"
 
-        spec = DRAFTERS.get(method)
-        if spec is not None and spec.default_k is not None:
-            return spec.default_k, "default"
-    return DEFAULT_K, "default"
+
+def method_default_k(method: str | None) -> int:
+    """The k a method runs with when none is given or tuned: its own (`DrafterSpec.default_k`:
+    a tree drafter's deepest draft), else DEFAULT_K."""
+    from .drafters.base import DRAFTERS
+
+    spec = DRAFTERS.get(method) if method is not None else None
+    return spec.default_k if spec is not None and spec.default_k is not None else DEFAULT_K
 
 
 T = TypeVar("T")

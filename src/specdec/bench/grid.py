@@ -31,7 +31,7 @@ import torch
 from .. import registry
 from ..version import __version__
 from ..api import LoadedModel, build_drafter, encode_prompt, generate, load, load_draft
-from ..config import DEFAULT_K
+from ..config import DEFAULT_K, method_default_k
 from ..costs import K_MAX, Costs, measure_costs, pass_costs
 from ..drafters import DRAFTERS, make_drafter, uses_draft_model
 from ..drafters.base import draft_model_method, needs_draft_model
@@ -95,7 +95,7 @@ class GridSettings:
 
     def k_for(self, method: str) -> int:
         """The k `method` runs with: the one given, else the method's own default."""
-        return self.k if self.k is not None else DRAFTERS[method].default_k or DEFAULT_K
+        return self.k if self.k is not None else method_default_k(method)
 
 
 # one prompt per category, short outputs: ~8 minutes here with every method and peer

@@ -41,6 +41,7 @@ class Service:
         self.metrics = ServerMetrics()
         self.worker = Worker(target, draft, settings, self.metrics)
         self.context = target.model.args.max_seq_len
+        self._k: dict[str, int] = {}  # method -> its k where neither the request nor --k gives one
 
     def check_model(self, name: str) -> None:
         if name != self.settings.model_name:
@@ -71,9 +72,12 @@ class Service:
         if needs_draft_model(method) and self.draft is None:
             raise APIError(400, "this server has no draft model (start it with --draft NAME)", param="speculative")
         k = spec.k if spec is not None and spec.k is not None else settings.k
-        if k is None:
-            k = resolve_k(None, target=self.target.name, method=None if method == NONE else method,
-                          draft=self.draft.name if self.draft is not None else None, mode=self.target.model.mode)[0]  # fmt: skip
+        if k is None:  # (resolved once per method: the tuning file is not read again per request)
+            if method not in self._k:
+                self._k[method] = resolve_k(None, target=self.target.name, method=None if method == NONE else method,
+                                            draft=self.draft.name if self.draft is not None else None,
+                                            mode=self.target.model.mode)[0]  # fmt: skip
+            k = self._k[method]
         n = max_tokens if max_tokens is not None else max(1, min(settings.default_max_tokens,
                                                                   self.context - len(prompt_ids)))  # fmt: skip
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
