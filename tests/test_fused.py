@@ -1,8 +1,7 @@
 """The native decoder layer (specdec.model.fused, csrc/layer.c): the q4k mode's whole layer in one
 call. It must compute what the framework layer computes (up to float rounding, which the int8
 activation rounding can turn into a code step here and there), keep batch invariance, give the
-same bits in every kernel build, and give a row the same bits whether its batch attends natively
-or partly through the framework."""
+same bits in every kernel build, and give a row the same bits however many rows its pass has."""
 
 from __future__ import annotations
 
@@ -80,11 +79,12 @@ def test_native_layers_are_batch_invariant(tiny_dir, arch, monkeypatch):
         assert torch.equal(together, alone), k
 
 
-def test_a_row_gets_the_same_bits_beside_a_framework_prefill(tiny_dir):
-    """One sequence's decode rows, alone (all native) and packed with another sequence's long
-    prefill (whose attention runs through the framework: the layer then runs in two native
-    calls around it), are bitwise equal."""
+def test_a_long_prefill_computes_what_one_token_steps_compute(tiny_dir):
+    """A prefill longer than ROW_ATTENTION_MAX attends row by row natively too: its cached keys
+    and values and its last logits are bitwise what one-token steps compute (what lets a request
+    reuse another's cached rows), and a sequence's decode rows get the same bits beside it."""
     model = _model(tiny_dir, "qwen2")
+    assert model.rows_bitwise
     g = torch.Generator().manual_seed(3)
     prompt, rows = torch.randint(0, model.args.vocab_size, (7,), generator=g), torch.randint(0, model.args.vocab_size, (4,), generator=g)
     long = torch.randint(0, model.args.vocab_size, (80,), generator=g)  # > ROW_ATTENTION_MAX
@@ -98,6 +98,22 @@ def test_a_row_gets_the_same_bits_beside_a_framework_prefill(tiny_dir):
         return model.forward_batch(segs)[0].logits
 
     assert torch.equal(decode(False), decode(True))
+
+    def cached(tokens: torch.Tensor, steps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = model.new_cache(90)
+        if steps:
+            for t in range(tokens.shape[0]):
+                logits = model(tokens[None, t : t + 1], cache).logits[0, -1]
+        else:
+            logits = model(tokens[None], cache, last_only=True).logits[0, -1]
+        return cache.k[:, :, :, :80], cache.v[:, :, :, :80], logits
+
+    whole, stepped = cached(long, False), cached(long, True)
+    assert all(torch.equal(a, b) for a, b in zip(whole, stepped, strict=True))
+    # control: the comparison sees one changed token far back
+    other = long.clone()
+    other[40] = (other[40] + 1) % model.args.vocab_size
+    assert not torch.equal(cached(other, False)[0][:, :, :, 79], whole[0][:, :, :, 79])
 
 
 @pytest.mark.slow

@@ -29,8 +29,12 @@ from .kernels import MODES
 from .linear import Linear, linear_group
 from .state import ModelState
 
-# Longer runs of new tokens (prompt prefill) attend in one batched call: prefill is the same
-# call in plain and speculative decoding, so it needs no row-by-row treatment.
+# Longer runs of new tokens (prompt prefill) attend in one batched framework call where the
+# native kernel is not available: its rows are not bitwise what one-token decoding computes,
+# which plain and speculative decoding share anyway (both prefill the same way). The native
+# kernel attends row by row at any length (and is faster than the framework call at prefill),
+# so there every row of every pass is bitwise the same however it is computed, which lets a
+# later request reuse the cached rows of an earlier one (`Engine`'s prefix reuse).
 ROW_ATTENTION_MAX = 64
 
 
@@ -251,6 +255,13 @@ class Transformer(nn.Module):
         return MODES[self.mode].batch_invariant
 
     @property
+    def rows_bitwise(self) -> bool:
+        """Every row of every pass (prefill chunk, verification, one-token step) computes bitwise
+        what one-token decoding computes: a cached row can stand in for any other computation
+        of it."""
+        return self._native_attention
+
+    @property
     def _native_attention(self) -> bool:
         """Row-by-row attention runs in specdec's native kernel where it can (CPU, float32)."""
         return (
@@ -306,8 +317,9 @@ class Transformer(nn.Module):
 
     def _plan(self, seg: Segment, hi: int) -> _SegmentPlan:
         """Check a segment, reserve its cache slots and decide how its rows attend: row by row
-        (batch-invariant modes, chains and trees of up to ROW_ATTENTION_MAX rows: exactly what
-        one-token decoding at each position computes), else one framework call."""
+        (batch-invariant modes: any number of rows in the native kernel, else chains and trees
+        of up to ROW_ATTENTION_MAX rows; exactly what one-token decoding at each position
+        computes), else one framework call."""
         a = self.args
         if seg.tokens.dim() != 1:
             raise ValueError(f"a segment's tokens must be 1-D [T], got shape {tuple(seg.tokens.shape)}")
@@ -332,7 +344,7 @@ class Transformer(nn.Module):
             raise ContextOverflowError(f"position {last} is beyond the model's context of {a.max_seq_len}")
         seg.cache.pos[:, start : start + T] = positions
         plan = _SegmentPlan(seg, start, T, positions, self._masks(seg.cache, positions, start, tree))
-        if not self.row_invariant_attention or T > ROW_ATTENTION_MAX:
+        if not self.row_invariant_attention or (T > ROW_ATTENTION_MAX and not self._native_attention):
             return plan  # one framework call (prefill, or modes that are not batch-invariant anyway)
         if self._native_attention:
             # the kernel already limits row i to keys 0..start+i; only windows and trees need a mask
@@ -461,9 +473,8 @@ class Transformer(nn.Module):
 
 class _PackedAttention:
     """Attention for one forward's packed rows: each segment's new keys/values go to its own
-    cache, and each row attends to its own sequence only. Segments planned row by row in the
-    native kernel share one call per layer; the others go through the framework, one call
-    per segment (or per row)."""
+    cache, and each row attends to its own sequence only. Natively, every segment's rows in one
+    call per layer; else through the framework, one call per segment (or per row)."""
 
     def __init__(self, model: Transformer, plans: list[_SegmentPlan]) -> None:
         self.a = model.args
@@ -471,10 +482,11 @@ class _PackedAttention:
         self.row0 = [0]
         for p in plans:
             self.row0.append(self.row0[-1] + p.T)
+        # (all or none: a model attends natively at every length or not at all, see `_plan`)
         nat = [n for n, p in enumerate(plans) if p.native is not None]
         self.framework = [n for n, p in enumerate(plans) if p.native is None]
+        assert not (nat and self.framework), "a pass mixes native and framework attention"
         self.native: dict[bool, native.SegmentAttention] = {}
-        self.native_rows: torch.Tensor | None = None  # packed rows of the native segments, when not all are
         if nat:
             kinds = {kind for n in nat for kind in plans[n].native}  # type: ignore[union-attr]
             for kind in kinds:
@@ -483,12 +495,10 @@ class _PackedAttention:
                     [plans[n].T for n in nat], [plans[n].native.get(kind) for n in nat],  # type: ignore[union-attr]
                     self.a.attn_scale if self.a.attn_scale is not None else self.a.head_dim**-0.5,
                 )  # fmt: skip
-            if self.framework:
-                self.native_rows = torch.cat([torch.arange(self.row0[n], self.row0[n + 1]) for n in nat])
 
     def all_native(self, sliding: bool) -> native.SegmentAttention | None:
         """The native attention of every row, when no row attends through the framework."""
-        return self.native.get(sliding, self.native[False]) if self.native and not self.framework else None
+        return self.native.get(sliding, self.native[False]) if self.native else None
 
     def layer(self, i: int, sliding: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         return lambda q, k, v: self(i, sliding, q, k, v)
@@ -496,12 +506,9 @@ class _PackedAttention:
     def __call__(self, i: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [1, N, H, Dh], k/v [1, N, Hkv, Dh] -> [1, N, H, Dh]."""
         a = self.a
-        if self.native and not self.framework:
+        if self.native:
             return self.native.get(sliding, self.native[False])(i, q[0], k[0], v[0])[None]
         out = torch.empty_like(q)
-        if self.native:
-            rows = self.native_rows
-            out[0, rows] = self.native.get(sliding, self.native[False])(i, q[0, rows], k[0, rows], v[0, rows])
         for n in self.framework:
             p, r0, r1 = self.plans[n], self.row0[n], self.row0[n + 1]
             k_cache, v_cache = p.seg.cache.k[i], p.seg.cache.v[i]  # [1, Hkv, S, Dh]
