@@ -14,6 +14,7 @@ from helpers import PROMPT_IDS, V_SMALL
 
 import specdec
 from specdec import engine
+from specdec.adaptive import forget
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.model import load_transformer
 from specdec.model.kernels import MODES
@@ -44,11 +45,11 @@ Transformer.__init__ = _tracked_init  # type: ignore[method-assign]
 
 @pytest.fixture(autouse=True)
 def _fresh_acceptance_memory():
-    """Each test starts as a new process would: no acceptance remembered from other tests'
-    requests (`specdec.adaptive.acceptance_memory`, kept by each model), so no test depends
-    on the order."""
+    """Each test starts as a new process would: nothing remembered from other tests' requests
+    (acceptance, suffix stores, cached rows: `specdec.adaptive.forget`), so no test depends on
+    the order."""
     for model in list(_MODELS):
-        model.state.acceptance.clear()
+        forget(model)
     yield
 
 

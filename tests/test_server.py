@@ -389,31 +389,36 @@ def test_bench_serve_is_localhost_only(url, capsys):
 @pytest.mark.real
 @pytest.mark.parametrize("shared", [False, True], ids=["per-key", "suffix-shared"])
 def test_one_clients_outputs_never_draft_for_another(models, shared):
-    """Suffix decoding keeps earlier outputs per API key: a response's speed must not reveal
-    what another client generated. Two keys, the same request from each: each key's outputs
-    are in its own pool and nowhere else (with --suffix-shared: one pool for both)."""
+    """Suffix decoding keeps earlier outputs, and the server earlier requests' rows, per API key:
+    a response's speed must not reveal what another client sent or generated. Two keys, the same
+    request from each: each key's outputs are in its own pool and nowhere else, and the second
+    key's prompt is prefilled afresh (with --suffix-shared: one pool for both, and its prompt's
+    rows come from the first request's)."""
     target, draft = models
-    target.model.state.suffix.clear()
     keys = ("key-a", "key-b")
     app = create_app(target, draft, ServeSettings("smollm2-135m", "suffix", {}, max_batch=4, api_keys=keys,
                                                   suffix_shared=shared))  # fmt: skip
     running = Running(app)
     try:
-        texts, pools = [], []
+        texts, pools, cached = [], [], []
         for key in keys:
             client = openai.OpenAI(base_url=running.url + "/v1", api_key=key, max_retries=0, timeout=120)
-            texts.append(client.completions.create(model="smollm2-135m", prompt=PROMPTS[2], max_tokens=24,
-                                                   temperature=0).choices[0].text)  # fmt: skip
+            out = client.completions.create(model="smollm2-135m", prompt=PROMPTS[2], max_tokens=24, temperature=0)
+            texts.append(out.choices[0].text)
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
             pools.append({name: len(store.docs) for name, store in target.model.state.suffix.items()})
     finally:
         running.close()
-    assert texts[0] == texts[1]  # (drafts never change an output)
+    assert texts[0] == texts[1]  # (drafts never change an output, nor do reused rows)
+    reuses = target.model.rows_bitwise
     if shared:
         assert pools == [{"": 1}, {"": 2}]
+        assert cached == [0, out.usage.prompt_tokens - 1 if reuses else 0]  # (its last row gives the first token)
     else:  # after a's request only a's pool holds anything; b's request fills a pool of its own
         (a_pool,) = pools[0]
         assert pools[0] == {a_pool: 1} and a_pool != "" and "key-a" not in a_pool  # (named by a digest)
         assert pools[1][a_pool] == 1 and len(pools[1]) == 2 and all(n == 1 for n in pools[1].values())
+        assert cached == [0, 0]
 
 
 def _trace(path, lines) -> str:
@@ -439,6 +444,9 @@ def test_bench_serve_replays_an_agent_trace(tmp_path, capsys):
     for r in result["methods"].values():  # greedy: every answer plain decoding's
         assert r["failed"] == 0 and r["identical"] and r["completion_tokens"] > 0
     assert result["methods"]["none"]["speedup"] == 1.0 and result["suffix_memory"]["suffix"]["tokens"] > 0
+    if result["prefix_cache"]:  # (the mode's rows are bitwise the same in any pass) c2's prompt is c1's first
+        assert all(m["hits"] >= 1 and m["reused_tokens"] >= 16 for m in result["prefix_cache"].values())
+        assert "prompt tokens reused" in printed
     assert (out / "trace.png").stat().st_size > 0
 
 

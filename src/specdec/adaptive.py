@@ -99,10 +99,11 @@ def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], A
 
 
 def forget(target: Any) -> None:
-    """Drop what `target`'s requests taught the drafters (`acceptance_memory`, suffix decoding's
-    stores of outputs): a benchmark's untimed warm-up runs must not inform its timed ones."""
+    """Drop what `target`'s requests left behind (`acceptance_memory`, suffix decoding's stores
+    of outputs, cached rows): a benchmark's untimed warm-up runs must not inform its timed ones."""
     target.state.acceptance.clear()
     target.state.suffix.clear()
+    target.state.prefixes = None
 
 
 def remembered(methods: list[str]) -> frozenset[str]:

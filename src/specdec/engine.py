@@ -37,6 +37,7 @@ from .config import GenerationConfig, SamplingParams
 from .drafters.base import Draft, Drafter, DraftSession, Feedback
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
+from .model.prefix import prefix_store
 from .model.transformer import ForwardOutput, Segment, Transformer
 from .sampling import make_generator, pick, probs
 from .stops import StopChecker
@@ -124,6 +125,7 @@ class _Sequence:
     # yet): what a batch of it costs, whatever k allowed (a tree drafter sizes its own)
     draft_rows: float | None = None
     draft_ms: float = 0.0  # this step's drafting time (ms)
+    pool: str = ""  # whose earlier sequences' cached rows it may reuse (a server's API key)
 
     def k(self) -> int:
         """Draft tokens at most: a step commits up to k + 1 tokens, never past the budget."""
@@ -144,19 +146,24 @@ class _Sequence:
 class Engine:
     """Steps any number of sequences together over one target model (see the module doc)."""
 
-    def __init__(self, target: Transformer, tokenizer: Tokenizer | None = None, rules: Rules | None = None) -> None:
+    def __init__(self, target: Transformer, tokenizer: Tokenizer | None = None, rules: Rules | None = None,
+                 prefix_tokens: int = 0) -> None:  # fmt: skip
         self.target = target
         self.tokenizer = tokenizer
         # the sampling rules it verifies with: `verify.EXACT` (certify's control hands it broken ones)
         self.rules = rules if rules is not None else EXACT
+        # finished sequences' rows, up to `prefix_tokens`, copied by later prompts that begin the
+        # same way (`model.prefix`): only where a copied row is bitwise what a prefill computes
+        self.prefixes = prefix_store(target, prefix_tokens) if prefix_tokens > 0 and target.rows_bitwise else None
         self._live: dict[int, _Sequence] = {}
         self._done: dict[int, GenerationResult] = {}
         self._next_id = 0
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], cfg: GenerationConfig, sampling: SamplingParams,
-            drafter: Drafter | None = None) -> int:  # fmt: skip
-        """Queue a sequence (prefilled in the next step); returns its id."""
+            drafter: Drafter | None = None, pool: str = "") -> int:  # fmt: skip
+        """Queue a sequence (prefilled in the next step); returns its id. `pool`: whose earlier
+        sequences' cached rows it may start from (with the engine's `prefix_tokens`)."""
         n_new = plan_length(len(prompt_ids), cfg, self.target.args.max_seq_len)
         if drafter is not None and any(s.drafter is drafter for s in self._live.values()):
             raise ValueError("this drafter object already serves a live sequence; give each sequence its own drafter")
@@ -182,8 +189,15 @@ class Engine:
             StopChecker(cfg, n_new, self.tokenizer, eos), self.target.new_cache(len(prompt_ids) + n_new + scratch),
             Metrics(prompt_tokens=len(prompt_ids), k=cfg.k if drafter is not None else None,
                     exact=sampling.exact or drafter is None), time.perf_counter(),
-            controller=controller,
+            controller=controller, pool=pool,
         )  # fmt: skip
+        if self.prefixes is not None:
+            # (the prompt's last row is computed in any case: it gives the first token)
+            hit = self.prefixes.longest(pool, prompt_ids[:-1])
+            if hit is not None:
+                seq = self._live[sid]
+                seq.cache.copy_prefix(*hit)  # type: ignore[union-attr]
+                seq.prefilled = seq.metrics.cached_tokens = hit[1]
         return sid
 
     def cancel(self, seq_id: int) -> None:
@@ -398,6 +412,10 @@ class Engine:
                 m.drafter_info["adaptive_k" if isinstance(s.controller, KController) else "guard"] = s.controller.report()
         m.wall_time = time.perf_counter() - s.started
         m.new_tokens = len(s.stopper.tokens)
+        if self.prefixes is not None and s.cache is not None:
+            # the committed tokens whose rows the cache holds (the newest token has none yet)
+            tokens = s.prompt + s.stopper.tokens
+            self.prefixes.put(s.pool, tokens[: min(s.cache.length, len(tokens))], s.cache)
         s.cache = None  # free the KV cache
         del self._live[s.id]
         reason = s.stopper.finish_reason or "length"

@@ -15,6 +15,7 @@ import torch
 @dataclass
 class Metrics:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose rows an earlier sequence had computed (not prefilled again)
     new_tokens: int = 0
     wall_time: float = 0.0  # seconds, prefill included
     prefill_time: float = 0.0  # target (and drafter) prefill

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import registry
+from ..server.worker import PREFIX_TOKENS
 from .serve import RequestStat, one_request, percentiles
 
 TRACE = Path(__file__).parent / "prompts" / "agent_trace.jsonl"
@@ -44,6 +45,7 @@ class TraceSettings:
     conversations: int | None = None  # the first N (None: all)
     dtype: str = "auto"
     timeout_s: float = 3600.0  # per method, at most
+    prefix_tokens: int = PREFIX_TOKENS  # the server's cache of finished requests' rows (0: off)
 
     def __post_init__(self) -> None:
         from ..drafters import DRAFTERS
@@ -51,6 +53,8 @@ class TraceSettings:
         unknown = [m for m in self.methods if m not in DRAFTERS]
         if unknown or not self.methods:
             raise ValueError(f"unknown methods {unknown}; choose from {', '.join(DRAFTERS)}")
+        if self.prefix_tokens < 0:
+            raise ValueError(f"--prefix-cache-tokens must be >= 0 (0: off), got {self.prefix_tokens}")
         if self.concurrency < 1 or (self.conversations is not None and self.conversations < 1):
             raise ValueError("--concurrency and --conversations must be at least 1")
 
@@ -147,11 +151,12 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
     runs: dict[str, dict[str, Any]] = {}
     plain_texts: dict[tuple[str, int], str] = {}
     memory: dict[str, Any] = {}
+    prefixes: dict[str, Any] = {}
     for method in (PLAIN, *s.methods, NOISE):
         forget(target.model)  # no memory of another method's replay (suffix stores, acceptance)
         name = None if method in (PLAIN, NOISE) else method
         helper = draft if name is not None and uses_draft_model(name) else None
-        settings = ServeSettings(target.name, name, {}, max_batch=max(8, s.concurrency))
+        settings = ServeSettings(target.name, name, {}, max_batch=max(8, s.concurrency), prefix_tokens=s.prefix_tokens)
         app = create_app(target, helper, settings)
         app.state.worker.prepare(warm=True)
         server = _Server(app)
@@ -163,6 +168,9 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
             server.close()
         if method == PLAIN:
             plain_texts = {key: st.text for key, st in stats.items()}
+        if target.model.state.prefixes is not None:
+            px = target.model.state.prefixes
+            prefixes[method] = {"tokens": px.tokens, "reused_tokens": px.reused, "hits": px.hits}
         if target.model.state.suffix:
             memory[method] = {"tokens": sum(st.tokens for st in target.model.state.suffix.values()),
                               "bytes": sum(st.bytes() for st in target.model.state.suffix.values())}  # fmt: skip
@@ -173,7 +181,7 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
     forget(target.model)
     return {"settings": asdict(s), "machine": machine(), "mode": target.model.mode, "model": target.name,
             "requests": sum(len(r) for r in convs.values()), "conversations": len(convs), "methods": runs,
-            "suffix_memory": memory}  # fmt: skip
+            "suffix_memory": memory, "prefix_cache": prefixes}  # fmt: skip
 
 
 def _summary(wall: float, stats: dict[tuple[str, int], RequestStat], plain: dict[tuple[str, int], str]) -> dict[str, Any]:
@@ -210,6 +218,9 @@ def table(result: dict[str, Any]) -> str:
                      f"{f(r['ttft_s']['p50'], '9.2f')} {f(r['acceptance_rate'], '6.2f')} {same}")  # fmt: skip
         for e in r["errors"]:
             lines.append(f"     error: {e}")
+    for method, m in result.get("prefix_cache", {}).items():
+        lines.append(f"prefix cache after {method}: {m['reused_tokens']} prompt tokens reused in {m['hits']} requests, "
+                     f"{m['tokens']} tokens held")  # fmt: skip
     for method, m in result["suffix_memory"].items():
         lines.append(f"suffix memory after {method}: {m['tokens']} tokens, {m['bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)

@@ -122,6 +122,8 @@ def parser(sub: argparse._SubParsersAction) -> None:
                     help="with --trace: methods to replay, each beside plain decoding")
     tr.add_argument("--conversations", type=int, help="with --trace: the first N conversations (default: all)")
     tr.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="with --trace: precision/kernel mode")
+    tr.add_argument("--prefix-cache-tokens", type=int, metavar="N",
+                    help="with --trace: the servers' cache of finished requests' rows, as serve's (0: off)")
     srv.set_defaults(func=_cmd_bench_serve)
 
 
@@ -242,7 +244,8 @@ def _bench_trace(ns: argparse.Namespace) -> int:
         raise ValueError("with --trace, --concurrency takes one number: the conversations replayed at once")
     settings = bt.TraceSettings(trace=None if ns.trace == "bundled" else ns.trace, target=ns.target, draft=ns.draft,
                                 methods=tuple(ns.methods), concurrency=ns.concurrency[0] if ns.concurrency else 1,
-                                conversations=ns.conversations, dtype=ns.dtype, timeout_s=ns.timeout or 3600.0)  # fmt: skip
+                                conversations=ns.conversations, dtype=ns.dtype, timeout_s=ns.timeout or 3600.0,
+                                **({} if ns.prefix_cache_tokens is None else {"prefix_tokens": ns.prefix_cache_tokens}))  # fmt: skip
     result = bt.run(settings, progress=lambda msg: print(msg, file=sys.stderr))
     print(bt.table(result))
     bt.write(result, ns.out)

@@ -9,6 +9,7 @@ from .. import registry
 from ..config import DEFAULT_K, GenerationConfig
 from ..drafters import DRAFTERS, uses_draft_model
 from ..model.kernels import AUTO, MODES
+from ..server.worker import PREFIX_TOKENS
 from .common import Help, add_draft_bits, add_drafter_options, drafter_options, load_draft_model, method_of
 
 
@@ -33,8 +34,13 @@ def parser(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/ requests (repeat for several clients: what "
                         "one client generated never drafts for another, see --suffix-shared)")
     p.add_argument("--suffix-shared", action="store_true",
-                   help="suffix decoding drafts from every client's earlier outputs, not each API key's own (a "
-                        "response's speed can then reveal what another client generated)")
+                   help="suffix decoding drafts from, and prompts reuse the cached rows of, every client's earlier "
+                        "requests, not each API key's own (a response's speed can then reveal what another client "
+                        "sent or generated)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=PREFIX_TOKENS, metavar="N",
+                   help="keep up to N tokens' rows of finished requests, so a prompt that begins like an earlier "
+                        "conversation (a chat's next turn) prefills only the rest; outputs are unchanged. In the "
+                        "modes whose rows are bitwise the same in any pass (q4k, int8 on CPU); 0: off")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together at most; more wait in order")
     p.add_argument("--max-tokens", dest="default_max_tokens", type=int, default=512,
                    help="max_tokens of a request that gives none")
@@ -54,6 +60,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     method = method_of(ns, draft_for_others=True)
     if ns.k is not None:
         GenerationConfig(k=ns.k)  # the one bound on k, as generate and each request have it
+    if ns.prefix_cache_tokens < 0:
+        raise ValueError(f"--prefix-cache-tokens must be >= 0 (0: off), got {ns.prefix_cache_tokens}")
     if ns.max_batch < 1 or ns.default_max_tokens < 1 or ns.max_body_bytes < 1:
         raise ValueError("--max-batch, --max-tokens and --max-body-bytes must be at least 1")
     if not 0 < ns.port < 65536:
@@ -70,7 +78,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         build_drafter(target, draft if uses_draft_model(method) else None, method, **options)
     settings = ServeSettings(ns.served_model_name or ns.target, method, options, ns.k, ns.max_batch,
                              default_max_tokens=ns.default_max_tokens, api_keys=tuple(ns.api_keys or ()),
-                             suffix_shared=ns.suffix_shared,
+                             suffix_shared=ns.suffix_shared, prefix_tokens=ns.prefix_cache_tokens,
                              max_body_bytes=ns.max_body_bytes, batch_guard=ns.batch_guard)  # fmt: skip
     serve(target, draft, settings, ns.host, ns.port)
     return 0

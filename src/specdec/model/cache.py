@@ -55,6 +55,15 @@ class KVCache:
         self.pos[:, start:n] = other.pos[:, start:n]
         self.length = n
 
+    def clone_prefix(self, n: int) -> KVCache:
+        """A new cache of capacity `n` holding this one's first `n` slots."""
+        if not 0 < n <= self.length:
+            raise ValueError(f"cannot clone {n} slots of a cache of length {self.length}")
+        L, B, H, _, D = self.k.shape
+        out = KVCache(L, B, H, n, D, dtype=self.k.dtype, device=self.k.device)
+        out.copy_prefix(self, n)
+        return out
+
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` slots (rejected drafts are forgotten)."""
         if not 0 <= length <= self.length:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # (annotations only: the model layer imports nothing above it
     from ..drafters.suffix import SuffixStore
     from ..drafters.vocab import DraftVocab
     from .cache import KVCache
+    from .prefix import PrefixStore
 
 
 @dataclass
@@ -33,5 +34,7 @@ class ModelState:
     # drafters.draft_model: the last prefill of this draft model (tokens, window, cache, skip),
     # copied by the next request with the same prompt instead of computed again
     prefilled: tuple[tuple[int, ...], int, KVCache, int] | None = None
+    # model.prefix: finished sequences' cached rows, reused by prompts that begin the same way
+    prefixes: PrefixStore | None = None
     # drafters.suffix: earlier requests' outputs by pool (a server's API key; "" in a process)
     suffix: dict[str, SuffixStore] = field(default_factory=dict)

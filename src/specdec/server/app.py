@@ -56,9 +56,10 @@ class Service:
             raise APIError(400, str(exc), param=param) from exc
 
     def pool(self, request: Request) -> str:
-        """Whose request it is, for drafters that learn from earlier requests (`Drafter.pool`):
-        one pool per API key (the Gate has checked it), one for all where the server has no key
-        or pools them (--suffix-shared). The key itself is not kept: a digest names the pool."""
+        """Whose request it is, for what the server keeps from earlier requests (the suffix
+        drafter's memory, `Drafter.pool`; cached rows, `Engine.add`'s pool): one pool per API
+        key (the Gate has checked it), one for all where the server has no key or pools them
+        (--suffix-shared). The key itself is not kept: a digest names the pool."""
         if not self.settings.api_keys or self.settings.suffix_shared:
             return ""
         return "key-" + hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()[:16]
@@ -101,7 +102,7 @@ class Service:
                 raise APIError(400, f"speculative: {exc}", param="speculative") from exc
             if drafter is not None:
                 drafter.pool = pool
-        return Job(prompt_ids, cfg, sampling, method, drafter, asyncio.get_running_loop(), asyncio.Queue())
+        return Job(prompt_ids, cfg, sampling, method, drafter, asyncio.get_running_loop(), asyncio.Queue(), pool=pool)
 
     async def respond(self, request: Request, job: Job, body: _Common, kind: str) -> Response:
         """Run `job` and answer: a stream of server-sent events, or one JSON object."""
@@ -196,7 +197,8 @@ class Service:
 def usage(job: Job, result: GenerationResult) -> dict[str, Any]:
     m = result.metrics
     u: dict[str, Any] = {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.new_tokens,
-                         "total_tokens": m.prompt_tokens + m.new_tokens}  # fmt: skip
+                         "total_tokens": m.prompt_tokens + m.new_tokens,
+                         "prompt_tokens_details": {"cached_tokens": m.cached_tokens}}  # fmt: skip
     u["speculative"] = {"method": job.method, "k": job.config.k if job.method != NONE else None,
                         "draft_tokens": m.proposed, "accepted_tokens": m.accepted, "target_passes": m.steps,
                         "acceptance_rate": m.acceptance_rate, "tokens_per_pass": m.mean_accepted_tokens}  # fmt: skip

@@ -24,6 +24,11 @@ from .schemas import NONE, APIError
 log = logging.getLogger("specdec.serve")
 
 
+# Finished requests' rows kept for later prompts that begin the same way (`model.prefix`):
+# ~0.9 GiB with the default 1.5B target's float32 cache.
+PREFIX_TOKENS = 16384
+
+
 @dataclass
 class ServeSettings:
     model_name: str  # the id clients send as "model"
@@ -34,7 +39,8 @@ class ServeSettings:
     max_queue: int = 256  # waiting requests beyond the batch; more get 429
     default_max_tokens: int = 512
     api_keys: tuple[str, ...] = ()  # accepted keys, one per client (none: open)
-    suffix_shared: bool = False  # drafters that learn across requests pool every key's outputs
+    suffix_shared: bool = False  # what the server keeps from requests (suffix memory, cached rows) is one pool for all keys
+    prefix_tokens: int = PREFIX_TOKENS  # finished requests' rows kept for later prompts (0: none)
     max_body_bytes: int = 1 << 20
     batch_guard: bool = True  # drafting off for steps whose batch leaves it no room
 
@@ -54,6 +60,7 @@ class Job:
     last_token_at: float | None = None  # when its latest tokens reached the handler (None: none yet)
     seq_id: int | None = None
     cancelled: bool = False
+    pool: str = ""  # whose earlier requests it may draw on (`Service.pool`)
 
     def post(self, kind: str, value: Any) -> None:  # (from the worker thread)
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -65,7 +72,7 @@ class Worker:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings,
                  metrics: ServerMetrics) -> None:  # fmt: skip
         self.target, self.draft, self.settings, self.metrics = target, draft, settings, metrics
-        self.engine = Engine(target.model, target.tokenizer)
+        self.engine = Engine(target.model, target.tokenizer, prefix_tokens=settings.prefix_tokens)
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.waiting: deque[Job] = deque()
         self.jobs: dict[int, Job] = {}
@@ -202,7 +209,7 @@ class Worker:
             if job.cancelled:
                 continue
             try:
-                job.seq_id = self.engine.add(job.prompt_ids, job.config, job.sampling, job.drafter)
+                job.seq_id = self.engine.add(job.prompt_ids, job.config, job.sampling, job.drafter, pool=job.pool)
             except (ValueError, TypeError) as exc:  # (checked in the handler already; kept as a safety net)
                 job.post("error", APIError(400, str(exc)))
                 continue
@@ -235,7 +242,7 @@ class Worker:
             for job in self.jobs.values():
                 job.post("error", APIError(500, "internal error while decoding this request", type="server_error"))
             self.jobs.clear()
-            self.engine = Engine(self.target.model, self.target.tokenizer)
+            self.engine = Engine(self.target.model, self.target.tokenizer, prefix_tokens=self.settings.prefix_tokens)
             return
         for d in deltas:
             job = self.jobs.get(d.seq_id)
