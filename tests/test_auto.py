@@ -302,3 +302,70 @@ def test_a_seeded_sampled_requests_choices_take_no_timing():
     _feed(c, DRAFT, "", 5, 2, 2, draft_ms=500.0)  # a slow measured draft
     assert c.draft_ms == {LOOKUP: 0.1, DRAFT: 0.0} and c.costs.scale == 1.0
     assert c.choose({DRAFT: ("", 4, 0.0)})[0] == DRAFT  # as if neither had happened
+
+
+# -- merged trees: suffix decoding's tree beside the chosen chain -----------------------------
+def test_merge_builds_a_trie_with_each_sources_attempts():
+    from specdec.drafters.auto import merge
+
+    m = merge([5, 6, 7], True, [5, 8, 6, 9], [-1, -1, 0, 2])
+    assert m.tokens == [5, 6, 7, 8, 9] and m.parents == [-1, 0, 1, -1, 1]
+    assert m.chain == [0, 1, 2] and m.tree == [0, 3, 1, 4]
+    # drawn first at each parent, then the fixed ones; a node both propose is tried both ways
+    assert m.attempts == [(0, True), (1, True), (2, True), (0, False), (3, False), (1, False), (4, False)]
+    fixed = merge([5, 6, 7], False, [5, 8, 6, 9], [-1, -1, 0, 2])  # a deterministic chain: once each
+    assert fixed.attempts == [(j, False) for j in range(5)]
+
+
+def _merging(monkeypatch, method: str, k: int) -> list[int]:
+    """auto always chooses `method` with k drafts, and every suffix tree joins it whole; returns
+    the sizes of the merged trees sent."""
+    sizes: list[int] = []
+
+    def choose(self, outlook, remaining=None):
+        return (method, min(k, outlook[method][1])) if method in outlook else ("plain", 0)
+
+    real = AutoDrafter._with_suffix
+
+    def with_suffix(self, chain):
+        draft = real(self, chain)
+        if self._merged is not None:
+            sizes.append(len(self._merged.tokens))
+        return draft
+
+    monkeypatch.setattr(MethodChooser, "choose", choose)
+    monkeypatch.setattr(AutoDrafter, "_tree_nodes", lambda self, chances, depths: len(chances))
+    monkeypatch.setattr(AutoDrafter, "_with_suffix", with_suffix)
+    return sizes
+
+
+@pytest.mark.parametrize("dtype", EXACT_MODES)
+@pytest.mark.parametrize("method", [DRAFT, LOOKUP])
+def test_greedy_identity_with_merged_trees(tiny, monkeypatch, dtype, method):
+    target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
+    sizes = _merging(monkeypatch, method, 3)
+    for prompt in PROMPTS:
+        plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
+        out = specdec.generate(target, prompt, drafter="auto", assistant_model=draft, k=4, max_new_tokens=24,
+                               ignore_eos=True)  # fmt: skip
+        assert out.token_ids == plain.token_ids, prompt
+        assert out.metrics.drafter_info["auto"]["merged"]["steps"] > 0
+    assert sizes and max(sizes) > 3  # (trees beyond the chain were sent)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "wrong-mixed-rule"])
+def test_sampling_law_with_merged_trees(small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule, broken):
+    """The draft model's drawn chain and suffix decoding's fixed tree in one tree, verified by
+    the mixed rule: the output law is the target's; with a wrong mixed rule (negative control)
+    it is not."""
+    if broken:
+        wrong_rule("mixed-tree")
+    target, draft = small_vocab
+    no_timing(monkeypatch)
+    sizes = _merging(monkeypatch, DRAFT, 2)
+    sampling = SamplingParams(temperature=1.0)
+    counts = sample_joint(target, AutoDrafter(target, draft), sampling, runs=3000, k=3, bounds=(0.05, 0.95))
+    assert len(sizes) > 1000 and max(sizes) > 2  # (most runs merged a tree)
+    p = chi2_pvalue(counts, exact_joint(target, sampling, 4))
+    assert (p <= ALPHA) if broken else (p > ALPHA)

@@ -35,7 +35,9 @@ and the number of switches are reported in `info["auto"]`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,6 +66,8 @@ def switchable() -> list[str]:
                                "suffix, draft-model with --draft, eagle3 with --auto-head)", "--auto-methods", type=str),
              Option("head", "auto: include this EAGLE-3 head (directory; with eagle3 in --auto-methods, default: "
                             "the head shipped for the target)", "--auto-head", type=str),
+             Option("merge", "auto: verify suffix decoding's tree together with the chosen drafter's chain in one "
+                             "pass (0: the chosen drafter's proposal alone)", "--auto-merge", type=int),
              VOCAB_OPTION, WINDOW_OPTION),
 )  # fmt: skip
 class AutoDrafter(Drafter):
@@ -75,7 +79,7 @@ class AutoDrafter(Drafter):
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, methods: str | None = None,
                  head: Any = None, margin: float = 1.03, vocab: int = DEFAULT_VOCAB,
-                 window: int = DEFAULT_WINDOW) -> None:  # fmt: skip
+                 window: int = DEFAULT_WINDOW, merge: bool | int = True) -> None:  # fmt: skip
         super().__init__()
         ok = switchable()
         if methods is None:
@@ -113,13 +117,21 @@ class AutoDrafter(Drafter):
         for sub in self.subs.values():
             sub.lazy_begin = True  # caught up (a draft model prefilled) when first chosen, if ever
             sub.chain_only = True  # the chooser sizes chains
+        # suffix decoding's tree beside the chosen chain (and as its own proposal when chosen)
+        self.merge = bool(merge) and SUFFIX in self.subs
+        if self.merge:
+            self.subs[SUFFIX].chain_only = False
         self.margin = margin
         self.scratch_rows = max(s.scratch_rows for s in self.subs.values())
         self.wants_hidden = any(s.wants_hidden for s in self.subs.values())
         self.feature_layers = tuple(sorted({i for s in self.subs.values() for i in s.feature_layers}))
         self.chooser: MethodChooser | None = None
         self._plan: tuple[str, Hashable, int] | None = None  # this step's (method, situation, k)
-        self._proposal: list[int] = []
+        self._budget = 0  # this step's k from the engine: the deepest a proposal may go
+        self._proposal: list[int] = []  # this step's draft nodes
+        self._depth = 0  # ...their depth
+        self._merged: Merged | None = None  # this step's merged tree, when it is one
+        self._merged_sizes: list[int] = []  # every merged tree's nodes
         self._draft_ms = 0.0
         self._sync_ms = 0.0
         self._length = self._capacity = 0  # committed tokens; the most the sequence can reach
@@ -147,7 +159,7 @@ class AutoDrafter(Drafter):
     def begin(self, session: DraftSession) -> None:
         from ..costs import pass_costs, reproducible  # (looked up at call time: tests replace it)
 
-        self._plan, self._proposal, self._sync_ms = None, [], 0.0
+        self._plan, self._proposal, self._sync_ms, self._merged_sizes = None, [], 0.0, []
         self._length, self._capacity = len(session.context), session.capacity
         for name, sub in self.subs.items():
             sub.pool = self.pool
@@ -180,12 +192,14 @@ class AutoDrafter(Drafter):
         outlook = {name: o for name, sub in self.subs.items() if (o := outlook_of(sub, k)) is not None}
         method, kk = self.chooser.choose(outlook, remaining=self._capacity - self._length)
         self._plan = (method, outlook[method][0] if method in outlook else None, kk)
-        self._proposal, self._draft_ms = [], 0.0
+        self._budget = k
+        self._proposal, self._depth, self._merged, self._draft_ms = [], 0, None, 0.0
 
     @classmethod
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
         """Each sequence's choice; then the chosen drafters propose, those that share a batch
-        key together (one draft-model forward per draft step serves every sequence that chose it)."""
+        key together (one draft-model forward per draft step serves every sequence that chose it);
+        then, with `merge`, suffix decoding's tree joins each chosen chain."""
         group: list[AutoDrafter] = cls._one_batch(drafters)
         out = [Draft.empty(d.target.device) for d in group]
         by_key: dict[Hashable, list[int]] = {}
@@ -202,35 +216,173 @@ class AutoDrafter(Drafter):
             by_key.setdefault((method, key if key is not None else ("alone", i)), []).append(i)
         for idx in by_key.values():
             subs = [group[i].subs[group[i]._plan[0]] for i in idx]  # type: ignore[index]
+            # (a chain as long as the chooser chose; suffix's own tree as deep as the step allows)
+            asked = [group[i]._budget if subs[n].name == SUFFIX and group[i].merge else group[i]._plan[2]  # type: ignore[index]
+                     for n, i in enumerate(idx)]  # fmt: skip
             with timer(group[idx[0]].target.device) as t:
-                drafts = type(subs[0]).propose_batch(subs, [group[i]._plan[2] for i in idx])  # type: ignore[index]
+                drafts = type(subs[0]).propose_batch(subs, asked)
             for i, draft in zip(idx, drafts, strict=True):
                 d = group[i]
-                if draft.parents is not None or draft.extra is not None:
+                if draft.extra is not None or (draft.parents is not None and d._plan[0] != SUFFIX):  # type: ignore[index]
                     raise RuntimeError(f"auto switches between chain drafters; {d._plan[0]} proposed a tree")  # type: ignore[index]
                 d._draft_ms = 1e3 * t[0] / len(idx)
-                d._proposal = draft.tokens.tolist()
-                out[i] = draft
+                d._proposal, d._depth = draft.tokens.tolist(), draft.depth()
+                out[i] = d._with_suffix(draft) if d._merges(d._plan[0]) else draft  # type: ignore[index]
         for d in group:
             d.forwards = sum(sub.forwards for sub in d.subs.values())
         return out
 
+    def _merges(self, method: str) -> bool:
+        """Whether suffix decoding's tree joins `method`'s chain: not for suffix itself, nor for
+        a drafter that reads the target's features of committed rows (a head: it follows only
+        a path of its own rows or a whole pass's feedback)."""
+        sub = self.subs.get(method)
+        return self.merge and method != SUFFIX and sub is not None and not (sub.wants_hidden or sub.feature_layers)
+
+    def _with_suffix(self, chain: Draft) -> Draft:
+        """The chosen chain and the best part of suffix decoding's tree, merged as a trie.
+
+        Sizing: each suffix node adds its chance of acceptance where the chain is predicted to
+        miss at its depth (`chance * (1 - a_d)`, a_d: the chooser's measured chance that the
+        chain reaches depth d) and costs a row; the prefix of the tree's best-first order with
+        the most expected tokens per millisecond is sent. Nothing here reads the chain's tokens
+        or draws: in sampling, which deterministic attempts are made must not depend on what
+        the draft model drew (`verify.tree_mixed_sample`)."""
+        suffix = self.subs[SUFFIX]
+        sit, tree = suffix.tree(self._budget)  # type: ignore[attr-defined]
+        n = self._tree_nodes(tree.probs, _depths(tree.parents)) if tree.tokens else 0
+        suffix.take(sit, tree, n)  # type: ignore[attr-defined]
+        if n == 0:
+            return chain
+        self._merged = merged = merge(chain.tokens.tolist(), chain.probs is not None, tree.tokens[:n], tree.parents[:n])
+        self._proposal = merged.tokens
+        self._merged_sizes.append(len(merged.tokens))
+        draft = Draft(torch.tensor(merged.tokens, dtype=torch.long, device=chain.tokens.device), None,
+                      parents=merged.parents)  # fmt: skip
+        self._depth = draft.depth()
+        if chain.probs is not None:  # drawn chain nodes beside fixed ones: the mixed rule
+            q = chain.probs.new_zeros(len(merged.tokens), chain.probs.shape[-1])
+            q[merged.chain] = chain.probs
+            draft.probs, draft.attempts = q, merged.attempts
+        return draft
+
+    def _tree_nodes(self, chances: list[float], depths: list[int]) -> int:
+        """How many of the tree's nodes (best first: their chances, depths) join this step's chain."""
+        assert self.chooser is not None and self._plan is not None
+        method, situation, k = self._plan
+        reach = self.chooser._acc(method, situation).alpha()[:k]
+        draft_ms = self.chooser.draft_cost(method) * k
+        expected = 1.0 + sum(reach)
+        n, best = 0, expected / (draft_ms + self.chooser.costs.target(1 + k))
+        for j, (p, d) in enumerate(zip(chances, depths, strict=True), start=1):
+            expected += p * (1.0 - (reach[d - 1] if d <= len(reach) else 0.0))
+            rate = expected / (draft_ms + self.chooser.costs.target(1 + k + j))
+            if rate > best:
+                n, best = j, rate
+        return n
+
     def accepted(self, feedback: Feedback) -> None:
         assert self.chooser is not None
         method, situation, k = self._plan if self._plan is not None else ("plain", None, 0)
-        if method != "plain":
-            self.subs[method].accepted(feedback)
-            self.chooser.update(method, situation, k, len(self._proposal), feedback.num_accepted, self._draft_ms)
         committed = [self._proposal[j] for j in feedback.path] + [feedback.next_token]
+        told = {method}
+        if self._merged is not None:  # each source hears of the part of the path that was its own
+            m = self._merged
+            n = _along(feedback.path, m.chain)
+            self.subs[method].accepted(_part(feedback, list(range(n)), m.chain[:n], committed[n]))
+            self.subs[method].catch_up(committed[n + 1 :], None)
+            own = {j: o for o, j in enumerate(m.tree)}
+            path_s = [own[j] for j in itertools.takewhile(lambda j: j in own, feedback.path)]
+            self.subs[SUFFIX].accepted(_part(feedback, path_s, [m.tree[o] for o in path_s], committed[len(path_s)]))
+            self.subs[SUFFIX].catch_up(committed[len(path_s) + 1 :], None)
+            told.add(SUFFIX)
+            self.chooser.update(method, situation, k, len(m.chain), n, self._draft_ms)
+        elif method != "plain":
+            self.subs[method].accepted(feedback)
+            if self._merges(method):  # (suffix's tree part was empty: nothing of it was sent)
+                self.subs[SUFFIX].catch_up(committed, feedback)
+                told.add(SUFFIX)
+            self.chooser.update(method, situation, k, self._depth, feedback.num_accepted, self._draft_ms)
         self._length += len(committed)
         for name, sub in self.subs.items():
-            if name != method:
+            if name not in told:
                 sub.catch_up(committed, feedback)
-        self._plan, self._proposal = None, []
+        self._plan, self._proposal, self._merged = None, [], None
 
     def _report(self) -> None:
         self.forwards = sum(sub.forwards for sub in self.subs.values())
         if self.chooser is not None:
             report: dict[str, Any] = self.chooser.report()
             report["sync_ms"] = round(self._sync_ms, 3)
+            if self.merge:  # steps whose chain went out with suffix decoding's tree, and their size
+                sizes = self._merged_sizes
+                report["merged"] = {"steps": len(sizes), "tree_tokens_mean": round(sum(sizes) / len(sizes), 2) if sizes else None}
             self.info = {"auto": report}
+
+
+SUFFIX = "suffix"
+
+
+@dataclass
+class Merged:
+    """A chain and a tree merged as a trie (`merge`)."""
+
+    tokens: list[int]  # [K] the trie's nodes, parents first
+    parents: list[int]  # [K]
+    chain: list[int]  # the chain's tokens' nodes, in order
+    tree: list[int]  # the tree's nodes' nodes, in the tree's order
+    attempts: list[tuple[int, bool]]  # each node's attempts in the order tried at its parent: the chain's first
+
+
+def merge(chain: list[int], drawn: bool, tokens: list[int], parents: list[int]) -> Merged:
+    """The trie of a chain (drawn from a draft model's q, or deterministic) and a deterministic
+    tree (`tokens`, `parents`, parents first): a path both propose is one node. A node the chain
+    drew and the tree fixes is tried twice (drawn, then fixed: the mixed rule may drop neither);
+    one both fix, once."""
+    out = Merged([], [], [], [], [])
+    at: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    tried: set[tuple[int, bool]] = set()
+
+    def node(parent: int, token: int, sampled: bool) -> int:
+        j = at.get((parent, token))
+        if j is None:
+            j = at[(parent, token)] = len(out.tokens)
+            out.tokens.append(token)
+            out.parents.append(parent)
+        if (j, sampled) not in tried:
+            tried.add((j, sampled))
+            out.attempts.append((j, sampled))
+        return j
+
+    parent = -1
+    for token in chain:
+        parent = node(parent, token, drawn)
+        out.chain.append(parent)
+    for token, p in zip(tokens, parents, strict=True):
+        out.tree.append(node(-1 if p < 0 else out.tree[p], token, False))
+    return out
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def _along(path: list[int], nodes: list[int]) -> int:
+    """How many of the accepted path's first nodes are `nodes`' first (a chain's accepted part)."""
+    n = 0
+    while n < min(len(path), len(nodes)) and path[n] == nodes[n]:
+        n += 1
+    return n
+
+
+def _part(feedback: Feedback, path: list[int], nodes: list[int], next_token: int) -> Feedback:
+    """The feedback one source of a merged tree gets: its own accepted nodes (`path`, in its
+    proposal's indices; `nodes`: theirs in the merged tree) and the token after them, with the
+    target's rows on that path."""
+    rows = [0] + [j + 1 for j in nodes]
+    return Feedback(path, next_token, feedback.logits[rows],
+                    hidden=feedback.hidden[rows] if feedback.hidden is not None else None,
+                    layers={i: h[rows] for i, h in feedback.layers.items()})  # fmt: skip

@@ -354,6 +354,27 @@ class SuffixDrafter(Drafter):
                 node = j
         return situation(t), chain
 
+    def tree(self, k: int) -> tuple[int, SuffixTree]:
+        """(match-length bucket, the best-first tree of depth <= k after the longest match, each
+        node with its chance of acceptance): what auto verifies beside another drafter's chain,
+        sized by its own cost model. Nothing is proposed until `take`."""
+        cands = self._matches()
+        if not cands or k <= 0:
+            return 0, SuffixTree([], [], [])
+        t = cands[0].match
+        sit = situation(t)
+        alpha = list(itertools.accumulate(self._acc(sit).alpha(), min))
+        cap = min(self.max_nodes, max(1, math.floor(self.factor * t)))
+        return sit, build_tree([c for c in cands if c.match >= t][:TREE_CANDIDATES], k, cap, self.min_prob, alpha)
+
+    def take(self, sit: int, tree: SuffixTree, n: int) -> None:
+        """The first n nodes of `tree` (from `tree`) went to the target as this drafter's
+        proposal: its feedback follows with `accepted`, in the indices of `tree`."""
+        self._situation, self._proposal = sit, tree.tokens[:n]
+        self._depth = Draft(torch.zeros(n, dtype=torch.long), None, parents=tree.parents[:n]).depth() if n else 0
+        if n:
+            self._sizes.append(n)
+
     def outlook(self, k: int) -> tuple[int, int] | None:
         """The situation is the match-length bucket (acceptance depends on it)."""
         sit, chain = self._chain(k)
