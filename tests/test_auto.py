@@ -104,7 +104,8 @@ def test_no_probe_where_catching_up_costs_too_much():
 
 def _switching(monkeypatch, seed: int) -> list[tuple[str, int]]:
     """The chooser replaced by one that picks a seeded random drafter (or a plain step) and a
-    random k within what the drafter could propose, every step."""
+    random k within what the drafter could propose, every step; suffix decoding's own tree,
+    where it has one, takes a random quarter of the steps."""
     rng = random.Random(seed)
     picks: list[tuple[str, int]] = []
 
@@ -113,7 +114,13 @@ def _switching(monkeypatch, seed: int) -> list[tuple[str, int]]:
         picks.append(rng.choice(options))
         return picks[-1]
 
+    def suffix_wins(self, tree_rate, chosen_rate):  # (suffix's own tree, when it has one, at random too)
+        if rng.random() < 0.25:
+            picks[-1] = (SUFFIX, 0)
+        return picks[-1][0] == SUFFIX
+
     monkeypatch.setattr(MethodChooser, "choose", choose)
+    monkeypatch.setattr(AutoDrafter, "_suffix_wins", suffix_wins)
     return picks
 
 
@@ -334,6 +341,7 @@ def _merging(monkeypatch, method: str, k: int) -> list[int]:
         return draft
 
     monkeypatch.setattr(MethodChooser, "choose", choose)
+    monkeypatch.setattr(AutoDrafter, "_suffix_wins", lambda self, tree_rate, chosen_rate: False)
     monkeypatch.setattr(AutoDrafter, "_tree_nodes", lambda self, chances, depths: len(chances))
     monkeypatch.setattr(AutoDrafter, "_with_suffix", with_suffix)
     return sizes

@@ -60,6 +60,7 @@ def switchable() -> list[str]:
 @register(
     "auto",
     needs="any",
+    default_k=16,  # the deepest a step may go: chains stop at the chooser's K_MAX, suffix trees here
     help="choose the drafter (prompt lookup, suffix; the draft model with --draft; an EAGLE-3 head if asked for) and k "
          "each step, or a plain step, by predicted tokens per second",
     options=(Option("methods", "auto: the drafters to choose from, comma-separated (default: prompt-lookup, "
@@ -189,11 +190,29 @@ class AutoDrafter(Drafter):
         """Plan this step: the chooser picks from what each drafter could propose now."""
         if self.chooser is None:
             raise RuntimeError("AutoDrafter.propose() called before begin()")
-        outlook = {name: o for name, sub in self.subs.items() if (o := outlook_of(sub, k)) is not None}
-        method, kk = self.chooser.choose(outlook, remaining=self._capacity - self._length)
+        remaining = self._capacity - self._length
+        # (with `merge`, suffix decoding competes with its own tree's rate, not as a chain)
+        outlook = {name: o for name, sub in self.subs.items()
+                   if not (self.merge and name == SUFFIX) and (o := outlook_of(sub, k)) is not None}  # fmt: skip
+        method, kk = self.chooser.choose(outlook, remaining=remaining)
         self._plan = (method, outlook[method][0] if method in outlook else None, kk)
         self._budget = k
+        if self.merge and k > 0:
+            sit, tree, rate = self.subs[SUFFIX].plan(k)  # type: ignore[attr-defined]
+            chosen = 0.0 if method == "plain" else self.chooser.rate(method, *self._plan[1:], *outlook[method][2:],
+                                                                     remaining=remaining)  # fmt: skip
+            if tree.tokens and self._suffix_wins(rate, chosen):
+                self.chooser.chosen[(method, kk)] -= 1  # (its report counts what ran)
+                if not self.chooser.chosen[(method, kk)]:
+                    del self.chooser.chosen[(method, kk)]
+                self._plan = (SUFFIX, sit, k)
+                self.chooser.chosen[(SUFFIX, max(_depths(tree.parents)))] += 1  # (its depth as k)
         self._proposal, self._depth, self._merged, self._draft_ms = [], 0, None, 0.0
+
+    def _suffix_wins(self, tree_rate: float, chosen_rate: float) -> bool:
+        """Whether suffix decoding's tree (its own sizing: `tree_rate`, expected tokens per ms,
+        beating plain decoding by its margin) beats the chooser's choice (0: a plain step)."""
+        return tree_rate > chosen_rate
 
     @classmethod
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
@@ -302,7 +321,8 @@ class AutoDrafter(Drafter):
             if self._merges(method):  # (suffix's tree part was empty: nothing of it was sent)
                 self.subs[SUFFIX].catch_up(committed, feedback)
                 told.add(SUFFIX)
-            self.chooser.update(method, situation, k, self._depth, feedback.num_accepted, self._draft_ms)
+            if not (self.merge and method == SUFFIX):  # (which prices its trees itself)
+                self.chooser.update(method, situation, k, self._depth, feedback.num_accepted, self._draft_ms)
         self._length += len(committed)
         for name, sub in self.subs.items():
             if name not in told:

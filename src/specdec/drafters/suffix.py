@@ -274,6 +274,7 @@ class SuffixDrafter(Drafter):
         self._depth = 0
         self._sizes: list[int] = []
         self._cached: tuple[int, list[_Candidate]] = (-1, [])
+        self._planned: tuple[tuple[int, int], tuple[int, SuffixTree, float]] = ((-1, -1), (0, SuffixTree([], [], []), -1.0))
         self._device = torch.device("cpu")
 
     def _rows(self) -> int:
@@ -298,6 +299,7 @@ class SuffixDrafter(Drafter):
         self._costs = costs.unscaled() if costs is not None and repro else costs
         self._memory = acceptance_memory(target, session.sampling.greedy)
         self._acceptance, self._proposal, self._sizes, self._cached = {}, [], [], (-1, [])
+        self._planned = ((-1, -1), (0, SuffixTree([], [], []), -1.0))
 
     def prepare(self) -> None:
         """Nothing per process: the pass table is the target's (the server times it)."""
@@ -389,10 +391,25 @@ class SuffixDrafter(Drafter):
             self._situation, chain = self._chain(k)
             self._proposal, self._depth = chain, len(chain)
             return Draft(torch.tensor(chain, dtype=torch.long, device=self._device))
+        sit, chosen, _ = self.plan(k)
+        self._planned = ((-1, -1), self._planned[1])  # (a plan serves one proposal)
+        self._situation = sit
+        draft = Draft(torch.tensor(chosen.tokens, dtype=torch.long, device=self._device), None, parents=chosen.parents)
+        self._proposal, self._depth = chosen.tokens, draft.depth()
+        if chosen.tokens:
+            self._sizes.append(len(chosen.tokens))
+        return draft
+
+    def plan(self, k: int) -> tuple[int, SuffixTree, float]:
+        """(match-length bucket, the tree it would send now — empty: a plain step —, its
+        expected tokens per ms): the best over the few longest match lengths, each tree sized by
+        the cost model (kept for the proposal that follows, `propose`)."""
+        key = (len(self._doc.tokens), k)
+        if self._planned[0] == key:
+            return self._planned[1]
         cands = self._matches()
-        chosen, self._situation = SuffixTree([], [], []), 0
+        best: tuple[int, SuffixTree, float] = (0, SuffixTree([], [], []), -1.0)
         if cands and k > 0:
-            best_rate = -1.0
             for t in sorted({c.match for c in cands}, reverse=True)[:THRESHOLDS]:
                 use = [c for c in cands if c.match >= t][:TREE_CANDIDATES]
                 cap = min(self.max_nodes, max(1, math.floor(self.factor * t)))
@@ -401,14 +418,10 @@ class SuffixDrafter(Drafter):
                 alpha = list(itertools.accumulate(self._acc(sit).alpha(), min))
                 tree = build_tree(use, k, cap, self.min_prob, alpha)
                 n, rate = self._best(tree)
-                if n and rate > best_rate:
-                    chosen, best_rate = SuffixTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n]), rate
-                    self._situation = sit
-        draft = Draft(torch.tensor(chosen.tokens, dtype=torch.long, device=self._device), None, parents=chosen.parents)
-        self._proposal, self._depth = chosen.tokens, draft.depth()
-        if chosen.tokens:
-            self._sizes.append(len(chosen.tokens))
-        return draft
+                if n and rate > best[2]:
+                    best = (sit, SuffixTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n]), rate)
+        self._planned = (key, best)
+        return best
 
     def accepted(self, feedback: Feedback) -> None:
         if self._proposal:
