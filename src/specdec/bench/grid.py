@@ -300,9 +300,10 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                         drafter = build_drafter(target, draft if uses_draft_model(method) else None, method,
                                                 **_draft_options(settings, method))  # fmt: skip
                         # what a drafter learns from earlier requests (suffix decoding's outputs)
-                        # comes from this repeat's other prompts, never from this prompt's own
-                        # earlier answer
-                        drafter.pool = f"repeat-{rep}"  # type: ignore[union-attr]
+                        # comes from this method's runs on this repeat's earlier prompts, never
+                        # from this prompt's answer by another method (auto's suffix member
+                        # runs the same prompt first)
+                        drafter.pool = pool_of(method, rep)  # type: ignore[union-attr]
                         res = generate(target, ids, drafter=drafter, k=settings.k_for(method), **common)
                         result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
                         bar.update()
@@ -407,3 +408,8 @@ def _run_peers(settings: GridSettings, target: LoadedModel, draft: LoadedModel |
                 "proposed_per_position": [], "accepted_per_position": [],
                 "identical": same, "drafter_info": {}, "error": run.error,
             })  # fmt: skip
+
+
+def pool_of(method: str, rep: int) -> str:
+    """The memory a method's runs of one repeat share (`Drafter.pool`)."""
+    return f"{method}-repeat-{rep}"

@@ -19,6 +19,14 @@ one-row pass time on this machine), and the target's pass time per row count on 
 (`specdec.costs.pass_costs`). Plain steps probe the drafters in turn with one token now and
 then, so their estimates can recover.
 
+One tree per step (`merge`, on by default when suffix decoding is a member): suffix decoding
+does not compete as a chain but with its own tree, sized by its own cost model (`plan`: the
+expected tokens per millisecond of its best tree); it takes the step where that beats the
+chooser's choice. Where the chooser's chain drafter wins (the draft model, prompt lookup),
+the best part of suffix decoding's tree goes to the target in the same pass, merged with the
+chain as a trie (`merge`, `_with_suffix`). Each source then hears of the part of the
+accepted path that was its own (`accepted`) and catches up on the rest.
+
 The chosen drafter proposes and gets the verification's feedback; the others are told the
 committed tokens (`catch_up`). The draft model is not prefilled at `begin`: when chosen, it
 first feeds the tokens it missed (`sync`, timed apart from drafting). That cost (`switch_ms`)
@@ -26,7 +34,8 @@ is charged to the step that would switch, spread over the tokens still to genera
 probe may not spend more than 10% of the rest of the request on it: a long prompt with a short
 answer never pays the draft's prefill.
 
-Exactness: every step is verified by the same exact rule whatever drafter and k proposed it,
+Exactness: every step is verified by the same exact rule whatever drafter and k proposed it
+(a merged tree whose chain the draft model drew at T > 0: `verify.tree_mixed_sample`),
 and the choice depends only on steps already verified (never on the step's own draws), so
 greedy output equals plain decoding and the sampled distribution is the target's (tested with
 random switching, and with a wrong rule as a negative control). The choices, the estimates
