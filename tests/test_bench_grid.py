@@ -194,3 +194,32 @@ def test_a_crashing_llama_cpp_worker_costs_one_request(monkeypatch, tmp_path):
     assert calls == [["a", "boom", "c"], ["c"]]
     assert got["a"].tokens == got["c"].tokens == [1, 2] and got["boom"].tokens is None
     assert "crashed (exit -11)" in got["boom"].error and "Segmentation fault" in got["boom"].error
+
+
+def test_each_method_remembers_only_its_own_earlier_outputs(tiny, prompt_file, monkeypatch):
+    """auto's suffix member runs each prompt before suffix decoding does: suffix decoding must
+    not draft from that answer. Each method's runs share a memory of their own earlier prompts'
+    outputs, and nothing else."""
+    from specdec.bench import grid
+
+    target = tiny("llama")
+    seen: list[tuple[str, str, int]] = []  # (method, pool, tokens its pool held when it began)
+    real = grid.generate
+
+    def spy(t, ids, drafter=None, **kw):
+        if drafter is not None and not isinstance(drafter, str):  # (the warm-up runs name it)
+            store = t.model.state.suffix.get(drafter.pool)
+            seen.append((drafter.name, drafter.pool, store.tokens if store is not None else 0))
+        return real(t, ids, drafter=drafter, **kw)
+
+    monkeypatch.setattr(grid, "generate", spy)
+    settings = GridSettings(target="tiny", draft="tiny-draft", temperatures=(0.0,), methods=("auto", "suffix"),
+                            max_new_tokens=8, repeats=1, prompts_file=str(prompt_file), peers=False,
+                            noise_control=False)  # fmt: skip
+    run_grid(settings, target=target, draft=tiny("llama", "close"))
+    timed = seen
+    assert [m for m, _, _ in timed] == ["auto", "suffix"] * len(PROMPTS)
+    assert len({p for m, p, _ in timed if m == "auto"} | {p for m, p, _ in timed if m == "suffix"}) == 2
+    held = [n for m, _, n in timed if m == "suffix"]
+    assert held[0] == 0  # auto answered this prompt already, into its own memory only
+    assert held[1] >= 7 and held[2] >= held[1] + 7  # its own earlier answers (8 tokens each, less the last)
