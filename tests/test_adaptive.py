@@ -110,7 +110,7 @@ def _switching(monkeypatch, seed: int, k_max: int) -> list[int]:
     rng = random.Random(seed)
     picks: list[int] = []
 
-    def choose(self, k: int, remaining=None) -> int:
+    def choose(self, k: int, remaining=None, others=(0, 0.0)) -> int:
         picks.append(rng.randint(0, min(k, k_max)))
         return picks[-1]
 
@@ -223,3 +223,20 @@ def test_pass_costs_follow_the_measured_passes(tiny, monkeypatch):
     monkeypatch.setattr(target.model.state, "pass_costs", table)  # (what the engine's passes update)
     out = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=20, ignore_eos=True)
     assert table.scale < 0.5 and out.metrics.drafter_info["adaptive_k"]["pass_scale"] == round(table.scale, 3)
+
+
+def test_in_a_batch_a_sequences_k_is_priced_at_what_its_rows_add_to_the_pass():
+    """Alone, a draft accepted half of the time pays (1.5 tokens for 36 ms against 1 for 30).
+    Beside 20 rows that commit 20 tokens the pass is on its linear part: one more row costs 6 ms
+    for 0.5 more tokens, less than the batch's own 21 tokens per 150 ms — plain steps."""
+    from specdec.adaptive import MethodChooser
+
+    c = MethodChooser(["x"], 8, PASS, draft_ms={"x": 0.0})
+    for i in range(40):
+        c.update("x", None, 1, 1, i % 2, 0.0)
+    outlook = {"x": (None, 4, 0.0)}
+    assert c.choose(outlook)[0] == "x"
+    assert c.rate("x", None, 1, others=(20, 20.0)) < c.rate("plain", None, 0, others=(20, 20.0))
+    assert [c.choose(outlook, others=(20, 20.0)) for _ in range(3)] == [("plain", 0)] * 3
+    # no batch: the same rates as before
+    assert c.rate("x", None, 1) == c.rate("x", None, 1, others=(0, 0.0)) and c.rate("plain", None, 0) == 1 / 30.0

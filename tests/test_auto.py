@@ -109,7 +109,7 @@ def _switching(monkeypatch, seed: int) -> list[tuple[str, int]]:
     rng = random.Random(seed)
     picks: list[tuple[str, int]] = []
 
-    def choose(self, outlook, remaining=None):
+    def choose(self, outlook, remaining=None, others=(0, 0.0)):
         options = [("plain", 0)] + [(m, rng.randint(1, most)) for m, (_, most, _) in sorted(outlook.items())]
         picks.append(rng.choice(options))
         return picks[-1]
@@ -329,7 +329,7 @@ def _merging(monkeypatch, method: str, k: int) -> list[int]:
     the sizes of the merged trees sent."""
     sizes: list[int] = []
 
-    def choose(self, outlook, remaining=None):
+    def choose(self, outlook, remaining=None, others=(0, 0.0)):
         return (method, min(k, outlook[method][1])) if method in outlook else ("plain", 0)
 
     real = AutoDrafter._with_suffix

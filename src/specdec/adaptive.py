@@ -157,11 +157,11 @@ class KController:
         self.chooser = MethodChooser([self.name], k_max, costs, draft_ms={self.name: drafter.cost_ms()}, **kw)
         self._situation: Hashable = None
 
-    def choose(self, k: int, remaining: int | None = None) -> int:
-        """This step's k, at most `k` (call once per step)."""
+    def choose(self, k: int, remaining: int | None = None, others: tuple[float, float] = (0, 0.0)) -> int:
+        """This step's k, at most `k` (call once per step); `others`: see `MethodChooser.choose`."""
         o = outlook_of(self.drafter, k)
         outlook = {self.name: o} if o is not None else {}
-        method, chosen = self.chooser.choose(outlook, remaining)
+        method, chosen = self.chooser.choose(outlook, remaining, others)
         self._situation = outlook[method][0] if method in outlook else None
         return chosen
 
@@ -226,22 +226,26 @@ class MethodChooser:
         return self.acceptance[key]
 
     def rate(self, method: str, situation: Hashable, k: int, switch_ms: float = 0.0,
-             remaining: int | None = None) -> float:  # fmt: skip
+             remaining: int | None = None, others: tuple[float, float] = (0, 0.0)) -> float:  # fmt: skip
         """Expected tokens per millisecond of a step with k drafts of `method` (k = 0: plain).
         `switch_ms`: what the drafter must do first to catch up (a draft model feeding the
-        tokens it missed), spread over the steps that the `remaining` tokens take."""
+        tokens it missed), spread over the steps that the `remaining` tokens take. `others`:
+        (rows, expected tokens) the rest of the batch brings to the same pass — the rate is then
+        the whole pass's, so a sequence's extra rows are priced at what they add to it."""
+        rows, tokens = others
         if k == 0:
-            return 1.0 / self.costs.target(1)
+            return (tokens + 1.0) / self.costs.rows(rows + 1)
         expected = self._acc(method, situation).expected(k)
         setup = switch_ms * expected / max(remaining, 1) if switch_ms and remaining is not None else 0.0
-        return expected / (self.draft_cost(method) * k + self.costs.target(1 + k) + setup)
+        return (tokens + expected) / (self.draft_cost(method) * k + self.costs.rows(rows + 1 + k) + setup)
 
     def draft_cost(self, method: str) -> float:
         """Expected ms per drafted token of `method` now."""
         ms = self.draft_ms[method] or 0.0
         return ms * self.costs.scale if method in self._stored else ms
 
-    def ranked(self, outlook: Mapping[str, Outlook], remaining: int | None = None) -> list[tuple[float, str, int]]:
+    def ranked(self, outlook: Mapping[str, Outlook], remaining: int | None = None,
+               others: tuple[float, float] = (0, 0.0)) -> list[tuple[float, str, int]]:  # fmt: skip
         """(expected tokens/ms, method, k) of every method's best k, best first."""
         out = []
         for m in self.methods:
@@ -250,23 +254,26 @@ class MethodChooser:
             situation, most, switch_ms = outlook[m]
             ks = range(1, min(self.k_max, most) + 1)
             if ks:
-                rate = {k: self.rate(m, situation, k, switch_ms, remaining) for k in ks}
+                rate = {k: self.rate(m, situation, k, switch_ms, remaining, others) for k in ks}
                 k = max(ks, key=lambda k: (rate[k], -k))
                 out.append((rate[k], m, k))
         return sorted(out, key=lambda t: (-t[0], self.methods.index(t[1])))
 
-    def choose(self, outlook: Mapping[str, Outlook], remaining: int | None = None) -> tuple[str, int]:
+    def choose(self, outlook: Mapping[str, Outlook], remaining: int | None = None,
+               others: tuple[float, float] = (0, 0.0)) -> tuple[str, int]:  # fmt: skip
         """This step's (method, k); ("plain", 0) for a plain step. Call once per step.
         `outlook`: per drafter that could propose now, (situation, most tokens, switch ms);
-        `remaining`: tokens left to generate (None: unknown)."""
+        `remaining`: tokens left to generate (None: unknown); `others`: (rows, expected tokens)
+        the other sequences of a batch bring to this pass (a server's continuous batch: where
+        the pass is compute-bound, a row costs its full share and k shrinks)."""
         choice = ("plain", 0)
         unmeasured = [m for m in self.methods if m in outlook and outlook[m][1] > 0 and self.draft_ms[m] is None]
-        ranked = self.ranked(outlook, remaining)
+        ranked = self.ranked(outlook, remaining, others)
         plain_ms = self.costs.target(1)
         if unmeasured:  # a drafter's cost is not known yet: draft once with it to measure it
             m = unmeasured[0]
             choice = (m, min(self.k_max, outlook[m][1]))
-        elif ranked and ranked[0][0] > self.margin * self.rate("plain", None, 0):
+        elif ranked and ranked[0][0] > self.margin * self.rate("plain", None, 0, others=others):
             choice = (ranked[0][1], ranked[0][2])
             self.prober.drafted()
         elif ranked and self.prober.plain():

@@ -133,11 +133,12 @@ class _Sequence:
             return 0
         return max(0, min(self.cfg.k, self.stopper.limit - len(self.stopper.tokens) - 1))
 
-    def plan_k(self) -> int:
-        """This step's k: the budget's, or the controller's choice within it."""
+    def plan_k(self, others: tuple[float, float] = (0, 0.0)) -> int:
+        """This step's k: the budget's, or the controller's choice within it. `others`: (rows,
+        expected tokens) the rest of the batch brings to the pass."""
         k = self.k()
         if k > 0 and isinstance(self.controller, KController):
-            k = self.controller.choose(k, remaining=self.stopper.limit - len(self.stopper.tokens))
+            k = self.controller.choose(k, remaining=self.stopper.limit - len(self.stopper.tokens), others=others)
         elif k > 0 and self.controller is not None:
             k = min(k, self.controller.choose())
         return k
@@ -233,8 +234,15 @@ class Engine:
         seqs = list(self._live.values())
         if not seqs:
             return []
+        from .costs import reproducible  # (looked up at call time: tests replace it)
+
+        load = {s.id: _load(s) for s in seqs}  # (rows, expected tokens) each brings to the pass
+        total = (sum(r for r, _ in load.values()), sum(t for _, t in load.values()))
         for s in seqs:
-            s.k_now = s.plan_k() if s.last is not None and drafting else 0
+            # a seeded sampled request's k must not depend on what else is in the batch
+            others = (0, 0.0) if len(seqs) == 1 or reproducible(s.sampling) else \
+                (total[0] - load[s.id][0], total[1] - load[s.id][1])  # fmt: skip
+            s.k_now = s.plan_k(others) if s.last is not None and drafting else 0
             s.draft_ms = 0.0
         drafts = self._propose([s for s in seqs if s.last is not None])
         # Sequences starting in this step with the same prompt share one prefill: the first
@@ -420,6 +428,16 @@ class Engine:
         del self._live[s.id]
         reason = s.stopper.finish_reason or "length"
         self._done[s.id] = GenerationResult(s.stopper.tokens, s.stopper.text(), reason, s.seed, m)
+
+
+def _load(s: _Sequence) -> tuple[float, float]:
+    """(rows, expected tokens) a sequence brings to a pass, as of late: a prompt chunk (no
+    token until its last), or its last token and the draft rows it has sent lately, committing
+    its measured tokens per pass."""
+    if s.last is None:
+        rest = len(s.prompt) - s.prefilled
+        return float(min(rest, PREFILL_CHUNK)), 1.0 if rest <= PREFILL_CHUNK else 0.0
+    return 1.0 + (s.draft_rows or 0.0), s.metrics.mean_accepted_tokens or 1.0
 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: torch.Generator,
