@@ -363,8 +363,12 @@ class SuffixDrafter(Drafter):
         cands = self._matches()
         if not cands or k <= 0:
             return 0, SuffixTree([], [], [])
-        t = cands[0].match
+        return self._tree_at(cands, cands[0].match, k)
+
+    def _tree_at(self, cands: list[_Candidate], t: int, k: int) -> tuple[int, SuffixTree]:
+        """(bucket, the best-first tree of depth <= k) from the candidates matching >= t tokens."""
         sit = situation(t)
+        # (a deeper position is never more likely to be reached than a shallower one)
         alpha = list(itertools.accumulate(self._acc(sit).alpha(), min))
         cap = min(self.max_nodes, max(1, math.floor(self.factor * t)))
         return sit, build_tree([c for c in cands if c.match >= t][:TREE_CANDIDATES], k, cap, self.min_prob, alpha)
@@ -411,12 +415,7 @@ class SuffixDrafter(Drafter):
         best: tuple[int, SuffixTree, float] = (0, SuffixTree([], [], []), -1.0)
         if cands and k > 0:
             for t in sorted({c.match for c in cands}, reverse=True)[:THRESHOLDS]:
-                use = [c for c in cands if c.match >= t][:TREE_CANDIDATES]
-                cap = min(self.max_nodes, max(1, math.floor(self.factor * t)))
-                sit = situation(t)
-                # (a deeper position is never more likely to be reached than a shallower one)
-                alpha = list(itertools.accumulate(self._acc(sit).alpha(), min))
-                tree = build_tree(use, k, cap, self.min_prob, alpha)
+                sit, tree = self._tree_at(cands, t, k)
                 n, rate = self._best(tree)
                 if n and rate > best[2]:
                     best = (sit, SuffixTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n]), rate)
