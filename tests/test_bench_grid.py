@@ -10,7 +10,8 @@ import pytest
 
 from specdec.bench import report
 from specdec.bench.grid import DEFAULT_METHODS as METHODS
-from specdec.bench.grid import NOISE, GridSettings, run_grid
+from specdec.bench.grid import CLOCK_ROWS, NOISE, GridSettings, model_speedups, run_grid, summarise
+from specdec.costs import Costs
 
 PROMPTS = [
     {"id": "c1", "category": "chat", "turns": [{"role": "user", "content": "hello there, how are you?"}]},
@@ -43,6 +44,19 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
         assert r["steps"] >= 1 if r["method"] != NOISE else r["steps"] == 0 and r["proposed"] == 0
         # plain decoding twice gives the same greedy tokens (the control checks determinism too)
         assert (r["identical"] is True) if r["temperature"] == 0 else (r["identical"] is None)
+    # ABBA: in each block the methods ran in one order, in the next block of the prompt in the reverse
+    order = [*METHODS, NOISE]
+    for rep in (0, 1):
+        for pid, parity in (("c1", 0), ("e1", 1)):
+            block = sorted((r for r in result.records if (r["prompt_id"], r["repeat"], r["temperature"]) == (pid, rep, 0.0)),
+                           key=lambda r: r["position"])  # fmt: skip
+            assert [r["method"] for r in block] == (order if (rep + parity) % 2 == 0 else order[::-1])
+    # every run carries its modelled speedup; plain against plain is priced at exactly 1 when greedy
+    assert all(r["modelled_speedup"] > 0 for r in result.records)
+    assert all(r["modelled_speedup"] == pytest.approx(1.0) for r in result.records if r["method"] == NOISE and r["temperature"] == 0)
+    # each run of a cell beside the others: a band from two repeats
+    cell = next(r for r in result.summary() if (r["method"], r["temperature"], r["category"]) == ("prompt-lookup", 0.0, "chat"))
+    assert cell["runs"] == 2 and cell["speedup_band"][0] <= cell["speedup"] <= cell["speedup_band"][1]
     # each method ran untimed before the suite (its first-use costs are reported apart)
     assert set(result.first_use) == set(METHODS) and all(s > 0 for s in result.first_use.values())
     summary = result.summary()
@@ -57,7 +71,8 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     assert [p.name for p in paths] == ["results.json", "report.md", "speedup_by_category.png", "acceptance_by_position.png"]
     data = json.loads(paths[0].read_text())
     assert data["settings"]["k"] == 3 and data["machine"]["torch"] and len(data["records"]) == len(result.records)
-    assert set(data["costs"]["target_ms"]) == {"1", "2", "3", "4", "5", "6", "7"}  # up to 2k + 1 rows
+    # the pass table timed between the blocks, over every row count it prices
+    assert set(data["costs"]["target_ms"]) == {str(r) for r in CLOCK_ROWS}
     cm = {(r["method"], r["temperature"], r["category"]) for r in data["cost_model"]}
     assert ("draft-model", 0.0, "all") in cm and not any(m in ("early-exit", NOISE) for m, _, _ in cm)
     assert set(data["first_use_seconds"]) == set(METHODS)
@@ -65,7 +80,7 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     md = paths[1].read_text()
     assert "## Temperature 0 (greedy)" in md and "specdec's greedy output identical to plain decoding in every run: yes" in md
     assert "## Cost model" in md and "## What auto chose" in md and "k = 3 (fixed: k drafts every step)" in md
-    assert f"`{NOISE}` is plain decoding run again" in md and "untimed, on the shortest prompt" in md
+    assert f"`{NOISE}` is plain decoding run once more among the methods" in md and "untimed, on the shortest prompt" in md
     auto = {(r["temperature"], r["category"]): r for r in data["auto_choices"]}
     assert set(auto) == {(t, c) for t in (0.0, 1.0) for c in ("chat", "edit", "all")}
     assert auto[(0.0, "all")]["steps"] > 0 and sum(auto[(0.0, "all")]["share"].values()) == pytest.approx(1.0)
@@ -95,8 +110,9 @@ def test_cli_bench_quick_as_written(tiny_dir, prompt_file, tmp_path):
     assert {p.name for p in out.iterdir()} == {"results.json", "report.md", "speedup_by_category.png",
                                                "acceptance_by_position.png"}  # fmt: skip
     data = json.loads((out / "results.json").read_text())
-    assert data["settings"]["repeats"] == 1 and data["settings"]["per_category"] == 1
-    assert len(data["records"]) == 2 * (len(METHODS) + 1) and "speedup" in res.stdout and "first use" in res.stdout
+    assert data["settings"]["repeats"] == 3 and data["settings"]["per_category"] == 1
+    assert len(data["records"]) == 3 * 2 * (len(METHODS) + 1) and "speedup" in res.stdout and "first use" in res.stdout
+    assert "band" in res.stdout and "modelled" in res.stdout
     two = tmp_path / "two"
     res = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--quick", "--out", str(two),
                           "--prompts", str(prompt_file), "--no-peers", "--max-new-tokens", "6", "--temperatures", "0",
@@ -162,10 +178,24 @@ def test_peers_run_beside_us_and_missing_ones_are_skipped(tiny, prompt_file):
     assert all(r["temperature"] == 0.0 and r["error"] is None and r["tokens_per_second"] > 0 for r in peer_rows)
     assert all(isinstance(r["identical"], bool) for r in peer_rows if r["method"] != "peer:transformers")
     # no GGUF for a tiny model directory: llama.cpp peers are skipped with the reason
-    assert set(result.peers_skipped) == {"llama.cpp", "llama.cpp-prompt-lookup"}
+    assert set(result.peers_skipped) == {"llama.cpp", "llama.cpp-prompt-lookup", "llama-server", "llama-server-speculative"}
     summary = {(r["method"], r["category"]) for r in result.summary()}
     assert ("peer:transformers-assisted", "all") in summary
     assert not any(r.method.startswith("peer:") for r in result.recommendations())
+
+
+def test_llama_server_not_built_says_how(monkeypatch, tmp_path):
+    from specdec.bench import llama_server, peers
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    assert llama_server.binary() is None
+    why = peers.unavailable("llama-server-speculative", has_draft=True, gguf=tmp_path / "m.gguf")
+    assert "specdec bench peers --build" in why
+    assert "draft" in peers.unavailable("llama-server-speculative", has_draft=False, gguf=None)
+    fake = llama_server.home() / "bin" / "llama-server"  # control: once built, only the GGUF is asked for
+    fake.parent.mkdir(parents=True)
+    fake.write_text("")
+    assert peers.unavailable("llama-server", has_draft=True, gguf=tmp_path / "none.gguf") == "no GGUF file for this target"
 
 
 def test_a_crashing_llama_cpp_worker_costs_one_request(monkeypatch, tmp_path):
@@ -204,22 +234,61 @@ def test_each_method_remembers_only_its_own_earlier_outputs(tiny, prompt_file, m
 
     target = tiny("llama")
     seen: list[tuple[str, str, int]] = []  # (method, pool, tokens its pool held when it began)
-    real = grid.generate
+    real = grid.run_request
 
-    def spy(t, ids, drafter=None, **kw):
-        if drafter is not None and not isinstance(drafter, str):  # (the warm-up runs name it)
+    def spy(t, req, *a, **kw):  # (the timed runs; the warm-up runs go through `generate`)
+        drafter = req.drafter
+        if drafter is not None and drafter.name in ("auto", "suffix"):
             store = t.model.state.suffix.get(drafter.pool)
             seen.append((drafter.name, drafter.pool, store.tokens if store is not None else 0))
-        return real(t, ids, drafter=drafter, **kw)
+        return real(t, req, *a, **kw)
 
-    monkeypatch.setattr(grid, "generate", spy)
+    monkeypatch.setattr(grid, "run_request", spy)
     settings = GridSettings(target="tiny", draft="tiny-draft", temperatures=(0.0,), methods=("auto", "suffix"),
                             max_new_tokens=8, repeats=1, prompts_file=str(prompt_file), peers=False,
                             noise_control=False)  # fmt: skip
     run_grid(settings, target=target, draft=tiny("llama", "close"))
     timed = seen
-    assert [m for m, _, _ in timed] == ["auto", "suffix"] * len(PROMPTS)
+    # (in alternating order, prompt by prompt)
+    assert [m for m, _, _ in timed] == ["auto", "suffix", "suffix", "auto", "auto", "suffix"]
     assert len({p for m, p, _ in timed if m == "auto"} | {p for m, p, _ in timed if m == "suffix"}) == 2
     held = [n for m, _, n in timed if m == "suffix"]
     assert held[0] == 0  # auto answered this prompt already, into its own memory only
     assert held[1] >= 7 and held[2] >= held[1] + 7  # its own earlier answers (8 tokens each, less the last)
+
+
+def _rec(category: str, speedup: float, **kw) -> dict:
+    base = {"prompt_id": category, "category": category, "method": "m", "proposed": 0, "accepted": 0, "steps": 1,
+            "step_tokens": 1, "scored_rows": 1, "proposed_per_position": [], "accepted_per_position": [],
+            "identical": None, "speedup": speedup, "decode_speedup": speedup, "modelled_speedup": None,
+            "tokens_per_second": 1.0, "plain_tokens_per_second": 1.0}  # fmt: skip
+    return base | kw
+
+
+def test_a_band_that_holds_one_is_no_measurable_difference():
+    cell = summarise([_rec("a", 0.95), _rec("a", 1.20), _rec("a", 1.10)])
+    assert cell["speedup"] == 1.10 and cell["speedup_band"] == [0.95, 1.20] and cell["no_difference"] is True
+    clear = summarise([_rec("a", 1.25), _rec("a", 1.40), _rec("a", 1.31)])  # control: every run above 1
+    assert clear["speedup_band"] == [1.25, 1.40] and clear["no_difference"] is False
+    assert summarise([_rec("a", 1.3)])["speedup_band"] is None  # one run has no band
+
+
+def test_over_categories_the_median_of_medians_with_a_bootstrap_band():
+    rs = [_rec(c, x) for c, xs in {"a": (1.1, 1.2, 1.3), "b": (1.5, 1.6, 1.7), "c": (2.0, 2.1, 2.2)}.items() for x in xs]
+    out = summarise(rs, cells=True)
+    assert out["speedup"] == 1.6  # the median of 1.2, 1.6, 2.1
+    lo, hi = out["speedup_band"]
+    assert 1.1 <= lo <= 1.6 <= hi <= 2.2 and out["no_difference"] is False
+    assert summarise(rs, cells=True)["speedup_band"] == [lo, hi]  # seeded: the same band every time
+
+
+def test_the_modelled_speedup_prices_the_passes():
+    costs = Costs({1: 10.0, 2: 11.0, 5: 14.0})
+    r = {"method": "m", "passes": {"5": 8}, "plain_passes": {"1": 39}, "draft_seconds": 0.016, "prefill_seconds": 0.01,
+         "new_tokens": 40, "plain_new_tokens": 40}  # fmt: skip
+    model_speedups([r], costs)
+    # plain: 10 + 39 x 10 = 400 ms; the method: 10 + 8 x 14 + 16 = 138 ms, for 40 tokens each
+    assert r["modelled_speedup"] == pytest.approx(400 / 138)
+    slow = dict(r, draft_seconds=0.5)  # control: drafting that costs more than it saves
+    model_speedups([slow], costs)
+    assert slow["modelled_speedup"] < 1

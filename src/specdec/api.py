@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,9 +181,12 @@ def _finish(result: GenerationResult, req: Request) -> GenerationResult:
     return result
 
 
-def run_request(target: LoadedModel, req: Request, on_delta: Callable[[Delta], None] | None = None) -> GenerationResult:
-    """Decode one request to the end; `on_delta` sees each step's committed tokens and text."""
-    engine = Engine(target.model, target.tokenizer)
+def run_request(target: LoadedModel, req: Request, on_delta: Callable[[Delta], None] | None = None, *,
+                prefix_tokens: int = 0) -> GenerationResult:  # fmt: skip
+    """Decode one request to the end; `on_delta` sees each step's committed tokens and text.
+    `prefix_tokens`: start from the rows of an earlier sequence that began the same way, and
+    keep this one's, in the model's prefix store of that many tokens (`model.prefix`)."""
+    engine = Engine(target.model, target.tokenizer, prefix_tokens=prefix_tokens)
     sid = _submit(engine, req)
     while engine.has_work():
         for delta in engine.step():
@@ -277,28 +281,51 @@ def run_requests(target: LoadedModel, reqs: Sequence[Request], rules: Rules | No
     return [_finish(engine.result(sid), r) for sid, r in zip(sids, reqs, strict=True)]
 
 
+def _ratio(fast: GenerationResult, plain: GenerationResult) -> float:
+    """Plain wall time / speculative wall time per generated token."""
+    s, p = fast.metrics, plain.metrics
+    return (p.wall_time / max(p.new_tokens, 1)) / (s.wall_time / max(s.new_tokens, 1))
+
+
 @dataclass
 class Comparison:
-    speculative: GenerationResult
-    plain: GenerationResult
+    speculative: GenerationResult  # the first speculative run
+    plain: GenerationResult  # the first plain run
     greedy: bool
+    # every (speculative, plain) pair, in the order they ran (`compare_requests`); empty: the one above
+    pairs: list[tuple[GenerationResult, GenerationResult]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.pairs:
+            self.pairs = [(self.speculative, self.plain)]
 
     @property
     def identical(self) -> bool | None:
-        """Greedy only: does speculative output equal plain decoding token for token?"""
-        return self.speculative.token_ids == self.plain.token_ids if self.greedy else None
+        """Greedy only: does every speculative output equal plain decoding token for token?"""
+        return all(f.token_ids == p.token_ids for f, p in self.pairs) if self.greedy else None
+
+    @property
+    def speedups(self) -> list[float]:
+        """Each pair's plain / speculative time per generated token."""
+        return [_ratio(f, p) for f, p in self.pairs]
 
     @property
     def speedup(self) -> float:
-        """Plain wall time / speculative wall time per generated token (same prompt, same run)."""
-        s, p = self.speculative.metrics, self.plain.metrics
-        return (p.wall_time / p.new_tokens) / (s.wall_time / s.new_tokens)
+        """The median of the pairs' speedups (one pair: its own)."""
+        return statistics.median(self.speedups)
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """The lowest and highest pair's speedup: where the median may lie on this machine now."""
+        return min(self.speedups), max(self.speedups)
 
     def to_dict(self) -> dict[str, Any]:
         m = self.speculative.metrics
         return {
             "identical": self.identical,
             "speedup": self.speedup,
+            "speedups": self.speedups,
+            "speedup_band": list(self.band),
             "acceptance_rate": m.acceptance_rate,
             "mean_accepted_tokens": m.mean_accepted_tokens,
             "tokens_per_second": m.tokens_per_second,
@@ -311,24 +338,56 @@ class Comparison:
         }
 
 
-def compare(target: LoadedModel, prompt: Prompt, **kwargs: Any) -> Comparison:
+def compare(target: LoadedModel, prompt: Prompt, *, repeats: int = 1, **kwargs: Any) -> Comparison:
     """Run plain decoding and speculative decoding on the same prompt, side by side (same
-    keywords as `generate`)."""
-    spec = _request_kw(target, prompt, kwargs)
-    return compare_requests(target, spec, kwargs.get("assistant_model"))
+    keywords as `generate`), `repeats` times in alternating order (`compare_requests`)."""
+    return compare_requests(target, lambda: _request_kw(target, prompt, kwargs), kwargs.get("assistant_model"),
+                            repeats=repeats)  # fmt: skip
 
 
-def compare_requests(target: LoadedModel, spec: Request, assistant_model: LoadedModel | None = None,
-                     on_delta: Callable[[Delta], None] | None = None) -> Comparison:  # fmt: skip
-    """Plain decoding of `spec`'s prompt with its settings, then `spec` itself (its deltas
-    to `on_delta`)."""
-    if spec.drafter is None:
+def compare_requests(target: LoadedModel, make: Callable[[], Request], assistant_model: LoadedModel | None = None,
+                     on_delta: Callable[[Delta], None] | None = None, repeats: int = 1) -> Comparison:  # fmt: skip
+    """Plain decoding of a speculative request's prompt with its settings, and the request
+    itself (`make()` builds it afresh for each run: a drafter serves one sequence), `repeats`
+    times in alternating order: plain then speculative, speculative then plain, ... (ABBA), so
+    that a machine speeding up or slowing down during the runs favours neither side. What
+    either side would time once per machine (the pass table, the draft's step) is timed
+    before (`prepare`). The first speculative run's deltas go to `on_delta`."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1 (got {repeats})")
+    first = make()
+    if first.drafter is None:
         raise ValueError("compare needs an assistant_model or a drafter")
-    if spec.sampling.seed is None:  # both runs draw from one seed, so a sampled comparison is like for like
-        spec.sampling = dataclasses.replace(spec.sampling, seed=int(torch.randint(2**62, (1,))))
+    # both sides draw from one seed, so a sampled comparison is like for like (every repeat too)
+    seed = first.sampling.seed if first.sampling.seed is not None else int(torch.randint(2**62, (1,)))
     _warm_up(target, assistant_model)
-    plain = run_request(target, Request(spec.prompt_ids, spec.config, spec.sampling, None, None))
-    return Comparison(run_request(target, spec, on_delta), plain, greedy=spec.sampling.greedy)
+    prepare(target, first.drafter)
+    pairs: list[tuple[GenerationResult, GenerationResult]] = []
+    for i in range(repeats):
+        spec = first if i == 0 else make()
+        spec.sampling = dataclasses.replace(spec.sampling, seed=seed)
+        plain_req = Request(spec.prompt_ids, spec.config, spec.sampling, None, None)
+        watch = on_delta if i == 0 else None
+        if i % 2 == 0:
+            plain = run_request(target, plain_req)
+            fast = run_request(target, spec, watch)
+        else:
+            fast = run_request(target, spec, watch)
+            plain = run_request(target, plain_req)
+        pairs.append((fast, plain))
+    return Comparison(pairs[0][0], pairs[0][1], greedy=first.sampling.greedy, pairs=pairs)
+
+
+def prepare(target: LoadedModel, drafter: Drafter | None = None) -> None:
+    """Time now what a first request would otherwise time inside itself, once per machine (then
+    read from the specdec cache): the target's pass time for every row count a step can bring
+    (`costs.pass_costs`), and the drafter's own step (a draft model's, a head's call). Nothing
+    is generated, so no memory learns from it."""
+    from .costs import TABLE_ROWS, pass_costs
+
+    pass_costs(target.model, TABLE_ROWS)
+    if drafter is not None:
+        drafter.prepare()
 
 
 def _warm_up(*models: LoadedModel | None) -> None:

@@ -17,6 +17,9 @@ import torch
 from .model.transformer import Transformer
 
 K_MAX = 8  # largest k the benchmark's recommendations consider
+# the widest pass table anyone asks for (a server's batch guard: 64 rows); timed once at
+# `specdec models install` (and by `api.prepare`), it serves every narrower request
+TABLE_ROWS = 64
 
 
 @dataclass
@@ -76,33 +79,57 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha**j for j in range(k + 1))
 
 
-def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) -> dict[int, float]:
-    gen = torch.Generator().manual_seed(0)
-    context = max(1, min(context, model.args.max_seq_len - max(rows)))  # (a model with a short context)
-    vocab = min(model.args.vocab_size, 30000)
-    cache = model.new_cache(context + max(rows))
-    model(torch.randint(0, vocab, (1, context), generator=gen).to(model.device), cache, last_only=True)
-    new = torch.randint(0, vocab, (1, max(rows)), generator=gen).to(model.device)
-    times: dict[int, list[float]] = {r: [] for r in rows}
-    # Round by round over all the row counts, not count by count. Each count's cost is the
-    # median over rounds of its time relative to the one-row pass of the same round (passes a
-    # few hundred ms apart see the same machine), times the median one-row pass: the machine's
-    # usual speed, not its best moment. (The fastest round of each count, kept before, made
-    # whichever count caught a quiet moment look cheap against the others, and drafting then
-    # never paid; a plain median of a few rounds let one slow moment make 1 row look dearer
-    # than 2: docs/results.md.) The engine's online `scale` follows the load of the moment.
-    for i in range(repeats + 1):  # the first round warms up every shape
-        for r in rows:
-            cache.truncate(context)
+class PassClock:
+    """Times the target's pass over each of `rows` row counts after a context of `context`
+    tokens, one round over all the counts at a time: a benchmark calls `round` between its
+    runs, so the table is measured interleaved with what it prices (the same minutes, the
+    same neighbours).
+
+    Each count's cost is the median over rounds of its time relative to the one-row pass of
+    the same round (passes a few hundred ms apart see the same machine), times the median
+    one-row pass: the machine's usual speed, not its best moment. (The fastest round of each
+    count, kept before, made whichever count caught a quiet moment look cheap against the
+    others, and drafting then never paid; a plain median of a few rounds let one slow moment
+    make 1 row look dearer than 2: docs/results.md.) The engine's online `scale` follows the
+    load of the moment."""
+
+    def __init__(self, model: Transformer, rows: list[int], context: int = 128) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.model, self.rows = model, sorted(set(rows))
+        self.context = max(1, min(context, model.args.max_seq_len - max(self.rows)))  # (a model with a short context)
+        vocab = min(model.args.vocab_size, 30000)
+        self.cache = model.new_cache(self.context + max(self.rows))
+        model(torch.randint(0, vocab, (1, self.context), generator=gen).to(model.device), self.cache, last_only=True)
+        self.new = torch.randint(0, vocab, (1, max(self.rows)), generator=gen).to(model.device)
+        self.times: dict[int, list[float]] = {r: [] for r in self.rows}
+
+    def round(self, keep: bool = True) -> None:
+        """One pass per row count; `keep=False`: a warm-up round (first calls of new shapes)."""
+        for r in self.rows:
+            self.cache.truncate(self.context)
             t0 = time.perf_counter()
-            model(new[:, :r], cache)
-            if model.device.type == "cuda":
+            self.model(self.new[:, :r], self.cache)
+            if self.model.device.type == "cuda":
                 torch.cuda.synchronize()
-            if i:
-                times[r].append((time.perf_counter() - t0) * 1e3)
-    one = times[rows[0]]
-    base = statistics.median(one)
-    return monotone({r: base * statistics.median(a / b for a, b in zip(t, one, strict=True)) for r, t in times.items()})
+            if keep:
+                self.times[r].append((time.perf_counter() - t0) * 1e3)
+
+    def table(self) -> dict[int, float]:
+        """ms per row count, monotone in rows."""
+        one = self.times[self.rows[0]]
+        if not one:
+            raise RuntimeError("PassClock.table() before any kept round")
+        base = statistics.median(one)
+        return monotone({r: base * statistics.median(a / b for a, b in zip(t, one, strict=True))
+                         for r, t in self.times.items()})  # fmt: skip
+
+
+def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) -> dict[int, float]:
+    clock = PassClock(model, rows, context)
+    clock.round(keep=False)  # warms up every shape
+    for _ in range(repeats):
+        clock.round()
+    return clock.table()
 
 
 def monotone(ms: dict[int, float]) -> dict[int, float]:
@@ -192,7 +219,7 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     # every row count a chain of up to K_MAX drafts can bring (the pass time is not linear in
     # the rows: the q4k kernel's cost jumps between some counts), then sparser
     rows = sorted(r for r in {*range(1, K_MAX + 2), 12, 16, 24, 32, max_rows} if r <= max_rows)
-    if isinstance(entry, dict) and entry and {str(r) for r in rows} <= set(entry):
+    if _covers(entry, rows):  # (a wider table serves a narrower request: it is interpolated past K_MAX + 1)
         costs = Costs({int(r): float(ms) for r, ms in entry.items()})
     else:
         # (rounded as stored: this process decides on the same numbers as later ones that read them)
@@ -201,6 +228,18 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
             store_measurement(PASS_COSTS_FILE, key, {str(r): ms for r, ms in costs.target_ms.items()})
     target.state.pass_costs = costs
     return costs
+
+
+def _covers(entry: Any, rows: list[int]) -> bool:
+    """Whether a stored table holds every row count up to K_MAX + 1 that `rows` asks for and
+    reaches at least as far as `rows` does."""
+    if not isinstance(entry, dict) or not entry:
+        return False
+    try:
+        have = {int(r) for r in entry}
+    except ValueError:
+        return False
+    return {r for r in rows if r <= K_MAX + 1} <= have and max(have) >= max(rows)
 
 
 DRAFT_STEP_FILE = "draft_step-v1.json"

@@ -33,14 +33,20 @@ KS = (1, 2, 4, 8, 16)
 class ModeResult:
     mode: str
     ms: dict[int, float] = field(default_factory=dict)  # k -> median ms per pass
+    # k -> the median over rounds of the k pass's time over the same round's one-token pass,
+    # and the lowest and highest round: what compares across runs (the ms move with the machine)
+    ratio: dict[int, float] = field(default_factory=dict)
+    ratio_band: dict[int, list[float]] = field(default_factory=dict)
     batch_invariant: bool = False
     max_abs_diff: float = 0.0  # k-token pass vs one-token passes, logits
     roofline: dict[str, Any] | None = None  # q4k: per k, the pass and its parts against their floors
 
     def to_dict(self) -> dict[str, Any]:
         ms = {str(k): v for k, v in self.ms.items()}
-        out = {"ms": ms, "batch_invariant": self.batch_invariant, "max_abs_diff": self.max_abs_diff,
-               "ratio_k8_k1": _ratio_k8_k1(ms)}  # fmt: skip
+        out = {"ms": ms, "ratio_to_k1": {str(k): v for k, v in self.ratio.items()},
+               "ratio_band": {str(k): v for k, v in self.ratio_band.items()},
+               "batch_invariant": self.batch_invariant, "max_abs_diff": self.max_abs_diff,
+               "ratio_k8_k1": self.ratio.get(8)}  # fmt: skip
         if self.roofline is not None:
             out["roofline"] = self.roofline
         return out
@@ -68,18 +74,28 @@ def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats:
     heads: dict[int, float] = {}
     attns: dict[int, float] = {}
     machine: roofline.Machine | None = None
-    for k in ks:
-        if roof:
-            machine = roofline.best(machine, roofline.probe(rounds=3))
-        times = []
-        for r in range(repeats + 1):  # the first run warms up this shape
+    if roof:
+        machine = roofline.best(machine, roofline.probe(rounds=3))
+    # Round by round over every k (the first round warms up each shape), not k by k: a k's
+    # ratio to the one-token pass of its own round is measured within a second, so it does not
+    # move with the machine's minute the way a k timed minutes after k = 1 did
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for r in range(repeats + 1):
+        for k in ks:
             cache.truncate(context)
             with timer(dev) as t:
                 model(new[:, :k], cache)
             if r:
-                times.append(t[0] * 1e3)
-        result.ms[k] = statistics.median(times)
-        if roof:
+                times[k].append(t[0] * 1e3)
+    base = ks[0]
+    for k in ks:
+        result.ms[k] = statistics.median(times[k])
+        ratios = [a / b for a, b in zip(times[k], times[base], strict=True)]
+        result.ratio[k] = statistics.median(ratios)
+        result.ratio_band[k] = [min(ratios), max(ratios)]
+    if roof:
+        machine = roofline.best(machine, roofline.probe(rounds=3))
+        for k in ks:
             heads[k], attns[k] = roofline.parts(model, cache, context, k, repeats)
     if machine is not None:
         result.roofline = roofline.rows(model, machine, result.ms, heads, attns, context)
@@ -208,13 +224,18 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{mode:8s}" + "".join(f"{r['ms'][str(k)]:10.1f}" for k in ks)
                      + (f"{ratio:8.2f}" if ratio else f"{'':8s}")
                      + f"  {'yes' if r['batch_invariant'] else 'no (max diff %.1e)' % r['max_abs_diff']}")  # fmt: skip
+        if r.get("ratio_band"):
+            lines.append(f"{'':8s}over k={ks[0]}: " + ", ".join(
+                f"k={k} {r['ratio_to_k1'][str(k)]:.2f} ({r['ratio_band'][str(k)][0]:.2f}-{r['ratio_band'][str(k)][1]:.2f})"
+                for k in ks[1:]))  # fmt: skip
     peer = result.get("llama_cpp")
     if peer:
         lines.append(f"{'llama.cpp':8s}" + "".join(f"{peer['ms'][str(k)]:10.1f}" for k in ks)
                      + (f"{peer['ratio_k8_k1']:8.2f}" if peer["ratio_k8_k1"] else "") + f"  (peer, {peer['gguf']})")  # fmt: skip
     k = result.get("kernels") or {}
     where = f"; {result['cpu']}, native kernels {k.get('build') or 'unavailable'}: {k.get('why', '')}" if k else ""
-    text = "\n".join(lines) + f"\n(ms per target forward, median{where})"
+    text = "\n".join(lines) + (f"\n(ms per target forward, median; 'over k=1': each k's pass over the one-token pass of "
+                               f"the same round, median (lowest-highest round), rounds interleaved over k{where})")  # fmt: skip
     roof = (result["modes"].get("q4k") or {}).get("roofline")
     text = text + "\n\n" + roofline.table(roof) if roof else text
     d = result.get("draft")

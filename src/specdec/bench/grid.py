@@ -26,13 +26,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import registry
 from ..version import __version__
-from ..api import LoadedModel, build_drafter, encode_prompt, generate, load, load_draft
+from ..api import LoadedModel, build_drafter, encode_prompt, generate, load, load_draft, request, run_request
 from ..config import DEFAULT_K, method_default_k
-from ..costs import K_MAX, Costs, measure_costs, pass_costs
+from ..costs import K_MAX, Costs, PassClock, pass_costs
 from ..drafters import DRAFTERS, make_drafter, uses_draft_model
 from ..drafters.base import draft_model_method, needs_draft_model
 from ..drafters import heads
@@ -98,8 +99,8 @@ class GridSettings:
         return self.k if self.k is not None else method_default_k(method)
 
 
-# one prompt per category, short outputs: ~8 minutes here with every method and peer
-QUICK = {"per_category": 1, "max_new_tokens": 40, "repeats": 1}
+# one prompt per category, short outputs, three repeats in alternating order
+QUICK = {"per_category": 1, "max_new_tokens": 40, "repeats": 3}
 
 
 def machine() -> dict[str, Any]:
@@ -129,25 +130,56 @@ def prompt_ids(model: LoadedModel, prompt: Prompt) -> list[int]:
     return model.tokenizer.encode(text)
 
 
+def _per_token(m: Any, decode: bool = False) -> float:
+    """Seconds per generated token (`decode`: after the prefill)."""
+    return (m.wall_time - (m.prefill_time if decode else 0.0)) / max(m.new_tokens, 1)
+
+
 def _record(prompt: Prompt, method: str, temp: float, repeat: int, seed: int, res: GenerationResult,
-            plain: GenerationResult) -> dict[str, Any]:  # fmt: skip
-    m, p = res.metrics, plain.metrics
-    per_token = lambda mm: mm.wall_time / max(mm.new_tokens, 1)
-    decode = lambda mm: (mm.wall_time - mm.prefill_time) / max(mm.new_tokens, 1)
+            plains: tuple[GenerationResult, GenerationResult], position: int) -> dict[str, Any]:  # fmt: skip
+    """One timed run against the plain runs that bracket its block (`plains`: the first and the
+    last run of the block; their mean time per token is the reference, so a machine that drifts
+    during the block moves both sides alike)."""
+    m, p = res.metrics, plains[0].metrics
+    ref = statistics.fmean(_per_token(x.metrics) for x in plains)
+    ref_decode = statistics.fmean(_per_token(x.metrics, decode=True) for x in plains)
+    mine, mine_decode = _per_token(m), _per_token(m, decode=True)
+    passes = lambda mm: {str(r): len(ms) for r, ms in sorted(mm.pass_ms.items())}
     return {
         "prompt_id": prompt.id, "category": prompt.category, "method": method, "temperature": temp,
-        "repeat": repeat, "seed": seed, "prompt_tokens": m.prompt_tokens, "new_tokens": m.new_tokens,
-        "tokens_per_second": m.tokens_per_second, "plain_tokens_per_second": p.tokens_per_second,
-        "speedup": per_token(p) / per_token(m) if per_token(m) > 0 else None,
-        "decode_speedup": decode(p) / decode(m) if decode(m) > 0 else None,
+        "repeat": repeat, "seed": seed, "position": position, "prompt_tokens": m.prompt_tokens,
+        "cached_tokens": m.cached_tokens, "new_tokens": m.new_tokens,
+        "tokens_per_second": m.tokens_per_second, "plain_tokens_per_second": 1.0 / ref if ref > 0 else None,
+        "speedup": ref / mine if mine > 0 else None,
+        "decode_speedup": ref_decode / mine_decode if mine_decode > 0 else None,
         "acceptance_rate": m.acceptance_rate, "mean_accepted_tokens": m.mean_accepted_tokens,
         "steps": m.steps, "proposed": m.proposed, "accepted": m.accepted, "step_tokens": m.step_tokens,
         "scored_rows": m.scored_rows, "proposed_per_position": m.proposed_per_position,
         "accepted_per_position": m.accepted_per_position,
-        "identical": res.token_ids == plain.token_ids if temp == 0 else None,
+        "identical": res.token_ids == plains[0].token_ids if temp == 0 else None,
         "drafter_info": m.drafter_info,
         "draft_ms_per_token": m.draft_ms_per_token, "target_ms_by_rows": m.target_ms_by_rows,
+        # what the modelled speedup prices (`model_speedups`): the passes by rows, the drafting
+        # time, the prefill (the plain reference's, the same rows on both sides)
+        "passes": passes(m), "draft_seconds": m.draft_time, "plain_passes": passes(p),
+        "plain_new_tokens": p.new_tokens, "prefill_seconds": statistics.fmean(x.metrics.prefill_time for x in plains),
+        "modelled_speedup": None,
     }  # fmt: skip
+
+
+def model_speedups(records: list[dict[str, Any]], costs: Costs) -> None:
+    """Each record's modelled speedup: both sides' passes by rows priced from `costs` (the pass
+    table measured interleaved with the runs), plus the method's measured drafting time, plus
+    the same prefill. Greedy counts are deterministic, so this figure does not move with the
+    neighbours the way the clock does."""
+    for r in records:
+        if not r.get("passes") or r["method"].startswith("peer:"):
+            continue
+        prefill = 1e3 * r["prefill_seconds"]
+        mine = prefill + sum(n * costs.rows(int(rows)) for rows, n in r["passes"].items()) + 1e3 * r["draft_seconds"]
+        plain = prefill + sum(n * costs.rows(int(rows)) for rows, n in r["plain_passes"].items())
+        if mine > 0 and r["new_tokens"] and r["plain_new_tokens"]:
+            r["modelled_speedup"] = (plain / r["plain_new_tokens"]) / (mine / r["new_tokens"])
 
 
 @dataclass
@@ -206,7 +238,7 @@ class GridResult:
         for m, t in sorted({(m, t) for m, t, _ in keys}, key=lambda k: (_order(k[0]), k[1])):
             groups.append((m, t, "all", [r for r in self.records if (r["method"], r["temperature"]) == (m, t)]))
         for method, temp, cat, rs in groups:
-            rows.append(summarise(rs) | {"method": method, "temperature": temp, "category": cat})
+            rows.append(summarise(rs, cells=cat == "all") | {"method": method, "temperature": temp, "category": cat})
         return rows
 
     def to_dict(self) -> dict[str, Any]:
@@ -230,27 +262,63 @@ def _order(method: str) -> int:
     return len(METHODS) + 1 + PEERS.index(method.removeprefix("peer:"))
 
 
-def summarise(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median speedups; α, τ and per-position acceptance pooled over the runs."""
+def summarise(rs: list[dict[str, Any]], cells: bool = False) -> dict[str, Any]:
+    """Median speedups with their band; α, τ and per-position acceptance pooled over the runs.
+    One cell (a category's runs): the band is the lowest and highest run's ratio. `cells`
+    (a method over several categories): the median is that of the categories' medians, and
+    its band a bootstrap 90% interval (runs resampled within their category, seeded)."""
     proposed, accepted = sum(r["proposed"] for r in rs), sum(r["accepted"] for r in rs)
     steps, step_tokens = sum(r["steps"] for r in rs), sum(r["step_tokens"] for r in rs)
     pooled = Acceptance.pool(rs)  # per-position counts, summed over the runs
     greedy = [r["identical"] for r in rs if r["identical"] is not None]
-    speed = [r["speedup"] for r in rs if r["speedup"] is not None]
-    decode = [r["decode_speedup"] for r in rs if r["decode_speedup"] is not None]
+    speed, band = _median_band(rs, "speedup", cells)
+    modelled, _ = _median_band(rs, "modelled_speedup", cells)
+    decode, _ = _median_band(rs, "decode_speedup", cells)
     return {
         "runs": len(rs),
-        "speedup": statistics.median(speed) if speed else None,
-        "decode_speedup": statistics.median(decode) if decode else None,
+        "speedup": speed,
+        "speedup_band": band,
+        # the band holds 1.0: this run cannot tell the method from plain decoding
+        "no_difference": band is not None and band[0] <= 1.0 <= band[1],
+        "modelled_speedup": modelled,
+        "measured_over_modelled": speed / modelled if speed and modelled else None,
+        "decode_speedup": decode,
         "tokens_per_second": statistics.median(tps) if (tps := [r["tokens_per_second"] for r in rs
                                                                   if r["tokens_per_second"] is not None]) else None,
         "errors": sum(1 for r in rs if r.get("error")),
-        "plain_tokens_per_second": statistics.median(r["plain_tokens_per_second"] for r in rs) if rs else None,
+        "plain_tokens_per_second": statistics.median(x) if (x := [r["plain_tokens_per_second"] for r in rs
+                                                                  if r["plain_tokens_per_second"]]) else None,
         "acceptance_rate": accepted / proposed if proposed else None,
         "mean_accepted_tokens": step_tokens / steps if steps else None,
         "acceptance_by_position": [a / p if p else None for a, p in zip(pooled.accepted, pooled.proposed, strict=True)],
         "identical": all(greedy) if greedy else None,
     }  # fmt: skip
+
+
+BOOTSTRAP = 1000  # resamples of a method's band over categories
+
+
+def _median_band(rs: list[dict[str, Any]], key: str, cells: bool) -> tuple[float | None, list[float] | None]:
+    """The median of `key` over `rs` and its band (None: no value; the band also None for a
+    single run, which has none)."""
+    if not cells:
+        xs = [r[key] for r in rs if r.get(key) is not None]
+        if not xs:
+            return None, None
+        return statistics.median(xs), ([min(xs), max(xs)] if len(xs) > 1 else None)
+    groups: dict[tuple, list[float]] = {}
+    for r in rs:
+        if r.get(key) is not None:
+            groups.setdefault((r["category"], r["prompt_id"]), []).append(r[key])
+    if not groups:
+        return None, None
+    values = list(groups.values())
+    mid = statistics.median(statistics.median(g) for g in values)
+    if all(len(g) == 1 for g in values):  # (single runs: nothing to resample)
+        return mid, None
+    rng = np.random.default_rng(0)
+    boot = [statistics.median(statistics.median(rng.choice(g, len(g))) for g in values) for _ in range(BOOTSTRAP)]
+    return mid, [float(np.quantile(boot, 0.05)), float(np.quantile(boot, 0.95))]
 
 
 def _draft_options(settings: GridSettings, method: str) -> dict[str, Any]:
@@ -274,56 +342,85 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
         if draft is not None:
             pass_costs(draft.model, 32)
     _warm_up(settings, target, draft, prompts, result)
-    total = len(prompts) * len(settings.temperatures) * settings.repeats * (1 + len(settings.methods)
-                                                                           + settings.noise_control)  # fmt: skip
+    order = [*settings.methods, *([NOISE] if settings.noise_control else [])]
+    total = len(prompts) * len(settings.temperatures) * settings.repeats * (2 + len(order))
+    clock = PassClock(target.model, CLOCK_ROWS)
+    clock.round(keep=False)
     t0 = time.perf_counter()
     plains: dict[tuple[str, int], GenerationResult] = {}  # greedy plain runs, the peers' reference
     with tqdm(total=total, desc="specdec bench", unit="run", file=sys.stderr, disable=progress is None) as bar:
         for rep in range(settings.repeats):
             for i, prompt in enumerate(prompts):
                 ids = prompt_ids(target, prompt)
+                _prime(target, draft, ids)
                 for temp in settings.temperatures:
                     seed = settings.seed + 1000 * rep + i
                     common = dict(max_new_tokens=settings.max_new_tokens, temperature=temp, seed=seed,
-                                  context_overflow="truncate", adaptive_k=settings.adaptive_k)  # fmt: skip
-                    plain_kw = {key: v for key, v in common.items() if key != "adaptive_k"}
-                    bar.set_postfix_str(f"{prompt.id} T={temp} plain")
-                    plain = generate(target, ids, **plain_kw)
+                                  context_overflow="truncate")  # fmt: skip
+
+                    def run(method: str | None) -> GenerationResult:
+                        bar.set_postfix_str(f"{prompt.id} T={temp} {method or 'plain'}")
+                        if method is None or method == NOISE:
+                            out = run_request(target, request(target, ids, **common), prefix_tokens=PREFIX_TOKENS)
+                        else:
+                            # a fresh drafter per run, with its default options (early exit's
+                            # calibration is kept per target: done in the warm-up)
+                            drafter = build_drafter(target, draft if uses_draft_model(method) else None, method,
+                                                    **_draft_options(settings, method))  # fmt: skip
+                            # what a drafter learns from earlier requests (suffix decoding's
+                            # outputs) comes from this method's runs on this repeat's earlier
+                            # prompts, never from this prompt's answer by another method (auto's
+                            # suffix member runs the same prompt too)
+                            drafter.pool = pool_of(method, rep)  # type: ignore[union-attr]
+                            req = request(target, ids, drafter=drafter, k=settings.k_for(method),
+                                          adaptive_k=settings.adaptive_k, **common)  # fmt: skip
+                            out = run_request(target, req, prefix_tokens=PREFIX_TOKENS)
+                        bar.update()
+                        return out
+
+                    # plain decoding brackets the block; the methods run between, in one order on
+                    # even blocks and the reverse on odd ones (ABBA over the repeats), so that no
+                    # method always runs nearest the reference or furthest from it
+                    block = order if (rep + i) % 2 == 0 else order[::-1]
+                    first = run(None)
+                    runs = [(m, run(m)) for m in block]
+                    last = run(None)
                     if temp == 0.0:
-                        plains[(prompt.id, rep)] = plain
-                    bar.update()
-                    for method in settings.methods:
-                        bar.set_postfix_str(f"{prompt.id} T={temp} {method}")
-                        # a fresh drafter per run, with its default options (early exit's
-                        # calibration is kept per target: done on the first prompt)
-                        # auto chooses among prompt lookup and, where one is loaded, the draft model
-                        drafter = build_drafter(target, draft if uses_draft_model(method) else None, method,
-                                                **_draft_options(settings, method))  # fmt: skip
-                        # what a drafter learns from earlier requests (suffix decoding's outputs)
-                        # comes from this method's runs on this repeat's earlier prompts, never
-                        # from this prompt's answer by another method (auto's suffix member
-                        # runs the same prompt first)
-                        drafter.pool = pool_of(method, rep)  # type: ignore[union-attr]
-                        res = generate(target, ids, drafter=drafter, k=settings.k_for(method), **common)
-                        result.records.append(_record(prompt, method, temp, rep, seed, res, plain))
-                        bar.update()
-                    if settings.noise_control:
-                        bar.set_postfix_str(f"{prompt.id} T={temp} {NOISE}")
-                        again = generate(target, ids, **plain_kw)
-                        result.records.append(_record(prompt, NOISE, temp, rep, seed, again, plain))
-                        bar.update()
-    if progress is not None:
-        progress("measuring pass times for the cost model")
+                        plains[(prompt.id, rep)] = first
+                    for pos, (m, res) in enumerate(runs):
+                        result.records.append(_record(prompt, m, temp, rep, seed, res, (first, last), pos + 1))
+                    clock.round()  # the pass table, measured between the blocks it prices
+    result.costs = Costs(clock.table())
+    target.model.state.prefixes = None  # (the prompts' rows: not kept past the suite)
+    model_speedups(result.records, result.costs)
     drafting = draft_model_method()
     draft_ms = (make_drafter(drafting, draft=draft.model, **_draft_options(settings, drafting)).cost_ms()
                 if draft is not None else None)  # fmt: skip
-    result.costs = measure_costs(target.model, None, max_rows=2 * settings.chain_k + 1, repeats=3)
     if draft_ms:  # (timed once per machine, at another moment: moved as the target's pass moved since)
         result.costs.draft_ms = draft_ms * result.costs.target_ms[1] / pass_costs(target.model, 2).target_ms[1]
     if settings.peers and 0.0 in settings.temperatures:
         _run_peers(settings, target, draft, prompts, plains, result, bar_progress=progress)
     result.wall_time = time.perf_counter() - t0
     return result
+
+
+# the row counts the interleaved pass table times (`PassClock`): every chain up to K_MAX, then
+# sparser up to the largest trees; past the last, `Costs.rows` extends the slope
+CLOCK_ROWS = [*range(1, K_MAX + 2), 12, 16, 24, 32, 48, 64]
+# the prompts' rows a suite keeps (`model.prefix`): each prompt is read once, untimed (`_prime`),
+# and every timed run of it copies those rows, so what is timed is generation alone
+PREFIX_TOKENS = 8192
+
+
+def _prime(target: LoadedModel, draft: LoadedModel | None, ids: list[int]) -> None:
+    """Read a prompt once, untimed, before its timed runs: the target's rows go to its prefix
+    store (where its rows are bitwise what a prefill computes: `Transformer.rows_bitwise`;
+    elsewhere every run reads the prompt itself) and the draft model's prefill of it is kept
+    (`state.prefilled`), so no timed run pays a prompt that another did not."""
+    run_request(target, request(target, ids, max_new_tokens=1, context_overflow="truncate"), prefix_tokens=PREFIX_TOKENS)
+    if draft is not None:
+        run_request(target, request(target, ids, assistant_model=draft, max_new_tokens=2, k=1, adaptive_k=False,
+                                    context_overflow="truncate"))  # fmt: skip
 
 
 def _warm_up(settings: GridSettings, target: LoadedModel, draft: LoadedModel | None, prompts: list[Prompt],
@@ -387,23 +484,32 @@ def _run_peers(settings: GridSettings, target: LoadedModel, draft: LoadedModel |
                 for pid, rep in keys]  # fmt: skip
         got = peers.run_llama_cpp(gguf, peer.endswith("prompt-lookup"), reqs, settings.chain_k)  # type: ignore[arg-type]
         runs[peer] = {(pid, rep): got[f"{pid}#{rep}"] for pid, rep in keys}
+    for peer in [p for p in wanted if p.startswith("llama-server")]:
+        say(f"peers: {peer}")
+        reqs = [{"id": f"{pid}#{rep}", "ids": ids[pid], "max_new_tokens": settings.max_new_tokens} for pid, rep in keys]
+        draft_gguf = _gguf_for(settings.draft) if peer.endswith("speculative") and settings.draft else None
+        got = peers.run_llama_server(gguf, draft_gguf, reqs, settings.chain_k)  # type: ignore[arg-type]
+        runs[peer] = {(pid, rep): got[f"{pid}#{rep}"] for pid, rep in keys}
     by_id = {p.id: p for p in prompts}
+    own = {"transformers": "transformers", "llama.cpp": "llama.cpp", "llama-server": "llama-server"}
     for peer, table in runs.items():
-        own_plain = runs.get("transformers" if peer.startswith("transformers") else "llama.cpp", {})
+        own_plain = runs.get(next(v for k, v in own.items() if peer.startswith(k)), {})
         for (pid, rep), run in table.items():
             plain = plains[(pid, rep)].metrics
+            plain_tokens = plains[(pid, rep)].token_ids
             n = len(run.tokens) if run.tokens else 0
             tps = n / run.seconds if run.tokens and run.seconds > 0 else None
             base = own_plain.get((pid, rep))
             same = None
-            if peer not in ("transformers", "llama.cpp") and base is not None and base.tokens and run.tokens:
+            if peer not in own and base is not None and base.tokens and run.tokens:
                 same = run.tokens == base.tokens
             result.records.append({
                 "prompt_id": pid, "category": by_id[pid].category, "method": "peer:" + peer, "temperature": 0.0,
                 "repeat": rep, "seed": None, "prompt_tokens": len(ids[pid]), "new_tokens": n,
                 "tokens_per_second": tps, "plain_tokens_per_second": plain.tokens_per_second,
                 "speedup": tps / plain.tokens_per_second if tps and plain.tokens_per_second else None,
-                "decode_speedup": None, "acceptance_rate": None, "mean_accepted_tokens": None,
+                "decode_speedup": None, "acceptance_rate": run.accepted / run.drafted if run.drafted else None,
+                "mean_accepted_tokens": None, "identical_to_ours": run.tokens == plain_tokens if run.tokens else None,
                 "steps": 0, "proposed": 0, "accepted": 0, "step_tokens": 0, "scored_rows": 0,
                 "proposed_per_position": [], "accepted_per_position": [],
                 "identical": same, "drafter_info": {}, "error": run.error,

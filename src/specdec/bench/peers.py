@@ -1,6 +1,7 @@
 """Peers on the same prompts and models, greedy: transformers `generate` (plain, with
-`assistant_model` = the same draft, with `prompt_lookup_num_tokens`) and llama-cpp-python
-(plain and with its prompt-lookup drafter, on the same GGUF file).
+`assistant_model` = the same draft, with `prompt_lookup_num_tokens`), llama-cpp-python
+(plain and with its prompt-lookup drafter, on the same GGUF file) and llama.cpp's own server,
+plain and with its draft-model speculation on the same two GGUF files (`llama_server`).
 
 A peer that is not installed is skipped with the reason; a peer that fails is recorded with
 its error and never stops the run. llama.cpp runs in a worker process (`python -m
@@ -22,7 +23,8 @@ from typing import Any
 
 import torch
 
-PEERS = ("transformers", "transformers-assisted", "transformers-prompt-lookup", "llama.cpp", "llama.cpp-prompt-lookup")
+PEERS = ("transformers", "transformers-assisted", "transformers-prompt-lookup", "llama.cpp", "llama.cpp-prompt-lookup",
+         "llama-server", "llama-server-speculative")
 WORKER_TIMEOUT_S = 3600
 
 
@@ -31,6 +33,8 @@ class PeerRun:
     tokens: list[int] | None  # None: failed
     seconds: float
     error: str | None = None
+    drafted: int = 0  # the peer's own draft counts, where it reports them (llama-server)
+    accepted: int = 0
 
 
 def unavailable(peer: str, *, has_draft: bool, gguf: Path | None) -> str | None:
@@ -39,6 +43,15 @@ def unavailable(peer: str, *, has_draft: bool, gguf: Path | None) -> str | None:
         if peer == "transformers-assisted" and not has_draft:
             return "needs the draft model (the draft-model method)"
         return None  # transformers is a dependency
+    if peer.startswith("llama-server"):
+        from . import llama_server
+
+        if peer == "llama-server-speculative" and not has_draft:
+            return "needs the draft model (the draft-model method)"
+        why = llama_server.unavailable()
+        if why is None and (gguf is None or not gguf.exists()):
+            why = "no GGUF file for this target"
+        return why
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed"
     if gguf is None or not gguf.exists():
@@ -144,3 +157,23 @@ def _worker(spec_file: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(_worker(sys.argv[1]))
+
+
+def run_llama_server(gguf: Path, draft: Path | None, requests: list[dict[str, Any]], k: int) -> dict[str, PeerRun]:
+    """Requests ({id, ids, max_new_tokens}) through llama.cpp's server, plain (`draft` None) or
+    speculative. Each prompt is sent once untimed first, so its rows are cached there as ours
+    are in the suite: what is timed is generation (the server's own `predicted_ms`)."""
+    from . import llama_server
+
+    n_ctx = max(len(r["ids"]) + r["max_new_tokens"] for r in requests) + 64
+    out: dict[str, PeerRun] = {}
+    try:
+        with llama_server.servers(gguf, draft, k=k, threads=torch.get_num_threads(), n_ctx=n_ctx) as (plain, spec):
+            server = spec if draft is not None else plain
+            for r in requests:
+                server.complete(r["ids"], 1)  # (untimed: reads the prompt)
+                c = server.complete(r["ids"], r["max_new_tokens"])
+                out[r["id"]] = PeerRun(c.tokens, c.seconds, c.error, c.drafted, c.accepted)
+    except RuntimeError as exc:
+        return {r["id"]: PeerRun(None, 0.0, str(exc)) for r in requests}
+    return out

@@ -20,19 +20,34 @@ def _same(rows: list[dict[str, Any]]) -> str:
     return "–" if not flags else ("yes" if all(flags) else "NO")
 
 
+def _band(r: dict[str, Any]) -> str:
+    """'0.95-1.31' (the lowest and highest run; over categories a bootstrap interval), '–' for one run."""
+    b = r.get("speedup_band")
+    return "–" if not b else f"{b[0]:.2f}-{b[1]:.2f}"
+
+
+NO_DIFFERENCE = "no measurable difference"  # a cell whose band holds 1.0
+
+
 def table(result: GridResult) -> str:
-    """Terminal table: one line per method, temperature and category."""
-    head = f"{'method':13s} {'T':>4s} {'category':15s} {'runs':>4s} {'speedup':>8s} {'decode':>7s} {'alpha':>6s} " \
-           f"{'tau':>5s} {'tok/s':>7s} {'plain':>7s} identical"  # fmt: skip
+    """Terminal table: one line per method, temperature and category; `~` marks a speedup whose
+    band holds 1.0 (no measurable difference from plain decoding in this run)."""
+    head = f"{'method':13s} {'T':>4s} {'category':15s} {'runs':>4s} {'speedup':>9s} {'band':>10s} {'modelled':>8s} " \
+           f"{'alpha':>6s} {'tau':>5s} {'tok/s':>7s} {'plain':>7s} identical"  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in result.summary():
+        mark = "~" if r.get("no_difference") else " "
         lines.append(
             f"{r['method']:13s} {r['temperature']:4.1f} {r['category']:15s} {r['runs']:4d} "
-            f"{_fmt(r['speedup'], '.2f', 'x'):>8s} {_fmt(r['decode_speedup'], '.2f', 'x'):>7s} "
+            f"{mark}{_fmt(r['speedup'], '.2f', 'x'):>8s} {_band(r):>10s} {_fmt(r.get('modelled_speedup'), '.2f', 'x'):>8s} "
             f"{_fmt(r['acceptance_rate']):>6s} {_fmt(r['mean_accepted_tokens']):>5s} "
             f"{_fmt(r['tokens_per_second'], '.1f'):>7s} {_fmt(r['plain_tokens_per_second'], '.1f'):>7s} "
             f"{_same([r])}"
         )  # fmt: skip
+    lines.append(f"~ : the band holds 1.0 ({NO_DIFFERENCE} from plain decoding in this run); band: lowest-highest "
+                 "run of a category, over all categories a bootstrap 90% interval of the median of the categories' "
+                 "medians; modelled: the runs' passes priced from the pass table measured between them, plus "
+                 "measured drafting time")  # fmt: skip
     lines += _auto_lines(result) + _first_use_lines(result)
     recs = [r for r in result.recommendations() if r.category == "all"]
     if recs:
@@ -55,7 +70,7 @@ def _noise_note(result: GridResult) -> str:
     again = [r["speedup"] for r in result.records if r["method"] == NOISE and r["speedup"] is not None]
     if not again:
         return ""
-    return (f" `{NOISE}` is plain decoding run again after the methods and timed against the first plain run: "
+    return (f" `{NOISE}` is plain decoding run once more among the methods and timed like one: "
             f"its ratios ({min(again):.2f}–{max(again):.2f}× over {len(again)} runs here) are what noise alone "
             "does to a speedup in this run.")  # fmt: skip
 
@@ -95,8 +110,15 @@ def markdown(result: GridResult, plots: list[str]) -> str:
         f"torch {mach['torch']}, transformers {mach['transformers']}, specdec {mach['specdec']}"
         + (f" @ {mach['git_commit'][:10]}" if mach.get("git_commit") else "") + f"; {result.wall_time / 60:.1f} min.",
         "",
-        ("Speedup = specdec's plain decoding time per token / the method's, measured side by side in the same run"
-         " (median over prompts and repeats); α = accepted / proposed draft tokens; τ = tokens per target pass."
+        ("Speedup = specdec's plain decoding time per token / the method's, measured side by side in the same run:"
+         " each prompt is read once, untimed, and every run of it starts from its cached rows (what is timed is"
+         " generation); plain decoding runs first and last in each block of runs and the methods between, in"
+         " alternating order over the repeats (ABBA), each timed against the mean of the two plain runs. A cell"
+         " gives the median over its repeats and the band from the lowest to the highest; `all` the median of the"
+         " categories' medians with a bootstrap 90% interval; a band that holds 1.0 is marked"
+         f" *{NO_DIFFERENCE}* (≈). Modelled = the runs' target passes by rows priced from a pass table"
+         " timed between the blocks of this run, plus the measured drafting time: it does not move with the"
+         " neighbours as the clock does. α = accepted / proposed draft tokens; τ = tokens per target pass."
          " Peers (`peer:`, greedy only) are timed against the same plain decoding; their identity check is"
          " against their own plain decoding." + _noise_note(result)),
         "",
@@ -123,7 +145,10 @@ def markdown(result: GridResult, plots: list[str]) -> str:
                     if r.get("errors"):
                         cell += f" {r['errors']} failed"
                 else:
-                    cell = f"{_fmt(r['speedup'], '.2f', '×')} (α {_fmt(r['acceptance_rate'])}, τ {_fmt(r['mean_accepted_tokens'])})"
+                    band = "" if not r.get("speedup_band") else f" [{_band(r)}]"
+                    cell = (f"{'≈' if r.get('no_difference') else ''}{_fmt(r['speedup'], '.2f', '×')}{band}, modelled "
+                            f"{_fmt(r.get('modelled_speedup'), '.2f', '×')} (α {_fmt(r['acceptance_rate'])}, "
+                            f"τ {_fmt(r['mean_accepted_tokens'])})")  # fmt: skip
                 if temp == 0 and r["identical"] is False:
                     cell += " **not identical**"
                 cells.append(cell)
@@ -181,9 +206,20 @@ def plots(result: GridResult, out_dir: Path, suffix: str = "") -> list[str]:
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cats)), 4.0))
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
-        ys = [by[(m, c)]["speedup"] or 0.0 if (m, c) in by else 0.0 for c in cats]
-        ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m)
+        cells = [by.get((m, c)) for c in cats]
+        ys = [(r["speedup"] or 0.0) if r else 0.0 for r in cells]
+        bands = [(r or {}).get("speedup_band") for r in cells]
+        err = [[y - b[0] if b else 0.0 for y, b in zip(ys, bands, strict=True)],
+               [b[1] - y if b else 0.0 for y, b in zip(ys, bands, strict=True)]]  # fmt: skip
+        bars = ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m, yerr=err, capsize=2,
+                      error_kw={"linewidth": 0.8})  # fmt: skip
+        for bar, r in zip(bars, cells, strict=True):
+            if r and r.get("no_difference"):  # the band holds 1.0: hatched, pale
+                bar.set_hatch("//")
+                bar.set_alpha(0.45)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.text(0.01, 0.99, f"hatched: {NO_DIFFERENCE} (band holds 1.0); bars: lowest-highest run", fontsize=7,
+            va="top", transform=ax.transAxes)  # fmt: skip
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title(f"{result.settings.target}, T = {temp:g}, k = {result.settings.chain_k}")

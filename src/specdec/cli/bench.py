@@ -22,7 +22,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=Help)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
     p.add_argument("--quick", action="store_true",
-                   help="one prompt per category, 40 new tokens, one repeat (minutes, not hours)")  # fmt: skip
+                   help="one prompt per category, 40 new tokens, 3 repeats in alternating order (minutes, not hours)")  # fmt: skip
     p.add_argument("--prompts", type=Path, help="JSONL prompt file (id, category, turns) instead of the bundled suite")
     p.add_argument("--categories", nargs="+", help="only these categories")
     p.add_argument("--per-category", type=int, help="at most this many prompts per category")
@@ -40,7 +40,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
                    help="sampling temperatures to run (0 = greedy, checked token for token against plain decoding)")
     p.add_argument("-k", type=int, help=f"draft tokens per step (default: the method's own, else {DEFAULT_K})")
     p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 40 with --quick)")
-    p.add_argument("--repeats", type=int, help="repeats of every run (default 3; 1 with --quick)")
+    p.add_argument("--repeats", type=int, help="repeats of every run, in alternating order (ABBA): each cell's median with its band (default 3)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs (seed + prompt index)")
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],
                    help="precision/kernel mode of every model; auto = the fastest exact mode for the device")
@@ -52,8 +52,8 @@ def parser(sub: argparse._SubParsersAction) -> None:
                    help="run the methods as `generate` does, never-slower guard on (--no-adaptive-k: k drafts every "
                         "step, what the cost model's per-k predictions assume)")  # fmt: skip
     p.add_argument("--noise-control", action=argparse.BooleanOptionalAction, default=True,
-                   help="run plain decoding again after the methods of every prompt (`plain-again`, timed against "
-                        "the first plain run): the spread of its ratios is this run's noise floor")  # fmt: skip
+                   help="run plain decoding once more among the methods of every prompt (`plain-again`, timed like "
+                        "a method): the spread of its ratios is this run's noise floor")  # fmt: skip
     p.set_defaults(func=_cmd_bench)
     bsub = p.add_subparsers(dest="bench_cmd")
     fwd = bsub.add_parser("forward", help="ms per target forward for k new tokens, per precision/kernel mode",
@@ -92,6 +92,13 @@ def parser(sub: argparse._SubParsersAction) -> None:
     bat.add_argument("--out", type=Path, help="write DIR/batch.json and DIR/batch.png")
     bat.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bat.set_defaults(func=_cmd_bench_batch)
+    pr = bsub.add_parser("peers", help="the peers `specdec bench` runs beside ours: which can run here, and why not",
+                         description="Lists the peers (transformers, llama-cpp-python, llama.cpp's server plain and "
+                                     "with its draft-model speculation) and whether each can run here. --build "
+                                     "builds llama.cpp's server once into the specdec cache from the pinned "
+                                     "source that llama-cpp-python's source distribution vendors.")  # fmt: skip
+    pr.add_argument("--build", action="store_true", help="build llama.cpp's server now (cmake and a C++ compiler; minutes)")
+    pr.set_defaults(func=_cmd_bench_peers)
     srv = bsub.add_parser("serve", help="load-test a running `specdec serve` on this machine",
                           description="Streaming chat requests at each concurrency level (prompts of the bundled "
                                       "suite); throughput, time to first token and latency percentiles as a table, "
@@ -174,6 +181,17 @@ def _pair(text: str, methods: list[str]) -> tuple[str, str | None]:
         raise ValueError(f"pair {text!r} has no draft; write TARGET:DRAFT or leave {draft_model_method()} out of "
                          "--methods")  # fmt: skip
     return target, draft or None
+
+
+def _cmd_bench_peers(ns: argparse.Namespace) -> int:
+    from ..bench import llama_server, peers
+
+    if ns.build:
+        llama_server.build(log=lambda s: print(s, file=sys.stderr))
+    for peer in peers.PEERS:
+        why = peers.unavailable(peer, has_draft=True, gguf=Path(__file__))  # (any existing file: the GGUF is per target)
+        print(f"{peer:26s} {'ready' if why is None else 'skipped: ' + why}")
+    return 0
 
 
 def _cmd_bench_forward(ns: argparse.Namespace) -> int:

@@ -41,16 +41,23 @@ def parser(sub: argparse._SubParsersAction) -> None:
                    help="precision/kernel mode; auto = fastest exact mode for the device (q4k on CPU)")  # fmt: skip
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --compare: run both sides this many times in alternating order (plain first, then "
+                        "speculative first, ...) and report the median speedup with its lowest and highest pair")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--stream", action="store_true", help="print the text as it is committed, step by step")
     p.set_defaults(func=_cmd_generate)
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from ..api import compare_requests, load, request, run_request
+    from ..api import Request, compare_requests, load, request, run_request
 
     method = method_of(ns)
     if ns.compare and method is None:
         raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
+    if ns.repeats != 1 and not ns.compare:
+        raise ValueError("--repeats repeats a comparison; add --compare (or drop --repeats)")
+    if ns.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 (got {ns.repeats})")
     if ns.stream and ns.json:
         raise ValueError("--stream prints text as it is committed and --json one object at the end; choose one")
     options = drafter_options(ns, method)
@@ -62,8 +69,11 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
     draft = load_draft_model(ns)
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "k"}
-    req = request(target, prompt, assistant_model=draft, drafter=method, drafter_options=options, sampling=sampling,
-                  k=k_given if method is not None else cfg.k, chat=ns.chat, **fields)  # fmt: skip
+    def build() -> Request:  # (a comparison's every speculative run gets a drafter of its own)
+        return request(target, prompt, assistant_model=draft, drafter=method, drafter_options=options,
+                       sampling=sampling, k=k_given if method is not None else cfg.k, chat=ns.chat, **fields)  # fmt: skip
+
+    req = build()
     drafter = req.drafter
     header = {"target": ns.target, "drafter": method, "draft": ns.draft, "k": req.config.k if drafter else None,
               "k_source": req.k_source, "dtype": target.model.mode, "temperature": sampling.temperature,
@@ -75,7 +85,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     show = _shower(ns.stream, len(req.prompt_ids))
     describe = type(drafter).describe if drafter is not None else Drafter.describe
     if ns.compare:
-        cmp = compare_requests(target, req, draft, on_delta=show)
+        made = iter([req])  # (the first run is the request built above)
+        cmp = compare_requests(target, lambda: next(made, None) or build(), draft, on_delta=show, repeats=ns.repeats)
         if ns.json:
             _note(describe(cmp.speculative.metrics.drafter_info, brief=True))
             print(json.dumps({**header, **cmp.to_dict()}))
@@ -140,6 +151,9 @@ def _print_result(result: Any, describe: Callable[[dict[str, Any]], list[str]], 
         line += f", acceptance {m.acceptance_rate:.2f}, tokens/pass {m.mean_accepted_tokens:.2f}"
     if extra is not None:
         line += f"; plain {extra.plain.metrics.tokens_per_second:.2f} tok/s, speedup {extra.speedup:.2f}x"
+        if len(extra.pairs) > 1:
+            lo, hi = extra.band
+            line += f" (median of {len(extra.pairs)} alternating pairs, {lo:.2f}-{hi:.2f})"
         if extra.identical is not None:
             line += f", identical to plain: {extra.identical}"
     info = m.drafter_info

@@ -105,7 +105,28 @@ def _cmd_install(ns: argparse.Namespace) -> int:
         if not prepare_q4k(path, draft_bits=bits):
             print(f"{name}: the q4k kernel cannot be built here; the default mode will be int8 (its float weights "
                   "are made on first use)", file=sys.stderr)  # fmt: skip
+        print(f"{name}: timing this machine's passes in the default mode (once; kept in the cache, so that no "
+              "first run times them inside itself)", file=sys.stderr)  # fmt: skip
+        _time_costs(name)
     return 0
+
+
+def _time_costs(name: str) -> None:
+    """What a first request would otherwise time inside itself (`api.prepare`): the model's pass
+    table as a target, its step as a draft where it is one, the call of each head that ships
+    for it."""
+    from ..api import build_drafter, load, load_draft, prepare
+    from ..drafters import DRAFTERS, heads
+    from ..drafters.base import draft_model_method
+
+    target = load(name)
+    prepare(target)
+    if registry.MODELS[name].draft_bits is not None or name == registry.DEFAULT_DRAFT:
+        draft = load_draft(name)
+        prepare(draft, build_drafter(target, draft, draft_model_method()))
+    for method, spec in DRAFTERS.items():
+        if spec.head is not None and heads.shipped(spec.head, name=name) is not None:
+            prepare(target, build_drafter(target, None, method))
 
 def info_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="this machine: CPU, kernel path and why, memory, installed models",

@@ -211,6 +211,10 @@ class Eagle3Drafter(Drafter):
         self.n_feat += f.shape[0]
         self.ctx += committed
 
+    def prepare(self) -> None:
+        """The head's call as timed once per machine (what a seeded sampled request decides by)."""
+        self.run.stored_call_ms(self.target)
+
     def cost_ms(self) -> float | None:
         """Per drafted token of a chain: about one head call (None until one is timed)."""
         return self.run.stored_call_ms(self.target) if self.repro else self.run.call_ms

@@ -159,6 +159,10 @@ class _HeadsDrafter(Drafter):
         self.h = self._h(feedback.layers[self.feature_layers[0]][feedback.accepted_rows[-1]])
         self.y1 = feedback.next_token
 
+    def prepare(self) -> None:
+        """The head's call as timed once per machine (what a seeded sampled request decides by)."""
+        self.run.stored_call_ms(self.target)
+
     def cost_ms(self) -> float | None:
         return self.run.stored_call_ms(self.target) if self.repro else self.run.call_ms
 

@@ -1,0 +1,79 @@
+"""A first run as fast as the second: what is timed once per machine (the pass table, the
+draft's step) is timed at `specdec models install` or before either side of a comparison,
+never inside a measured run; a comparison's repeats alternate plain and speculative (ABBA)."""
+
+from __future__ import annotations
+
+import pytest
+
+import specdec
+from specdec import api, costs
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+
+
+def _events(monkeypatch, target, draft, tmp_path):
+    """A log of 'timed' (a once-per-machine measurement kept in the cache) and 'run' (a timed
+    run of either side), on models that have measured nothing yet."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setattr(target.model.state, "pass_costs", None)
+    monkeypatch.setattr(target.model.state, "draft_steps", {})
+    monkeypatch.setattr(draft.model.state, "pass_costs", None)
+    monkeypatch.setattr(draft.model.state, "draft_steps", {})
+    events: list[str] = []
+    store, run = costs.store_measurement, api.run_request
+    monkeypatch.setattr(costs, "store_measurement", lambda *a: events.append("timed") or store(*a))
+    monkeypatch.setattr(api, "run_request", lambda *a, **kw: events.append("run") or run(*a, **kw))
+    return events
+
+
+def test_compare_times_the_machine_before_either_side(tiny, monkeypatch, tmp_path):
+    target, draft = tiny("llama"), tiny("llama", "close")
+    events = _events(monkeypatch, target, draft, tmp_path)
+    cmp = specdec.compare(target, PROMPT, assistant_model=draft, max_new_tokens=8, repeats=3)
+    assert events.count("run") == 6 and "timed" in events
+    assert events.index("run") > max(i for i, e in enumerate(events) if e == "timed")  # all timing came first
+    assert len(cmp.pairs) == 3 and cmp.identical is True
+    lo, hi = cmp.band
+    assert lo <= cmp.speedup <= hi and sorted(cmp.speedups)[1] == pytest.approx(cmp.speedup)
+
+
+def test_without_prepare_the_first_run_times_the_machine(tiny, monkeypatch, tmp_path):
+    """Negative control: with `prepare` doing nothing, the measurement lands inside a timed run."""
+    target, draft = tiny("llama"), tiny("llama", "close")
+    events = _events(monkeypatch, target, draft, tmp_path)
+    monkeypatch.setattr(api, "prepare", lambda *a, **kw: None)
+    specdec.compare(target, PROMPT, assistant_model=draft, max_new_tokens=8)
+    assert events.index("run") < max(i for i, e in enumerate(events) if e == "timed")
+
+
+def test_repeats_alternate_the_order(tiny, monkeypatch):
+    target = tiny("llama")
+    order: list[str] = []
+    run = api.run_request
+    monkeypatch.setattr(api, "run_request", lambda t, req, *a, **kw: order.append("spec" if req.drafter else "plain")
+                        or run(t, req, *a, **kw))  # fmt: skip
+    cmp = specdec.compare(target, PROMPT, drafter="prompt-lookup", max_new_tokens=6, repeats=4, temperature=1.0, seed=3)
+    assert order == ["plain", "spec", "spec", "plain"] * 2
+    # sampled: every run of a side draws from the one seed (the same tokens every repeat)
+    assert len({tuple(f.token_ids) for f, _ in cmp.pairs}) == len({tuple(p.token_ids) for _, p in cmp.pairs}) == 1
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        specdec.compare(target, PROMPT, drafter="prompt-lookup", repeats=0)
+
+
+def test_a_wider_stored_table_serves_a_narrower_request(tiny, monkeypatch, tmp_path):
+    """`models install` times the widest table once; a later process asking for fewer rows
+    reads it instead of timing again."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    model = tiny("llama").model
+    calls: list[int] = []
+    real = costs._time_rows
+    monkeypatch.setattr(costs, "_time_rows", lambda *a, **kw: calls.append(max(a[1])) or real(*a, **kw))
+    monkeypatch.setattr(model.state, "pass_costs", None)
+    wide = costs.pass_costs(model, 20)
+    model.state.pass_costs = None  # "a new process"
+    narrow = costs.pass_costs(model, 9)
+    assert calls == [20] and narrow.target_ms == pytest.approx(wide.target_ms, abs=1e-3)
+    model.state.pass_costs = None
+    costs.pass_costs(model, 40)  # control: a wider range than stored is timed
+    assert calls == [20, 40]
