@@ -8,31 +8,49 @@ import pytest
 
 import specdec
 from specdec import api, costs
+from specdec.engine import Engine
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
 
 
 def _events(monkeypatch, target, draft, tmp_path):
-    """A log of 'timed' (a once-per-machine measurement kept in the cache) and 'run' (a timed
-    run of either side), on models that have measured nothing yet."""
+    """A log of 'timed' (a once-per-machine measurement kept in the cache), 'start' (a run's
+    clock starts: the engine takes its sequence) and 'end' (the run is over), on models that
+    have measured nothing yet."""
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     monkeypatch.setattr(target.model.state, "pass_costs", None)
     monkeypatch.setattr(target.model.state, "draft_steps", {})
     monkeypatch.setattr(draft.model.state, "pass_costs", None)
     monkeypatch.setattr(draft.model.state, "draft_steps", {})
     events: list[str] = []
-    store, run = costs.store_measurement, api.run_request
+    store, run, add = costs.store_measurement, api.run_request, Engine.add
     monkeypatch.setattr(costs, "store_measurement", lambda *a: events.append("timed") or store(*a))
-    monkeypatch.setattr(api, "run_request", lambda *a, **kw: events.append("run") or run(*a, **kw))
+    monkeypatch.setattr(Engine, "add", lambda *a, **kw: events.append("start") or add(*a, **kw))
+
+    def ended(*a, **kw):
+        out = run(*a, **kw)
+        events.append("end")
+        return out
+
+    monkeypatch.setattr(api, "run_request", ended)
     return events
+
+
+def _timed_inside_a_run(events: list[str]) -> bool:
+    live = 0
+    for e in events:
+        live += {"start": 1, "end": -1}.get(e, 0)
+        if e == "timed" and live:
+            return True
+    return False
 
 
 def test_compare_times_the_machine_before_either_side(tiny, monkeypatch, tmp_path):
     target, draft = tiny("llama"), tiny("llama", "close")
     events = _events(monkeypatch, target, draft, tmp_path)
     cmp = specdec.compare(target, PROMPT, assistant_model=draft, max_new_tokens=8, repeats=3)
-    assert events.count("run") == 6 and "timed" in events
-    assert events.index("run") > max(i for i, e in enumerate(events) if e == "timed")  # all timing came first
+    assert events.count("start") == events.count("end") == 6 and "timed" in events
+    assert not _timed_inside_a_run(events)
     assert len(cmp.pairs) == 3 and cmp.identical is True
     lo, hi = cmp.band
     assert lo <= cmp.speedup <= hi and sorted(cmp.speedups)[1] == pytest.approx(cmp.speedup)
@@ -44,7 +62,7 @@ def test_without_prepare_the_first_run_times_the_machine(tiny, monkeypatch, tmp_
     events = _events(monkeypatch, target, draft, tmp_path)
     monkeypatch.setattr(api, "prepare", lambda *a, **kw: None)
     specdec.compare(target, PROMPT, assistant_model=draft, max_new_tokens=8)
-    assert events.index("run") < max(i for i, e in enumerate(events) if e == "timed")
+    assert _timed_inside_a_run(events)
 
 
 def test_repeats_alternate_the_order(tiny, monkeypatch):

@@ -186,6 +186,7 @@ def run_request(target: LoadedModel, req: Request, on_delta: Callable[[Delta], N
     """Decode one request to the end; `on_delta` sees each step's committed tokens and text.
     `prefix_tokens`: start from the rows of an earlier sequence that began the same way, and
     keep this one's, in the model's prefix store of that many tokens (`model.prefix`)."""
+    prepare(target, req.drafter)  # (before the request's clock starts)
     engine = Engine(target.model, target.tokenizer, prefix_tokens=prefix_tokens)
     sid = _submit(engine, req)
     while engine.has_work():
@@ -215,6 +216,7 @@ class Stream:
     `GenerationResult` once the iteration has ended."""
 
     def __init__(self, target: LoadedModel, req: Request) -> None:
+        prepare(target, req.drafter)
         self._engine = Engine(target.model, target.tokenizer)
         self._req = req
         self._sid = _submit(self._engine, req)
@@ -274,6 +276,8 @@ def generate_batch(target: LoadedModel, prompts: Sequence[Prompt], *, seed: int 
 def run_requests(target: LoadedModel, reqs: Sequence[Request], rules: Rules | None = None) -> list[GenerationResult]:
     """Decode requests together to the end. `rules`: the sampling rules the engine verifies
     with (`verify.EXACT`; only `specdec certify`'s control passes others)."""
+    for r in reqs:
+        prepare(target, r.drafter)
     engine = Engine(target.model, target.tokenizer, rules)
     sids = [_submit(engine, r) for r in reqs]
     while engine.has_work():
@@ -352,7 +356,8 @@ def compare_requests(target: LoadedModel, make: Callable[[], Request], assistant
     times in alternating order: plain then speculative, speculative then plain, ... (ABBA), so
     that a machine speeding up or slowing down during the runs favours neither side. What
     either side would time once per machine (the pass table, the draft's step) is timed
-    before (`prepare`). The first speculative run's deltas go to `on_delta`."""
+    before its clock starts (`run_request` calls `prepare`). The first speculative run's
+    deltas go to `on_delta`."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1 (got {repeats})")
     first = make()
@@ -361,7 +366,6 @@ def compare_requests(target: LoadedModel, make: Callable[[], Request], assistant
     # both sides draw from one seed, so a sampled comparison is like for like (every repeat too)
     seed = first.sampling.seed if first.sampling.seed is not None else int(torch.randint(2**62, (1,)))
     _warm_up(target, assistant_model)
-    prepare(target, first.drafter)
     pairs: list[tuple[GenerationResult, GenerationResult]] = []
     for i in range(repeats):
         spec = first if i == 0 else make()
@@ -382,7 +386,9 @@ def prepare(target: LoadedModel, drafter: Drafter | None = None) -> None:
     """Time now what a first request would otherwise time inside itself, once per machine (then
     read from the specdec cache): the target's pass time for every row count a step can bring
     (`costs.pass_costs`), and the drafter's own step (a draft model's, a head's call). Nothing
-    is generated, so no memory learns from it."""
+    is generated, so no memory learns from it. Every request runs it before its clock starts
+    (a lookup once the numbers are known); `specdec models install` runs it for the
+    registered models."""
     from .costs import TABLE_ROWS, pass_costs
 
     pass_costs(target.model, TABLE_ROWS)

@@ -420,7 +420,7 @@ def _prime(target: LoadedModel, draft: LoadedModel | None, ids: list[int]) -> No
     run_request(target, request(target, ids, max_new_tokens=1, context_overflow="truncate"), prefix_tokens=PREFIX_TOKENS)
     if draft is not None:
         run_request(target, request(target, ids, assistant_model=draft, max_new_tokens=2, k=1, adaptive_k=False,
-                                    context_overflow="truncate"))  # fmt: skip
+                                    context_overflow="truncate"), prefix_tokens=PREFIX_TOKENS)  # fmt: skip
 
 
 def _warm_up(settings: GridSettings, target: LoadedModel, draft: LoadedModel | None, prompts: list[Prompt],

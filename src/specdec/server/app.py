@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..api import LoadedModel, build_drafter, encode_prompt
+from ..api import LoadedModel, build_drafter, encode_prompt, prepare
 from ..config import GenerationConfig, SamplingParams, resolve_k
 from ..drafters.base import needs_draft_model, uses_draft_model
 from ..engine import ContextOverflowError, Delta, GenerationResult, plan_length
@@ -96,8 +96,14 @@ class Service:
         drafter = None
         if method != NONE:
             helper = self.draft if uses_draft_model(method) else None
-            try:  # (on the engine thread: a head is loaded from disk the first time it is asked for)
-                drafter = await self.worker.call(lambda: build_drafter(self.target, helper, method, **options))
+            def built() -> Any:  # (on the engine thread: a head is loaded from disk the first time it is asked
+                # for, and what the drafter times once per machine is timed before its request's clock starts)
+                d = build_drafter(self.target, helper, method, **options)
+                prepare(self.target, d)
+                return d
+
+            try:
+                drafter = await self.worker.call(built)
             except (ValueError, TypeError) as exc:
                 raise APIError(400, f"speculative: {exc}", param="speculative") from exc
             if drafter is not None:
