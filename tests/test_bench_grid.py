@@ -285,10 +285,13 @@ def test_over_categories_the_median_of_medians_with_a_bootstrap_band():
 def test_the_modelled_speedup_prices_the_passes():
     costs = Costs({1: 10.0, 2: 11.0, 5: 14.0})
     r = {"method": "m", "passes": {"5": 8}, "plain_passes": {"1": 39}, "draft_seconds": 0.016, "prefill_seconds": 0.01,
-         "new_tokens": 40, "plain_new_tokens": 40}  # fmt: skip
+         "new_tokens": 40, "plain_new_tokens": 40, "plain_pass_ms": 10.0}  # fmt: skip
     model_speedups([r], costs)
     # plain: 10 + 39 x 10 = 400 ms; the method: 10 + 8 x 14 + 16 = 138 ms, for 40 tokens each
     assert r["modelled_speedup"] == pytest.approx(400 / 138)
+    long = dict(r, plain_pass_ms=20.0)  # a long prompt: every pass costs twice the table's, drafting the same
+    model_speedups([long], costs)
+    assert long["modelled_speedup"] == pytest.approx((10 + 780) / (10 + 224 + 16))
     slow = dict(r, draft_seconds=0.5)  # control: drafting that costs more than it saves
     model_speedups([slow], costs)
     assert slow["modelled_speedup"] < 1

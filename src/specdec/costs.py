@@ -150,14 +150,6 @@ def monotone(ms: dict[int, float]) -> dict[int, float]:
     return out
 
 
-def measure_costs(target: Transformer, draft_ms: float | None = None, *, max_rows: int = 2 * K_MAX + 1,
-                  context: int = 128, repeats: int = 5) -> Costs:  # fmt: skip
-    """Time the target's pass over 1..max_rows rows; `draft_ms`: the draft model's step as its
-    drafter prices it (`DraftModelDrafter.cost_ms`: its packing and vocabulary)."""
-    rows = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, 16, max_rows} & set(range(1, max_rows + 1)))
-    return Costs(_time_rows(target, rows, context, repeats), draft_ms)
-
-
 def machine_key(target: Transformer) -> str | None:
     """What a measurement of `target` on this machine depends on: model directory, mode (and
     packing), kernel build, CPU, threads, device (None for a model without a directory)."""

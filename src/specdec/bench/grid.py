@@ -1,16 +1,20 @@
 """`specdec bench`: every method over a prompt suite, side by side with plain decoding.
 
-For each prompt, temperature and repeat, plain decoding of the target runs once and every
-method (draft model, prompt lookup, early exit, lookahead) runs right after it on the same
-prompt with the same seed, so each speedup is a ratio measured in the same run; then plain
-decoding runs once more (`plain-again`, timed against the first plain run like a method): the
-spread of its ratios is what noise alone does to a speedup in this run. Before the timed runs
-each method runs once, short and untimed, so what it does once per process or machine (early
-exit's calibration, loading a head, first calls of new row counts) is reported as its
-first-use time instead of landing in the first category's speedup. Results are
-kept per run (`records`) and summarised per method, temperature and category: median
-speedup, pooled acceptance α, tokens per pass τ, acceptance by draft position and, for
-greedy runs, whether every output equalled plain decoding.
+Each prompt is read once, untimed, and every timed run of it starts from its cached rows
+(`_prime`): what is timed is generation. For each prompt, temperature and repeat (a block),
+plain decoding runs first and last, and every method between, in one order in one block and
+the reverse in the next (ABBA over the repeats); each run is timed against the mean of the
+block's two plain runs, and plain decoding runs once more among the methods (`plain-again`,
+timed like one): the spread of its ratios is what noise alone does to a speedup in this run.
+Between the blocks one round of the target's pass over every row count is timed
+(`costs.PassClock`), and each run's passes by rows are priced from that table plus its
+measured drafting time: its modelled speedup, which does not move with the neighbours.
+Before the timed runs each method runs once, short and untimed, so what it does once per
+process or machine (early exit's calibration, loading a head, first calls of new row counts)
+is reported as its first-use time instead of landing in the first category's speedup.
+Results are kept per run (`records`) and summarised per method, temperature and category:
+median speedup with its band, pooled acceptance α, tokens per pass τ, acceptance by draft
+position and, for greedy runs, whether every output equalled plain decoding.
 """
 
 from __future__ import annotations
@@ -163,21 +167,29 @@ def _record(prompt: Prompt, method: str, temp: float, repeat: int, seed: int, re
         # time, the prefill (the plain reference's, the same rows on both sides)
         "passes": passes(m), "draft_seconds": m.draft_time, "plain_passes": passes(p),
         "plain_new_tokens": p.new_tokens, "prefill_seconds": statistics.fmean(x.metrics.prefill_time for x in plains),
+        # the block's one-row pass at this prompt's context (the plain runs' median pass, ~2 x
+        # new_tokens of them): what a row costs after this prompt, against the table's context
+        "plain_pass_ms": statistics.median(ms) if (ms := [t for x in plains for t in x.metrics.pass_ms.get(1, [])]) else None,
         "modelled_speedup": None,
     }  # fmt: skip
 
 
 def model_speedups(records: list[dict[str, Any]], costs: Costs) -> None:
     """Each record's modelled speedup: both sides' passes by rows priced from `costs` (the pass
-    table measured interleaved with the runs), plus the method's measured drafting time, plus
-    the same prefill. Greedy counts are deterministic, so this figure does not move with the
-    neighbours the way the clock does."""
+    table measured interleaved with the runs, at a context of 128 tokens), scaled to the
+    prompt's context by the block's median one-row plain pass, plus the method's measured
+    drafting time, plus the same prefill. Greedy counts are deterministic, so this figure does
+    not move with the neighbours the way a run's clock does. (Unscaled, the passes after a long
+    prompt were priced as after 128 tokens, too cheap against the drafting time: the model
+    then read 7-11% below the clock for the draft model.)"""
     for r in records:
         if not r.get("passes") or r["method"].startswith("peer:"):
             continue
+        scale = r["plain_pass_ms"] / costs.rows(1) if r.get("plain_pass_ms") else 1.0
+        price = lambda passes: scale * sum(n * costs.rows(int(rows)) for rows, n in passes.items())  # noqa: B023
         prefill = 1e3 * r["prefill_seconds"]
-        mine = prefill + sum(n * costs.rows(int(rows)) for rows, n in r["passes"].items()) + 1e3 * r["draft_seconds"]
-        plain = prefill + sum(n * costs.rows(int(rows)) for rows, n in r["plain_passes"].items())
+        mine = prefill + price(r["passes"]) + 1e3 * r["draft_seconds"]
+        plain = prefill + price(r["plain_passes"])
         if mine > 0 and r["new_tokens"] and r["plain_new_tokens"]:
             r["modelled_speedup"] = (plain / r["plain_new_tokens"]) / (mine / r["new_tokens"])
 
