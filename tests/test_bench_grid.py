@@ -295,3 +295,14 @@ def test_the_modelled_speedup_prices_the_passes():
     slow = dict(r, draft_seconds=0.5)  # control: drafting that costs more than it saves
     model_speedups([slow], costs)
     assert slow["modelled_speedup"] < 1
+
+
+def test_the_priced_table_keeps_what_pooling_evens_out():
+    """Where one row costs more than two (seen on Zen 5), the cost model's table pools them; the
+    table that prices the runs keeps them as measured."""
+    from specdec.costs import PassClock
+
+    clock = PassClock.__new__(PassClock)  # (hand-set rounds: no model)
+    clock.rows, clock.times = [1, 2, 3], {1: [30.0, 30.0], 2: [24.0, 24.0], 3: [27.0, 27.0]}
+    assert clock.table(pooled=False) == pytest.approx({1: 30.0, 2: 24.0, 3: 27.0})
+    assert clock.table() == pytest.approx({1: 27.0, 2: 27.0, 3: 27.0})

@@ -114,14 +114,17 @@ class PassClock:
             if keep:
                 self.times[r].append((time.perf_counter() - t0) * 1e3)
 
-    def table(self) -> dict[int, float]:
-        """ms per row count, monotone in rows."""
+    def table(self, pooled: bool = True) -> dict[int, float]:
+        """ms per row count; `pooled`: made monotone in rows (`monotone`), what a cost model
+        deciding k reads; else as measured (a benchmark pricing the passes that ran: on some
+        CPUs the one-row pass costs more than the two-row one, and pooling would price both at
+        their mean)."""
         one = self.times[self.rows[0]]
         if not one:
             raise RuntimeError("PassClock.table() before any kept round")
         base = statistics.median(one)
-        return monotone({r: base * statistics.median(a / b for a, b in zip(t, one, strict=True))
-                         for r, t in self.times.items()})  # fmt: skip
+        ms = {r: base * statistics.median(a / b for a, b in zip(t, one, strict=True)) for r, t in self.times.items()}
+        return monotone(ms) if pooled else ms
 
 
 def _time_rows(model: Transformer, rows: list[int], context: int, repeats: int) -> dict[int, float]:

@@ -176,7 +176,7 @@ def _record(prompt: Prompt, method: str, temp: float, repeat: int, seed: int, re
 
 def model_speedups(records: list[dict[str, Any]], costs: Costs) -> None:
     """Each record's modelled speedup: both sides' passes by rows priced from `costs` (the pass
-    table measured interleaved with the runs, at a context of 128 tokens), scaled to the
+    table measured interleaved with the runs, at a context of 128 tokens, not pooled), scaled to the
     prompt's context by the block's median one-row plain pass, plus the method's measured
     drafting time, plus the same prefill. Greedy counts are deterministic, so this figure does
     not move with the neighbours the way a run's clock does. (Unscaled, the passes after a long
@@ -200,7 +200,8 @@ class GridResult:
     machine: dict[str, Any]
     records: list[dict[str, Any]] = field(default_factory=list)
     wall_time: float = 0.0
-    costs: Costs | None = None  # measured pass times (the cost model's input)
+    costs: Costs | None = None  # measured pass times (the cost model's input), monotone in rows
+    priced: Costs | None = None  # the same rounds as measured, not pooled: what the modelled speedups price
     peers_skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it did not run
     mode: str = ""  # the precision/kernel mode the target ran in ("auto" resolved)
     first_use: dict[str, float] = field(default_factory=dict)  # method -> seconds of its untimed warm-up runs
@@ -256,8 +257,9 @@ class GridResult:
     def to_dict(self) -> dict[str, Any]:
         recs = [asdict(r) for r in self.recommendations()]
         costs = None if self.costs is None else asdict(self.costs)
+        priced = None if self.priced is None else self.priced.target_ms
         return {"settings": asdict(self.settings), "mode": self.mode, "machine": self.machine, "wall_time": self.wall_time,
-                "costs": costs, "peers_skipped": self.peers_skipped, "first_use_seconds": self.first_use,
+                "costs": costs, "modelled_pass_ms": priced, "peers_skipped": self.peers_skipped, "first_use_seconds": self.first_use,
                 "summary": self.summary(), "cost_model": recs,
                 "auto_choices": self.auto_choices(),
                 "records": self.records}  # fmt: skip
@@ -403,8 +405,9 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                         result.records.append(_record(prompt, m, temp, rep, seed, res, (first, last), pos + 1))
                     clock.round()  # the pass table, measured between the blocks it prices
     result.costs = Costs(clock.table())
+    result.priced = Costs(clock.table(pooled=False))
     target.model.state.prefixes = None  # (the prompts' rows: not kept past the suite)
-    model_speedups(result.records, result.costs)
+    model_speedups(result.records, result.priced)
     drafting = draft_model_method()
     draft_ms = (make_drafter(drafting, draft=draft.model, **_draft_options(settings, drafting)).cost_ms()
                 if draft is not None else None)  # fmt: skip
