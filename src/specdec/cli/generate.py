@@ -69,6 +69,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
     draft = load_draft_model(ns)
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "k"}
+
     def build() -> Request:  # (a comparison's every speculative run gets a drafter of its own)
         return request(target, prompt, assistant_model=draft, drafter=method, drafter_options=options,
                        sampling=sampling, k=k_given if method is not None else cfg.k, chat=ns.chat, **fields)  # fmt: skip
