@@ -180,8 +180,8 @@ def model_speedups(records: list[dict[str, Any]], costs: Costs) -> None:
     prompt's context by the block's median one-row plain pass, plus the method's measured
     drafting time, plus the same prefill. Greedy counts are deterministic, so this figure does
     not move with the neighbours the way a run's clock does. (Unscaled, the passes after a long
-    prompt were priced as after 128 tokens, too cheap against the drafting time: the model
-    then read 7-11% below the clock for the draft model.)"""
+    prompt were priced as after 128 tokens, too cheap against the drafting time, and the model
+    read below the clock for the draft model: docs/results.md.)"""
     for r in records:
         if not r.get("passes") or r["method"].startswith("peer:"):
             continue

@@ -52,7 +52,7 @@ def unavailable() -> str | None:
     """Why the peer cannot run here (None: it can)."""
     if binary() is None:
         return ("llama.cpp's server is not built here; `specdec bench peers --build` builds it once from "
-                f"llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored source (cmake and a C++ compiler, ~10 min on 2 cores)")
+                f"llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored source (cmake and a C++ compiler; minutes)")
     return None
 
 
@@ -172,13 +172,22 @@ class LlamaServer:
 
 
 @contextlib.contextmanager
-def servers(gguf: Path, draft: Path | None, **kw: Any) -> Iterator[tuple[LlamaServer, LlamaServer | None]]:
-    """Plain and (with a draft) speculative servers side by side, the GGUF files whole meanwhile."""
+def whole(*files: Path | None) -> Iterator[None]:
+    """The GGUF files whole (their q4k-packed blocks restored) for the duration."""
     from ..model import sparse
 
     with contextlib.ExitStack() as stack:
-        for f in dict.fromkeys(p for p in (gguf, draft) if p is not None):
+        for f in dict.fromkeys(p for p in files if p is not None):
             stack.enter_context(sparse.full(f))
-        plain = stack.enter_context(LlamaServer(gguf, **kw))
-        spec = stack.enter_context(LlamaServer(gguf, draft, **kw)) if draft is not None else None
-        yield plain, spec
+        yield
+
+
+@contextlib.contextmanager
+def servers(gguf: Path, draft: Path | None, **kw: Any) -> Iterator[tuple[LlamaServer, LlamaServer | None]]:
+    """Plain and (with a draft) speculative servers side by side, the GGUF files whole meanwhile."""
+    with whole(gguf, draft), LlamaServer(gguf, **kw) as plain:
+        if draft is None:
+            yield plain, None
+            return
+        with LlamaServer(gguf, draft, **kw) as spec:
+            yield plain, spec

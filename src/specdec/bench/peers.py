@@ -130,6 +130,26 @@ def _run_llama_cpp(gguf: Path, lookup: bool, requests: list[dict[str, Any]], k: 
     return results
 
 
+def run_llama_server(gguf: Path, draft: Path | None, requests: list[dict[str, Any]], k: int) -> dict[str, PeerRun]:
+    """Requests ({id, ids, max_new_tokens}) through llama.cpp's server, plain (`draft` None) or
+    speculative. Each prompt is sent once untimed first, so its rows are cached there as ours
+    are in the suite: what is timed is generation (the server's own `predicted_ms`)."""
+    from . import llama_server
+
+    n_ctx = max(len(r["ids"]) + r["max_new_tokens"] for r in requests) + 64
+    out: dict[str, PeerRun] = {}
+    try:
+        with llama_server.whole(gguf, draft), llama_server.LlamaServer(gguf, draft, k=k, n_ctx=n_ctx,
+                                                                          threads=torch.get_num_threads()) as server:
+            for r in requests:
+                server.complete(r["ids"], 1)  # (untimed: reads the prompt)
+                c = server.complete(r["ids"], r["max_new_tokens"])
+                out[r["id"]] = PeerRun(c.tokens, c.seconds, c.error, c.drafted, c.accepted)
+    except RuntimeError as exc:
+        return {r["id"]: PeerRun(None, 0.0, str(exc)) for r in requests}
+    return out
+
+
 def _worker(spec_file: str) -> int:
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -158,22 +178,3 @@ def _worker(spec_file: str) -> int:
 if __name__ == "__main__":
     sys.exit(_worker(sys.argv[1]))
 
-
-def run_llama_server(gguf: Path, draft: Path | None, requests: list[dict[str, Any]], k: int) -> dict[str, PeerRun]:
-    """Requests ({id, ids, max_new_tokens}) through llama.cpp's server, plain (`draft` None) or
-    speculative. Each prompt is sent once untimed first, so its rows are cached there as ours
-    are in the suite: what is timed is generation (the server's own `predicted_ms`)."""
-    from . import llama_server
-
-    n_ctx = max(len(r["ids"]) + r["max_new_tokens"] for r in requests) + 64
-    out: dict[str, PeerRun] = {}
-    try:
-        with llama_server.servers(gguf, draft, k=k, threads=torch.get_num_threads(), n_ctx=n_ctx) as (plain, spec):
-            server = spec if draft is not None else plain
-            for r in requests:
-                server.complete(r["ids"], 1)  # (untimed: reads the prompt)
-                c = server.complete(r["ids"], r["max_new_tokens"])
-                out[r["id"]] = PeerRun(c.tokens, c.seconds, c.error, c.drafted, c.accepted)
-    except RuntimeError as exc:
-        return {r["id"]: PeerRun(None, 0.0, str(exc)) for r in requests}
-    return out
