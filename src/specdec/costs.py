@@ -95,7 +95,7 @@ class PassClock:
 
     def __init__(self, model: Transformer, rows: list[int], context: int = 128) -> None:
         gen = torch.Generator().manual_seed(0)
-        self.model, self.rows = model, sorted(set(rows))
+        self.model, self.rows = model, sorted({r for r in rows if r < model.args.max_seq_len} or {1})
         self.context = max(1, min(context, model.args.max_seq_len - max(self.rows)))  # (a model with a short context)
         vocab = min(model.args.vocab_size, 30000)
         self.cache = model.new_cache(self.context + max(self.rows))
@@ -206,6 +206,7 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     specdec cache (`PASS_COSTS_FILE`), keyed by `machine_key`: a drafter that sizes its
     proposals by it pays the timing (a few seconds) once per machine, not once per process.
     Re-timed where the key or the row range is new."""
+    max_rows = max(1, min(max_rows, target.args.max_seq_len - 1))  # (a pass and its context fit the model's)
     known = target.state.pass_costs
     if known is not None and max(known.target_ms) >= max_rows:
         return known
