@@ -351,10 +351,6 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
         draft = draft or load_draft(settings.draft, dtype=settings.dtype, bits=settings.draft_bits)  # type: ignore[arg-type]
     result = GridResult(settings, machine(), mode=target.model.mode)
     generate(target, [1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)  # warm-up: first-call costs
-    if "auto" in settings.methods:  # its cost model's inputs: timed once per machine, then kept
-        pass_costs(target.model, K_MAX + 1)
-        if draft is not None:
-            pass_costs(draft.model, 32)
     _warm_up(settings, target, draft, prompts, result)
     order = [*settings.methods, *([NOISE] if settings.noise_control else [])]
     total = len(prompts) * len(settings.temperatures) * settings.repeats * (2 + len(order))
@@ -506,9 +502,9 @@ def _run_peers(settings: GridSettings, target: LoadedModel, draft: LoadedModel |
         got = peers.run_llama_server(gguf, draft_gguf, reqs, settings.chain_k)  # type: ignore[arg-type]
         runs[peer] = {(pid, rep): got[f"{pid}#{rep}"] for pid, rep in keys}
     by_id = {p.id: p for p in prompts}
-    own = {"transformers": "transformers", "llama.cpp": "llama.cpp", "llama-server": "llama-server"}
+    own = ("transformers", "llama.cpp", "llama-server")  # each family's plain decoding
     for peer, table in runs.items():
-        own_plain = runs.get(next(v for k, v in own.items() if peer.startswith(k)), {})
+        own_plain = runs.get(next(k for k in own if peer.startswith(k)), {})
         for (pid, rep), run in table.items():
             plain = plains[(pid, rep)].metrics
             plain_tokens = plains[(pid, rep)].token_ids

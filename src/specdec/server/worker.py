@@ -115,23 +115,23 @@ class Worker:
     def prepare(self, warm: bool = False) -> None:
         """What the first request would otherwise wait for, done before the server listens: the
         target's pass time per row count for the batch guard (timed once per machine, then read
-        from the cache), and with `warm` the table the step controllers read and the default
-        drafter built once and prepared (a draft model's step timed, a head loaded). Nothing is
-        generated, so no request learns from it."""
-        from ..costs import K_MAX, pass_costs
+        from the cache), and with `warm` the default drafter built once and prepared as every
+        request's is (`api.prepare`: the pass table the step controllers read, a draft model's
+        step timed, a head loaded). Nothing is generated, so no request learns from it."""
+        from ..api import prepare
+        from ..costs import pass_costs
 
         s = self.settings
         k = s.k if s.k is not None else DEFAULT_K
         guard_rows = min(64, s.max_batch * (k + 1)) if s.batch_guard and s.max_batch > 1 else 0
-        if warm:  # (the widest table first: a narrower one is read from it)
-            pass_costs(self.target.model, max(guard_rows, K_MAX + 1, k + 1))
+        if warm:
+            drafter = None
+            if s.method is not None:
+                helper = self.draft if uses_draft_model(s.method) else None
+                drafter = build_drafter(self.target, helper, s.method, **s.options)
+            prepare(self.target, drafter)
         if guard_rows and self.costs is None:
             self.costs = pass_costs(self.target.model, guard_rows)
-        if warm and s.method is not None:
-            helper = self.draft if uses_draft_model(s.method) else None
-            drafter = build_drafter(self.target, helper, s.method, **s.options)
-            if drafter is not None:
-                drafter.prepare()
 
     # -- the thread ------------------------------------------------------------------------
     def run(self, keep_going: Any = None) -> None:
