@@ -204,6 +204,23 @@ def test_amx_path_is_bitwise_equal_to_avx512():
     assert native.dispatch()[0] == native.AMX
 
 
+def test_self_check_runs_before_dispatch_has_chosen(monkeypatch):
+    """The AMX self-check runs inside `dispatch` (to decide whether AMX is used), so it must
+    pack and quantize with the builds it is given, never ask `library()` for the chosen one:
+    on an AMX CPU that asked `dispatch` again and recursed until the install crashed."""
+    if not native._AVX512_NEEDS <= native._cpu_flags():
+        pytest.skip("this CPU lacks AVX-512 VNNI, the build the self-check compares against")
+
+    def chosen(variant=None):
+        if variant is None:
+            raise AssertionError("self_check asked dispatch for the chosen build")
+        return native._library(variant)
+
+    monkeypatch.setattr(kq, "library", chosen)
+    avx512 = native._library(native.AVX512)
+    assert kq.self_check(avx512, avx512) is None
+
+
 @pytest.mark.slow
 def test_amx_path_logic_on_emulated_tiles():
     """The AMX path's own code (tile configuration, A/B layouts, strides, row counts, the

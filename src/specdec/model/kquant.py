@@ -139,18 +139,20 @@ def dequantize(blocks: Blocks) -> np.ndarray:
     return w.reshape(blocks.shape).astype(np.float32)
 
 
-def quantize(weight: np.ndarray, kind: int) -> Blocks:
+def quantize(weight: np.ndarray, kind: int, lib: ctypes.CDLL | None = None) -> Blocks:
     """Round float weights [N, K] to blocks: plain round-to-nearest with per-group ranges, for
     weights that do not come as K-quant blocks already. K is zero-padded to whole blocks.
     Q6_K (what installs re-quantize to) runs in the native library where it is built: the
-    same bytes as `quantize_reference` (tested), much faster."""
+    same bytes as `quantize_reference` (tested), much faster. `lib`: the build to use (as
+    in `tiles`)."""
     if kind in LOW_BITS:
         return quantize_low(weight, kind)
     if kind == Q6K:
-        try:
-            lib = library()
-        except NativeUnavailableError:
-            lib = None
+        if lib is None:
+            try:
+                lib = library()
+            except NativeUnavailableError:
+                lib = None
         if lib is not None:
             w = _padded(weight)
             out = np.empty((w.shape[0], w.shape[1] // QK), Q6K_DTYPE)
@@ -247,16 +249,18 @@ def quantize_reference(weight: np.ndarray, kind: int) -> Blocks:
     return Blocks(Q4K, out)
 
 
-def tiles(blocks: Blocks) -> np.ndarray:
+def tiles(blocks: Blocks, lib: ctypes.CDLL | None = None) -> np.ndarray:
     """Repack [N, nb] blocks into the kernel's [ceil(N/16), nb] tiles: each 64-byte code vector
     holds 4 consecutive inputs of 16 outputs (see csrc/kquant.c). Padded outputs have zero scales.
-    Runs in the native library where it is built (the same bytes as `tiles_reference`)."""
+    Runs in the native library where it is built (the same bytes as `tiles_reference`); `lib`
+    names the build to use (the AMX self-check runs before dispatch has chosen one)."""
     if blocks.kind in LOW_BITS:  # (a draft packing is made once, from floats: numpy is fast enough)
         return tiles_reference(blocks)
-    try:
-        lib = library()
-    except NativeUnavailableError:
-        return tiles_reference(blocks)
+    if lib is None:
+        try:
+            lib = library()
+        except NativeUnavailableError:
+            return tiles_reference(blocks)
     d = np.ascontiguousarray(blocks.data)
     n, nb = d.shape
     out = np.empty((-(-n // TILE), nb), TILE_DTYPES[blocks.kind])
@@ -462,7 +466,8 @@ def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
     rng = np.random.default_rng(0)
     for kind in (Q4K, Q6K, *LOW_BITS):
         n, k = 40, 768
-        packed = torch.from_numpy(tiles(quantize(rng.standard_normal((n, k)).astype(np.float32), kind)).view(np.uint8))
+        blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), kind, lib=reference)
+        packed = torch.from_numpy(tiles(blocks, lib=reference).view(np.uint8))
         bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
         x = torch.from_numpy(rng.standard_normal((20, k)).astype(np.float32) * 3)
         outs = []
