@@ -240,3 +240,58 @@ def test_in_a_batch_a_sequences_k_is_priced_at_what_its_rows_add_to_the_pass():
     assert [c.choose(outlook, others=(20, 20.0)) for _ in range(3)] == [("plain", 0)] * 3
     # no batch: the same rates as before
     assert c.rate("x", None, 1) == c.rate("x", None, 1, others=(0, 0.0)) and c.rate("plain", None, 0) == 1 / 30.0
+
+
+# -- drafters that size their own proposals by confidence (a draft model) ----------------------
+class _SelfSized(_Chain):
+    sizes_itself = True
+
+    def cost_ms(self) -> float:
+        return 6.0
+
+
+def test_a_self_sized_drafter_gets_the_deepest_k_and_is_ranked_by_what_its_steps_did():
+    c = KController(_SelfSized(), 8, PASS)
+    assert c.choose(8) == 8 and c.choose(5) == 5  # whether to draft is chosen, not how deep
+    c._situation = ""
+    for _ in range(10):  # it stopped at 3 drafts, all kept: 4 tokens for 3 * 6 + pass(4) ms
+        c.update(8, 3, 3, 18.0, rows=4)
+    tokens, ms = c.chooser.realized["chain"]
+    assert tokens == pytest.approx(4.0, rel=0.06) and ms == pytest.approx(18.0 + PASS.rows(4), rel=0.06)
+    assert c.chooser.draft_ms["chain"] == pytest.approx(6.0)  # per token it drafted, not per k asked
+    assert c.choose(8) == 8
+    for _ in range(30):  # now it drafts 4 in vain every step: 1 token for 24 + pass(5) ms
+        c.update(8, 4, 0, 24.0, rows=5)
+    assert c.choose(8) == 0  # slower than plain, measured: plain steps (and probes)
+
+
+def test_one_unlucky_first_draft_does_not_rank_a_self_sized_drafter_below_plain():
+    """Its first step's record starts from what the position model predicted: a first draft
+    rejected outright leaves it drafting; a few more in a row do not (a pass
+    over a few rows costing what one does, as on a memory-bound CPU)."""
+    c = KController(_SelfSized(), 8, Costs({r: 30.0 for r in range(1, 10)}))
+    assert c.choose(8) == 8
+    c._situation = ""
+    c.update(8, 1, 0, 6.0, rows=2)
+    assert c.choose(8) == 8
+    for _ in range(5):
+        c.update(8, 1, 0, 6.0, rows=2)
+    assert c.choose(8) == 0
+
+
+def test_a_self_sized_drafter_is_tried_early_where_nothing_pays_on_its_merits():
+    """auto's members: where nothing beats plain decoding on its prior, the draft model is tried
+    once (with its deepest k) before plain steps settle in; a drafter that was tried is not."""
+    from specdec.adaptive import MethodChooser
+
+    ch = MethodChooser(["prompt-lookup", "draft-model"], 8, PASS, draft_ms={"prompt-lookup": 0.1, "draft-model": 40.0},
+                       self_sized=frozenset({"draft-model"}))  # fmt: skip
+    assert ch.rate("draft-model", "", 1) < ch.rate("plain", None, 0)  # (40 ms a token never pays on its prior)
+    both = {"prompt-lookup": ("", 8, 0.0), "draft-model": ("", 8, 0.0)}
+    assert ch.choose(both, remaining=50)[0] == "prompt-lookup"  # copying pays: no trial
+    alone = {"draft-model": ("", 8, 0.0)}  # no n-gram match: nothing pays on its merits
+    assert ch.choose(alone, remaining=50) == ("draft-model", 8)
+    assert ch.choose(alone, remaining=50) == ("plain", 0)  # tried once; then its estimates decide
+    # ...unless catching it up would cost more than a small share of the rest of the request
+    far = MethodChooser(["draft-model"], 8, PASS, draft_ms={"draft-model": 40.0}, self_sized=frozenset({"draft-model"}))
+    assert far.choose({"draft-model": ("", 8, 5000.0)}, remaining=50) == ("plain", 0)

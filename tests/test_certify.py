@@ -97,6 +97,22 @@ def test_certificate_passes_an_exact_method_and_catches_the_broken_control(v8, m
     assert "caught" in cert.table() and "pass (same law)" in cert.table()
 
 
+@pytest.mark.slow
+def test_draft_model_trees_are_certified_and_the_broken_control_caught(v8, monkeypatch):
+    """`specdec certify --drafter draft-model --draft-tree 1`: siblings drawn without
+    replacement, verified by the tree rule (trees grown two children a node, whatever the
+    prices say, so the rule meets siblings at every depth)."""
+    from test_draft_tree import _bushy
+
+    _bushy(monkeypatch)
+    target, draft = v8
+    # (3000 a side: the broken tree rule moves the law less than the broken chain rule does)
+    cert = certify(target, method="draft-model", assistant_model=draft, k=2, temperature=1.0, samples=3000, tokens=4,
+                   prompts=[PROMPT_IDS * 3], seed=2, options={"tree": 1})  # fmt: skip
+    assert cert.proposed > 0 and cert.options == {"tree": 1}
+    assert cert.passed and cert.control_caught and cert.verdict == "PASS", cert.table()
+
+
 def test_certificate_fails_a_wrong_method(v8, wrong_rule):
     """The method itself broken (the engine's rule replaced): the certificate says FAIL."""
     target, draft = v8

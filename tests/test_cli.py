@@ -205,3 +205,30 @@ def test_json_output_still_reports_the_early_exit_choice_on_stderr(tiny_dir, cap
     out, err = capsys.readouterr()
     info = _json.loads(out)["metrics"]["drafter_info"]
     assert f"early exit after layer {info['layer']} of {info['n_layers']}" in err
+
+
+def test_auto_takes_the_installed_draft_of_its_target(monkeypatch, capsys):
+    """`--drafter auto` without --draft drafts with the target's registered draft where it is
+    installed, and says so; --no-auto-draft, an explicit --draft or another drafter leave it."""
+    import argparse
+
+    from specdec import registry, store
+    from specdec.cli.common import auto_draft
+
+    monkeypatch.setattr(store, "is_installed", lambda name: name == registry.DEFAULT_DRAFT)
+
+    def ns(**kw):
+        return argparse.Namespace(**{"target": registry.DEFAULT_TARGET, "draft": None, "auto_draft": True, **kw})
+
+    got = ns()
+    auto_draft(got, "auto")
+    assert got.draft == registry.DEFAULT_DRAFT and "--no-auto-draft" in capsys.readouterr().err
+    for kept, method in ((ns(auto_draft=False), "auto"), (ns(draft="other"), "auto"), (ns(), "suffix"),
+                         (ns(target="smollm2-135m"), "auto")):  # fmt: skip
+        before = kept.draft
+        auto_draft(kept, method)
+        assert kept.draft == before
+    monkeypatch.setattr(store, "is_installed", lambda name: False)
+    missing = ns()
+    auto_draft(missing, "auto")
+    assert missing.draft is None and capsys.readouterr().err == ""

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 from conftest import EXACT_MODES
-from helpers import ALPHA, PROMPTS, chi2_pvalue
+from helpers import ALPHA, PROMPT_IDS, PROMPTS, chi2_pvalue
 
 import specdec
 from specdec.config import GenerationConfig, SamplingParams
@@ -72,7 +72,7 @@ class CheckingDrafter(Drafter):
         draft = self.inner.propose(k)
         fresh = DraftModelDrafter(self.model)
         fresh.begin(DraftSession(list(self.committed), self.session.capacity, self.session.sampling,
-                                 self.session.generator))  # fmt: skip
+                                 self.session.generator, self.session.target, fixed_k=self.session.fixed_k))  # fmt: skip
         assert fresh.propose(k).tokens.tolist() == draft.tokens.tolist()
         self.checks += 1
         self.last = draft.tokens.tolist()
@@ -455,3 +455,29 @@ def test_copying_part_of_a_prefix_needs_the_part_before_it(tiny):
     assert b.length == 8 and torch.equal(b.k[0][:, :, :8], a.k[0][:, :, :8]) and torch.equal(b.pos[:, :8], a.pos[:, :8])
     with pytest.raises(ValueError, match="from slot 6"):
         model.new_cache(16).copy_prefix(a, 8, start=6)
+
+
+def test_a_draft_that_caught_up_keeps_the_prompts_prefill_for_the_next_sequence(tiny):
+    """The draft keeps the last prompt it prefilled for the next sequence with that prompt (n > 1,
+    a benchmark's repeats); a sequence whose draft first followed tokens another drafter
+    committed (auto) prefills more than the prompt, and must not displace it."""
+    from specdec.sampling import make_generator
+
+    model = tiny("llama", "close").model
+    context = list(PROMPT_IDS) * 4
+
+    def begun(lazy: bool) -> DraftModelDrafter:
+        d = DraftModelDrafter(model)
+        d.lazy_begin = lazy
+        d.begin(DraftSession(list(context), 64, SamplingParams(), make_generator(0, "cpu")))
+        return d
+
+    begun(lazy=False)
+    prompt = model.state.prefilled
+    assert prompt is not None and len(prompt[0]) == len(context) - 1
+    late = begun(lazy=True)
+    late.catch_up([5, 6, 7])
+    late.sync()
+    assert model.state.prefilled is prompt
+    again = begun(lazy=True)
+    assert again.switch_ms() == 0.0  # (it copies the prompt's prefill)

@@ -44,6 +44,10 @@ from .costs import Costs, expected_tokens
 PRIOR_WEIGHT = 1.0  # pseudo-proposals behind the prior alpha_j = PRIOR_ALPHA ** j
 PRIOR_ALPHA = 0.6
 MAX_PROBE_WAIT = 64
+# a self-sized drafter's steps vary a lot (a sure phrase runs eight deep, a fork stops at one):
+# its record follows them over ~5 steps, not ~3
+REALIZED_WEIGHT = 0.2
+KEEP_MEASURED = 1.10  # how much better another drafter's estimate must be to take a self-sized one's step
 PROBE_SWITCH_SHARE = 0.10  # a probe may cost catching up at most this share of the rest of the request
 
 Outlook = tuple[Hashable, int, float]  # (situation, most tokens it could propose now, switch ms)
@@ -102,6 +106,7 @@ def forget(target: Any) -> None:
     """Drop what `target`'s requests left behind (`acceptance_memory`, suffix decoding's stores
     of outputs, cached rows): a benchmark's untimed warm-up runs must not inform its timed ones."""
     target.state.acceptance.clear()
+    target.state.confidence.clear()
     target.state.suffix.clear()
     target.state.prefixes = None
 
@@ -143,8 +148,8 @@ def outlook_of(drafter: Any, k: int) -> Outlook | None:
     return (o[0], min(o[1], k), drafter.switch_ms()) if o is not None and o[1] > 0 else None
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else 0.7 * old + 0.3 * new
+def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else (1.0 - weight) * old + weight * new
 
 
 class KController:
@@ -154,7 +159,9 @@ class KController:
 
     def __init__(self, drafter: Any, k_max: int, costs: Costs, **kw: Any) -> None:
         self.drafter, self.name = drafter, drafter.name or "drafter"
-        self.chooser = MethodChooser([self.name], k_max, costs, draft_ms={self.name: drafter.cost_ms()}, **kw)
+        self.chooser = MethodChooser([self.name], k_max, costs, draft_ms={self.name: drafter.cost_ms()},
+                                     self_sized=frozenset([self.name] if drafter.sizes_itself else []),
+                                     priors=lambda m, situation: drafter.prior_alpha(situation), **kw)  # fmt: skip
         self._situation: Hashable = None
 
     def choose(self, k: int, remaining: int | None = None, others: tuple[float, float] = (0, 0.0)) -> int:
@@ -167,7 +174,7 @@ class KController:
 
     def update(self, asked: int, proposed: int, accepted: int, draft_ms: float, rows: int = 1) -> None:
         """A verified step: asked for `asked` drafts, got `proposed`, `accepted` of them kept."""
-        self.chooser.update(self.name, self._situation, asked, proposed, accepted, draft_ms)
+        self.chooser.update(self.name, self._situation, asked, proposed, accepted, draft_ms, rows)
 
     def report(self) -> dict[str, Any]:
         rep = self.chooser.report()
@@ -186,7 +193,9 @@ class MethodChooser:
     def __init__(self, methods: list[str], k_max: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4,
                  margin: float = 1.03, draft_ms: Mapping[str, float | None] | None = None,
                  memory: dict[tuple[str, Hashable], Acceptance] | None = None,
-                 remembered: frozenset[str] = frozenset(), reproducible: bool = False) -> None:  # fmt: skip
+                 remembered: frozenset[str] = frozenset(), reproducible: bool = False,
+                 self_sized: frozenset[str] = frozenset(),
+                 priors: Callable[[str, Hashable], float | None] | None = None) -> None:  # fmt: skip
         if not methods or k_max < 1 or not 0 < gamma <= 1 or margin < 1:
             raise ValueError("give at least one method; k_max must be >= 1, gamma in (0, 1] and margin >= 1")
         self.methods, self.k_max, self.costs, self.gamma, self.margin = list(methods), k_max, costs, gamma, margin
@@ -201,6 +210,8 @@ class MethodChooser:
         # whose acceptance depends on the target and the text alone (not on a draft model or
         # head that another request may not share)
         self.memory = memory if memory is not None else {}
+        # a drafter's own prior for a situation no request has measured (`Drafter.prior_alpha`)
+        self.priors = priors
         self.remembered = remembered
         # per drafted token (EMA of the measured cost), starting from the drafter's own estimate
         # where it has one (a draft model: its one-row pass time on this machine)
@@ -211,6 +222,15 @@ class MethodChooser:
         # per machine) moves with it as the pass table does (`Costs.scale`: both are passes over
         # weights on the same cores) until this request measures the drafter itself
         self._stored = {m for m, v in self.draft_ms.items() if v}
+        # drafters that stop short of k themselves (`Drafter.sizes_itself`): the chooser decides
+        # whether they draft, and hands them the deepest k it allows; once they have drafted,
+        # they are ranked by what their steps actually committed and cost (`realized`: EMAs of
+        # tokens and ms per step), since their depth is not the k the position model prices.
+        # Each is tried once early in a request where nothing else is chosen on its merits.
+        self.self_sized = self_sized
+        self.realized: dict[str, tuple[float, float]] = {}
+        self.rates_now: dict[str, float] = {}  # the last `choose`'s expected tokens/ms per drafter
+        self._tried: set[str] = set()
         self.prober = _Prober(probe_after)
         self.chosen: Counter[tuple[str, int]] = Counter()  # ("plain", 0) for plain steps
         self.switches = 0  # drafting steps whose drafter differs from the previous drafting step's
@@ -222,7 +242,10 @@ class MethodChooser:
         key = (method, situation)
         if key not in self.acceptance:
             known = self.memory.get(key) if method in self.remembered else None
-            self.acceptance[key] = Acceptance(self.k_max, self.gamma, known.alpha() if known is not None else None)
+            prior = known.alpha() if known is not None else None
+            if prior is None and self.priors is not None and (first := self.priors(method, situation)) is not None:
+                prior = [first]
+            self.acceptance[key] = Acceptance(self.k_max, self.gamma, prior)
         return self.acceptance[key]
 
     def rate(self, method: str, situation: Hashable, k: int, switch_ms: float = 0.0,
@@ -253,7 +276,11 @@ class MethodChooser:
                 continue
             situation, most, switch_ms = outlook[m]
             ks = range(1, min(self.k_max, most) + 1)
-            if ks:
+            if ks and m in self.realized and others[0] == 0:
+                tokens, ms = self.realized[m]
+                setup = switch_ms * tokens / max(remaining, 1) if switch_ms and remaining is not None else 0.0
+                out.append((tokens / (ms + setup), m, ks[-1]))
+            elif ks:
                 rate = {k: self.rate(m, situation, k, switch_ms, remaining, others) for k in ks}
                 k = max(ks, key=lambda k: (rate[k], -k))
                 out.append((rate[k], m, k))
@@ -266,23 +293,44 @@ class MethodChooser:
         `remaining`: tokens left to generate (None: unknown); `others`: (rows, expected tokens)
         the other sequences of a batch bring to this pass (a server's continuous batch: where
         the pass is compute-bound, a row costs its full share and k shrinks)."""
-        choice = ("plain", 0)
+        choice, probe = ("plain", 0), False
         unmeasured = [m for m in self.methods if m in outlook and outlook[m][1] > 0 and self.draft_ms[m] is None]
         ranked = self.ranked(outlook, remaining, others)
+        self.rates_now = {m: r for r, m, _ in ranked}
         plain_ms = self.costs.target(1)
+
+        def cheap(m: str) -> bool:
+            """Catching `m` up costs at most a small share of what the rest of the request takes."""
+            return outlook[m][2] <= PROBE_SWITCH_SHARE * plain_ms * max(remaining or 0, 1)
+
         if unmeasured:  # a drafter's cost is not known yet: draft once with it to measure it
             m = unmeasured[0]
             choice = (m, min(self.k_max, outlook[m][1]))
         elif ranked and ranked[0][0] > self.margin * self.rate("plain", None, 0, others=others):
             choice = (ranked[0][1], ranked[0][2])
+            # a self-sized drafter ranked by what its steps did keeps the step unless another's
+            # estimate (from its position model, on priors where it has few steps) beats it
+            # clearly: each switch also costs the draft a catch-up
+            kept = [(r, m, k) for r, m, k in ranked if m in self.realized and r * KEEP_MEASURED >= ranked[0][0]]
+            if kept and choice[0] not in self.self_sized:
+                choice = (kept[0][1], kept[0][2])
             self.prober.drafted()
         elif ranked and self.prober.plain():
             # probe with one token the drafter that drafted least recently (each gets its turn),
             # unless catching it up would cost more than a small share of what the rest of the
             # request takes anyway
-            cheap = [m for _, m, _ in ranked if outlook[m][2] <= PROBE_SWITCH_SHARE * plain_ms * max(remaining or 0, 1)]
-            if cheap:
-                choice = (min(cheap, key=lambda m: self._last_drafted.get(m, -1)), 1)
+            affordable = [m for _, m, _ in ranked if cheap(m)]
+            if affordable:
+                choice = (min(affordable, key=lambda m: self._last_drafted.get(m, -1)), 1)
+                probe = True
+        if choice[0] == "plain":  # nothing pays on its merits: try a self-sized drafter not yet tried
+            untried = [m for _, m, _ in ranked if m in self.self_sized and m not in self._tried and cheap(m)]
+            if untried:
+                choice = (untried[0], 1)
+        if choice[0] in self.self_sized and not probe:  # (a probe stays one token)
+            choice = (choice[0], min(self.k_max, outlook[choice[0]][1]))
+        if choice[0] in self.self_sized:
+            self._tried.add(choice[0])
         self.chosen[choice] += 1
         self._step += 1
         if choice[0] != "plain":
@@ -292,13 +340,28 @@ class MethodChooser:
         return choice
 
     def update(self, method: str, situation: Hashable, asked: int, proposed: int, accepted: int,
-               draft_ms: float) -> None:  # fmt: skip
-        """A verified step of `method`: asked for `asked` drafts, got `proposed`, `accepted` kept."""
+               draft_ms: float, rows: int | None = None) -> None:  # fmt: skip
+        """A verified step of `method`: asked for `asked` drafts, got `proposed` in a row (`rows`
+        rows in the pass: a tree's nodes and the last committed token; None: 1 + proposed),
+        `accepted` kept."""
         if asked > 0 and not self.reproducible:
             if method in self._stored:  # (the estimate as this moment reads it, then measurements)
                 self.draft_ms[method] = self.draft_cost(method)
                 self._stored.discard(method)
-            self.draft_ms[method] = _ema(self.draft_ms[method], draft_ms / asked)
+            # (per token drafted: a drafter that sizes itself drafts fewer than it is asked for)
+            per = max(proposed, 1) if method in self.self_sized else asked
+            self.draft_ms[method] = _ema(self.draft_ms[method], draft_ms / per)
+        if proposed > 0 and method in self.self_sized:
+            # what the step committed, and cost: its drafting (the stored estimate where the
+            # clock must not decide) and the target's pass over its rows, from the table
+            spent = self.draft_cost(method) * proposed if self.reproducible else draft_ms
+            pass_ms = self.costs.rows(rows if rows is not None else 1 + proposed)
+            step = (accepted + 1.0, spent + pass_ms)
+            # the first step starts from what the position model predicted for it (one unlucky
+            # first draft must not rank a drafter below plain for the rest of the request)
+            old = self.realized.get(method) or (self._acc(method, situation).expected(proposed),
+                                                self.draft_cost(method) * proposed + pass_ms)  # fmt: skip
+            self.realized[method] = (_ema(old[0], step[0], REALIZED_WEIGHT), _ema(old[1], step[1], REALIZED_WEIGHT))
         if proposed > 0:
             self._acc(method, situation).update(proposed, accepted)
             if method in self.remembered:

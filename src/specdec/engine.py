@@ -371,7 +371,7 @@ class Engine:
                 layers = {i: out.layers[i][0] for i in s.drafter.feature_layers}
                 s.drafter.begin(DraftSession(s.prompt + [s.last], len(s.prompt) + s.stopper.limit, s.sampling,
                                              make_generator(s.seed + 1, self.target.device), self.target, s.cache,
-                                             layers))  # fmt: skip
+                                             layers, fixed_k=not s.cfg.adaptive_k))  # fmt: skip
             s.metrics.prefill_time += t[0]
             s.metrics.draft_time += t[0]
         return self._delta(s, [s.last])

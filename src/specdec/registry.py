@@ -107,6 +107,9 @@ MODELS: dict[str, ModelSpec] = {
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+# the draft model registered for a target: what `--drafter auto` drafts with when it is
+# installed and no --draft is given
+DRAFT_OF = {DEFAULT_TARGET: DEFAULT_DRAFT}
 
 
 class UnknownModelError(ValueError):

@@ -33,6 +33,28 @@ def draft_bits(ns: argparse.Namespace) -> int | None | str:
     return "default" if given is None else (given or None)
 
 
+def add_auto_draft(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-auto-draft", dest="auto_draft", action="store_false",
+                   help="with --drafter auto and no --draft: do not draft with the draft model registered for the "
+                        "target (auto takes it when it is installed)")  # fmt: skip
+
+
+def auto_draft(ns: argparse.Namespace, method: str | None) -> None:
+    """`--drafter auto` without --draft takes the draft registered for the target when it is
+    installed (a user who asks for auto expects the best the machine has), and says so on
+    stderr; --no-auto-draft keeps auto to the model-free drafters."""
+    from .. import registry, store
+
+    if method != "auto" or ns.draft or not getattr(ns, "auto_draft", True):
+        return
+    draft = registry.DRAFT_OF.get(str(ns.target))
+    if draft is None or not store.is_installed(draft):
+        return
+    ns.draft = draft
+    print(f"specdec: auto drafts with {draft} too, the installed draft of {ns.target} (--no-auto-draft: without "
+          "it)", file=sys.stderr)  # fmt: skip
+
+
 def load_draft_model(ns: argparse.Namespace):  # noqa: ANN201 - LoadedModel
     from ..api import load_draft
 

@@ -16,7 +16,8 @@ from ..config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments,
 from ..drafters import DRAFTERS, Drafter
 from ..engine import Delta
 from ..model.kernels import AUTO, MODES
-from .common import Help, add_draft_bits, add_drafter_options, drafter_options, load_draft_model, method_of, read_prompt
+from .common import (Help, add_auto_draft, add_draft_bits, add_drafter_options, auto_draft, drafter_options,
+                     load_draft_model, method_of, read_prompt)
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +26,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
     add_draft_bits(p)
+    add_auto_draft(p)
     p.add_argument("--drafter", choices=sorted(DRAFTERS),
                    help="drafting method (unset: draft-model when --draft is given, else plain decoding): "
                         + "; ".join(f"{s.name}: {s.help}" for s in DRAFTERS.values()))  # fmt: skip
@@ -52,6 +54,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from ..api import Request, compare_requests, load, request, run_request
 
     method = method_of(ns)
+    auto_draft(ns, method)
     if ns.compare and method is None:
         raise ValueError("--compare needs --draft or --drafter (it compares speculative decoding with plain decoding)")
     if ns.repeats != 1 and not ns.compare:

@@ -10,7 +10,8 @@ from ..config import DEFAULT_K, GenerationConfig
 from ..drafters import DRAFTERS, uses_draft_model
 from ..model.kernels import AUTO, MODES
 from ..server.worker import PREFIX_TOKENS
-from .common import Help, add_draft_bits, add_drafter_options, drafter_options, load_draft_model, method_of
+from .common import (Help, add_auto_draft, add_draft_bits, add_drafter_options, auto_draft, drafter_options,
+                     load_draft_model, method_of)
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +23,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model for the draft-model and auto methods")
     add_draft_bits(p)
+    add_auto_draft(p)
     p.add_argument("--drafter", choices=sorted(DRAFTERS),
                    help="the server's default method (unset: draft-model when --draft is given, else plain decoding)")
     add_drafter_options(p)
@@ -58,6 +60,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from ..server import ServeSettings, serve
 
     method = method_of(ns, draft_for_others=True)
+    auto_draft(ns, method)
     if ns.k is not None:
         GenerationConfig(k=ns.k)  # the one bound on k, as generate and each request have it
     if ns.prefix_cache_tokens < 0:

@@ -57,6 +57,7 @@ from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
 from .base import DRAFTERS, Draft, Drafter, DraftSession, Feedback, Option, make_drafter, register
+from .confidence import CONFIDENCE_OPTION
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION
 from .window import DEFAULT_WINDOW, WINDOW_OPTION
 
@@ -78,7 +79,7 @@ def switchable() -> list[str]:
                             "the head shipped for the target)", "--auto-head", type=str),
              Option("merge", "auto: verify suffix decoding's tree together with the chosen drafter's chain in one "
                              "pass (0: the chosen drafter's proposal alone)", "--auto-merge", type=int),
-             VOCAB_OPTION, WINDOW_OPTION),
+             VOCAB_OPTION, WINDOW_OPTION, CONFIDENCE_OPTION),
 )  # fmt: skip
 class AutoDrafter(Drafter):
     """Switches between drafters step by step (see the module doc). `methods`: comma-separated
@@ -89,7 +90,7 @@ class AutoDrafter(Drafter):
 
     def __init__(self, target: Transformer, draft: Transformer | None = None, methods: str | None = None,
                  head: Any = None, margin: float = 1.03, vocab: int = DEFAULT_VOCAB,
-                 window: int = DEFAULT_WINDOW, merge: bool | int = True) -> None:  # fmt: skip
+                 window: int = DEFAULT_WINDOW, merge: bool | int = True, confidence: int = 1) -> None:  # fmt: skip
         super().__init__()
         ok = switchable()
         if methods is None:
@@ -117,7 +118,7 @@ class AutoDrafter(Drafter):
         if head is not None and not set(takes_head) & set(names):
             raise ValueError(f"--auto-head gives auto a head for {' / '.join(takes_head)}; add {takes_head[0]} to "
                              "--auto-methods or drop --auto-head")  # fmt: skip
-        mine = {"head": head, "vocab": vocab, "window": window}  # auto's options its members may declare
+        mine = {"head": head, "vocab": vocab, "window": window, "confidence": confidence}  # auto's options its members may declare
         self.subs: dict[str, Drafter] = {
             n: make_drafter(n, target=target, draft=draft if DRAFTERS[n].needs == "draft" else None,
                             **{o.name: mine[o.name] for o in DRAFTERS[n].options if o.name in mine
@@ -177,12 +178,14 @@ class AutoDrafter(Drafter):
             seed = int(torch.randint(0, 2**62, (1,), generator=session.generator))
             sub.begin(DraftSession(session.context, session.capacity, session.sampling,
                                    make_generator(seed, session.generator.device), session.target,
-                                   session.target_cache, session.layers))  # fmt: skip
+                                   session.target_cache, session.layers, session.fixed_k))  # fmt: skip
         self.chooser = MethodChooser(self.methods, K_MAX, pass_costs(self.target, K_MAX + 1), margin=self.margin,
                                      draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()},
                                      memory=acceptance_memory(self.target, session.sampling.greedy),
                                      remembered=remembered(self.methods),
-                                     reproducible=reproducible(session.sampling))  # fmt: skip
+                                     reproducible=reproducible(session.sampling),
+                                     self_sized=frozenset(n for n, sub in self.subs.items() if sub.sizes_itself),
+                                     priors=lambda m, situation: self.subs[m].prior_alpha(situation))  # fmt: skip
 
     def end(self) -> None:
         for sub in self.subs.values():
@@ -208,8 +211,9 @@ class AutoDrafter(Drafter):
         self._budget = k
         if self.merge and k > 0:
             sit, tree, rate = self.subs[SUFFIX].plan(k)  # type: ignore[attr-defined]
-            chosen = 0.0 if method == "plain" else self.chooser.rate(method, *self._plan[1:], *outlook[method][2:],
-                                                                     remaining=remaining)  # fmt: skip
+            # (the chosen drafter's rate as the chooser ranked it: a self-sized one's by its record)
+            chosen = 0.0 if method == "plain" else self.chooser.rates_now.get(method) or self.chooser.rate(
+                method, *self._plan[1:], *outlook[method][2:], remaining=remaining)  # fmt: skip
             if tree.tokens and self._suffix_wins(rate, chosen):
                 self.chooser.chosen[(method, kk)] -= 1  # (its report counts what ran)
                 if not self.chooser.chosen[(method, kk)]:

@@ -102,6 +102,9 @@ class DraftSession:
     # the prompt's residual after each of the drafter's `feature_layers` (the prefill computed
     # them; the first generated token's come with the first Feedback), [T_prompt, D]
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
+    # every proposal is exactly the k asked for (`--no-adaptive-k`): a drafter that would stop
+    # short of it by its own judgement (`Drafter.sizes_itself`) does not
+    fixed_k: bool = False
 
 
 @dataclass
@@ -137,6 +140,9 @@ class Drafter:
     # a chain drafter whose k the engine may choose each step (`adaptive_k`); drafters that size
     # their own proposals (trees, calibrated per k, extra rows) keep the k they are given
     adaptive_k: bool = False
+    # a chain drafter that stops short of the k it is given where one more token would not pay
+    # (a draft model judging by its confidence): whoever chooses k hands it the deepest one
+    sizes_itself: bool = False
     # the drafter decides itself when drafting pays (auto; early exit's calibration): the
     # engine's guard (`adaptive_k`) leaves it alone
     own_schedule: bool = False
@@ -182,6 +188,11 @@ class Drafter:
         drafter and situation (prompt lookup's is the length of its n-gram match). Default:
         one situation, k tokens."""
         return ("", k)
+
+    def prior_alpha(self, situation: Hashable) -> float | None:
+        """The chance that a first draft of this situation is accepted, before a request has
+        measured it (None: the chooser's generic prior)."""
+        return None
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         """`tokens` were committed without a proposal of this drafter (another drafter's, or a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -10,6 +11,8 @@ from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, register
+from .confidence import CONFIDENCE_OPTION, TREE_OPTION, Calibration, Depth, keep_drafting
+from .draft_tree import MAX_NODES, TreeGrowth
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
 from .window import DEFAULT_WINDOW, SINK, WINDOW_OPTION
 
@@ -57,8 +60,9 @@ def step_cost_ms(model: Transformer, vocab: DraftVocab | None, context: int = 12
                                lambda: greedy_token(model, vocab, row, cache[0]), reset)  # fmt: skip
 
 
-@register("draft-model", needs="draft", switchable=True, help="a smaller model of the same tokenizer drafts k tokens (--draft MODEL)",
-          options=(VOCAB_OPTION, WINDOW_OPTION))  # fmt: skip
+@register("draft-model", needs="draft", switchable=True, default_k=8,
+          help="a smaller model of the same tokenizer drafts up to k tokens, as deep as its confidence pays (--draft MODEL)",
+          options=(VOCAB_OPTION, WINDOW_OPTION, CONFIDENCE_OPTION, TREE_OPTION))  # fmt: skip
 class DraftModelDrafter(Drafter):
     """Keeps its own KV cache of the committed tokens. A proposal feeds whatever committed
     tokens the cache lacks (1, or 2 after a fully accepted step) and then each new draft but
@@ -73,15 +77,33 @@ class DraftModelDrafter(Drafter):
 
     `window`: a context longer than SINK + window tokens when the draft first reads it is read
     through its first SINK and last `window` tokens (0: all of it); the draft's cache then
-    lacks the `skip` tokens between, and every row it feeds carries its own position."""
+    lacks the `skip` tokens between, and every row it feeds carries its own position.
+
+    `confidence` (on by default): k is the deepest a proposal may go; the draft stops earlier
+    where one more token is not worth its cost, judged by its own probability of the token it
+    just drafted (`drafters.confidence`: calibrated against what the target accepted, the
+    rows priced by the target's pass table). The chosen k then bounds the depth, and the
+    engine's controller (`adaptive.KController`) decides only whether to draft at all."""
 
     adaptive_k = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
 
-    def __init__(self, model: Transformer, vocab: int | DraftVocab = DEFAULT_VOCAB, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(self, model: Transformer, vocab: int | DraftVocab = DEFAULT_VOCAB, window: int = DEFAULT_WINDOW,
+                 confidence: int = 1, tree: int = 0) -> None:  # fmt: skip
         super().__init__()
         if not isinstance(window, int) or window < 0:
             raise ValueError(f"the draft window must be a whole number of tokens >= 0 (0 = the whole context), got {window}")
+        if confidence not in (0, 1, True, False):
+            raise ValueError(f"--draft-confidence is 1 (stop where the draft's confidence says so) or 0 (always k), got {confidence}")
+        if tree not in (0, 1, True, False):
+            raise ValueError(f"--draft-tree is 1 (a token tree grown by confidence) or 0 (a chain), got {tree}")
         self.model, self.window = model, window
+        self.confidence, self.tree = bool(confidence), bool(tree)
+        # (the controllers hand it the deepest k; see adaptive.KController)
+        self.sizes_itself = self.confidence or self.tree
+        self._growth: TreeGrowth | None = None  # the last proposal's tree
+        self.scratch_rows = MAX_NODES if self.tree else 0  # a tree's nodes beyond k, in the target's pass
+        self.calibration = Calibration()  # set by `begin`: this request's, or the memory of earlier greedy ones
+        self._confidences: list[float] = []  # the draft's probability of each token of the last proposal
         self.skip = 0  # committed tokens (after the first SINK) that the draft's cache leaves out
         if isinstance(vocab, DraftVocab) and vocab.model is not model:
             raise ValueError("that draft vocabulary was cut from another model's head")
@@ -99,13 +121,17 @@ class DraftModelDrafter(Drafter):
                 f"generation needs ({session.capacity}); lower max_new_tokens or pick another draft"
             )
         self.session = session
-        self.cache = self.model.new_cache(session.capacity)
+        # (a tree's fed nodes sit past the committed rows until the pass decides)
+        self.cache = self.model.new_cache(session.capacity + (MAX_NODES if self._grows_tree() else 0))
         self.skip = 0
         self._tokens = list(session.context)
         if self.vocab is not None:
             self.seq_vocab = SequenceVocab(self.vocab)
             self.seq_vocab.add(self._tokens)
-        self._proposal = []
+        self._proposal, self._confidences = [], []
+        # (chains and trees apart: a tree also learns from its second choices)
+        key = (id(self.model), id(self.vocab), self._grows_tree())
+        self.calibration = _calibration(session, key) if self.confidence or self.tree else Calibration()
         if not self.lazy_begin:  # (lazily: a request that never drafts never pays the prefill)
             self.sync()
 
@@ -113,7 +139,10 @@ class DraftModelDrafter(Drafter):
         self.cache = None  # free the draft's KV cache
 
     def batch_key(self) -> Hashable:
-        return ("draft-model", id(self.model), id(self.vocab))
+        return ("draft-model", id(self.model), id(self.vocab), self._grows_tree())
+
+    def _grows_tree(self) -> bool:
+        return self.tree and not self.chain_only
 
     def _fed(self) -> int:
         """Committed tokens the draft's cache stands for (those it holds and those it skipped)."""
@@ -139,13 +168,18 @@ class DraftModelDrafter(Drafter):
         for d in group:
             if d.session is None or d.cache is None:
                 raise RuntimeError("DraftModelDrafter.propose() called before begin()")
-            d._proposal = []
+            d._proposal, d._confidences, d._growth = [], [], None
+        if group[0]._grows_tree():
+            return cls._propose_trees(group, ks)
         qs: list[list[torch.Tensor]] = [[] for _ in group]
         pending = [d._tokens[d._fed() :] for d in group]
-        for step in range(max(ks, default=0)):
-            live = [i for i, k in enumerate(ks) if step < k]
+        priced = [d._pricing(k) for d, k in zip(group, ks, strict=True)]
+        depth = [Depth() for _ in group]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        while live:
             segs = [group[i]._segment(pending[i]) for i in live]
             outs, h, sub = draft_step(model, group[0].vocab, segs)
+            still = []
             for n, (i, out) in enumerate(zip(live, outs, strict=True)):
                 d = group[i]
                 d.forwards += 1
@@ -153,14 +187,24 @@ class DraftModelDrafter(Drafter):
                 cut = d.seq_vocab
                 own = cut.logits(sub[n], h[n]) if cut is not None else None  # type: ignore[index]  # [N + extra]
                 if sampling.greedy:
-                    tok = int(out.logits[0, -1].argmax()) if cut is None else int(cut.ids[own.argmax()])  # type: ignore[union-attr]
+                    row = out.logits[0, -1] if cut is None else own  # [V] or [N + extra]
+                    best = int(row.argmax())  # type: ignore[union-attr]
+                    tok = best if cut is None else int(cut.ids[best])
+                    # (the draft's probability of its argmax: what the calibration learns from,
+                    # also from proposals whose depth it did not decide)
+                    conf = float(torch.softmax(row.float(), -1)[best]) if d.confidence else 1.0  # type: ignore[union-attr]
                 else:
                     logits = out.logits[:, -1] if cut is None else cut.expand(own[None])  # type: ignore[index]  # [1, V]
                     q = probs(logits, sampling)  # [1, V]
                     tok = int(sample(q, d.session.generator))  # type: ignore[union-attr]
                     qs[i].append(q[0])
+                    conf = float(q[0, tok])
                 d._proposal.append(tok)
+                d._confidences.append(conf)
                 pending[i] = [tok]
+                if len(d._proposal) < ks[i] and (priced[i] is None or d._goes_on(depth[i], conf, *priced[i])):
+                    still.append(i)
+            live = still
         drafts = []
         for i, d in enumerate(group):
             toks = torch.tensor(d._proposal, dtype=torch.long, device=model.device)
@@ -176,6 +220,90 @@ class DraftModelDrafter(Drafter):
         self._tokens += tokens  # fed at the next proposal (or `sync`)
         if self.seq_vocab is not None:
             self.seq_vocab.add(tokens)
+
+    @classmethod
+    def _propose_trees(cls, group: list[DraftModelDrafter], ks: Sequence[int]) -> list[Draft]:
+        """Each sequence's token tree (`draft_tree`): the first pass feeds the committed tokens
+        the draft lacks and gives the root's children; each later pass feeds every growing
+        tree's chosen leaves at once and gives their children."""
+        model, vocab = group[0].model, group[0].vocab
+        dev = model.device
+        live = [i for i, k in enumerate(ks) if k > 0]
+        growth: dict[int, TreeGrowth] = {}
+        if live:
+            outs, h, sub = draft_step(model, vocab, [group[i]._segment(group[i]._tokens[group[i]._fed() :]) for i in live])
+            for n, i in enumerate(live):
+                d = group[i]
+                d.forwards += 1
+                growth[i] = d._growth = d._new_tree(ks[i])
+                growth[i].add_pass(1)
+                growth[i].children(-1, *d._dist(outs[n].logits[0, -1], None if h is None else h[n],
+                                                None if sub is None else sub[n]))  # fmt: skip
+        while True:
+            feeds = {i: f for i, g in growth.items() if (f := g.to_feed())}
+            if not feeds:
+                break
+            segs = [growth[i].segment(f, group[i].cache, dev) for i, f in feeds.items()]  # type: ignore[arg-type]
+            outs = model.forward_batch(segs, head=vocab is None)
+            for (i, feed), out in zip(feeds.items(), outs, strict=True):
+                d, g = group[i], growth[i]
+                d.forwards += 1
+                g.add_pass(len(feed))
+                hs = model.model.norm(out.residual[0]) if vocab is not None else None  # [w, D]
+                subs = vocab.logits(hs) if vocab is not None else None  # [w, N]
+                for r, j in enumerate(feed):
+                    g.children(j, *d._dist(out.logits[0, r], None if hs is None else hs[r],
+                                           None if subs is None else subs[r]))  # fmt: skip
+        drafts = []
+        for i, d in enumerate(group):
+            g = growth.get(i)
+            if g is None:
+                drafts.append(Draft.empty(dev))
+                continue
+            draft = g.draft(model.args.vocab_size, dev)
+            d._proposal = draft.tokens.tolist()
+            drafts.append(draft)
+        return drafts
+
+    def _new_tree(self, k: int) -> TreeGrowth:
+        from ..costs import pass_costs  # (looked up at call time: tests replace it)
+
+        session = self.session
+        assert session is not None and self.cache is not None
+        step = self.cost_ms()
+        own = self._costs().unscaled()
+        target = pass_costs(session.target, MAX_NODES + 1).unscaled() if session.target is not None else own
+        return TreeGrowth(k, self.calibration, target, lambda rows: step * own.rows(rows) / own.rows(1),
+                          self._fed() - 1, self.cache.length, session.sampling.greedy, session.generator)  # fmt: skip
+
+    def _dist(self, row: torch.Tensor, h: torch.Tensor | None,
+              sub: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """One fed row's distribution as a tree grows from it: (probabilities [M] over the
+        draft's scored tokens, their ids [M] (None: the whole vocabulary), q [V] for sampling)."""
+        sampling = self.session.sampling  # type: ignore[union-attr]
+        cut = self.seq_vocab
+        own = cut.logits(sub, h) if cut is not None else None  # type: ignore[arg-type]  # [N + extra]
+        if sampling.greedy:
+            return torch.softmax((row if own is None else own).float(), -1), None if cut is None else cut.ids, None
+        q = probs(row[None] if own is None else cut.expand(own[None]), sampling)[0]  # type: ignore[union-attr]  # [V]
+        return q, None, q
+
+    def _pricing(self, k: int) -> tuple[float, Any] | None:
+        """What decides how deep a proposal of at most k goes: (this drafter's ms per draft token,
+        the target's pass table), both as stored for this machine (never the clock: a seeded
+        sampled request must choose the same depths every time); None: always k."""
+        target = self.session.target if self.session is not None else None
+        if not self.confidence or target is None or self.session.fixed_k or k < 2:  # type: ignore[union-attr]
+            return None
+        from ..costs import pass_costs  # (looked up at call time: tests replace it)
+
+        return self.cost_ms(), pass_costs(target, k + 1).unscaled()
+
+    def _goes_on(self, depth: Depth, conf: float, draft_ms: float, costs: Any) -> bool:
+        """After a draft of probability `conf`: is one more worth it? (`confidence.keep_drafting`,
+        the next token's chance predicted by `Calibration.next_after`)"""
+        depth.add(self.calibration(conf))
+        return keep_drafting(depth, self.calibration.next_after(conf), draft_ms, costs)
 
     def _costs(self):
         from ..costs import pass_costs  # (looked up at call time: tests replace it)
@@ -203,9 +331,22 @@ class DraftModelDrafter(Drafter):
 
     def switch_ms(self) -> float:
         behind = self._behind()
+        if behind > 0 and self._shared() is not None:
+            return 0.0  # (`sync` copies the prefill another sequence just made of this prompt)
         if self.cache is not None and self.cache.length == 0:
             behind -= self._window_of(behind)
         return self._costs().rows(behind) if behind > 0 else 0.0
+
+    def _shared(self) -> tuple | None:
+        """The draft model's last prefill (`state.prefilled`), where it is this sequence's: what
+        `sync` copies instead of computing."""
+        if self.cache is None or self.cache.length != 0:
+            return None
+        shared = self.model.state.prefilled
+        pending = self._tokens[self._fed() : -1]
+        if shared is not None and shared[:2] == (tuple(pending), self.window) and self.cache.capacity >= shared[2].length:
+            return shared
+        return None
 
     def sync(self) -> None:
         """Feed the committed tokens the cache lacks, all but the last (the next proposal feeds
@@ -216,8 +357,8 @@ class DraftModelDrafter(Drafter):
         if self._behind() > 0:
             pending = self._tokens[self._fed() : -1]
             fresh = self.cache.length == 0
-            shared = self.model.state.prefilled if fresh else None
-            if shared is not None and shared[:2] == (tuple(pending), self.window) and self.cache.capacity >= shared[2].length:
+            shared = self._shared()
+            if shared is not None:
                 # the same prompt was just prefilled for another sequence: copy its cache
                 # (each row depends on its own prefix only, so this is what the pass computes)
                 self.cache.copy_prefix(shared[2], shared[2].length)
@@ -233,19 +374,44 @@ class DraftModelDrafter(Drafter):
                 self.skip = skip
             else:
                 self.model.forward_batch([self._segment(pending)], head=False)
-            if fresh:
+            if fresh and len(pending) + 1 == len(self.session.context):  # type: ignore[union-attr]
+                # (a prompt's prefill only: one that caught up on tokens another drafter committed
+                # first is this sequence's alone, and must not displace the prompt's)
                 snapshot = self.model.new_cache(self.cache.length)
                 snapshot.copy_prefix(self.cache, self.cache.length)
                 self.model.state.prefilled = (tuple(pending), self.window, snapshot, self.skip)
 
     def accepted(self, feedback: Feedback) -> None:
         assert self.cache is not None
+        if self._growth is not None:  # a tree: keep the rows of the accepted path that were fed
+            g, self._growth = self._growth, None
+            slots = g.kept_slots(feedback.path)
+            self.cache.keep(g.start, torch.tensor(slots, dtype=torch.long, device=self.cache.pos.device))
+            g.learn(feedback.path)
+            self._tokens += [g.nodes[j].token for j in feedback.path] + [feedback.next_token]
+            if self.seq_vocab is not None:
+                self.seq_vocab.add([feedback.next_token])
+            self._proposal, self._confidences = [], []
+            return
         n = feedback.num_accepted
         # The cache holds the old committed tokens plus the drafts that were fed (all but the
         # last); keep exactly the part that is still on the committed path.
         valid = len(self._tokens) + min(n, max(len(self._proposal) - 1, 0)) - self.skip
+        if self.confidence:
+            self.calibration.update(self._confidences, n)
         self._tokens += self._proposal[:n] + [feedback.next_token]
         if self.seq_vocab is not None:
             self.seq_vocab.add([feedback.next_token])
         self.cache.truncate(min(self.cache.length, valid))
-        self._proposal = []
+        self._proposal, self._confidences = [], []
+
+
+def _calibration(session: DraftSession, key: Hashable) -> Calibration:
+    """The calibration a sequence drafts by: for greedy requests, the one the target's earlier
+    greedy requests with this draft built (kept on the target, like `adaptive.acceptance_memory`,
+    and dropped with it by `adaptive.forget`); a fresh one for sampled requests (a seeded
+    request's depths must not depend on what ran before it)."""
+    target = session.target
+    if target is None or not session.sampling.greedy:
+        return Calibration()
+    return target.state.confidence.setdefault(key, Calibration())

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # (annotations only: the model layer imports nothing above it)
     from ..adaptive import Acceptance
     from ..costs import Costs
+    from ..drafters.confidence import Calibration
     from ..drafters.suffix import SuffixStore
     from ..drafters.vocab import DraftVocab
     from .cache import KVCache
@@ -38,3 +39,6 @@ class ModelState:
     prefixes: PrefixStore | None = None
     # drafters.suffix: earlier requests' outputs by pool (a server's API key; "" in a process)
     suffix: dict[str, SuffixStore] = field(default_factory=dict)
+    # drafters.draft_model: how the draft's confidence predicted acceptance over recent greedy
+    # requests, by draft model
+    confidence: dict[Hashable, Calibration] = field(default_factory=dict)

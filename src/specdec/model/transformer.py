@@ -45,7 +45,10 @@ class Segment:
     tokens: torch.Tensor  # [T] new token ids
     cache: KVCache  # this sequence's own cache; the rows go to its next free slots
     positions: torch.Tensor | None = None  # [T]; default: cache.length + arange(T)
-    tree_mask: torch.Tensor | None = None  # [T, T] bool among the new rows (token trees, extra rows)
+    # [T, S] bool (S >= T): which of the last S keys each new row sees — the T new rows and the
+    # S - T cached just before them (a draft model growing a token tree over several passes);
+    # earlier keys are all seen. [T, T]: among the new rows (token trees, extra rows)
+    tree_mask: torch.Tensor | None = None
     hidden_in: torch.Tensor | None = None  # [T, D] residual entering block `lo`; required exactly when lo > 0
     lo: int = 0  # first block to run (self-speculation already ran blocks [0, lo) for these rows)
     last_only: bool = False  # logits (and hidden/residual) for the last row only (prefill)
@@ -304,7 +307,7 @@ class Transformer(nn.Module):
         if tree_mask is None:
             full[:, :, start:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         else:
-            full[:, :, start:] = tree_mask
+            full[:, :, end - tree_mask.shape[1] :] = tree_mask
         masks = {False: full.unsqueeze(1)}
         if need_sliding:
             masks[True] = (full & self._window(cache, positions, end)).unsqueeze(1)
@@ -331,7 +334,10 @@ class Transformer(nn.Module):
         if seg.hidden_in is not None and seg.hidden_in.shape != (T, a.dim):
             raise ValueError(f"hidden_in has shape {tuple(seg.hidden_in.shape)}, expected {(T, a.dim)}")
         tree = seg.tree_mask
-        if tree is not None and torch.triu(tree, 1).any():
+        if tree is not None and (tree.dim() != 2 or tree.shape[0] != T or not T <= tree.shape[1] <= seg.cache.length + T):
+            raise ValueError(f"tree_mask must be [T, S] with T = {T} new rows and T <= S <= the cached rows + T, got "
+                             f"{tuple(tree.shape)}")  # fmt: skip
+        if tree is not None and torch.triu(tree[:, tree.shape[1] - T :], 1).any():
             raise ValueError("tree_mask must list tokens in topological order: a token may attend only to earlier ones")
         start = seg.cache.reserve(T)
         if seg.positions is None:
