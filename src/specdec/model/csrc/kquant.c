@@ -162,24 +162,20 @@ static inline int32_t load4(const void *p) {
     return v;
 }
 
-/* Prefetching. One row is a pure stream, which the hardware prefetchers serve best alone (in
- * the 512-bit loop; the AVX2 loop reads each tile in two halves and one row gains too). Over
- * several rows the loop spends long enough on each tile-block that they fall behind, so each
- * block asks for the one PF_AHEAD blocks further on (the same tile, or the next tile this thread
- * takes: tiles lie back to back), into L2 (T1): far enough ahead to cover DRAM latency at full
- * bandwidth, without filling L1, which holds the block being read and the activation rows.
- * The requests are spread over the block's scale groups, a few lines each: asked for all at
- * once they stall the loop until the memory system takes them, and memory time adds to compute
- * time instead of overlapping it. `specdec bench forward` shows how close a pass comes to
- * max(memory, compute). (Prefetches past the end of the weights never fault.) */
+/* Prefetching. The loop spends long enough on each tile-block that the hardware prefetchers
+ * fall behind, so each block asks for the one PF_AHEAD blocks further on (the same tile, or the
+ * next tile this thread takes: tiles lie back to back), into L2 (T1): far enough ahead to cover
+ * DRAM latency at full bandwidth, without filling L1, which holds the block being read and the
+ * activation rows. The requests are spread over the block's scale groups, a few lines each:
+ * asked for all at once they stall the loop until the memory system takes them, and memory time
+ * adds to compute time instead of overlapping it. One row is served the same way: without the
+ * requests (left to the hardware prefetchers, as the AVX-512 build once did) a one-row pass
+ * cost more than a two-row one on every CPU measured (Zen 4, Zen 5, an AMX Xeon; with them it
+ * costs less on the Xeon: docs/results.md, 2026-12-05). `specdec bench forward`
+ * shows how close a pass comes to max(memory, compute). (Prefetches past the end of the weights
+ * never fault.) */
 #define PF_AHEAD 12
-#ifdef SPECDEC_AVX512
-#define PF_MIN_ROWS 2
-#else
-#define PF_MIN_ROWS 1  /* the AVX2 loop reads each tile in two halves: one row gains from the requests too */
-#endif
-static inline __attribute__((always_inline)) void prefetch_part(const void *t, size_t bytes, int part, int parts, int rows) {
-    if (rows < PF_MIN_ROWS) return;
+static inline __attribute__((always_inline)) void prefetch_part(const void *t, size_t bytes, int part, int parts) {
     const char *p = (const char *)t + PF_AHEAD * bytes;
     const size_t lines = bytes / 64;  /* both tile-blocks are whole cache lines */
     for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
@@ -238,7 +234,7 @@ static inline __attribute__((always_inline)) void half_dot_k(
             }
         }
         for (int j = 0; j < 8; j++) {
-            if (h == 0) prefetch_part(t, tb, j, 8, rb);  /* (the second half finds the tile in cache) */
+            if (h == 0) prefetch_part(t, tb, j, 8);  /* (the second half finds the tile in cache) */
             const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[j][8 * h]));
             __m256i c[8];
             codes256(t, bits, j, h, c);
@@ -293,7 +289,7 @@ static inline __attribute__((always_inline)) void half_dot_q6k(
             iacc[r] = _mm256_sub_epi32(iacc[r], _mm256_slli_epi32(off, 5));
         }
         for (int s = 0; s < 16; s++) {
-            if (h == 0) prefetch_part(t, sizeof(tile_q6k), s, 16, rb);
+            if (h == 0) prefetch_part(t, sizeof(tile_q6k), s, 16);
             const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&t->sc[s][8 * h]));
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)&t->sub[s].ql[0][32 * h]);
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)&t->sub[s].ql[1][32 * h]);
@@ -399,7 +395,7 @@ static inline __attribute__((always_inline)) void tile_dot_k(
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
         q4k_mins512(t, xq, r0, rb, b, imin);
         for (int j = 0; j < 8; j++) {
-            prefetch_part(t, tb, j, 8, rb);
+            prefetch_part(t, tb, j, 8);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
             __m512i c[8];
             codes512(t, bits, j, c);
@@ -432,7 +428,7 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
         __m512i iacc[MAXRB];
         for (int r = 0; r < rb; r++) iacc[r] = _mm512_setzero_si512();
         for (int s = 0; s < 16; s++) {
-            prefetch_part(t, sizeof(tile_q6k), s, 16, rb);
+            prefetch_part(t, sizeof(tile_q6k), s, 16);
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)t->sc[s]));
             const __m512i l0 = _mm512_loadu_si512((const void *)t->sub[s].ql[0]);
             const __m512i l1 = _mm512_loadu_si512((const void *)t->sub[s].ql[1]);
@@ -482,7 +478,6 @@ static inline __attribute__((always_inline)) void tile_dot_q2(const uint8_t *w, 
 
 #ifdef SPECDEC_AMX
 #define AMX_ROWS 16  /* activation rows per tile multiply */
-#define AMX_MIN_ROWS 2  /* one row is bound by memory: the AVX-512 path serves it */
 
 static int amx_on = 0;  /* set by specdec_amx_enable once the OS granted the tile state */
 
@@ -586,7 +581,7 @@ static void amx_tile_q4k(const tile_q4k *w, const xquant *xq, int r0, int rb, fl
         for (int r = 0; r < rb; r++) iacc[r] = imin[r] = _mm512_setzero_si512();
         q4k_mins512(t, xq, r0, rb, b, imin);
         for (int j = 0; j < 8; j++) {
-            prefetch_part(t, sizeof(tile_q4k), j, 8, rb);
+            prefetch_part(t, sizeof(tile_q4k), j, 8);
             __m512i c[8];  /* the group's 8 code vectors: B in VNNI layout */
             codes512(t, 4, j, c);
             for (int v = 0; v < 8; v++) _mm512_store_si512((void *)bbuf[v], c[v]);
@@ -617,7 +612,7 @@ static void amx_tile_q6k(const tile_q6k *w, const xquant *xq, int r0, int rb, fl
         __m512i iacc[AMX_ROWS];
         for (int r = 0; r < rb; r++) iacc[r] = _mm512_setzero_si512();
         for (int s = 0; s < 16; s++) {
-            prefetch_part(t, sizeof(tile_q6k), s, 16, rb);
+            prefetch_part(t, sizeof(tile_q6k), s, 16);
             const __m512i l0 = _mm512_loadu_si512((const void *)t->sub[s].ql[0]);
             const __m512i l1 = _mm512_loadu_si512((const void *)t->sub[s].ql[1]);
             const __m512i hb = _mm512_loadu_si512((const void *)t->sub[s].qh);
@@ -698,19 +693,24 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
         const void *wt = (const char *)w[i] + (size_t)(t - first[i]) * tile_bytes;
         const int n0 = (t - first[i]) * TILE, nv = N[i] - n0 < TILE ? N[i] - n0 : TILE;
         const float *res = add ? add[i] : NULL;
-        /* rows split evenly over the sweeps of the tile (9 rows: 5 + 4, not 8 + 1), so every
-         * sweep carries enough rows to hide the weights' memory time */
+        /* The AMX path takes whole sweeps of 16 rows only: a tile multiply over fewer rows
+         * costs nearly as much as over 16: on an AMX Xeon it lost to the AVX-512 path at 2-12
+         * rows and won at 16 (docs/results.md, 2026-12-05).
+         * The rows left over (and every call under 16 rows: decoding, verification) go to the
+         * AVX-512 path, split evenly over its sweeps (9 rows: 5 + 4, not 8 + 1), so every sweep
+         * carries enough rows to hide the weights' memory time. (drafts' packings: AVX-512) */
 #ifdef SPECDEC_AMX
-        const int most = amx_on && M >= AMX_MIN_ROWS && kinds[i] >= 4 ? AMX_ROWS : MAXRB;  /* (drafts: AVX-512) */
+        const int amx_rows = amx_on && kinds[i] >= 4 ? M / AMX_ROWS * AMX_ROWS : 0;
 #else
-        const int most = MAXRB;
+        const int amx_rows = 0;
 #endif
-        const int sweeps = M > 0 ? (M + most - 1) / most : 1, step = (M + sweeps - 1) / sweeps;
-        for (int r0 = 0; r0 < M; r0 += step) {
-            const int rb = M - r0 < step ? M - r0 : step;
+        const int rest = M - amx_rows, sweeps = rest > 0 ? (rest + MAXRB - 1) / MAXRB : 1;
+        const int step = (rest + sweeps - 1) / sweeps;
+        for (int r0 = 0; r0 < M; r0 += r0 < amx_rows ? AMX_OUT_ROWS : step) {
+            const int rb = r0 < amx_rows ? AMX_OUT_ROWS : M - r0 < step ? M - r0 : step;
             float out[AMX_OUT_ROWS][TILE];
 #ifdef SPECDEC_AMX
-            if (most == AMX_ROWS) {
+            if (r0 < amx_rows) {
                 if (kinds[i] == 4) amx_tile_q4k((const tile_q4k *)wt, xq, r0, rb, out);
                 else amx_tile_q6k((const tile_q6k *)wt, xq, r0, rb, out);
             } else
