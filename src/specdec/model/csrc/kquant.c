@@ -700,14 +700,14 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
          * AVX-512 path, split evenly over its sweeps (9 rows: 5 + 4, not 8 + 1), so every sweep
          * carries enough rows to hide the weights' memory time. (drafts' packings: AVX-512) */
 #ifdef SPECDEC_AMX
-        const int amx_rows = amx_on && kinds[i] >= 4 ? M / AMX_ROWS * AMX_ROWS : 0;
+        const int amx_rows = amx_on && kinds[i] >= 4 ? M / AMX_ROWS * AMX_ROWS : 0, amx_step = AMX_ROWS;
 #else
-        const int amx_rows = 0;
+        const int amx_rows = 0, amx_step = 0;
 #endif
         const int rest = M - amx_rows, sweeps = rest > 0 ? (rest + MAXRB - 1) / MAXRB : 1;
         const int step = (rest + sweeps - 1) / sweeps;
-        for (int r0 = 0; r0 < M; r0 += r0 < amx_rows ? AMX_OUT_ROWS : step) {
-            const int rb = r0 < amx_rows ? AMX_OUT_ROWS : M - r0 < step ? M - r0 : step;
+        for (int r0 = 0; r0 < M; r0 += r0 < amx_rows ? amx_step : step) {
+            const int rb = r0 < amx_rows ? amx_step : M - r0 < step ? M - r0 : step;
             float out[AMX_OUT_ROWS][TILE];
 #ifdef SPECDEC_AMX
             if (r0 < amx_rows) {
