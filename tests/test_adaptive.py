@@ -295,3 +295,53 @@ def test_a_self_sized_drafter_is_tried_early_where_nothing_pays_on_its_merits():
     # ...unless catching it up would cost more than a small share of the rest of the request
     far = MethodChooser(["draft-model"], 8, PASS, draft_ms={"draft-model": 40.0}, self_sized=frozenset({"draft-model"}))
     assert far.choose({"draft-model": ("", 8, 5000.0)}, remaining=50) == ("plain", 0)
+
+
+def test_earlier_requests_record_of_a_self_sized_drafter_is_where_a_request_starts():
+    """`StepRecord`: a request ranks a self-sized drafter by what its steps did in earlier
+    requests until its own steps say otherwise, so a few unlucky one-token steps early in a
+    request do not send it to plain steps; each verified step also moves the record (slowly)."""
+    from specdec.adaptive import StepRecord
+
+    flat = Costs({r: 30.0 for r in range(1, 10)})
+    record = StepRecord()
+    record.step = (2.5, 40.0)  # earlier requests: 2.5 tokens per 40 ms step, plain is 1 per 30 ms
+
+    drafter = _SelfSized()
+    drafter.step_record = lambda: record  # type: ignore[method-assign]
+    c = KController(drafter, 8, flat)
+    assert c.choose(8) == 8 and c.chooser.realized["chain"] == (2.5, 40.0)
+    c._situation = ""
+    for _ in range(6):  # six drafts rejected outright: 1 token for 6 + 30 ms each
+        c.update(8, 1, 0, 6.0, rows=2)
+    assert c.choose(8) == 8  # (from the position model's guess, these six sent it to plain)
+    assert record.step[0] < 2.5 and record.step[1] < 40.0  # the record heard of them
+    fresh = KController(_SelfSized(), 8, flat)
+    assert fresh.choose(8) == 8
+    fresh._situation = ""
+    for _ in range(6):
+        fresh.update(8, 1, 0, 6.0, rows=2)
+    assert fresh.choose(8) == 0
+    # a seeded sampled request (`reproducible`) never reads it: no clock may enter its choices
+    repro = KController(drafter, 8, flat, reproducible=True)
+    repro.choose(8)
+    assert "chain" not in repro.chooser.realized
+
+
+def test_a_prior_from_many_earlier_proposals_outweighs_one_new_one():
+    """`Acceptance.as_prior`: the memory's estimate weighs what it measured (up to
+    MEMORY_PRIOR_WEIGHT proposals), so one lucky draft moves a well-measured 0.25 a little, not
+    to 0.6; a memory of one proposal weighs one."""
+    from specdec.adaptive import MEMORY_PRIOR_WEIGHT, Acceptance
+
+    memory = Acceptance(4, 0.99)
+    for n in range(100):
+        memory.update(1, 1 if n % 4 == 0 else 0)
+    request = Acceptance(4, 0.9, *memory.as_prior())
+    request.update(1, 1)
+    a = memory.alpha()[0]
+    assert request.alpha()[0] == pytest.approx((1 + MEMORY_PRIOR_WEIGHT * a) / (1 + MEMORY_PRIOR_WEIGHT))
+    assert request.alpha()[0] < 0.45
+    once = Acceptance(4, 0.99)
+    once.update(1, 0)
+    assert once.as_prior()[1][0] == 1.0

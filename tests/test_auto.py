@@ -114,7 +114,7 @@ def _switching(monkeypatch, seed: int) -> list[tuple[str, int]]:
         picks.append(rng.choice(options))
         return picks[-1]
 
-    def suffix_wins(self, tree_rate, chosen_rate):  # (suffix's own tree, when it has one, at random too)
+    def suffix_wins(self, tree_rate, chosen_rate, merged=False):  # (suffix's own tree, when it has one, at random too)
         if rng.random() < 0.25:
             picks[-1] = (SUFFIX, 0)
         return picks[-1][0] == SUFFIX
@@ -342,7 +342,7 @@ def _merging(monkeypatch, method: str, k: int) -> list[int]:
         return draft
 
     monkeypatch.setattr(MethodChooser, "choose", choose)
-    monkeypatch.setattr(AutoDrafter, "_suffix_wins", lambda self, tree_rate, chosen_rate: False)
+    monkeypatch.setattr(AutoDrafter, "_suffix_wins", lambda self, tree_rate, chosen_rate, merged=False: False)
     monkeypatch.setattr(AutoDrafter, "_tree_nodes", lambda self, chances, depths: len(chances))
     monkeypatch.setattr(AutoDrafter, "_with_suffix", with_suffix)
     return sizes
@@ -378,3 +378,15 @@ def test_sampling_law_with_merged_trees(small_vocab, exact_joint, sample_joint, 
     assert len(sizes) > 1000 and max(sizes) > 2  # (most runs merged a tree)
     p = chi2_pvalue(counts, exact_joint(target, sampling, 4))
     assert (p <= ALPHA) if broken else (p > ALPHA)
+
+
+def test_suffix_tree_alone_must_clearly_beat_a_chain_it_would_join():
+    """Where the chosen chain takes suffix decoding's tree into its own step anyway, the tree
+    alone takes the step only if it beats the chain by KEEP_MEASURED (the merged step keeps the
+    tree's chances); against a choice it would not join (a plain step, a head), any margin."""
+    from specdec.adaptive import KEEP_MEASURED
+
+    auto = AutoDrafter.__new__(AutoDrafter)
+    assert auto._suffix_wins(1.05, 1.0) and not auto._suffix_wins(1.05, 1.0, merged=True)
+    assert auto._suffix_wins(KEEP_MEASURED * 1.01, 1.0, merged=True)
+    assert auto._suffix_wins(0.01, 0.0, merged=False)

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import MethodChooser, acceptance_memory, outlook_of, remembered
+from ..adaptive import KEEP_MEASURED, MethodChooser, acceptance_memory, outlook_of, remembered
 from ..costs import K_MAX
 from ..metrics import timer
 from ..model.transformer import Transformer
@@ -185,7 +185,8 @@ class AutoDrafter(Drafter):
                                      remembered=remembered(self.methods),
                                      reproducible=reproducible(session.sampling),
                                      self_sized=frozenset(n for n, sub in self.subs.items() if sub.sizes_itself),
-                                     priors=lambda m, situation: self.subs[m].prior_alpha(situation))  # fmt: skip
+                                     priors=lambda m, situation: self.subs[m].prior_alpha(situation),
+                                     steps=lambda m: self.subs[m].step_record())  # fmt: skip
 
     def end(self) -> None:
         for sub in self.subs.values():
@@ -214,7 +215,7 @@ class AutoDrafter(Drafter):
             # (the chosen drafter's rate as the chooser ranked it: a self-sized one's by its record)
             chosen = 0.0 if method == "plain" else self.chooser.rates_now.get(method) or self.chooser.rate(
                 method, *self._plan[1:], *outlook[method][2:], remaining=remaining)  # fmt: skip
-            if tree.tokens and self._suffix_wins(rate, chosen):
+            if tree.tokens and self._suffix_wins(rate, chosen, self._merges(method)):
                 self.chooser.chosen[(method, kk)] -= 1  # (its report counts what ran)
                 if not self.chooser.chosen[(method, kk)]:
                     del self.chooser.chosen[(method, kk)]
@@ -222,10 +223,15 @@ class AutoDrafter(Drafter):
                 self.chooser.chosen[(SUFFIX, max(_depths(tree.parents)))] += 1  # (its depth as k)
         self._proposal, self._depth, self._merged, self._draft_ms = [], 0, None, 0.0
 
-    def _suffix_wins(self, tree_rate: float, chosen_rate: float) -> bool:
+    def _suffix_wins(self, tree_rate: float, chosen_rate: float, merged: bool = False) -> bool:
         """Whether suffix decoding's tree (its own sizing: `tree_rate`, expected tokens per ms,
-        beating plain decoding by its margin) beats the chooser's choice (0: a plain step)."""
-        return tree_rate > chosen_rate
+        beating plain decoding by its margin) beats the chooser's choice (0: a plain step).
+        Where the choice is a chain that suffix's tree would join anyway (`merged`), the tree
+        alone must beat it by KEEP_MEASURED: the merged step keeps the tree's chances and adds
+        the chain's, so a tree that only matches the chain's rate is worth less alone (on open
+        text a one-token tree from a short match took a third of the draft's steps, and two in
+        three of them committed nothing)."""
+        return tree_rate > chosen_rate * (KEEP_MEASURED if merged else 1.0)
 
     @classmethod
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:

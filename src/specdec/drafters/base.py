@@ -22,11 +22,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
 from ..config import SamplingParams
+
+if TYPE_CHECKING:
+    from ..adaptive import StepRecord
 
 
 @dataclass
@@ -192,6 +195,11 @@ class Drafter:
     def prior_alpha(self, situation: Hashable) -> float | None:
         """The chance that a first draft of this situation is accepted, before a request has
         measured it (None: the chooser's generic prior)."""
+        return None
+
+    def step_record(self) -> StepRecord | None:
+        """Where a drafter that sizes itself keeps what its steps committed and cost across
+        requests (`adaptive.StepRecord`; valid after `begin`); None: it keeps none."""
         return None
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:

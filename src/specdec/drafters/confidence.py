@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..adaptive import StepRecord
 from .base import Option
 
 BINS = 10
@@ -41,6 +42,9 @@ class Calibration:
     def __init__(self) -> None:
         self.proposed = [0.0] * BINS
         self.accepted = [0.0] * BINS
+        # what the steps of the draft that keeps this calibration committed and cost (kept with
+        # it across greedy requests: `adaptive.StepRecord`)
+        self.steps = StepRecord()
 
     @staticmethod
     def _bin(c: float) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from .confidence import CONFIDENCE_OPTION, TREE_OPTION, Calibration, Depth, keep
 from .draft_tree import MAX_NODES, TreeGrowth
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
 from .window import DEFAULT_WINDOW, SINK, WINDOW_OPTION
+
+if TYPE_CHECKING:
+    from ..adaptive import StepRecord
 
 # The draft model keeps the last prompt it prefilled (`state.prefilled`: with its window, that
 # cache and the tokens the window left out), so a batch of sequences with one prompt, as
@@ -137,6 +140,11 @@ class DraftModelDrafter(Drafter):
 
     def end(self) -> None:
         self.cache = None  # free the draft's KV cache
+
+    def step_record(self) -> StepRecord | None:
+        """Its steps' record across greedy requests, kept with its calibration (the same scope:
+        this target, this draft, its vocabulary, chain or tree); None where it sizes no steps."""
+        return self.calibration.steps if self.sizes_itself else None
 
     def batch_key(self) -> Hashable:
         return ("draft-model", id(self.model), id(self.vocab), self._grows_tree())

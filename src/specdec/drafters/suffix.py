@@ -314,7 +314,7 @@ class SuffixDrafter(Drafter):
     def _acc(self, sit: int) -> Acceptance:
         if sit not in self._acceptance:
             known = self._memory.get((self.name, sit)) if self._memory is not None else None
-            self._acceptance[sit] = Acceptance(self.max_nodes, GAMMA, known.alpha() if known is not None else None)
+            self._acceptance[sit] = Acceptance(self.max_nodes, GAMMA, *(known.as_prior() if known is not None else ()))
         return self._acceptance[sit]
 
     def _best(self, tree: SuffixTree) -> tuple[int, float]:
