@@ -215,7 +215,9 @@ class AutoDrafter(Drafter):
             # (the chosen drafter's rate as the chooser ranked it: a self-sized one's by its record)
             chosen = 0.0 if method == "plain" else self.chooser.rates_now.get(method) or self.chooser.rate(
                 method, *self._plan[1:], *outlook[method][2:], remaining=remaining)  # fmt: skip
-            if tree.tokens and self._suffix_wins(rate, chosen, self._merges(method)):
+            # (a draft model's chain adds what the tree cannot; another copy's chain adds little)
+            joins = self._merges(method) and method in self.chooser.self_sized
+            if tree.tokens and self._suffix_wins(rate, chosen, joins):
                 self.chooser.chosen[(method, kk)] -= 1  # (its report counts what ran)
                 if not self.chooser.chosen[(method, kk)]:
                     del self.chooser.chosen[(method, kk)]
@@ -226,11 +228,13 @@ class AutoDrafter(Drafter):
     def _suffix_wins(self, tree_rate: float, chosen_rate: float, merged: bool = False) -> bool:
         """Whether suffix decoding's tree (its own sizing: `tree_rate`, expected tokens per ms,
         beating plain decoding by its margin) beats the chooser's choice (0: a plain step).
-        Where the choice is a chain that suffix's tree would join anyway (`merged`), the tree
-        alone must beat it by KEEP_MEASURED: the merged step keeps the tree's chances and adds
-        the chain's, so a tree that only matches the chain's rate is worth less alone (on open
-        text a one-token tree from a short match took a third of the draft's steps, and two in
-        three of them committed nothing)."""
+        Where the choice is a draft model's chain that suffix's tree would join anyway
+        (`merged`), the tree alone must beat it by KEEP_MEASURED: the merged step keeps the
+        tree's chances and adds the chain's, so a tree that only matches the chain's rate is
+        worth less alone (on open text, one-token trees from one-token matches took steps from
+        the draft, and four in five of them committed nothing). Against prompt lookup's chain,
+        another copy of the same text, any margin (taking KEEP_MEASURED there too left code
+        editing to prompt lookup's shorter chains)."""
         return tree_rate > chosen_rate * (KEEP_MEASURED if merged else 1.0)
 
     @classmethod
