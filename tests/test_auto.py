@@ -381,9 +381,10 @@ def test_sampling_law_with_merged_trees(small_vocab, exact_joint, sample_joint, 
 
 
 def test_suffix_tree_alone_must_clearly_beat_a_chain_it_would_join():
-    """Where the chosen chain takes suffix decoding's tree into its own step anyway, the tree
-    alone takes the step only if it beats the chain by KEEP_MEASURED (the merged step keeps the
-    tree's chances); against a choice it would not join (a plain step, a head), any margin."""
+    """Where the chosen chain is the draft model's, which takes suffix decoding's tree into its
+    own step anyway, the tree alone takes the step only if it beats the chain by KEEP_MEASURED
+    (the merged step keeps the tree's chances); against any other choice (prompt lookup's
+    chain, a plain step, a head), any margin."""
     from specdec.adaptive import KEEP_MEASURED
 
     auto = AutoDrafter.__new__(AutoDrafter)

@@ -85,10 +85,10 @@ class Acceptance:
     def as_prior(self) -> tuple[list[float], list[float]]:
         """(alpha_j, weight_j): this estimate as the prior of a new request's (`acceptance_memory`).
         Each position weighs what it measured, up to MEMORY_PRIOR_WEIGHT proposals and never
-        less than PRIOR_WEIGHT: with one pseudo-proposal behind a prior that a hundred earlier
-        proposals measured, a request's first lucky draft moved a one-token match's estimate
-        from 0.28 to 0.64, and suffix decoding's tree then took steps from the draft model that
-        committed nothing (open text)."""
+        less than PRIOR_WEIGHT: with one pseudo-proposal behind a prior that many earlier
+        proposals measured, a request's first lucky draft swung a weak situation's estimate
+        far enough for suffix decoding's tree to take steps from the draft model that then
+        committed nothing (docs/results.md, 2026-12-05 third entry)."""
         return self.alpha(), [min(MEMORY_PRIOR_WEIGHT, max(PRIOR_WEIGHT, p)) for p in self.proposed]
 
     def expected(self, k: int) -> float:
@@ -109,8 +109,8 @@ class StepRecord:
     keeps what it learns across requests: a draft model's confidence calibration). A request's
     record (`MethodChooser.realized`) starts from it: started from the position model's guess
     instead, a few unlucky one-token steps early in a request ranked a draft model that beat
-    plain decoding by 15-20% over whole requests below plain for the rest of the request (open
-    text). Exact as the rest: it holds verified steps only."""
+    plain decoding over whole requests below plain for the rest of the request (open text).
+    Exact as the rest: it holds verified steps only."""
 
     def __init__(self) -> None:
         self.step: tuple[float, float] | None = None  # (tokens, ms) per step
@@ -306,10 +306,14 @@ class MethodChooser:
         return ms * self.costs.scale if method in self._stored else ms
 
     def _record(self, method: str) -> StepRecord | None:
-        """Earlier requests' record of `method`'s steps (None: it keeps none; see `StepRecord`)."""
+        """Earlier requests' record of `method`'s steps (None: it keeps none; see `StepRecord`).
+        Fetched once, when this request's record of the method starts from it."""
         if method not in self._records:
             is_sized = method in self.self_sized and self._steps is not None and not self.reproducible
-            self._records[method] = self._steps(method) if is_sized else None  # type: ignore[misc]
+            record = self._steps(method) if is_sized else None  # type: ignore[misc]
+            self._records[method] = record
+            if record is not None and record.step is not None:
+                self.realized.setdefault(method, record.step)
         return self._records[method]
 
     def ranked(self, outlook: Mapping[str, Outlook], remaining: int | None = None,
@@ -319,9 +323,7 @@ class MethodChooser:
         for m in self.methods:
             if m not in outlook:
                 continue
-            record = self._record(m)
-            if m not in self.realized and record is not None and record.step is not None:
-                self.realized[m] = record.step
+            self._record(m)  # (a request's record starts from earlier requests')
             situation, most, switch_ms = outlook[m]
             ks = range(1, min(self.k_max, most) + 1)
             if ks and m in self.realized and others[0] == 0:

@@ -232,9 +232,9 @@ class AutoDrafter(Drafter):
         (`merged`), the tree alone must beat it by KEEP_MEASURED: the merged step keeps the
         tree's chances and adds the chain's, so a tree that only matches the chain's rate is
         worth less alone (on open text, one-token trees from one-token matches took steps from
-        the draft, and four in five of them committed nothing). Against prompt lookup's chain,
-        another copy of the same text, any margin (taking KEEP_MEASURED there too left code
-        editing to prompt lookup's shorter chains)."""
+        the draft and mostly committed nothing). Against prompt lookup's chain, another copy of
+        the same text, any margin (taking KEEP_MEASURED there too left code editing to prompt
+        lookup's shorter chains)."""
         return tree_rate > chosen_rate * (KEEP_MEASURED if merged else 1.0)
 
     @classmethod
