@@ -140,14 +140,14 @@ def exact_joint():
 
 def _sample_joint(target, drafter, sampling: SamplingParams, *, runs: int, n_tokens: int = 4, k: int = 2,
                   prompt: list[int] = PROMPT_IDS, expect_mixed: bool = True, bounds=(0.1, 0.9),
-                  adaptive_k: bool = False) -> Counter:  # fmt: skip
+                  adaptive_k: bool = False, prediction: list[int] | None = None) -> Counter:  # fmt: skip
     """Outputs of `runs` seeded speculative generations with `drafter`. With `expect_mixed`,
     drafts were offered and both branches of the rule (accept; reject + recover) exercised."""
     cfg = GenerationConfig(max_new_tokens=n_tokens, k=k, ignore_eos=True, adaptive_k=adaptive_k)
     counts: Counter = Counter()
     accepted = proposed = 0
     for seed in range(runs):
-        out = engine.run(target, prompt, cfg, dataclasses.replace(sampling, seed=seed), drafter)
+        out = engine.run(target, prompt, cfg, dataclasses.replace(sampling, seed=seed), drafter, prediction=prediction)
         counts[tuple(out.token_ids)] += 1
         accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
     if expect_mixed:

@@ -30,7 +30,7 @@ def test_other_model_free_drafters_by_name(tiny, name):
 
 
 def test_unknown_or_model_drafter_names_are_refused(tiny):
-    with pytest.raises(ValueError, match="unknown drafter 'n-gram'; choose one of auto, draft-model, eagle3, early-exit, hydra, lookahead, medusa, prompt-lookup, suffix"):
+    with pytest.raises(ValueError, match="unknown drafter 'n-gram'; choose one of auto, draft-model, eagle3, early-exit, hydra, lookahead, medusa, prediction, prompt-lookup, suffix"):
         specdec.generate(tiny("qwen2"), "ab", drafter="n-gram", max_new_tokens=2, adaptive_k=False)
     with pytest.raises(ValueError, match="needs a draft model"):
         specdec.generate(tiny("qwen2"), "ab", drafter="draft-model", max_new_tokens=2, adaptive_k=False)
@@ -48,7 +48,7 @@ def test_registry_declares_each_drafter_once():
     from specdec.cli import build_parser
 
     assert list(specdec.DRAFTERS) == ["auto", "draft-model", "eagle3", "early-exit", "lookahead", "medusa", "hydra",
-                                    "prompt-lookup", "suffix"]
+                                    "prediction", "prompt-lookup", "suffix"]
     assert specdec.DRAFTERS["auto"].needs == "any"
     la = specdec.DRAFTERS["lookahead"]
     assert la.defaults() == {"window": 1, "ngram": 3, "guesses": 2} and la.needs == ""

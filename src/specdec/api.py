@@ -25,7 +25,8 @@ import torch
 from . import store
 from .config import GenerationConfig, SamplingParams, resolve_k
 from .drafters.base import Drafter, draft_model_method, make_drafter, uses_draft_model
-from .engine import Delta, Engine, GenerationResult
+from .drafters.prediction import PREDICTION_READERS
+from .engine import MAX_TOP_LOGPROBS, Delta, Engine, GenerationResult
 from .model.load import load_transformer
 from .model.transformer import Transformer
 from .tokenizer import Messages, Tokenizer, check_same_tokenizer
@@ -138,14 +139,20 @@ class Request:
     sampling: SamplingParams
     drafter: Drafter | None
     k_source: str | None  # "given", "tuned" or "default"; None for plain decoding
+    prediction: list[int] | None = None  # the output expected (predicted outputs), tokenized
+    logprobs: int | None = None  # each token's logprob with this many alternatives (None: none)
 
 
 def request(target: LoadedModel, prompt: Prompt, *, assistant_model: LoadedModel | None = None,
             drafter: Drafter | str | None = None, drafter_options: dict[str, Any] | None = None,
             config: GenerationConfig | None = None, sampling: SamplingParams | None = None,
-            k: int | None = None, chat: bool | None = None, **kwargs: Any) -> Request:  # fmt: skip
+            k: int | None = None, chat: bool | None = None, prediction: str | list[int] | None = None,
+            logprobs: int | None = None, **kwargs: Any) -> Request:  # fmt: skip
     """Build a request from either config objects (`config=`, `sampling=`: built once by the
-    caller) or the keywords of their fields (max_new_tokens=, temperature=, stop=, ...)."""
+    caller) or the keywords of their fields (max_new_tokens=, temperature=, stop=, ...).
+    `prediction`: the output expected (text, or token ids), drafted from by the prediction
+    drafter (the default where a prediction is given; with an assistant model, auto).
+    `logprobs`: return each token's logprob with this many alternatives (0..20)."""
     unknown = set(kwargs) - _CONFIG_FIELDS - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown generation option {sorted(unknown)[0]!r}")
@@ -153,6 +160,13 @@ def request(target: LoadedModel, prompt: Prompt, *, assistant_model: LoadedModel
         raise ValueError("pass config= or its fields as keywords, not both")
     if sampling is not None and set(kwargs) & _SAMPLING_FIELDS:
         raise ValueError("pass sampling= or its fields as keywords, not both")
+    predicted = None
+    if prediction is not None:
+        predicted = encode_prediction(target.tokenizer, prediction)
+        drafter = prediction_drafter(drafter, assistant_model is not None)
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):  # fmt: skip
+        raise ValueError(f"logprobs is the number of alternatives per token, 0..{MAX_TOP_LOGPROBS} (got {logprobs!r})")
     spec = build_drafter(target, assistant_model, drafter, **(drafter_options or {}))
     if "stop" in kwargs:
         kwargs["stop"] = tuple(kwargs["stop"])
@@ -168,11 +182,38 @@ def request(target: LoadedModel, prompt: Prompt, *, assistant_model: LoadedModel
                                   **({"k": k} if k is not None else {}))  # fmt: skip
     elif spec is not None:
         k_source = "given"
-    return Request(encode_prompt(target.tokenizer, prompt, chat), config, sampling, spec, k_source)
+    return Request(encode_prompt(target.tokenizer, prompt, chat), config, sampling, spec, k_source, predicted, logprobs)
+
+
+def encode_prediction(tokenizer: Tokenizer, prediction: str | list[int]) -> list[int]:
+    """Token ids of a prediction: text is encoded as it stands (no chat template, no special
+    tokens: it is output, not a prompt); ids are checked."""
+    if isinstance(prediction, str):
+        return tokenizer.encode_text(prediction)
+    if not isinstance(prediction, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in prediction):
+        raise ValueError("a prediction is text or a list of token ids")
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in prediction):
+        raise ValueError(f"prediction token ids must lie in [0, {vocab})")
+    return list(prediction)
+
+
+def prediction_drafter(drafter: Drafter | str | None, assistant: bool) -> Drafter | str:
+    """The drafter of a request with a prediction: the one named if it reads predictions; by
+    default the prediction drafter, or auto where an assistant model is given (the prediction,
+    the draft model and copying, each step the best)."""
+    if drafter is None:
+        return "auto" if assistant else "prediction"
+    name = drafter if isinstance(drafter, str) else drafter.name
+    if name not in PREDICTION_READERS:
+        raise ValueError(f"the {name or type(drafter).__name__} drafter does not draft from a prediction; "
+                         f"use {' or '.join(repr(n) for n in PREDICTION_READERS)}, or drop the prediction")  # fmt: skip
+    return drafter
 
 
 def _submit(engine: Engine, req: Request) -> int:
-    return engine.add(req.prompt_ids, req.config, req.sampling, req.drafter)
+    return engine.add(req.prompt_ids, req.config, req.sampling, req.drafter, prediction=req.prediction,
+                      logprobs=req.logprobs)  # fmt: skip
 
 
 def _finish(result: GenerationResult, req: Request) -> GenerationResult:
@@ -249,7 +290,8 @@ def stream(target: LoadedModel, prompt: Prompt, **kwargs: Any) -> Stream:
 
 def _request_kw(target: LoadedModel, prompt: Prompt, kwargs: dict[str, Any]) -> Request:
     kw = dict(kwargs)
-    named = {n: kw.pop(n) for n in ("assistant_model", "drafter", "config", "sampling", "k", "chat") if n in kw}
+    named = {n: kw.pop(n) for n in ("assistant_model", "drafter", "config", "sampling", "k", "chat", "prediction",
+                                    "logprobs") if n in kw}  # fmt: skip
     fields = {n: kw.pop(n) for n in list(kw) if n in _CONFIG_FIELDS | _SAMPLING_FIELDS}
     return request(target, prompt, drafter_options=kw, **named, **fields)
 
@@ -370,7 +412,7 @@ def compare_requests(target: LoadedModel, make: Callable[[], Request], assistant
     for i in range(repeats):
         spec = first if i == 0 else make()
         spec.sampling = dataclasses.replace(spec.sampling, seed=seed)
-        plain_req = Request(spec.prompt_ids, spec.config, spec.sampling, None, None)
+        plain_req = Request(spec.prompt_ids, spec.config, spec.sampling, None, None, logprobs=spec.logprobs)
         watch = on_delta if i == 0 else None
         if i % 2 == 0:
             plain = run_request(target, plain_req)

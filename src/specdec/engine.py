@@ -45,6 +45,39 @@ from .tokenizer import Tokenizer
 from .verify import EXACT, Rules, greedy_verify, lossy_typical_acceptance, tree_greedy_verify
 
 
+# the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of a committed token, and of the most likely tokens in its
+    place: log-softmax of the target's raw logits (the model's distribution, before temperature,
+    top-k or top-p), computed from the same rows verification read. Those rows are what plain
+    decoding computes for the token, so speculation returns plain decoding's numbers."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's logprob under the row of `logits` ([N, V], row i the distribution token i
+    was picked from) and, with `top` > 0, that many alternatives."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    if top <= 0:
+        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen, strict=True)]
+    vals, ids = lp.topk(top, dim=-1)
+    return [TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
+            for t, c, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist(), strict=True)]  # fmt: skip
+
+
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # generated ids (an end token that stopped generation included)
@@ -52,10 +85,14 @@ class GenerationResult:
     finish_reason: str  # "eos" | "stop" | "length" | "cancelled"
     seed: int  # the seed used (reproduce a sampled run with it)
     metrics: Metrics = field(default_factory=Metrics)
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, where asked for
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "seed": self.seed, "metrics": self.metrics.to_dict()}  # fmt: skip
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "seed": self.seed, "metrics": self.metrics.to_dict()}  # fmt: skip
+        if self.logprobs is not None:
+            out["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        return out
 
 
 @dataclass
@@ -67,6 +104,7 @@ class Delta:
     text: str  # text they completed (never a stop string or text after it)
     finish_reason: str | None = None  # set on the sequence's last delta
     prefilled: int | None = None  # while the prompt is read in chunks: its tokens read so far (no tokens yet)
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, where the request asked
 
     @property
     def finished(self) -> bool:
@@ -126,6 +164,9 @@ class _Sequence:
     draft_rows: float | None = None
     draft_ms: float = 0.0  # this step's drafting time (ms)
     pool: str = ""  # whose earlier sequences' cached rows it may reuse (a server's API key)
+    prediction: list[int] | None = None  # the output the client expects (`DraftSession.prediction`)
+    top_logprobs: int | None = None  # None: no logprobs; else each token's, with this many alternatives
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def k(self) -> int:
         """Draft tokens at most: a step commits up to k + 1 tokens, never past the budget."""
@@ -162,10 +203,20 @@ class Engine:
 
     # -- sequences ---------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], cfg: GenerationConfig, sampling: SamplingParams,
-            drafter: Drafter | None = None, pool: str = "") -> int:  # fmt: skip
+            drafter: Drafter | None = None, pool: str = "", *, prediction: list[int] | None = None,
+            logprobs: int | None = None) -> int:  # fmt: skip
         """Queue a sequence (prefilled in the next step); returns its id. `pool`: whose earlier
-        sequences' cached rows it may start from (with the engine's `prefix_tokens`)."""
+        sequences' cached rows it may start from (with the engine's `prefix_tokens`).
+        `prediction`: the output expected, as token ids (drafted from by a drafter that reads it:
+        `prediction`, auto). `logprobs`: return each committed token's logprob with this many
+        alternatives (0..MAX_TOP_LOGPROBS; None: none)."""
         n_new = plan_length(len(prompt_ids), cfg, self.target.args.max_seq_len)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
+        if prediction is not None:
+            vocab = self.target.args.vocab_size
+            if any(not 0 <= t < vocab for t in prediction):
+                raise ValueError(f"prediction token ids must lie in [0, {vocab})")
         if drafter is not None and any(s.drafter is drafter for s in self._live.values()):
             raise ValueError("this drafter object already serves a live sequence; give each sequence its own drafter")
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**63 - 1)
@@ -190,7 +241,8 @@ class Engine:
             StopChecker(cfg, n_new, self.tokenizer, eos), self.target.new_cache(len(prompt_ids) + n_new + scratch),
             Metrics(prompt_tokens=len(prompt_ids), k=cfg.k if drafter is not None else None,
                     exact=sampling.exact or drafter is None), time.perf_counter(),
-            controller=controller, pool=pool,
+            controller=controller, pool=pool, prediction=list(prediction) if prediction else None,
+            top_logprobs=logprobs,
         )  # fmt: skip
         if self.prefixes is not None:
             # (the prompt's last row is computed in any case: it gives the first token)
@@ -364,6 +416,8 @@ class Engine:
         """After the prefill: the target's first token, exactly as in plain decoding; then the
         drafter begins on the committed tokens."""
         s.last = int(pick(out.logits[:, -1], s.sampling, s.gen))
+        if s.top_logprobs is not None:
+            s.logprobs += token_logprobs(out.logits[:, -1], [s.last], s.top_logprobs)
         done = s.stopper.push(s.last)
         if not done and s.drafter is not None:
             with timer(self.target.device) as t:
@@ -371,7 +425,8 @@ class Engine:
                 layers = {i: out.layers[i][0] for i in s.drafter.feature_layers}
                 s.drafter.begin(DraftSession(s.prompt + [s.last], len(s.prompt) + s.stopper.limit, s.sampling,
                                              make_generator(s.seed + 1, self.target.device), self.target, s.cache,
-                                             layers, fixed_k=not s.cfg.adaptive_k))  # fmt: skip
+                                             layers, fixed_k=not s.cfg.adaptive_k,
+                                             prediction=s.prediction))  # fmt: skip
             s.metrics.prefill_time += t[0]
             s.metrics.draft_time += t[0]
         return self._delta(s, [s.last])
@@ -400,6 +455,9 @@ class Engine:
             if s.stopper.push(token):
                 break
         s.last = nxt
+        if s.top_logprobs is not None:  # (token i was picked from the row after the path's first i nodes)
+            rows = [0] + [j + 1 for j in path]
+            s.logprobs += token_logprobs(logits[rows[: len(committed)]], committed, s.top_logprobs)
         if s.drafter is not None and not s.stopper.finish_reason:
             s.drafter.accepted(Feedback(
                 path, nxt, logits[: K + 1], logits[K + 1 :] if draft.extra is not None else None,
@@ -408,7 +466,8 @@ class Engine:
         return self._delta(s, committed)
 
     def _delta(self, s: _Sequence, tokens: list[int]) -> Delta:
-        return Delta(s.id, tokens, s.stopper.take_text(), s.stopper.finish_reason)
+        lps = s.logprobs[len(s.logprobs) - len(tokens) :] if s.top_logprobs is not None else None
+        return Delta(s.id, tokens, s.stopper.take_text(), s.stopper.finish_reason, logprobs=lps)
 
     def _finish(self, s: _Sequence) -> None:
         m = s.metrics
@@ -427,7 +486,8 @@ class Engine:
         s.cache = None  # free the KV cache
         del self._live[s.id]
         reason = s.stopper.finish_reason or "length"
-        self._done[s.id] = GenerationResult(s.stopper.tokens, s.stopper.text(), reason, s.seed, m)
+        self._done[s.id] = GenerationResult(s.stopper.tokens, s.stopper.text(), reason, s.seed, m,
+                                            s.logprobs[: len(s.stopper.tokens)] if s.top_logprobs is not None else None)
 
 
 def _load(s: _Sequence) -> tuple[float, float]:
@@ -474,10 +534,10 @@ def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: t
 
 def run(target: Transformer, prompt_ids: list[int], cfg: GenerationConfig, sampling: SamplingParams,
         drafter: Drafter | None = None, tokenizer: Tokenizer | None = None,
-        rules: Rules | None = None) -> GenerationResult:  # fmt: skip
+        rules: Rules | None = None, prediction: list[int] | None = None) -> GenerationResult:  # fmt: skip
     """One sequence, to the end: plain decoding without a drafter, speculative with one."""
     engine = Engine(target, tokenizer, rules)
-    sid = engine.add(prompt_ids, cfg, sampling, drafter)
+    sid = engine.add(prompt_ids, cfg, sampling, drafter, prediction=prediction)
     while engine.has_work():
         engine.step()
     return engine.result(sid)

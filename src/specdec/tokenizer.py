@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
 from pathlib import Path
@@ -15,6 +16,14 @@ _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 Messages = list[dict[str, str]]
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's map from the printable characters it writes back to bytes (GPT-2's)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
 class TokenizerMismatchError(ValueError):
     pass
 
@@ -26,6 +35,9 @@ class Tokenizer:
         # draft tokenizers already found equal to this one (comparing two vocabularies of
         # 152k tokens is worth doing once, not per request)
         self.same: weakref.WeakSet[Tokenizer] = weakref.WeakSet()
+        self._bytes: dict[int, bytes] = {}  # token id -> its bytes (`token_bytes`)
+        # a SentencePiece vocabulary ("\u2581" starts a word) is not byte-level, whatever its characters
+        self._sentencepiece = any("\u2581" in t for t in list(hf.get_vocab())[:2000])
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -69,10 +81,31 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text)["input_ids"])
 
-    def encode_chat(self, messages: Messages) -> list[int]:
+    def encode_text(self, text: str) -> list[int]:
+        """Text as it stands, without the special tokens a prompt gets (a BOS): a piece of output."""
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character, for some): byte-level
+        BPE's characters mapped back to bytes, a byte-fallback token's byte, a SentencePiece
+        word start as a space."""
+        cached = self._bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self.hf.convert_ids_to_tokens(int(token_id)) or ""
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            out = bytes([int(piece[3:5], 16)])
+        elif all(c in _byte_decoder() for c in piece) and not self._sentencepiece:
+            out = bytes(_byte_decoder()[c] for c in piece)
+        else:
+            out = piece.replace("\u2581", " ").encode()
+        self._bytes[token_id] = out
+        return out
+
+    def encode_chat(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("this tokenizer has no chat template; pass chat=False to use the prompt as raw text")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         return [int(i) for i in out]

@@ -18,6 +18,7 @@ from .eagle3 import Eagle3Drafter
 from .early_exit import EarlyExitDrafter
 from .lookahead import LookaheadDrafter
 from .medusa import HydraDrafter, MedusaDrafter
+from .prediction import PredictionDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .suffix import SuffixDrafter
 
@@ -37,6 +38,7 @@ __all__ = [
     "LookaheadDrafter",
     "MedusaDrafter",
     "Option",
+    "PredictionDrafter",
     "PromptLookupDrafter",
     "SuffixDrafter",
     "make_drafter",

@@ -96,7 +96,8 @@ class AutoDrafter(Drafter):
         if methods is None:
             # a drafter of a draft model when one is given; of a trained head only when auto is
             # given its head (see above; the others' heads only when named in `methods`)
-            names = [n for n in ok if (draft is not None if DRAFTERS[n].needs == "draft" else
+            # (the prediction drafter joins a request that carries a prediction: `begin`)
+            names = [n for n in ok if n != PREDICTION and (draft is not None if DRAFTERS[n].needs == "draft" else
                                        head is not None and DRAFTERS[n].auto_head if DRAFTERS[n].head else True)]  # fmt: skip
         else:
             names = [n.strip() for n in methods.split(",") if n.strip()]
@@ -137,6 +138,7 @@ class AutoDrafter(Drafter):
         self.wants_hidden = any(s.wants_hidden for s in self.subs.values())
         self.feature_layers = tuple(sorted({i for s in self.subs.values() for i in s.feature_layers}))
         self.chooser: MethodChooser | None = None
+        self.k_max = K_MAX  # the longest chain the chooser prices (deeper with a prediction: `begin`)
         self._plan: tuple[str, Hashable, int] | None = None  # this step's (method, situation, k)
         self._budget = 0  # this step's k from the engine: the deepest a proposal may go
         self._proposal: list[int] = []  # this step's draft nodes
@@ -154,7 +156,7 @@ class AutoDrafter(Drafter):
     def prepare(self) -> None:
         from ..costs import pass_costs  # (looked up at call time: tests replace it)
 
-        pass_costs(self.target, K_MAX + 1)
+        pass_costs(self.target, PREDICTION_K_MAX + 1)
         for sub in self.subs.values():
             sub.prepare()
 
@@ -172,14 +174,22 @@ class AutoDrafter(Drafter):
 
         self._plan, self._proposal, self._sync_ms, self._merged_sizes = None, [], 0.0, []
         self._length, self._capacity = len(session.context), session.capacity
+        if session.prediction and PREDICTION not in self.subs:  # the client's text, followed with a pointer
+            sub = self.subs[PREDICTION] = make_drafter(PREDICTION)
+            sub.lazy_begin = sub.chain_only = True
+        # a prediction followed for a while is accepted nearly whole: its chains may go as deep
+        # as the step allows (the others' stay within K_MAX, where their acceptance ends)
+        self.k_max = PREDICTION_K_MAX if session.prediction and PREDICTION in self.subs else K_MAX
         for name, sub in self.subs.items():
             sub.pool = self.pool
             # each drafter its own generator, seeded from the session's: reproducible, independent
             seed = int(torch.randint(0, 2**62, (1,), generator=session.generator))
             sub.begin(DraftSession(session.context, session.capacity, session.sampling,
                                    make_generator(seed, session.generator.device), session.target,
-                                   session.target_cache, session.layers, session.fixed_k))  # fmt: skip
-        self.chooser = MethodChooser(self.methods, K_MAX, pass_costs(self.target, K_MAX + 1), margin=self.margin,
+                                   session.target_cache, session.layers, session.fixed_k,
+                                   session.prediction))  # fmt: skip
+        self.chooser = MethodChooser(self.methods, self.k_max, pass_costs(self.target, self.k_max + 1),
+                                     margin=self.margin,
                                      draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()},
                                      memory=acceptance_memory(self.target, session.sampling.greedy),
                                      remembered=remembered(self.methods),
@@ -205,8 +215,8 @@ class AutoDrafter(Drafter):
             raise RuntimeError("AutoDrafter.propose() called before begin()")
         remaining = self._capacity - self._length
         # (with `merge`, suffix decoding competes with its own tree's rate, not as a chain)
-        outlook = {name: o for name, sub in self.subs.items()
-                   if not (self.merge and name == SUFFIX) and (o := outlook_of(sub, k)) is not None}  # fmt: skip
+        outlook = {name: o for name, sub in self.subs.items() if not (self.merge and name == SUFFIX)
+                   and (o := outlook_of(sub, k if name == PREDICTION else min(k, K_MAX))) is not None}  # fmt: skip
         method, kk = self.chooser.choose(outlook, remaining=remaining)
         self._plan = (method, outlook[method][0] if method in outlook else None, kk)
         self._budget = k
@@ -354,16 +364,23 @@ class AutoDrafter(Drafter):
 
     def _report(self) -> None:
         self.forwards = sum(sub.forwards for sub in self.subs.values())
+        info: dict[str, Any] = {}
+        prediction = self.subs.get(PREDICTION)
+        if prediction is not None:  # what the client's prediction gave (its own proposals and merged steps)
+            info["prediction"] = prediction.counts()  # type: ignore[attr-defined]
         if self.chooser is not None:
             report: dict[str, Any] = self.chooser.report()
             report["sync_ms"] = round(self._sync_ms, 3)
             if self.merge:  # steps whose chain went out with suffix decoding's tree, and their size
                 sizes = self._merged_sizes
                 report["merged"] = {"steps": len(sizes), "tree_tokens_mean": round(sum(sizes) / len(sizes), 2) if sizes else None}
-            self.info = {"auto": report}
+            info["auto"] = report
+        self.info = info
 
 
 SUFFIX = "suffix"
+PREDICTION = "prediction"
+PREDICTION_K_MAX = 31  # the deepest chain a prediction may propose in one step (a pass of 32 rows)
 
 
 @dataclass

@@ -108,6 +108,9 @@ class DraftSession:
     # every proposal is exactly the k asked for (`--no-adaptive-k`): a drafter that would stop
     # short of it by its own judgement (`Drafter.sizes_itself`) does not
     fixed_k: bool = False
+    # the output the client expects (OpenAI's predicted outputs), tokenized; drafters that
+    # draft from it read it (`drafters.prediction`), the others ignore it
+    prediction: list[int] | None = None
 
 
 @dataclass

@@ -22,10 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..api import LoadedModel, build_drafter, encode_prompt, prepare
 from ..config import GenerationConfig, SamplingParams, resolve_k
 from ..drafters.base import needs_draft_model, uses_draft_model
-from ..engine import ContextOverflowError, Delta, GenerationResult, plan_length
+from ..drafters.prediction import PREDICTION_READERS
+from ..engine import ContextOverflowError, Delta, GenerationResult, TokenLogprob, plan_length
+from ..tokenizer import Tokenizer
 from .gate import Gate
 from .metrics import ServerMetrics
 from .schemas import FINISH, NONE, APIError, ChatRequest, CompletionRequest, _Common
+from .tools import ToolCallParser, forced_start, parse_all, template_renders_tools
 from .worker import Job, ServeSettings, Worker
 
 
@@ -70,6 +73,17 @@ class Service:
         settings, spec = self.settings, body.speculative
         method = spec.method if spec is not None else (settings.method or NONE)
         options = dict(spec.model_extra or {}) if spec is not None else dict(settings.options)
+        prediction = None
+        if body.prediction is not None:
+            text = body.prediction.text()
+            prediction = self.target.tokenizer.encode_text(text) if text else None
+            if spec is not None and method not in PREDICTION_READERS:
+                raise APIError(400, f"speculative.method {method!r} does not draft from a prediction; use "
+                                    f"{' or '.join(repr(m) for m in PREDICTION_READERS)}, or drop one of the two",
+                               param="prediction")  # fmt: skip
+            if spec is None and method not in PREDICTION_READERS:
+                # (a client's prediction is honoured whatever the server's default: drafted from alone)
+                method, options = "prediction", {}
         if needs_draft_model(method) and self.draft is None:
             raise APIError(400, "this server has no draft model (start it with --draft NAME)", param="speculative")
         k = spec.k if spec is not None and spec.k is not None else settings.k
@@ -108,7 +122,8 @@ class Service:
                 raise APIError(400, f"speculative: {exc}", param="speculative") from exc
             if drafter is not None:
                 drafter.pool = pool
-        return Job(prompt_ids, cfg, sampling, method, drafter, asyncio.get_running_loop(), asyncio.Queue(), pool=pool)
+        return Job(prompt_ids, cfg, sampling, method, drafter, asyncio.get_running_loop(), asyncio.Queue(), pool=pool,
+                   prediction=prediction, logprobs=body.top_logprobs_asked())  # fmt: skip
 
     async def respond(self, request: Request, job: Job, body: _Common, kind: str) -> Response:
         """Run `job` and answer: a stream of server-sent events, or one JSON object."""
@@ -120,7 +135,8 @@ class Service:
             return StreamingResponse(self.stream(job, rid, created, kind, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         texts: list[str] = []
-        events = asyncio.ensure_future(self._drain(job, texts))
+        lps: list[TokenLogprob] = []
+        events = asyncio.ensure_future(self._drain(job, texts, lps))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({events, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -132,14 +148,25 @@ class Service:
             gone.cancel()
         text = "".join(texts)
         finish = FINISH[result.finish_reason]
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": finish} if kind == "chat" else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})  # fmt: skip
+        tok = self.target.tokenizer
+        if kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if job.tools is not None:
+                content, calls = parse_all(text, job.tools, job.start)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = [c.to_dict() for c in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": message, "finish_reason": finish,
+                      "logprobs": chat_logprobs(tok, lps) if job.logprobs is not None else None}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish,
+                      "logprobs": completion_logprobs(tok, lps, 0) if job.logprobs is not None else None}  # fmt: skip
         return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                              "created": created, "model": self.settings.model_name, "choices": [choice],
                              "usage": usage(job, result)})  # fmt: skip
 
-    async def _drain(self, job: Job, texts: list[str]) -> GenerationResult:
+    async def _drain(self, job: Job, texts: list[str], lps: list[TokenLogprob]) -> GenerationResult:
         while True:
             kind, value = await job.events.get()
             if kind == "error":
@@ -149,6 +176,7 @@ class Service:
                 return value
             self.observe_delta(job, value)
             texts.append(value.text)
+            lps += value.logprobs or ()
 
     def observe_delta(self, job: Job, d: Delta) -> None:
         now = time.perf_counter()
@@ -169,11 +197,41 @@ class Service:
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created,
                                           "model": self.settings.model_name, "choices": choices, **extra}) + "\n\n"  # fmt: skip
 
-        def choice(text: str, finish: str | None, role: bool = False) -> dict[str, Any]:
+        tok = self.target.tokenizer
+        parser = ToolCallParser(job.tools, job.start) if kind == "chat" and job.tools is not None else None
+        calls = 0  # tool calls streamed so far
+        offset = 0  # (completions' text_offset)
+
+        def choice(text: str | None, finish: str | None, role: bool = False, lps: list[TokenLogprob] | None = None,
+                   call: Any = None) -> dict[str, Any]:  # fmt: skip
             if kind == "chat":
-                delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                delta: dict[str, Any] = {} if text is None else {"content": text}
+                if role:
+                    delta["role"] = "assistant"
+                if call is not None:
+                    delta["tool_calls"] = [call]
+                return {"index": 0, "delta": delta, "finish_reason": finish,
+                        "logprobs": chat_logprobs(tok, lps) if lps is not None else None}  # fmt: skip
+            return {"index": 0, "text": text or "", "finish_reason": finish,
+                    "logprobs": completion_logprobs(tok, lps, offset) if lps is not None else None}  # fmt: skip
+
+        def said(events: list[tuple[str, Any]], lps: list[TokenLogprob] | None) -> list[str]:
+            """Chunks for what the tool-call parser lets through: text, and each call as OpenAI
+            streams one (its id and name, then its arguments); the step's logprobs on the first."""
+            nonlocal calls
+            out = []
+            for ev, value in events or [("content", "")]:
+                if ev == "content":
+                    if value or lps is not None:
+                        out.append(chunk([choice(value, None, lps=lps)]))
+                else:
+                    head = {"index": calls, "id": value.id, "type": "function",
+                            "function": {"name": value.name, "arguments": ""}}  # fmt: skip
+                    out.append(chunk([choice(None, None, lps=lps, call=head)]))
+                    out.append(chunk([choice(None, None, call={"index": calls, "function": {"arguments": value.arguments}})]))
+                    calls += 1
+                lps = None
+            return out
 
         finished = False
         try:
@@ -186,13 +244,23 @@ class Service:
                     break
                 if ev == "done":
                     self.metrics.e2e.observe(time.perf_counter() - job.arrived)
-                    yield chunk([choice("", FINISH[value.finish_reason])])
+                    finish = FINISH[value.finish_reason]
+                    if parser is not None:
+                        for c in said(parser.finish(), None):
+                            yield c
+                        finish = "tool_calls" if calls and finish == "stop" else finish
+                    yield chunk([choice(None if kind == "chat" else "", finish)])
                     if include_usage:
                         yield chunk([], usage=usage(job, value))
                     break
                 self.observe_delta(job, value)
-                if value.text:
-                    yield chunk([choice(value.text, None)])
+                lps = list(value.logprobs) if job.logprobs is not None and value.logprobs else None
+                if parser is not None:
+                    for c in said(parser.feed(value.text), lps):
+                        yield c
+                elif value.text or lps:
+                    yield chunk([choice(value.text, None, lps=lps)])
+                    offset += len(value.text)
             finished = True
             yield "data: [DONE]\n\n"
         finally:
@@ -202,13 +270,43 @@ class Service:
 
 def usage(job: Job, result: GenerationResult) -> dict[str, Any]:
     m = result.metrics
+    predicted = m.drafter_info.get("prediction") or {}
     u: dict[str, Any] = {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.new_tokens,
                          "total_tokens": m.prompt_tokens + m.new_tokens,
-                         "prompt_tokens_details": {"cached_tokens": m.cached_tokens}}  # fmt: skip
+                         "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
+                         # the prediction's tokens the target verified and kept, and those it did not
+                         "completion_tokens_details": {"reasoning_tokens": 0,
+                                                       "accepted_prediction_tokens": predicted.get("accepted_tokens", 0),
+                                                       "rejected_prediction_tokens": predicted.get("rejected_tokens", 0)}}  # fmt: skip
     u["speculative"] = {"method": job.method, "k": job.config.k if job.method != NONE else None,
                         "draft_tokens": m.proposed, "accepted_tokens": m.accepted, "target_passes": m.steps,
                         "acceptance_rate": m.acceptance_rate, "tokens_per_pass": m.mean_accepted_tokens}  # fmt: skip
     return u
+
+
+def _alternatives(tok: Tokenizer, lp: TokenLogprob) -> list[dict[str, Any]]:
+    return [{"token": _text(tok, t), "logprob": v, "bytes": list(tok.token_bytes(t))} for t, v in lp.top]
+
+
+def _text(tok: Tokenizer, token: int) -> str:
+    return tok.token_bytes(token).decode("utf-8", errors="replace")
+
+
+def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
+    """Chat completions' `logprobs`: per token its text, logprob, bytes and alternatives."""
+    return {"content": [{"token": _text(tok, lp.token), "logprob": lp.logprob, "bytes": list(tok.token_bytes(lp.token)),
+                         "top_logprobs": _alternatives(tok, lp)} for lp in lps], "refusal": None}  # fmt: skip
+
+
+def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """Legacy completions' `logprobs`: parallel lists (and each token's offset in the text)."""
+    offsets = []
+    for lp in lps:
+        offsets.append(offset)
+        offset += len(_text(tok, lp.token))
+    return {"tokens": [_text(tok, lp.token) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{_text(tok, t): v for t, v in lp.top} for lp in lps] if any(lp.top for lp in lps) else None,
+            "text_offset": offsets}  # fmt: skip
 
 
 async def _disconnected(request: Request) -> None:
@@ -224,12 +322,21 @@ def _service(request: Request) -> Service:
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     svc = _service(request)
     svc.check_model(body.model)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    messages = [m.for_template() for m in body.messages]
     tokenizer = svc.target.tokenizer
     if not tokenizer.has_chat_template:
         raise APIError(400, f"{svc.settings.model_name} has no chat template; use /v1/completions", param="messages")
-    ids = svc.encode(lambda: encode_prompt(tokenizer, messages), "messages")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tools_on() else None
+    if tools and not template_renders_tools(tokenizer.hf.chat_template):
+        raise APIError(400, f"the chat template of {svc.settings.model_name} does not render tools; send the "
+                            "request without tools (or with tool_choice 'none')", param="tools")  # fmt: skip
+    ids = svc.encode(lambda: tokenizer.encode_chat(messages, tools=tools), "messages")
+    start = forced_start(body.tool_choice) if tools else ""
+    if start:  # the turn starts with the call's opening; the model writes the rest
+        ids += tokenizer.encode_text(start)
     job = await svc.make_job(body, ids, body.max_completion_tokens or body.max_tokens, svc.pool(request))
+    if tools:
+        job.tools, job.start = frozenset(t["function"]["name"] for t in tools), start
     return await svc.respond(request, job, body, "chat")
 
 

@@ -5,14 +5,28 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..config import MAX_K
 from ..drafters import DRAFTERS
+from ..engine import MAX_TOP_LOGPROBS
 
 
 NONE = "none"  # the `speculative.method` that asks for plain decoding
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+def parts_text(content: str | list[dict[str, Any]], param: str) -> str:
+    """A message's (or a prediction's) text: a string, or a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    out = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "only text content parts are supported", param=param)
+        out.append(part["text"])
+    return "".join(out)
+
 
 # -- errors --------------------------------------------------------------------------------
 class APIError(Exception):
@@ -50,6 +64,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output: the text the client expects back (a file it asked to edit)."""
+
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        return parts_text(self.content, "prediction")
+
+
 class _Common(BaseModel):
     """What both endpoints take. Unknown fields are ignored (OpenAI clients send some we do not
     use); fields we cannot honour are refused where set to anything but their neutral value."""
@@ -67,7 +91,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0  # not supported: only the neutral value
     frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    prediction: Prediction | None = None
     speculative: Speculative | None = None
 
     @field_validator("n")
@@ -92,46 +116,116 @@ class _Common(BaseModel):
             raise ValueError("stop takes at most 4 non-empty strings")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
-        if v:
-            raise ValueError("logprobs are not supported by this server")
-        return v
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per token for the logprobs asked for (None: no logprobs)."""
+        raise NotImplementedError
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _not_null(cls, v: Any) -> Any:
-        if v is None:
-            raise ValueError("a message's content is text or a list of text parts, not null")
-        return v
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("a message's content is text or a list of text parts; null only for an assistant "
+                             "message with tool_calls")  # fmt: skip
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "only text content parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+        return parts_text(self.content, "messages") if self.content is not None else ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it."""
+        from .tools import history_message
+
+        m: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            m["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id:
+            m["tool_call_id"] = self.tool_call_id
+        if self.name:
+            m["name"] = self.name
+        return history_message(m)
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or ()}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tools_on(self) -> bool:
+        """Whether the model is told about the tools and its output parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
     echo: bool = Field(default=False)
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("echo")
     @classmethod

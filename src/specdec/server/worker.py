@@ -61,6 +61,10 @@ class Job:
     seq_id: int | None = None
     cancelled: bool = False
     pool: str = ""  # whose earlier requests it may draw on (`Service.pool`)
+    prediction: list[int] | None = None  # the client's predicted output, tokenized
+    logprobs: int | None = None  # alternatives per token's logprob (None: no logprobs)
+    tools: frozenset[str] | None = None  # the functions offered, where the output is parsed for calls
+    start: str = ""  # text the assistant's turn was started with (a forced tool call's opening)
 
     def post(self, kind: str, value: Any) -> None:  # (from the worker thread)
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -209,7 +213,8 @@ class Worker:
             if job.cancelled:
                 continue
             try:
-                job.seq_id = self.engine.add(job.prompt_ids, job.config, job.sampling, job.drafter, pool=job.pool)
+                job.seq_id = self.engine.add(job.prompt_ids, job.config, job.sampling, job.drafter, pool=job.pool,
+                                             prediction=job.prediction, logprobs=job.logprobs)  # fmt: skip
             except (ValueError, TypeError) as exc:  # (checked in the handler already; kept as a safety net)
                 job.post("error", APIError(400, str(exc)))
                 continue
