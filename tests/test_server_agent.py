@@ -99,7 +99,7 @@ def test_a_prediction_is_exact_and_counted(client):
                                               prediction={"type": "content", "content": CODE}, extra_body=body)  # fmt: skip
         assert chat.choices[0].message.content == plain.choices[0].message.content
         details = chat.usage.completion_tokens_details
-        assert details.accepted_prediction_tokens > 40 and details.rejected_prediction_tokens >= 0
+        assert details.accepted_prediction_tokens > 10 and details.rejected_prediction_tokens >= 0
         assert chat.usage.model_extra["speculative"]["method"] == (body or {"speculative": {"method": "auto"}})[
             "speculative"]["method"]  # fmt: skip
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
@@ -108,7 +108,7 @@ def test_a_prediction_is_exact_and_counted(client):
                                               stream_options={"include_usage": True})  # fmt: skip
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
-    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 40
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 10
 
 
 @pytest.mark.real

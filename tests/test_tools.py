@@ -59,14 +59,17 @@ def test_an_unclosed_block_at_the_end_is_a_call_when_its_json_is_whole():
 
 
 def test_forced_starts_are_parsed_with_the_output():
-    assert forced_start("auto") == forced_start("none") == forced_start(None) == ""
-    assert forced_start("required") == "<tool_call>\n"
-    start = forced_start({"type": "function", "function": {"name": "search"}})
-    assert start == '<tool_call>\n{"name": "search", "arguments": '
-    content, calls = parse_all('{"q": "rain"}}\n</tool_call>', NAMES, start)
+    two = ["search", "get_weather"]
+    assert forced_start("auto", two) == forced_start("none", two) == forced_start(None, two) == ""
+    assert forced_start("required", two) == '<tool_call>\n{"name": "'
+    start = forced_start({"type": "function", "function": {"name": "search"}}, two)
+    assert start == forced_start("required", ["search"]) == '<tool_call>\n{"name": "search", "arguments": {'
+    content, calls = parse_all('"q": "rain"}}\n</tool_call>', NAMES, start)
     assert content is None and calls[0].name == "search" and json.loads(calls[0].arguments) == {"q": "rain"}
-    content, calls = parse_all('{"name": "search", "arguments": {"q": 1}}\n</tool_call>', NAMES, forced_start("required"))
-    assert calls[0].name == "search"
+    content, calls = parse_all('search", "arguments": {"q": 1}}', NAMES, forced_start("required", two))
+    assert calls[0].name == "search"  # (closed by the end of the output)
+    text = 'hello", "arguments": {}}'  # a name that is not a tool's: the output is text
+    assert parse_all(text, NAMES, forced_start("required", two)) == ('<tool_call>\n{"name": "' + text, [])
 
 
 @settings(max_examples=60, deadline=None)

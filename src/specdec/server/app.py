@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from ..api import LoadedModel, build_drafter, encode_prompt, prepare
 from ..config import GenerationConfig, SamplingParams, resolve_k
@@ -322,6 +323,7 @@ def _service(request: Request) -> Service:
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     svc = _service(request)
     svc.check_model(body.model)
+    body.check()
     messages = [m.for_template() for m in body.messages]
     tokenizer = svc.target.tokenizer
     if not tokenizer.has_chat_template:
@@ -331,7 +333,8 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         raise APIError(400, f"the chat template of {svc.settings.model_name} does not render tools; send the "
                             "request without tools (or with tool_choice 'none')", param="tools")  # fmt: skip
     ids = svc.encode(lambda: tokenizer.encode_chat(messages, tools=tools), "messages")
-    start = forced_start(body.tool_choice) if tools else ""
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
+    start = forced_start(choice, [t["function"]["name"] for t in tools]) if tools else ""
     if start:  # the turn starts with the call's opening; the model writes the rest
         ids += tokenizer.encode_text(start)
     job = await svc.make_job(body, ids, body.max_completion_tokens or body.max_tokens, svc.pool(request))

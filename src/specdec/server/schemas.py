@@ -199,16 +199,16 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @model_validator(mode="after")
-    def _consistent(self) -> ChatRequest:
+    def check(self) -> None:
+        """What the fields' own rules cannot see: how they go together."""
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
-            raise ValueError("tool_choice 'required' or a named function needs tools")
+            raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or ()}:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
-        return self
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                           param="tool_choice")  # fmt: skip
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -33,14 +33,17 @@ def template_renders_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template  # type: ignore[operator]
 
 
-def forced_start(tool_choice: Any) -> str:
-    """The text that starts the assistant's turn for a `tool_choice`: the opening of a call
-    ("required"), or of a call to the named function; "" where the model chooses."""
+def forced_start(tool_choice: Any, names: list[str]) -> str:
+    """The text that starts the assistant's turn for a `tool_choice` among the functions
+    `names`: the opening of a call up to the name ("required"), or up to the arguments' brace
+    of a call to the named function (or the only one); "" where the model chooses. The more of
+    the call's shape is given, the less a small model can stray from it (Qwen2.5-Coder-0.5B,
+    given only the opening tag, ends its turn)."""
+    if isinstance(tool_choice, dict) or (tool_choice == "required" and len(names) == 1):
+        name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else names[0]
+        return OPEN + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": {'
     if tool_choice == "required":
-        return OPEN + "\n"
-    if isinstance(tool_choice, dict):
-        name = tool_choice["function"]["name"]
-        return OPEN + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
+        return OPEN + "\n" + '{"name": "'
     return ""
 
 
