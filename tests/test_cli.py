@@ -232,3 +232,30 @@ def test_auto_takes_the_installed_draft_of_its_target(monkeypatch, capsys):
     missing = ns()
     auto_draft(missing, "auto")
     assert missing.draft is None and capsys.readouterr().err == ""
+
+
+def test_prediction_file_drafts_and_logprobs_come_with_json(tiny_dir, tmp_path, capsys):
+    """`specdec generate --prediction-file F`: the prediction drafter (auto with --draft) drafts
+    from F; the output equals plain decoding's; --logprobs N adds each token's to --json."""
+    import json as _json
+
+    from specdec.cli import main
+
+    args = ["generate", "--target", str(tiny_dir("llama")), "--prompt", "hello hello", "--max-new-tokens", "12",
+            "--ignore-eos", "--no-chat", "--json", "--logprobs", "2"]  # fmt: skip
+    assert main(args) == 0
+    plain = _json.loads(capsys.readouterr().out)
+    assert len(plain["logprobs"]) == 12 and all(len(lp["top"]) == 2 for lp in plain["logprobs"])
+    from specdec.tokenizer import Tokenizer
+
+    (tmp_path / "p.txt").write_text(Tokenizer.from_dir(tiny_dir("llama")).decode(plain["token_ids"]))
+    assert main([*args, "--prediction-file", str(tmp_path / "p.txt")]) == 0
+    out = _json.loads(capsys.readouterr().out)
+    assert out["drafter"] == "prediction" and out["token_ids"] == plain["token_ids"]
+    assert out["logprobs"] == plain["logprobs"] and out["metrics"]["drafter_info"]["prediction"]["accepted_tokens"] > 0
+    assert main(["generate", "--target", str(tiny_dir("llama")), "--prompt", "x", "--prediction-file",
+                 str(tmp_path / "missing.txt")]) == 2  # fmt: skip
+    assert "cannot read the prediction file" in capsys.readouterr().err
+    assert main(["generate", "--target", str(tiny_dir("llama")), "--prompt", "x", "--drafter", "suffix",
+                 "--prediction-file", str(tmp_path / "p.txt")]) == 2  # fmt: skip
+    assert "does not draft from a prediction" in capsys.readouterr().err

@@ -34,6 +34,13 @@ def parser(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' for stdin)")
+    p.add_argument("--prediction-file", type=Path,
+                   help="the output you expect, mostly (the file you asked the model to edit): drafted from with a "
+                        "pointer that realigns after the edits (OpenAI's predicted outputs); the drafter is "
+                        "prediction, or auto with --draft, unless --drafter names one of them")  # fmt: skip
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability under the target and its N likeliest alternatives "
+                        "(0..20; plain decoding's numbers)")  # fmt: skip
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (unset: when the model has one)")  # fmt: skip
     add_arguments(p, GenerationConfig)
@@ -53,6 +60,11 @@ def parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from ..api import Request, compare_requests, load, request, run_request
 
+    prediction = _read_text(ns.prediction_file, "prediction") if ns.prediction_file is not None else None
+    if prediction is not None and ns.drafter is None:
+        ns.drafter = "auto" if ns.draft else "prediction"
+    if ns.logprobs is not None and not ns.json:
+        raise ValueError("--logprobs is printed in the JSON object; add --json")
     method = method_of(ns)
     auto_draft(ns, method)
     if ns.compare and method is None:
@@ -75,7 +87,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
     def build() -> Request:  # (a comparison's every speculative run gets a drafter of its own)
         return request(target, prompt, assistant_model=draft, drafter=method, drafter_options=options,
-                       sampling=sampling, k=k_given if method is not None else cfg.k, chat=ns.chat, **fields)  # fmt: skip
+                       sampling=sampling, k=k_given if method is not None else cfg.k, chat=ns.chat,
+                       prediction=prediction, logprobs=ns.logprobs, **fields)  # fmt: skip
 
     req = build()
     drafter = req.drafter
@@ -106,6 +119,15 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     else:
         _print_result(result, describe, streamed=ns.stream)
     return 0
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the {what} file: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the {what} file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
 
 
 def _shower(stream: bool, prompt_len: int) -> Callable[[Delta], None] | None:

@@ -184,8 +184,13 @@ class Drafter:
     def describe(cls, info: dict[str, Any], brief: bool = False) -> list[str]:
         """Phrases for the line of figures a front end prints after a run, from a drafter's
         `info` (what it chose for itself); `brief`: only what must be seen even beside a JSON
-        object that carries `info` whole. Default: that the request ran as plain decoding."""
-        return [info["fallback"]] if info.get("fallback") else []
+        object that carries `info` whole. Default: that the request ran as plain decoding, and
+        what a prediction gave (the drafters that read one)."""
+        out = [info["fallback"]] if info.get("fallback") else []
+        if info.get("prediction") and not brief:
+            p = info["prediction"]
+            out.append(f"prediction tokens {p['accepted_tokens']} accepted, {p['rejected_tokens']} rejected")
+        return out
 
     # -- hooks `--drafter auto` uses to switch between drafters (specdec.drafters.auto) ------
     def outlook(self, k: int) -> tuple[Hashable, int] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..config import MAX_K
 from ..drafters import DRAFTERS
@@ -138,19 +138,25 @@ class ToolCallIn(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCallIn] | None = None  # (before content: its check reads them)
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
-    @model_validator(mode="after")
-    def _content(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("a message's content is text or a list of text parts; null only for an assistant "
-                             "message with tool_calls")  # fmt: skip
-        if self.tool_calls and self.role != "assistant":
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistants(cls, v: list[ToolCallIn] | None, info: ValidationInfo) -> list[ToolCallIn] | None:
+        if v and info.data.get("role") != "assistant":
             raise ValueError("only an assistant message carries tool_calls")
-        return self
+        return v
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _not_null(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and not info.data.get("tool_calls"):
+            raise ValueError("a message's content is text or a list of text parts, not null (null only in an "
+                             "assistant message with tool_calls)")  # fmt: skip
+        return v
 
     def text(self) -> str:
         return parts_text(self.content, "messages") if self.content is not None else ""
