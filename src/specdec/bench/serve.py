@@ -80,6 +80,8 @@ class RequestStat:
     error: str | None = None
     speculative: dict[str, Any] | None = None
     text: str = ""
+    details: dict[str, Any] | None = None  # usage.completion_tokens_details (the prediction's counts)
+    tool_calls: int = 0
 
 
 @dataclass
@@ -118,9 +120,11 @@ def percentiles(xs: list[float]) -> dict[str, float | None]:
     return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
-async def one_request(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int, temperature: float,
-                      speculative: dict[str, Any] | None = None) -> RequestStat:  # fmt: skip
-    """One streaming chat request: its time to first token, latency, completion tokens and text."""
+async def one_request(client: Any, model: str, messages: list[dict[str, Any]], max_tokens: int, temperature: float,
+                      speculative: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> RequestStat:  # fmt: skip
+    """One streaming chat request: its time to first token, latency, completion tokens and text
+    (tool calls streamed appended to it as `name(arguments)`, so that answers compare whole).
+    `extra`: more body fields (prediction, tools, tool_choice)."""
     t0 = time.perf_counter()
     first = None
     usage = None
@@ -129,6 +133,8 @@ async def one_request(client: Any, model: str, messages: list[dict[str, str]], m
                             "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if speculative is not None:
         body["speculative"] = speculative
+    body.update(extra or {})
+    calls: dict[int, list[str]] = {}  # tool call index -> [name, arguments so far]
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -143,16 +149,22 @@ async def one_request(client: Any, model: str, messages: list[dict[str, str]], m
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 choices = chunk.get("choices") or []
-                content = (choices[0].get("delta") or {}).get("content") if choices else None
+                delta = (choices[0].get("delta") or {}) if choices else {}
+                content = delta.get("content")
                 if content:
                     texts.append(content)
-                    if first is None:
-                        first = time.perf_counter() - t0
+                for tc in delta.get("tool_calls") or ():
+                    call = calls.setdefault(tc["index"], ["", ""])
+                    call[0] += (tc.get("function") or {}).get("name") or ""
+                    call[1] += (tc.get("function") or {}).get("arguments") or ""
+                if (content or delta.get("tool_calls")) and first is None:
+                    first = time.perf_counter() - t0
     except Exception as exc:  # a load test reports failures, it does not stop at the first
         return RequestStat(False, error=f"{type(exc).__name__}: {exc}")
     tokens = int((usage or {}).get("completion_tokens") or 0)
+    said = "".join(texts) + "".join(f"\n{name}({args})" for name, args in (calls[i] for i in sorted(calls)))
     return RequestStat(True, first, time.perf_counter() - t0, tokens, speculative=(usage or {}).get("speculative"),
-                       text="".join(texts))  # fmt: skip
+                       text=said, details=(usage or {}).get("completion_tokens_details"), tool_calls=len(calls))  # fmt: skip
 
 
 async def _level(s: ServeBenchSettings, model: str, conversations: list[list[dict[str, str]]], c: int) -> Level:

@@ -1,10 +1,15 @@
 """`specdec bench serve --trace`: replay an agent trace through `specdec serve`, per method
 against plain decoding.
 
-An agent trace (JSONL, one request per line: `conversation`, `turn`, `messages`, `max_tokens`)
-holds sessions in which every request resends the growing conversation, as a coding agent does;
-the bundled one (`bench/prompts/agent_trace.jsonl`, built by `benchmarks/agent_trace.py` from
-HumanEval tasks with the target itself) is the default. Each method gets a server of its own
+An agent trace (JSONL, one request per line: `conversation`, `turn`, `messages`, `max_tokens`;
+optionally `tools` and `tool_choice`, sent as they are, and `prediction`, the text the client
+expects back) holds sessions in which every request resends the growing conversation, as a
+coding agent does; the bundled one (`bench/prompts/agent_trace.jsonl`, built by
+`benchmarks/agent_trace.py` from HumanEval tasks with the target itself, with tool calls) is the
+default, and `--trace edit` replays the bundled edit trace (`bench/prompts/edit_trace.jsonl`,
+`benchmarks/edit_trace.py`: change a small file, reply with the whole file). A line's
+`prediction` is sent only to the methods that draft from it: `prediction`, and any method
+named with `+prediction` (`auto+prediction`); the others replay the same requests without it. Each method gets a server of its own
 in this process (the app `specdec serve` runs, on a free localhost port, prepared before it
 listens), started with no memory of earlier requests, so what suffix decoding learns from one
 method's replay never drafts for another's. Within a conversation the turns go one after
@@ -32,7 +37,13 @@ from ..server.worker import PREFIX_TOKENS
 from .serve import RequestStat, one_request, percentiles
 
 TRACE = Path(__file__).parent / "prompts" / "agent_trace.jsonl"
+BUNDLED = {"agent": TRACE, "edit": Path(__file__).parent / "prompts" / "edit_trace.jsonl"}
 PLAIN, NOISE = "none", "none-again"
+WITH_PREDICTION = "+prediction"  # a method so named is sent the trace's predictions
+
+
+def sends_prediction(method: str) -> bool:
+    return method == "prediction" or method.endswith(WITH_PREDICTION)
 
 
 @dataclass(frozen=True)
@@ -50,9 +61,10 @@ class TraceSettings:
     def __post_init__(self) -> None:
         from ..drafters import DRAFTERS
 
-        unknown = [m for m in self.methods if m not in DRAFTERS]
+        unknown = [m for m in self.methods if m.removesuffix(WITH_PREDICTION) not in DRAFTERS]
         if unknown or not self.methods:
-            raise ValueError(f"unknown methods {unknown}; choose from {', '.join(DRAFTERS)}")
+            raise ValueError(f"unknown methods {unknown}; choose from {', '.join(DRAFTERS)} (a name with "
+                             f"{WITH_PREDICTION}: sent the trace's predictions)")  # fmt: skip
         if self.prefix_tokens < 0:
             raise ValueError(f"--prefix-cache-tokens must be >= 0 (0: off), got {self.prefix_tokens}")
         if self.concurrency < 1 or (self.conversations is not None and self.conversations < 1):
@@ -61,7 +73,7 @@ class TraceSettings:
 
 def load_trace(path: str | Path | None = None) -> dict[str, list[dict[str, Any]]]:
     """Conversation -> its requests in turn order; errors name the line."""
-    path = Path(path) if path is not None else TRACE
+    path = BUNDLED[str(path)] if str(path) in BUNDLED else Path(path) if path is not None else TRACE
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
@@ -79,6 +91,8 @@ def load_trace(path: str | Path | None = None) -> dict[str, list[dict[str, Any]]
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and {"role", "content"} <= set(m)
                                                                   for m in messages)):  # fmt: skip
             raise ValueError(f"{path}:{n}: messages must be a non-empty list of {{role, content}} objects")
+        if not isinstance(rec.get("prediction", ""), str) or not isinstance(rec.get("tools", []), list):
+            raise ValueError(f"{path}:{n}: a prediction is text and tools a list of tool definitions")
         if not isinstance(max_tokens, int) or max_tokens < 1 or not isinstance(turn, int):
             raise ValueError(f"{path}:{n}: turn must be an integer and max_tokens a positive integer")
         out.setdefault(str(conv), []).append(rec)
@@ -116,7 +130,7 @@ class _Server:
 
 
 async def _replay(url: str, model: str, convs: dict[str, list[dict[str, Any]]], concurrency: int,
-                  timeout_s: float) -> tuple[float, dict[tuple[str, int], RequestStat]]:  # fmt: skip
+                  timeout_s: float, prediction: bool = False) -> tuple[float, dict[tuple[str, int], RequestStat]]:  # fmt: skip
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -127,7 +141,11 @@ async def _replay(url: str, model: str, convs: dict[str, list[dict[str, Any]]], 
         async def conversation(name: str, reqs: list[dict[str, Any]]) -> None:
             async with sem:
                 for r in reqs:  # (each turn after the one before: the agent waits for its answer)
-                    stats[(name, r["turn"])] = await one_request(client, model, r["messages"], r["max_tokens"], 0.0)
+                    extra = {k: r[k] for k in ("tools", "tool_choice") if k in r}
+                    if prediction and r.get("prediction"):
+                        extra["prediction"] = {"type": "content", "content": r["prediction"]}
+                    stats[(name, r["turn"])] = await one_request(client, model, r["messages"], r["max_tokens"], 0.0,
+                                                                 extra=extra)  # fmt: skip
 
         t0 = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(conversation(n, rs) for n, rs in convs.items())), timeout_s)
@@ -146,7 +164,8 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
         convs = dict(list(convs.items())[: s.conversations])
     target = load(s.target, dtype=s.dtype)
     draft = load_draft(s.draft, dtype=s.dtype) if s.draft else None
-    if draft is None and any(m != "auto" and uses_draft_model(m) for m in s.methods):
+    if draft is None and any(m.removesuffix(WITH_PREDICTION) != "auto" and uses_draft_model(m.removesuffix(WITH_PREDICTION))
+                             for m in s.methods):  # fmt: skip
         raise ValueError("the draft-model method needs a draft model (--draft NAME)")
     runs: dict[str, dict[str, Any]] = {}
     plain_texts: dict[tuple[str, int], str] = {}
@@ -154,7 +173,7 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
     prefixes: dict[str, Any] = {}
     for method in (PLAIN, *s.methods, NOISE):
         forget(target.model)  # no memory of another method's replay (suffix stores, acceptance)
-        name = None if method in (PLAIN, NOISE) else method
+        name = None if method in (PLAIN, NOISE) else method.removesuffix(WITH_PREDICTION)
         helper = draft if name is not None and uses_draft_model(name) else None
         settings = ServeSettings(target.name, name, {}, max_batch=max(8, s.concurrency), prefix_tokens=s.prefix_tokens)
         app = create_app(target, helper, settings)
@@ -163,7 +182,8 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
         try:
             if progress:
                 progress(f"{method}: {sum(len(r) for r in convs.values())} requests in {len(convs)} conversations")
-            wall, stats = asyncio.run(_replay(server.url, target.name, convs, s.concurrency, s.timeout_s))
+            wall, stats = asyncio.run(_replay(server.url, target.name, convs, s.concurrency, s.timeout_s,
+                                              prediction=sends_prediction(method)))  # fmt: skip
         finally:
             server.close()
         if method == PLAIN:
@@ -189,6 +209,7 @@ def _summary(wall: float, stats: dict[tuple[str, int], RequestStat], plain: dict
     tokens = sum(st.tokens for st in ok)
     drafted = sum((st.speculative or {}).get("draft_tokens") or 0 for st in ok)
     accepted = sum((st.speculative or {}).get("accepted_tokens") or 0 for st in ok)
+    details = [st.details or {} for st in ok]
     return {
         "requests": len(stats), "failed": len(stats) - len(ok), "wall_s": round(wall, 3), "completion_tokens": tokens,
         "tokens_per_second": tokens / wall if wall > 0 else 0.0,
@@ -196,14 +217,18 @@ def _summary(wall: float, stats: dict[tuple[str, int], RequestStat], plain: dict
         "ttft_s": percentiles(sorted(st.ttft for st in ok if st.ttft is not None)),
         "acceptance_rate": accepted / drafted if drafted else None,
         "identical": all(plain.get(key) == st.text for key, st in stats.items()) if plain else None,
+        "prediction_tokens": {"accepted": sum(d.get("accepted_prediction_tokens") or 0 for d in details),
+                              "rejected": sum(d.get("rejected_prediction_tokens") or 0 for d in details)},
+        "tool_calls": sum(st.tool_calls for st in ok),
+        "requests_with_tool_calls": sum(st.tool_calls > 0 for st in ok),
         "errors": sorted({st.error for st in stats.values() if st.error})[:5],
     }  # fmt: skip
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"{'method':14s} {'ok/all':>7s} {'tok/s':>7s} {'speedup':>8s} {'lat p50':>8s} {'p90':>7s} "
-            f"{'TTFT p50':>9s} {'alpha':>6s} identical")  # fmt: skip
-    lines = [f"agent trace: {result['requests']} requests in {result['conversations']} conversations, "
+    head = (f"{'method':19s} {'ok/all':>7s} {'tok/s':>7s} {'speedup':>8s} {'lat p50':>8s} {'p90':>7s} "
+            f"{'TTFT p50':>9s} {'alpha':>6s} {'pred. acc/rej':>13s} {'calls':>5s} identical")  # fmt: skip
+    lines = [f"trace: {result['requests']} requests in {result['conversations']} conversations, "
              f"{result['model']} ({result['mode']}), concurrency {result['settings']['concurrency']}", head,
              "-" * len(head)]  # fmt: skip
 
@@ -213,9 +238,12 @@ def table(result: dict[str, Any]) -> str:
     for method, r in result["methods"].items():
         ok = f"{r['requests'] - r['failed']}/{r['requests']}"
         same = "–" if r["identical"] is None else "yes" if r["identical"] else "NO"
-        lines.append(f"{method:14s} {ok:>7s} {r['tokens_per_second']:7.1f} {f(r['speedup'], '7.2f')}x "
+        pred = r.get("prediction_tokens") or {}
+        pred_s = f"{pred['accepted']}/{pred['rejected']}" if pred.get("accepted") or pred.get("rejected") else "–"
+        lines.append(f"{method:19s} {ok:>7s} {r['tokens_per_second']:7.1f} {f(r['speedup'], '7.2f')}x "
                      f"{f(r['latency_s']['p50'], '8.2f')} {f(r['latency_s']['p90'], '7.2f')} "
-                     f"{f(r['ttft_s']['p50'], '9.2f')} {f(r['acceptance_rate'], '6.2f')} {same}")  # fmt: skip
+                     f"{f(r['ttft_s']['p50'], '9.2f')} {f(r['acceptance_rate'], '6.2f')} {pred_s:>13s} "
+                     f"{r.get('tool_calls', 0):5d} {same}")  # fmt: skip
         for e in r["errors"]:
             lines.append(f"     error: {e}")
     for method, m in result.get("prefix_cache", {}).items():

@@ -11,6 +11,7 @@ from .. import registry, store
 from ..config import DEFAULT_K
 from ..drafters import DRAFTERS
 from ..drafters.base import draft_model_method, needs_draft_model
+from ..drafters.prediction import PREDICTION_READERS
 from ..model.kernels import AUTO, MODES
 from .common import Help, add_draft_bits, draft_bits
 
@@ -120,13 +121,16 @@ def parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--out", type=Path, default=Path("bench-out/serve"), help="output directory")
     tr = srv.add_argument_group("agent trace (--trace): each method through a server of its own in this process, "
                                 "against plain decoding")  # fmt: skip
-    tr.add_argument("--trace", nargs="?", const="bundled", metavar="FILE",
-                    help="replay an agent trace (JSONL: conversation, turn, messages, max_tokens; no FILE: the "
-                         "bundled one, HumanEval coding-agent sessions) instead of the load test")  # fmt: skip
+    tr.add_argument("--trace", nargs="?", const="agent", metavar="FILE",
+                    help="replay a trace (JSONL: conversation, turn, messages, max_tokens; optional tools, tool_choice, "
+                         "prediction) instead of the load test; no FILE or 'agent': the bundled HumanEval coding-agent "
+                         "sessions with tool calls; 'edit': the bundled edit requests with predictions")  # fmt: skip
     tr.add_argument("--target", default=registry.DEFAULT_TARGET, help="with --trace: the model to serve")
     tr.add_argument("--draft", help="with --trace: draft model for draft-model and auto")
-    tr.add_argument("--methods", nargs="+", choices=list(DRAFTERS), default=["suffix", "prompt-lookup", "auto"],
-                    help="with --trace: methods to replay, each beside plain decoding")
+    tr.add_argument("--methods", nargs="+", choices=[*DRAFTERS, *(m + "+prediction" for m in PREDICTION_READERS if m != "prediction")],
+                    default=["suffix", "prompt-lookup", "auto"], metavar="METHOD",
+                    help="with --trace: methods to replay, each beside plain decoding; prediction and NAME+prediction "
+                         "are sent the trace's predictions (e.g. auto+prediction), the others not")  # fmt: skip
     tr.add_argument("--conversations", type=int, help="with --trace: the first N conversations (default: all)")
     tr.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="with --trace: precision/kernel mode")
     tr.add_argument("--prefix-cache-tokens", type=int, metavar="N",
@@ -260,7 +264,7 @@ def _bench_trace(ns: argparse.Namespace) -> int:
         raise ValueError("--trace starts its own server per method: drop --url, --method and -k (use --methods)")
     if ns.concurrency is not None and len(ns.concurrency) != 1:
         raise ValueError("with --trace, --concurrency takes one number: the conversations replayed at once")
-    settings = bt.TraceSettings(trace=None if ns.trace == "bundled" else ns.trace, target=ns.target, draft=ns.draft,
+    settings = bt.TraceSettings(trace=ns.trace, target=ns.target, draft=ns.draft,
                                 methods=tuple(ns.methods), concurrency=ns.concurrency[0] if ns.concurrency else 1,
                                 conversations=ns.conversations, dtype=ns.dtype, timeout_s=ns.timeout or 3600.0,
                                 **({} if ns.prefix_cache_tokens is None else {"prefix_tokens": ns.prefix_cache_tokens}))  # fmt: skip

@@ -297,12 +297,17 @@ class AutoDrafter(Drafter):
         Sizing: each suffix node adds its chance of acceptance where the chain is predicted to
         miss at its depth (`chance * (1 - a_d)`, a_d: the chooser's measured chance that the
         chain reaches depth d) and costs a row; the prefix of the tree's best-first order with
-        the most expected tokens per millisecond is sent. Nothing here reads the chain's tokens
-        or draws: in sampling, which deterministic attempts are made must not depend on what
-        the draft model drew (`verify.tree_mixed_sample`)."""
+        the most expected tokens per millisecond is sent. A node the chain proposes already
+        (the same tokens from the root: another copy of the same text) adds neither a row nor
+        a token, so a tree that runs on past a copying chain's end is priced by what it adds
+        there. That reads the chain's tokens, so only for a chain without draws: in sampling,
+        which deterministic attempts are made must not depend on what the draft model drew
+        (`verify.tree_mixed_sample`); a drawn chain's tokens are never read here."""
         suffix = self.subs[SUFFIX]
         sit, tree = suffix.tree(self._budget)  # type: ignore[attr-defined]
-        n = self._tree_nodes(tree.probs, _depths(tree.parents)) if tree.tokens else 0
+        depths = _depths(tree.parents)
+        shared = _on_chain(chain.tokens.tolist(), tree.tokens, tree.parents, depths) if chain.probs is None else None
+        n = self._tree_nodes(tree.probs, depths, shared) if tree.tokens else 0
         suffix.take(sit, tree, n)  # type: ignore[attr-defined]
         if n == 0:
             return chain
@@ -318,17 +323,21 @@ class AutoDrafter(Drafter):
             draft.probs, draft.attempts = q, merged.attempts
         return draft
 
-    def _tree_nodes(self, chances: list[float], depths: list[int]) -> int:
-        """How many of the tree's nodes (best first: their chances, depths) join this step's chain."""
+    def _tree_nodes(self, chances: list[float], depths: list[int], shared: list[bool] | None = None) -> int:
+        """How many of the tree's nodes (best first: their chances, depths; `shared`: those the
+        chain proposes already) join this step's chain."""
         assert self.chooser is not None and self._plan is not None
         method, situation, k = self._plan
         reach = self.chooser._acc(method, situation).alpha()[:k]
         draft_ms = self.chooser.draft_cost(method) * k
         expected = 1.0 + sum(reach)
-        n, best = 0, expected / (draft_ms + self.chooser.costs.target(1 + k))
+        n, best, rows = 0, expected / (draft_ms + self.chooser.costs.target(1 + k)), 1 + k
         for j, (p, d) in enumerate(zip(chances, depths, strict=True), start=1):
+            if shared is not None and shared[j - 1]:
+                continue  # (no row, no token the chain does not bring)
+            rows += 1
             expected += p * (1.0 - (reach[d - 1] if d <= len(reach) else 0.0))
-            rate = expected / (draft_ms + self.chooser.costs.target(1 + k + j))
+            rate = expected / (draft_ms + self.chooser.costs.target(rows))
             if rate > best:
                 n, best = j, rate
         return n
@@ -428,6 +437,15 @@ def _depths(parents: list[int]) -> list[int]:
     for p in parents:
         depth.append(1 if p < 0 else depth[p] + 1)
     return depth
+
+
+def _on_chain(chain: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> list[bool]:
+    """Which of a tree's nodes (parents first) a chain proposes already: the same tokens from
+    the root."""
+    on: list[bool] = []
+    for token, p, d in zip(tokens, parents, depths, strict=True):
+        on.append((p < 0 or on[p]) and d <= len(chain) and chain[d - 1] == token)
+    return on
 
 
 def _along(path: list[int], nodes: list[int]) -> int:
