@@ -123,10 +123,14 @@ def read_prompt(ns: argparse.Namespace) -> str:
         return ns.prompt
     if str(ns.prompt_file) == "-":
         return sys.stdin.read()
+    return read_text(ns.prompt_file, "prompt")
+
+
+def read_text(path: Any, what: str) -> str:
+    """A UTF-8 file's text; errors in one line naming `what` the file was for."""
     try:
-        return ns.prompt_file.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ValueError(f"cannot read the prompt file: {exc}") from exc
+        raise ValueError(f"cannot read the {what} file: {exc}") from exc
     except UnicodeDecodeError as exc:
-        raise ValueError(f"the prompt file {ns.prompt_file} is not UTF-8 text (byte {exc.start}); save it as "
-                         "UTF-8") from None
+        raise ValueError(f"the {what} file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None

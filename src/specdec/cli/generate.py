@@ -17,7 +17,7 @@ from ..drafters import DRAFTERS, Drafter
 from ..engine import Delta
 from ..model.kernels import AUTO, MODES
 from .common import (Help, add_auto_draft, add_draft_bits, add_drafter_options, auto_draft, drafter_options,
-                     load_draft_model, method_of, read_prompt)
+                     load_draft_model, method_of, read_prompt, read_text)
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +60,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from ..api import Request, compare_requests, load, request, run_request
 
-    prediction = _read_text(ns.prediction_file, "prediction") if ns.prediction_file is not None else None
+    prediction = read_text(ns.prediction_file, "prediction") if ns.prediction_file is not None else None
     if prediction is not None and ns.drafter is None:
         ns.drafter = "auto" if ns.draft else "prediction"
     if ns.logprobs is not None and not ns.json:
@@ -119,15 +119,6 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     else:
         _print_result(result, describe, streamed=ns.stream)
     return 0
-
-
-def _read_text(path: Path, what: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"cannot read the {what} file: {exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"the {what} file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
 
 
 def _shower(stream: bool, prompt_len: int) -> Callable[[Delta], None] | None:
