@@ -249,7 +249,7 @@ def test_prediction_file_drafts_and_logprobs_come_with_json(tiny_dir, tmp_path, 
     from specdec.tokenizer import Tokenizer
 
     (tmp_path / "p.txt").write_text(Tokenizer.from_dir(tiny_dir("llama")).decode(plain["token_ids"]))
-    assert main([*args, "--prediction-file", str(tmp_path / "p.txt")]) == 0
+    assert main([*args, "--prediction-file", str(tmp_path / "p.txt"), "--no-adaptive-k", "-k", "4"]) == 0
     out = _json.loads(capsys.readouterr().out)
     assert out["drafter"] == "prediction" and out["token_ids"] == plain["token_ids"]
     assert out["logprobs"] == plain["logprobs"] and out["metrics"]["drafter_info"]["prediction"]["accepted_tokens"] > 0
