@@ -26,7 +26,7 @@ from . import store
 from .config import GenerationConfig, SamplingParams, resolve_k
 from .drafters.base import Drafter, draft_model_method, make_drafter, uses_draft_model
 from .drafters.prediction import PREDICTION_READERS
-from .engine import MAX_TOP_LOGPROBS, Delta, Engine, GenerationResult
+from .engine import Delta, Engine, GenerationResult
 from .model.load import load_transformer
 from .model.transformer import Transformer
 from .tokenizer import Messages, Tokenizer, check_same_tokenizer
@@ -164,9 +164,6 @@ def request(target: LoadedModel, prompt: Prompt, *, assistant_model: LoadedModel
     if prediction is not None:
         predicted = encode_prediction(target.tokenizer, prediction)
         drafter = prediction_drafter(drafter, assistant_model is not None)
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):  # fmt: skip
-        raise ValueError(f"logprobs is the number of alternatives per token, 0..{MAX_TOP_LOGPROBS} (got {logprobs!r})")
     spec = build_drafter(target, assistant_model, drafter, **(drafter_options or {}))
     if "stop" in kwargs:
         kwargs["stop"] = tuple(kwargs["stop"])
@@ -187,14 +184,11 @@ def request(target: LoadedModel, prompt: Prompt, *, assistant_model: LoadedModel
 
 def encode_prediction(tokenizer: Tokenizer, prediction: str | list[int]) -> list[int]:
     """Token ids of a prediction: text is encoded as it stands (no chat template, no special
-    tokens: it is output, not a prompt); ids are checked."""
+    tokens: it is output, not a prompt); ids are kept (the engine checks their range)."""
     if isinstance(prediction, str):
         return tokenizer.encode_text(prediction)
     if not isinstance(prediction, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in prediction):
         raise ValueError("a prediction is text or a list of token ids")
-    vocab = tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in prediction):
-        raise ValueError(f"prediction token ids must lie in [0, {vocab})")
     return list(prediction)
 
 

@@ -211,8 +211,9 @@ class Engine:
         `prediction`, auto). `logprobs`: return each committed token's logprob with this many
         alternatives (0..MAX_TOP_LOGPROBS; None: none)."""
         n_new = plan_length(len(prompt_ids), cfg, self.target.args.max_seq_len)
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):  # fmt: skip
+            raise ValueError(f"logprobs is the number of alternatives per token, 0..{MAX_TOP_LOGPROBS} (got {logprobs!r})")
         if prediction is not None:
             vocab = self.target.args.vocab_size
             if any(not 0 <= t < vocab for t in prediction):

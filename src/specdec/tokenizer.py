@@ -36,8 +36,6 @@ class Tokenizer:
         # 152k tokens is worth doing once, not per request)
         self.same: weakref.WeakSet[Tokenizer] = weakref.WeakSet()
         self._bytes: dict[int, bytes] = {}  # token id -> its bytes (`token_bytes`)
-        # a SentencePiece vocabulary ("\u2581" starts a word) is not byte-level, whatever its characters
-        self._sentencepiece = any("\u2581" in t for t in list(hf.get_vocab())[:2000])
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -84,6 +82,12 @@ class Tokenizer:
     def encode_text(self, text: str) -> list[int]:
         """Text as it stands, without the special tokens a prompt gets (a BOS): a piece of output."""
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    @functools.cached_property
+    def _sentencepiece(self) -> bool:
+        """A SentencePiece vocabulary ("\u2581" starts a word) is not byte-level, whatever its
+        characters (looked at once, where a token's bytes are first asked for)."""
+        return any("\u2581" in t for t in list(self.hf.get_vocab())[:2000])
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a piece of a UTF-8 character, for some): byte-level
