@@ -153,3 +153,22 @@ def test_wrong_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wro
                           bounds=(0.05, 0.95))  # fmt: skip
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
+
+
+@pytest.mark.parametrize("drafter", ["prediction", "auto"])
+def test_the_counts_include_the_step_that_finishes(tiny, drafter):
+    """The pass that ends the sequence (here: its length) is counted like any other: alone, the
+    prediction drafter's counts are the engine's proposed and accepted tokens."""
+    target = tiny("llama", dtype=EXACT_MODES[-1])
+    plain = specdec.generate(target, PROMPTS[0], max_new_tokens=24, ignore_eos=True)
+    for pred in (plain.token_ids, plain.token_ids[:10] + [5, 6] + plain.token_ids[10:]):
+        out = specdec.generate(target, PROMPTS[0], drafter=drafter, prediction=pred, k=6, max_new_tokens=24,
+                               ignore_eos=True)  # fmt: skip
+        assert out.token_ids == plain.token_ids
+        counts, m = out.metrics.drafter_info["prediction"], out.metrics
+        if drafter == "prediction":
+            assert counts == {"accepted_tokens": m.accepted, "rejected_tokens": m.proposed - m.accepted}
+        else:
+            assert 0 < counts["accepted_tokens"] <= m.accepted
+        if pred == plain.token_ids:  # taken whole: every token but the prompt pass's and each step's own
+            assert counts["rejected_tokens"] == 0 and counts["accepted_tokens"] + m.steps + 1 == len(plain.token_ids)

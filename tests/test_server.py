@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import EXACT_MODES
 
 import specdec
 from specdec.adaptive import batch_drafting_pays
@@ -451,20 +452,26 @@ def test_bench_serve_replays_an_agent_trace(tmp_path, capsys):
 
 
 @pytest.mark.real
-def test_bench_serve_replays_predictions_to_the_methods_that_read_them(tmp_path, capsys):
+def test_bench_serve_replays_predictions_to_the_methods_that_read_them(tmp_path, capsys, smollm2_exact):
     text = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs."
     ask = [{"role": "user", "content": f"Repeat this text exactly, nothing else: {text}"}]
+    # the prediction is the model's own plain answer (whatever this CPU's kernels make it), so the
+    # prediction drafter has a run of right tokens to follow on any machine
+    expected = specdec.generate(smollm2_exact, ask, max_new_tokens=32, temperature=0.0).text
+    assert len(expected) > 20
     trace = _trace(tmp_path / "t.jsonl", [{"conversation": "c1", "turn": 0, "messages": ask, "max_tokens": 32,
-                                           "prediction": text}])  # fmt: skip
+                                           "prediction": expected}])  # fmt: skip
     out = tmp_path / "out"
-    assert main(["bench", "serve", "--trace", trace, "--target", "smollm2-135m", "--methods", "suffix", "prediction",
-                 "auto+prediction", "--out", str(out)]) == 0  # fmt: skip
+    assert main(["bench", "serve", "--trace", trace, "--target", "smollm2-135m", "--dtype", EXACT_MODES[-1],
+                 "--methods", "suffix", "prediction", "auto+prediction", "--out", str(out)]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "auto+prediction" in printed and "pred. acc/rej" in printed
     runs = json.loads((out / "trace.json").read_text())["methods"]
     assert list(runs) == ["none", "suffix", "prediction", "auto+prediction", "none-again"]
     assert all(r["identical"] and r["failed"] == 0 for r in runs.values())
-    assert runs["prediction"]["prediction_tokens"]["accepted"] > 5 and runs["auto+prediction"]["prediction_tokens"]["accepted"] > 0
+    pred = runs["prediction"]
+    assert pred["prediction_tokens"]["accepted"] >= pred["completion_tokens"] // 2 > 0
+    assert runs["auto+prediction"]["prediction_tokens"]["accepted"] > 0
     assert runs["suffix"]["prediction_tokens"] == runs["none"]["prediction_tokens"] == {"accepted": 0, "rejected": 0}
 
 

@@ -464,6 +464,8 @@ class Engine:
                 path, nxt, logits[: K + 1], logits[K + 1 :] if draft.extra is not None else None,
                 out.hidden[0] if out.hidden is not None else None, {i: h[0] for i, h in out.layers.items()},
             ))  # fmt: skip
+        elif s.drafter is not None:
+            s.drafter.last_step(Feedback(path, nxt, logits[: K + 1]), min(len(path), len(committed)))
         return self._delta(s, committed)
 
     def _delta(self, s: _Sequence, tokens: list[int]) -> Delta:

@@ -342,6 +342,15 @@ class AutoDrafter(Drafter):
                 n, best = j, rate
         return n
 
+    def last_step(self, feedback: Feedback, kept: int) -> None:
+        """The member that proposed the finishing step hears of it (the prediction's counts)."""
+        method = self._plan[0] if self._plan is not None else "plain"
+        if self._merged is not None:
+            n = _along(feedback.path, self._merged.chain)
+            self.subs[method].last_step(_part(feedback, list(range(n)), self._merged.chain[:n], feedback.next_token), min(n, kept))
+        elif method != "plain":
+            self.subs[method].last_step(feedback, kept)
+
     def accepted(self, feedback: Feedback) -> None:
         assert self.chooser is not None
         method, situation, k = self._plan if self._plan is not None else ("plain", None, 0)

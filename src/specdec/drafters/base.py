@@ -177,6 +177,12 @@ class Drafter:
     def accepted(self, feedback: Feedback) -> None:
         """The verification pass kept `feedback.path` of the last proposal, then `next_token`."""
 
+    def last_step(self, feedback: Feedback, kept: int) -> None:
+        """The pass that finished the sequence (an end token, a stop, the length) kept
+        `feedback.path` of the last proposal, of which the output took the first `kept` tokens
+        (fewer where a stop came inside it); nothing is proposed after it. Default: nothing (a
+        drafter that counts its accepted tokens completes the count here)."""
+
     def end(self) -> None:
         """The sequence is finished or cancelled."""
 

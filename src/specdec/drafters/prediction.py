@@ -139,6 +139,12 @@ class PredictionDrafter(Drafter):
         self._follow([*self._proposal[:n], feedback.next_token])
         self._proposal = []
 
+    def last_step(self, feedback: Feedback, kept: int) -> None:
+        n = feedback.num_accepted
+        self.accepted_tokens += min(n, kept)
+        self.rejected_tokens += len(self._proposal) - n
+        self._proposal = []
+
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         self._follow(tokens)
 
