@@ -29,6 +29,16 @@ def test_two_calls_and_no_content():
     assert calls[0].id != calls[1].id
 
 
+def test_no_parallel_calls_keeps_the_first():  # (parallel_tool_calls: false)
+    two = CALL + "\nand " + CALL.replace("get_weather", "search").replace('"city": "Paris"', '"q": "rain"')
+    content, calls = parse_all("First: " + two, NAMES, most=1)
+    assert content == "First: " and [c.name for c in calls] == ["get_weather"]
+    bare = '[{"name": "search", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    assert [c.name for c in parse_all(bare, NAMES, most=1)[1]] == ["search"]
+    assert [c.name for c in parse_all(bare, NAMES)[1]] == ["search", "get_weather"]
+    assert parse_all("no call here", NAMES, most=1) == ("no call here", [])
+
+
 @pytest.mark.parametrize("text", [
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>',  # broken JSON
     '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',  # not an offered tool
@@ -75,9 +85,10 @@ def test_forced_starts_are_parsed_with_the_output():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=40), st.sampled_from([
     "Sure. " + CALL + " Done.", CALL, '```json\n{"name": "search", "arguments": {"q": "x"}}\n```', "plain <tool answer",
-    "a < b and <tool_call> never closed", '{"not": "a call"}']))  # fmt: skip
-def test_streaming_in_any_chunks_says_what_parsing_the_whole_says(cuts, text):
-    parser, events, at, i = ToolCallParser(NAMES), [], 0, 0
+    "a < b and <tool_call> never closed", '{"not": "a call"}', CALL + " then " + CALL.replace("Paris", "Rome")]),
+    st.sampled_from([None, 1]))  # fmt: skip
+def test_streaming_in_any_chunks_says_what_parsing_the_whole_says(cuts, text, most):
+    parser, events, at, i = ToolCallParser(NAMES, most=most), [], 0, 0
     while at < len(text):
         n = cuts[i % len(cuts)]
         events += parser.feed(text[at : at + n])
@@ -85,7 +96,8 @@ def test_streaming_in_any_chunks_says_what_parsing_the_whole_says(cuts, text):
     events += parser.finish()
     content = "".join(v for kind, v in events if kind == "content")
     calls = [(v.name, v.arguments) for kind, v in events if kind == "call"]
-    whole_content, whole_calls = parse_all(text, NAMES)
+    whole_content, whole_calls = parse_all(text, NAMES, most=most)
+    assert len(whole_calls) <= (most or 2)
     assert (content if content.strip() or not calls else None) == whole_content
     assert calls == [(c.name, c.arguments) for c in whole_calls]
     # no text that is part of a call ever went out as content

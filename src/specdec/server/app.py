@@ -153,7 +153,7 @@ class Service:
         if kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if job.tools is not None:
-                content, calls = parse_all(text, job.tools, job.start)
+                content, calls = parse_all(text, job.tools, job.start, job.most_calls)
                 message["content"] = content
                 if calls:
                     message["tool_calls"] = [c.to_dict() for c in calls]
@@ -199,7 +199,7 @@ class Service:
                                           "model": self.settings.model_name, "choices": choices, **extra}) + "\n\n"  # fmt: skip
 
         tok = self.target.tokenizer
-        parser = ToolCallParser(job.tools, job.start) if kind == "chat" and job.tools is not None else None
+        parser = ToolCallParser(job.tools, job.start, job.most_calls) if kind == "chat" and job.tools is not None else None
         calls = 0  # tool calls streamed so far
         offset = 0  # (completions' text_offset)
 
@@ -340,6 +340,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     job = await svc.make_job(body, ids, body.max_completion_tokens or body.max_tokens, svc.pool(request))
     if tools:
         job.tools, job.start = frozenset(t["function"]["name"] for t in tools), start
+        job.most_calls = None if body.parallel_tool_calls else 1
     return await svc.respond(request, job, body, "chat")
 
 

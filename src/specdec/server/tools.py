@@ -87,11 +87,13 @@ class ToolCallParser:
 
     names: frozenset[str]  # the functions the request offered
     start: str = ""  # text the turn began with (a forced start): parsed, but not the model's output to echo
+    most: int | None = None  # the most calls returned (1: `parallel_tool_calls: false`); later ones are dropped
     calls: list[ToolCall] = field(default_factory=list)
     _buf: str = ""
     _in_call: bool = False
     _mode: str | None = None  # "stream" (text goes out as it comes), "hold" (may be a bare call); None: not yet seen
     _held: str = ""
+    _given: int = 0  # calls returned so far
 
     def __post_init__(self) -> None:
         self._buf, self._in_call, self._held = self.start, False, ""
@@ -106,18 +108,35 @@ class ToolCallParser:
             if self._mode != "stream":
                 return []
             text, self._held = self._held, ""
-        return self._stream(text)
+        return self._limit(self._stream(text))
 
     def finish(self) -> list[tuple[str, Any]]:
         """The end of the output: what is left, and a held output parsed whole."""
         if self._mode == "stream":
-            return self._finish_stream()
+            return self._limit(self._finish_stream())
         held, self._held = self._held, ""
         events = _merge(self._stream(held) + self._finish_stream())
         if any(kind == "call" for kind, _ in events) or not held.strip():
-            return events
+            return self._limit(events)
         bare = self._bare(held)
-        return [("call", c) for c in bare] if bare else [("content", held)]
+        return self._limit([("call", c) for c in bare]) if bare else [("content", held)]
+
+    def _limit(self, events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Drop the calls past `most` (as one that asked for a single call expects: the first),
+        with the text around them once a call was made."""
+        if self.most is None:
+            return events
+        out, given = [], self._given
+        for kind, v in events:
+            if kind == "call":
+                given += 1
+                if given <= self.most:
+                    out.append((kind, v))
+            elif given < self.most:
+                out.append((kind, v))
+        self._given = given
+        self.calls = self.calls[: self.most]
+        return out
 
     def _bare(self, text: str) -> list[ToolCall]:
         """Calls from an output that is only a JSON object naming a tool, or a list of them
@@ -194,9 +213,10 @@ class ToolCallParser:
         return ToolCall("call_" + uuid.uuid4().hex[:24], obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse_all(text: str, names: frozenset[str], start: str = "") -> tuple[str | None, list[ToolCall]]:
+def parse_all(text: str, names: frozenset[str], start: str = "",
+              most: int | None = None) -> tuple[str | None, list[ToolCall]]:  # fmt: skip
     """The whole output at once: (content, or None where there is none; the tool calls)."""
-    parser = ToolCallParser(names, start)
+    parser = ToolCallParser(names, start, most)
     events = parser.feed(text) + parser.finish()
     content = "".join(v for kind, v in events if kind == "content")
     calls = [v for kind, v in events if kind == "call"]

@@ -65,6 +65,7 @@ class Job:
     logprobs: int | None = None  # alternatives per token's logprob (None: no logprobs)
     tools: frozenset[str] | None = None  # the functions offered, where the output is parsed for calls
     start: str = ""  # text the assistant's turn was started with (a forced tool call's opening)
+    most_calls: int | None = None  # 1 where the request asked for no parallel tool calls
 
     def post(self, kind: str, value: Any) -> None:  # (from the worker thread)
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
