@@ -134,16 +134,19 @@ class PredictionDrafter(Drafter):
 
     def accepted(self, feedback: Feedback) -> None:
         n = feedback.num_accepted
-        self.accepted_tokens += n
-        self.rejected_tokens += len(self._proposal) - n
-        self._follow([*self._proposal[:n], feedback.next_token])
-        self._proposal = []
+        proposal = self._count(n, n)
+        self._follow([*proposal[:n], feedback.next_token])
 
     def last_step(self, feedback: Feedback, kept: int) -> None:
-        n = feedback.num_accepted
+        self._count(feedback.num_accepted, kept)
+
+    def _count(self, n: int, kept: int) -> list[int]:
+        """Count the last proposal's `n` accepted tokens (of which the output took `kept`) and
+        the rest as rejected; return the proposal, now spent."""
+        proposal, self._proposal = self._proposal, []
         self.accepted_tokens += min(n, kept)
-        self.rejected_tokens += len(self._proposal) - n
-        self._proposal = []
+        self.rejected_tokens += len(proposal) - n
+        return proposal
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         self._follow(tokens)
