@@ -445,6 +445,9 @@ def test_bench_serve_replays_an_agent_trace(tmp_path, capsys):
     for r in result["methods"].values():  # greedy: every answer plain decoding's
         assert r["failed"] == 0 and r["identical"] and r["completion_tokens"] > 0
     assert result["methods"]["none"]["speedup"] == 1.0 and result["suffix_memory"]["suffix"]["tokens"] > 0
+    rows = result["methods"]["suffix"]["per_request"]  # each request, by conversation and turn
+    assert sorted((r["conversation"], r["turn"]) for r in rows) == [("c1", 0), ("c1", 1), ("c2", 0)]
+    assert sum(r["tokens"] for r in rows) == result["methods"]["suffix"]["completion_tokens"]
     if result["prefix_cache"]:  # (the mode's rows are bitwise the same in any pass) c2's prompt is c1's first
         assert all(m["hits"] >= 1 and m["reused_tokens"] >= 16 for m in result["prefix_cache"].values())
         assert "prompt tokens reused" in printed

@@ -222,6 +222,13 @@ def _summary(wall: float, stats: dict[tuple[str, int], RequestStat], plain: dict
         "tool_calls": sum(st.tool_calls for st in ok),
         "requests_with_tool_calls": sum(st.tool_calls > 0 for st in ok),
         "errors": sorted({st.error for st in stats.values() if st.error})[:5],
+        # (each request, to tell which conversations and turns a method wins or loses)
+        "per_request": [{"conversation": conv, "turn": turn, "ok": st.ok, "tokens": st.tokens,
+                         "latency_s": None if st.latency is None else round(st.latency, 3),
+                         "ttft_s": None if st.ttft is None else round(st.ttft, 3),
+                         "drafted": (st.speculative or {}).get("draft_tokens"),
+                         "accepted": (st.speculative or {}).get("accepted_tokens")}
+                        for (conv, turn), st in stats.items()],
     }  # fmt: skip
 
 
