@@ -28,8 +28,10 @@ from pathlib import Path
 
 import specdec
 
-SYSTEM = ("You are a coding agent. You write Python code, run the tests, read their output and revise the code. "
-          "Reply with code in one ```python block.")  # fmt: skip
+SYSTEM = (
+    "You are a coding agent. You write Python code, run the tests, read their output and revise the code. "
+    "Reply with code in one ```python block."
+)
 FOLLOW_UPS = [
     "Add input validation that raises ValueError with a clear message for invalid arguments, and type hints. "
     "Reply with the whole function.",
@@ -58,17 +60,32 @@ def test_run(task: dict, answer: str) -> str:
     return f"$ python -m pytest -q\nFAILED test_{task['entry_point']}\n{tail}\n1 failed in 0.03s"
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "run_tests", "description": "Run the project's test suite on the code written so far and return its output",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "test file or directory"}},
-                   "required": []}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the project's test suite on the code written so far and return its output",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string", "description": "test file or directory"}},
+                "required": [],
+            },
+        },
+    }
+]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--tasks", type=int, nargs="+", default=[2, 4, 7, 12, 22, 28, 35, 53],
-                    help="HumanEval task numbers (short prompts of different kinds)")
+    ap.add_argument(
+        "--tasks",
+        type=int,
+        nargs="+",
+        default=[2, 4, 7, 12, 22, 28, 35, 53],
+        help="HumanEval task numbers (short prompts of different kinds)",
+    )
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--out", type=Path, required=True)
     ns = ap.parse_args()
@@ -86,19 +103,36 @@ def main() -> None:
             task = tasks[number]
             messages: list[dict] = [
                 {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Complete this function.\n\n```python\n{task['prompt']}```"}]  # fmt: skip
+                {"role": "user", "content": f"Complete this function.\n\n```python\n{task['prompt']}```"},
+            ]
             code = ""
             for turn in range(3 + len(FOLLOW_UPS)):
-                body = {"model": target.name, "messages": messages, "tools": TOOLS, "max_tokens": ns.max_tokens,
-                        "temperature": 0.0}  # fmt: skip
+                body = {
+                    "model": target.name,
+                    "messages": messages,
+                    "tools": TOOLS,
+                    "max_tokens": ns.max_tokens,
+                    "temperature": 0.0,
+                }
                 r = client.post("/v1/chat/completions", json=body)
                 r.raise_for_status()
                 answer = {k: v for k, v in r.json()["choices"][0]["message"].items() if v is not None or k == "content"}
-                lines.append({"conversation": f"humaneval-{number}", "turn": turn, "messages": list(messages),
-                              "tools": TOOLS, "max_tokens": ns.max_tokens, "answer": answer})  # fmt: skip
-                print(f"{task['task_id']} turn {turn}: {r.json()['usage']['completion_tokens']} tokens"
-                      f"{' (a tool call)' if answer.get('tool_calls') else ''} ({time.perf_counter() - t0:.0f} s)",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                lines.append(
+                    {
+                        "conversation": f"humaneval-{number}",
+                        "turn": turn,
+                        "messages": list(messages),
+                        "tools": TOOLS,
+                        "max_tokens": ns.max_tokens,
+                        "answer": answer,
+                    }
+                )
+                print(
+                    f"{task['task_id']} turn {turn}: {r.json()['usage']['completion_tokens']} tokens"
+                    f"{' (a tool call)' if answer.get('tool_calls') else ''} ({time.perf_counter() - t0:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 messages = [*messages, answer]
                 code = answer.get("content") or code
                 if turn == 0:  # the agent is asked to test its code: its tool, where it calls it
@@ -106,10 +140,14 @@ def main() -> None:
                 elif turn == 1:  # the tool's result (a real run), or the same as text where it did not call
                     report = test_run(task, code)
                     calls = answer.get("tool_calls") or []
-                    messages += ([{"role": "tool", "tool_call_id": c["id"], "content": report} for c in calls] or
-                                 [{"role": "user", "content": report}])  # fmt: skip
-                    ask = ("Fix the failing test. Reply with the whole corrected function." if "FAILED" in report
-                           else "The tests pass. Now add a docstring with an example. Reply with the whole function.")
+                    messages += [{"role": "tool", "tool_call_id": c["id"], "content": report} for c in calls] or [
+                        {"role": "user", "content": report}
+                    ]
+                    ask = (
+                        "Fix the failing test. Reply with the whole corrected function."
+                        if "FAILED" in report
+                        else "The tests pass. Now add a docstring with an example. Reply with the whole function."
+                    )
                     messages.append({"role": "user", "content": ask})
                 elif turn - 2 < len(FOLLOW_UPS):
                     messages.append({"role": "user", "content": FOLLOW_UPS[turn - 2]})

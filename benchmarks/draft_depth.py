@@ -62,8 +62,10 @@ def main() -> int:
     table = pass_costs(target.model, 64).unscaled()
     prompts = select(load_prompts(a.prompts), a.categories, a.per_category)
     rows: list[dict] = []
-    print(f"{'prompt':20s} {'variant':10s} {'speedup':>20s} {'modelled':>8s} {'tau':>5s} {'rows':>5s} "
-          f"{'draft':>6s} {'pass':>6s}  same  (draft, pass: ms per step)")  # fmt: skip
+    print(
+        f"{'prompt':20s} {'variant':10s} {'speedup':>20s} {'modelled':>8s} {'tau':>5s} {'rows':>5s} "
+        f"{'draft':>6s} {'pass':>6s}  same  (draft, pass: ms per step)"
+    )
     for p in prompts:
         ids = prompt_ids(target, p)
         _prime(target, draft, ids)
@@ -79,50 +81,75 @@ def main() -> int:
             for v in a.variants if rep % 2 == 0 else list(reversed(a.variants)):
                 # (suffix decoding, under auto, must not draft from this prompt's own earlier answer)
                 target.model.state.suffix.clear()
-                outs[v] = run_request(target, request(target, ids, assistant_model=draft, **common, **VARIANTS[v]),
-                                      prefix_tokens=PREFIX_TOKENS)  # fmt: skip
+                outs[v] = run_request(
+                    target,
+                    request(target, ids, assistant_model=draft, **common, **VARIANTS[v]),
+                    prefix_tokens=PREFIX_TOKENS,
+                )
             last = plain()
             decode = [o.metrics.wall_time - o.metrics.prefill_time for o in (first, last)]
             base = sum(decode) / 2
-            plain_ms = 1e3 * sum(o.metrics.target_time for o in (first, last)) / sum(o.metrics.target_forwards
-                                                                                    for o in (first, last))  # fmt: skip
+            plain_ms = (
+                1e3
+                * sum(o.metrics.target_time for o in (first, last))
+                / sum(o.metrics.target_forwards for o in (first, last))
+            )
             for v, o in outs.items():
                 m = o.metrics
-                runs[v].append({"speedup": base / (m.wall_time - m.prefill_time),
-                                "modelled": plain_ms * m.new_tokens / _modelled(m, plain_ms, table),
-                                "tau": m.new_tokens / max(m.target_forwards, 1),
-                                "rows": m.scored_rows / max(m.target_forwards, 1),
-                                "draft_ms": 1e3 * m.draft_time / max(m.target_forwards, 1),
-                                "pass_ms": 1e3 * m.target_time / max(m.target_forwards, 1),
-                                "identical": o.token_ids == first.token_ids if a.temperature == 0 else None})  # fmt: skip
+                runs[v].append(
+                    {
+                        "speedup": base / (m.wall_time - m.prefill_time),
+                        "modelled": plain_ms * m.new_tokens / _modelled(m, plain_ms, table),
+                        "tau": m.new_tokens / max(m.target_forwards, 1),
+                        "rows": m.scored_rows / max(m.target_forwards, 1),
+                        "draft_ms": 1e3 * m.draft_time / max(m.target_forwards, 1),
+                        "pass_ms": 1e3 * m.target_time / max(m.target_forwards, 1),
+                        "identical": o.token_ids == first.token_ids if a.temperature == 0 else None,
+                    }
+                )
         for v in a.variants:
             xs = [r["speedup"] for r in runs[v]]
-            row = {"prompt": p.id, "category": p.category, "variant": v, "speedup": statistics.median(xs),
-                   "band": [min(xs), max(xs)], "modelled": statistics.median(r["modelled"] for r in runs[v]),
-                   "tau": statistics.mean(r["tau"] for r in runs[v]), "rows": statistics.mean(r["rows"] for r in runs[v]),
-                   "draft_ms": statistics.mean(r["draft_ms"] for r in runs[v]),
-                   "pass_ms": statistics.mean(r["pass_ms"] for r in runs[v]),
-                   "identical": None if a.temperature else all(r["identical"] for r in runs[v])}  # fmt: skip
+            row = {
+                "prompt": p.id,
+                "category": p.category,
+                "variant": v,
+                "speedup": statistics.median(xs),
+                "band": [min(xs), max(xs)],
+                "modelled": statistics.median(r["modelled"] for r in runs[v]),
+                "tau": statistics.mean(r["tau"] for r in runs[v]),
+                "rows": statistics.mean(r["rows"] for r in runs[v]),
+                "draft_ms": statistics.mean(r["draft_ms"] for r in runs[v]),
+                "pass_ms": statistics.mean(r["pass_ms"] for r in runs[v]),
+                "identical": None if a.temperature else all(r["identical"] for r in runs[v]),
+            }
             rows.append(row)
-            print(f"{p.id:20s} {v:10s} {row['speedup']:5.2f}x ({row['band'][0]:.2f}-{row['band'][1]:.2f})  "
-                  f"{row['modelled']:7.2f}x {row['tau']:5.2f} {row['rows']:5.2f} {row['draft_ms']:6.1f} {row['pass_ms']:6.1f}  "
-                  f"{row['identical']}", flush=True)  # fmt: skip
+            print(
+                f"{p.id:20s} {v:10s} {row['speedup']:5.2f}x ({row['band'][0]:.2f}-{row['band'][1]:.2f})  "
+                f"{row['modelled']:7.2f}x {row['tau']:5.2f} {row['rows']:5.2f} {row['draft_ms']:6.1f} {row['pass_ms']:6.1f}  "
+                f"{row['identical']}",
+                flush=True,
+            )
     summary = {}
     for v in a.variants:
         mine = [r for r in rows if r["variant"] == v]
-        summary[v] = {"median": statistics.median(r["speedup"] for r in mine),
-                      "lowest": min(r["band"][0] for r in mine),
-                      "modelled_median": statistics.median(r["modelled"] for r in mine),
-                      "tau_mean": statistics.mean(r["tau"] for r in mine),
-                      "rows_mean": statistics.mean(r["rows"] for r in mine),
-                      "draft_ms_per_step": statistics.mean(r["draft_ms"] for r in mine),
-                      "pass_ms_per_step": statistics.mean(r["pass_ms"] for r in mine)}  # fmt: skip
+        summary[v] = {
+            "median": statistics.median(r["speedup"] for r in mine),
+            "lowest": min(r["band"][0] for r in mine),
+            "modelled_median": statistics.median(r["modelled"] for r in mine),
+            "tau_mean": statistics.mean(r["tau"] for r in mine),
+            "rows_mean": statistics.mean(r["rows"] for r in mine),
+            "draft_ms_per_step": statistics.mean(r["draft_ms"] for r in mine),
+            "pass_ms_per_step": statistics.mean(r["pass_ms"] for r in mine),
+        }
         s = summary[v]
-        print(f"{'median':20s} {v:10s} {s['median']:5.2f}x (lowest run {s['lowest']:.2f})  {s['modelled_median']:7.2f}x "
-              f"{s['tau_mean']:5.2f} {s['rows_mean']:5.2f} {s['draft_ms_per_step']:6.1f} {s['pass_ms_per_step']:6.1f}")  # fmt: skip
+        print(
+            f"{'median':20s} {v:10s} {s['median']:5.2f}x (lowest run {s['lowest']:.2f})  {s['modelled_median']:7.2f}x "
+            f"{s['tau_mean']:5.2f} {s['rows_mean']:5.2f} {s['draft_ms_per_step']:6.1f} {s['pass_ms_per_step']:6.1f}"
+        )
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(a).items()}, "rows": rows,
-                                 "summary": summary}, indent=1))  # fmt: skip
+    a.out.write_text(
+        json.dumps({"settings": {k: str(v) for k, v in vars(a).items()}, "rows": rows, "summary": summary}, indent=1)
+    )
     print(f"wrote {a.out}", file=sys.stderr)
     return 0
 

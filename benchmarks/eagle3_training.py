@@ -22,8 +22,8 @@ import specdec
 from specdec import store
 from specdec.training import features as fe
 from specdec.training.eagle3 import Eagle3Head
-from specdec.training.vocabulary import attach as attach_target
 from specdec.training.loop import evaluate, moving_average
+from specdec.training.vocabulary import attach as attach_target
 
 
 def main() -> int:
@@ -49,19 +49,33 @@ def main() -> int:
         attach_target(head, targets[name].model, store.resolve(name))
         history = json.loads((Path(d) / "history.json").read_text())
         acc = evaluate(head, val, ns.steps, 1024)
-        rows.append({
-            "label": label, "dir": d, "data_mode": rec.get("data_mode"), "feature_tokens": rec.get("feature_tokens"),
-            "conversations": rec.get("feature_conversations"), "feature_cpu_minutes": round(rec.get("feature_cpu_seconds", 0) / 60, 1),
-            "train_minutes": rec.get("wall_minutes"), "optimizer_steps": rec.get("optimizer_steps"),
-            "heldout_top1_by_step": acc, "own_validation_top1_by_step": rec.get("validation_top1_by_step"),
-            "command": rec.get("command"), "cpu": rec.get("cpu"), "history": history,
-        })  # fmt: skip
+        rows.append(
+            {
+                "label": label,
+                "dir": d,
+                "data_mode": rec.get("data_mode"),
+                "feature_tokens": rec.get("feature_tokens"),
+                "conversations": rec.get("feature_conversations"),
+                "feature_cpu_minutes": round(rec.get("feature_cpu_seconds", 0) / 60, 1),
+                "train_minutes": rec.get("wall_minutes"),
+                "optimizer_steps": rec.get("optimizer_steps"),
+                "heldout_top1_by_step": acc,
+                "own_validation_top1_by_step": rec.get("validation_top1_by_step"),
+                "command": rec.get("command"),
+                "cpu": rec.get("cpu"),
+                "history": history,
+            }
+        )
     print(f"held-out: {len(val)} sequences of {ns.validation} ({manifest.get('data_mode')} data)")
-    print(f"{'head':10s} {'mode':8s} {'tokens':>8s} {'feat min':>8s} {'train min':>9s} {'steps':>6s}  top-1 by draft step")
+    print(
+        f"{'head':10s} {'mode':8s} {'tokens':>8s} {'feat min':>8s} {'train min':>9s} {'steps':>6s}  top-1 by draft step"
+    )
     for r in rows:
-        print(f"{r['label']:10s} {r['data_mode'] or '?':8s} {r['feature_tokens'] or 0:8d} {r['feature_cpu_minutes']:8.1f} "
-              f"{r['train_minutes'] or 0:9.1f} {r['optimizer_steps'] or 0:6d}  "
-              + " / ".join(f"{a:.3f}" for a in r["heldout_top1_by_step"]))  # fmt: skip
+        print(
+            f"{r['label']:10s} {r['data_mode'] or '?':8s} {r['feature_tokens'] or 0:8d} {r['feature_cpu_minutes']:8.1f} "
+            f"{r['train_minutes'] or 0:9.1f} {r['optimizer_steps'] or 0:6d}  "
+            + " / ".join(f"{a:.3f}" for a in r["heldout_top1_by_step"])
+        )
     ns.out.mkdir(parents=True, exist_ok=True)
     data = {"validation": str(ns.validation), "validation_sequences": len(val), "runs": rows}
     (ns.out / "eagle3-training.json").write_text(json.dumps(data, indent=1) + "\n")

@@ -23,8 +23,10 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-SYSTEM = ("You are a code editor. Apply the requested change to the file and reply with the whole updated file in "
-          "one ```python block, and nothing else.")  # fmt: skip
+SYSTEM = (
+    "You are a code editor. Apply the requested change to the file and reply with the whole updated file in "
+    "one ```python block, and nothing else."
+)
 # (a planted bug: the first of these found in the first function's body is swapped)
 BUGS = [(" < ", " <= "), (" > ", " >= "), ("+ 1", "+ 2"), ("== 0", "== 1"), ("True", "False"), ("[1:]", "[2:]")]
 
@@ -33,12 +35,15 @@ def edits(f: str, body: str) -> list[tuple[str, str]]:
     """(kind, instruction) for a file whose first function is `f`."""
     return [
         ("rename", f"Rename the function `{f}` to `{f}_checked` everywhere in the file."),
-        ("parameter", f"Add a keyword-only parameter `verbose: bool = False` to `{f}`; when it is true, print the "
-                      "result just before returning it."),
+        (
+            "parameter",
+            f"Add a keyword-only parameter `verbose: bool = False` to `{f}`; when it is true, print the "
+            "result just before returning it.",
+        ),
         ("comments", "Add a short comment above every `return` statement saying what is returned."),
         ("docstring", f"Shorten the docstring of `{f}` to one line; keep the other function as it is."),
         ("bugfix", f"The tests of `{f}` fail: there is a bug in its body. Fix it."),
-    ]  # fmt: skip
+    ]
 
 
 def plant_bug(code: str, body: str) -> str:
@@ -50,8 +55,13 @@ def plant_bug(code: str, body: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--files", type=int, nargs="+", default=[0, 5, 3, 9],
-                    help="HumanEval task numbers in pairs: each pair is one file (first function edited)")  # fmt: skip
+    ap.add_argument(
+        "--files",
+        type=int,
+        nargs="+",
+        default=[0, 5, 3, 9],
+        help="HumanEval task numbers in pairs: each pair is one file (first function edited)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     ns = ap.parse_args()
     if len(ns.files) % 2:
@@ -61,15 +71,26 @@ def main() -> None:
     lines = []
     for a, b in zip(ns.files[::2], ns.files[1::2], strict=True):
         first, second = tasks[a], tasks[b]
-        code = (first["prompt"] + first["canonical_solution"]).strip() + "\n\n\n" + \
-            (second["prompt"] + second["canonical_solution"]).strip() + "\n"  # fmt: skip
+        code = (
+            (first["prompt"] + first["canonical_solution"]).strip()
+            + "\n\n\n"
+            + (second["prompt"] + second["canonical_solution"]).strip()
+            + "\n"
+        )
         code = _imports_first(code)
         for kind, ask in edits(first["entry_point"], first["canonical_solution"]):
             shown = plant_bug(code, first["canonical_solution"]) if kind == "bugfix" else code
             block = f"```python\n{shown}```"
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{ask}\n\n{block}"}]
-            lines.append({"conversation": f"edit-{a}-{b}-{kind}", "turn": 0, "messages": messages,
-                          "max_tokens": 160 + len(shown) // 2, "prediction": block})  # fmt: skip
+            lines.append(
+                {
+                    "conversation": f"edit-{a}-{b}-{kind}",
+                    "turn": 0,
+                    "messages": messages,
+                    "max_tokens": 160 + len(shown) // 2,
+                    "prediction": block,
+                }
+            )
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     with ns.out.open("w") as fh:
         for line in lines:

@@ -60,18 +60,28 @@ def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
 
 def request(url: str, model: str, messages: list[dict[str, str]], n: int, extra: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    r = httpx.post(url + "/v1/chat/completions", timeout=600,
-                   json={"model": model, "messages": messages, "max_tokens": n, "temperature": 0, **extra})  # fmt: skip
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=600,
+        json={"model": model, "messages": messages, "max_tokens": n, "temperature": 0, **extra},
+    )
     r.raise_for_status()
     body = r.json()
-    return {"s": time.perf_counter() - t0, "tokens": body["usage"]["completion_tokens"],
-            "text": body["choices"][0]["message"]["content"]}  # fmt: skip
+    return {
+        "s": time.perf_counter() - t0,
+        "tokens": body["usage"]["completion_tokens"],
+        "text": body["choices"][0]["message"]["content"],
+    }
 
 
-def concurrent(url: str, model: str, convs: list[list[dict[str, str]]], n: int, extra: dict[str, Any]) -> dict[str, Any]:
+def concurrent(
+    url: str, model: str, convs: list[list[dict[str, str]]], n: int, extra: dict[str, Any]
+) -> dict[str, Any]:
     async def one(client: httpx.AsyncClient, messages: list[dict[str, str]]) -> int:
-        r = await client.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": n,
-                                                            "temperature": 0, **extra})  # fmt: skip
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": messages, "max_tokens": n, "temperature": 0, **extra},
+        )
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
@@ -83,8 +93,12 @@ def concurrent(url: str, model: str, convs: list[list[dict[str, str]]], n: int, 
     t0 = time.perf_counter()
     tokens = asyncio.run(everyone())
     wall = time.perf_counter() - t0
-    return {"concurrency": len(convs), "tokens": sum(tokens), "wall_s": round(wall, 3),
-            "tokens_per_s": round(sum(tokens) / wall, 2)}  # fmt: skip
+    return {
+        "concurrency": len(convs),
+        "tokens": sum(tokens),
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(sum(tokens) / wall, 2),
+    }
 
 
 def serial_rate(rows: list[dict[str, Any]]) -> float:
@@ -115,19 +129,41 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     ns.out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--target", ns.target, "--port", str(port), "-k", str(ns.k),
-           "--max-batch", str(max(ns.concurrency, 1))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec.cli",
+        "serve",
+        "--target",
+        ns.target,
+        "--port",
+        str(port),
+        "-k",
+        str(ns.k),
+        "--max-batch",
+        str(max(ns.concurrency, 1)),
+    ]
     cmd += ["--draft", ns.draft] if ns.draft else []
     server = start(cmd, url, ns.out / "server.log")
-    result: dict[str, Any] = {"target": ns.target, "method": ns.method, "k": ns.k, "max_tokens": ns.max_tokens,
-                              "prompts": len(convs), "machine": specdec_machine()}  # fmt: skip
+    result: dict[str, Any] = {
+        "target": ns.target,
+        "method": ns.method,
+        "k": ns.k,
+        "max_tokens": ns.max_tokens,
+        "prompts": len(convs),
+        "machine": specdec_machine(),
+    }
     try:
         spec = {"speculative": {"method": ns.method, "k": ns.k}}
         plain = {"speculative": {"method": "none"}}
         request(url, ns.target, convs[0], 8, plain)  # warm-ups: first shapes, first requests
         specdec.generate(target, convs[0], max_new_tokens=8, temperature=0.0)
-        rows: dict[str, list[dict[str, Any]]] = {"generate_method": [], "serve_method": [], "generate_plain": [],
-                                                 "serve_plain": []}  # fmt: skip
+        rows: dict[str, list[dict[str, Any]]] = {
+            "generate_method": [],
+            "serve_method": [],
+            "generate_plain": [],
+            "serve_plain": [],
+        }
         same = 0
         for i, messages in enumerate(convs):
             print(f"prompt {i + 1}/{len(convs)}", file=sys.stderr)
@@ -136,7 +172,7 @@ def main() -> int:
                 ("serve_method", lambda: request(url, ns.target, messages, ns.max_tokens, spec)),
                 ("generate_plain", lambda: _gen(target, messages, ns.max_tokens)),
                 ("serve_plain", lambda: request(url, ns.target, messages, ns.max_tokens, plain)),
-            ):  # fmt: skip
+            ):
                 rows[name].append(fn())
             same += rows["serve_method"][-1]["text"] == rows["generate_method"][-1]["text"]
         rates = {name: round(serial_rate(r), 2) for name, r in rows.items()}
@@ -144,19 +180,26 @@ def main() -> int:
         result["single_stream_identical_texts"] = f"{same}/{len(convs)}"
         result["serve_over_generate"] = {
             "method": round(rates["serve_method"] / rates["generate_method"], 3),
-            "plain": round(rates["serve_plain"] / rates["generate_plain"], 3)}  # fmt: skip
+            "plain": round(rates["serve_plain"] / rates["generate_plain"], 3),
+        }
         group = [convs[i % len(convs)] for i in range(ns.concurrency)]
         rounds: dict[str, list[dict[str, Any]]] = {"plain": [], "method": []}
         for _ in range(ns.repeats):  # alternating, so a passing slowdown of the machine hits both
             rounds["plain"].append(concurrent(url, ns.target, group, ns.max_tokens, plain))
             rounds["method"].append(concurrent(url, ns.target, group, ns.max_tokens, spec))
-        result["concurrent"] = {name: {**sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2],
-                                       "tokens_per_s_all": [r["tokens_per_s"] for r in rs]}
-                                for name, rs in rounds.items()}  # fmt: skip (the median round)
+        result["concurrent"] = {
+            name: {
+                **sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2],
+                "tokens_per_s_all": [r["tokens_per_s"] for r in rs],
+            }
+            for name, rs in rounds.items()
+        }  # (the median round)
         result["concurrent_over_single_plain"] = {
-            k: round(v["tokens_per_s"] / rates["serve_plain"], 2) for k, v in result["concurrent"].items()}
-        result["server_metrics_drafting"] = [line for line in httpx.get(url + "/metrics").text.splitlines()
-                                             if line.startswith("specdec_steps_total")]  # fmt: skip
+            k: round(v["tokens_per_s"] / rates["serve_plain"], 2) for k, v in result["concurrent"].items()
+        }
+        result["server_metrics_drafting"] = [
+            line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("specdec_steps_total")
+        ]
     finally:
         server.terminate()
         server.wait(60)
@@ -190,19 +233,37 @@ def llama(ns: argparse.Namespace, convs: list[list[dict[str, str]]]) -> dict[str
     if not gguf.exists():
         raise SystemExit(f"{gguf} is not in the cache; llama-cpp-python needs the GGUF (models install keeps it)")
     out: dict[str, Any] = {"gguf": gguf.name}
-    for label, extra in (("plain", []), ("prompt-lookup", ["--draft_model", "prompt-lookup-decoding",
-                                                           "--draft_model_num_pred_tokens", str(ns.k)])):  # fmt: skip
+    for label, extra in (
+        ("plain", []),
+        ("prompt-lookup", ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(ns.k)]),
+    ):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [ns.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port), "--n_ctx", "4096",
-               "--n_threads", str(os.cpu_count()), "--model_alias", ns.target, *extra]  # fmt: skip
+        cmd = [
+            ns.llama_python,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(gguf),
+            "--port",
+            str(port),
+            "--n_ctx",
+            "4096",
+            "--n_threads",
+            str(os.cpu_count()),
+            "--model_alias",
+            ns.target,
+            *extra,
+        ]
         proc = start(cmd, url, ns.out / f"llama-{label}.log")
         try:
             request(url, ns.target, convs[0], 8, {})
             rows = [request(url, ns.target, m, ns.max_tokens, {}) for m in convs]
             group = [convs[i % len(convs)] for i in range(ns.concurrency)]
-            out[label] = {"single_stream_tokens_per_s": round(serial_rate(rows), 2),
-                          "concurrent": concurrent(url, ns.target, group, ns.max_tokens, {})}  # fmt: skip
+            out[label] = {
+                "single_stream_tokens_per_s": round(serial_rate(rows), 2),
+                "concurrent": concurrent(url, ns.target, group, ns.max_tokens, {}),
+            }
         finally:
             proc.terminate()
             proc.wait(60)
@@ -213,22 +274,26 @@ def table(r: dict[str, Any]) -> str:
     s = r["single_stream_tokens_per_s"]
     c = r["concurrent"]
     where = f"{r['machine']['cpu']}, {r['machine']['torch_threads']} threads, kernels {r['machine']['kernel_build']}"
-    lines = [f"{r['target']}, {r['prompts']} prompts x {r['max_tokens']} tokens, greedy; {where}",
-             f"{'':34s} {'tokens/s':>9s}",
-             f"{'generate, plain':34s} {s['generate_plain']:9.2f}",
-             f"{'serve, plain, 1 stream':34s} {s['serve_plain']:9.2f}   x{r['serve_over_generate']['plain']:.3f} of generate",
-             f"{'generate, ' + r['method']:34s} {s['generate_method']:9.2f}",
-             f"{'serve, ' + r['method'] + ', 1 stream':34s} {s['serve_method']:9.2f}   "
-             f"x{r['serve_over_generate']['method']:.3f} of generate (texts identical {r['single_stream_identical_texts']})",
-             f"{'serve, plain, %d at once' % c['plain']['concurrency']:34s} {c['plain']['tokens_per_s']:9.2f}   "
-             f"x{r['concurrent_over_single_plain']['plain']:.2f} of one plain stream",
-             f"{'serve, ' + r['method'] + ', %d at once' % c['method']['concurrency']:34s} "
-             f"{c['method']['tokens_per_s']:9.2f}   x{r['concurrent_over_single_plain']['method']:.2f} of one plain stream"]  # fmt: skip
+    lines = [
+        f"{r['target']}, {r['prompts']} prompts x {r['max_tokens']} tokens, greedy; {where}",
+        f"{'':34s} {'tokens/s':>9s}",
+        f"{'generate, plain':34s} {s['generate_plain']:9.2f}",
+        f"{'serve, plain, 1 stream':34s} {s['serve_plain']:9.2f}   x{r['serve_over_generate']['plain']:.3f} of generate",
+        f"{'generate, ' + r['method']:34s} {s['generate_method']:9.2f}",
+        f"{'serve, ' + r['method'] + ', 1 stream':34s} {s['serve_method']:9.2f}   "
+        f"x{r['serve_over_generate']['method']:.3f} of generate (texts identical {r['single_stream_identical_texts']})",
+        f"{'serve, plain, %d at once' % c['plain']['concurrency']:34s} {c['plain']['tokens_per_s']:9.2f}   "
+        f"x{r['concurrent_over_single_plain']['plain']:.2f} of one plain stream",
+        f"{'serve, ' + r['method'] + ', %d at once' % c['method']['concurrency']:34s} "
+        f"{c['method']['tokens_per_s']:9.2f}   x{r['concurrent_over_single_plain']['method']:.2f} of one plain stream",
+    ]
     for label, v in (r.get("llama_cpp_python") or {}).items():
         if isinstance(v, dict):
             lines.append(f"{'llama-cpp-python, ' + label + ', 1 stream':34s} {v['single_stream_tokens_per_s']:9.2f}")
-            lines.append(f"{'llama-cpp-python, ' + label + ', %d at once' % v['concurrent']['concurrency']:34s} "
-                         f"{v['concurrent']['tokens_per_s']:9.2f}")  # fmt: skip
+            lines.append(
+                f"{'llama-cpp-python, ' + label + ', %d at once' % v['concurrent']['concurrency']:34s} "
+                f"{v['concurrent']['tokens_per_s']:9.2f}"
+            )
     return "\n".join(lines)
 
 

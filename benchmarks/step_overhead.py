@@ -24,8 +24,9 @@ PROMPT = "the quick brown fox jumps over the lazy dog. " * 4
 def measure(target, method: str | None, tokens: int, repeats: int) -> dict[str, float]:
     steps = []
     for _ in range(repeats + 1):  # the first run warms up
-        out = specdec.generate(target, PROMPT, drafter=method, k=4 if method else None, max_new_tokens=tokens,
-                               ignore_eos=True, chat=False)  # fmt: skip
+        out = specdec.generate(
+            target, PROMPT, drafter=method, k=4 if method else None, max_new_tokens=tokens, ignore_eos=True, chat=False
+        )
         m = out.metrics
         n = m.steps or m.target_forwards or 1
         decode = m.wall_time - m.prefill_time

@@ -56,34 +56,65 @@ def main() -> None:
             samp = {"temperature": t, "seed": a.seed}
             plain = specdec.generate(target, ids, **common, **samp)
             exact = specdec.generate(target, ids, drafter=a.method, k=a.k, **opts, **common, **samp)
-            typical = specdec.generate(target, ids, drafter=a.method, k=a.k, acceptance="typical", epsilon=a.epsilon,
-                                       delta=a.delta, **opts, **common, **samp)  # fmt: skip
+            typical = specdec.generate(
+                target,
+                ids,
+                drafter=a.method,
+                k=a.k,
+                acceptance="typical",
+                epsilon=a.epsilon,
+                delta=a.delta,
+                **opts,
+                **common,
+                **samp,
+            )
             row = {"category": p.category, "temperature": t}
             base = plain.metrics.tokens_per_second
             for name, res in (("plain", plain), ("exact", exact), ("typical", typical)):
-                row[name] = {"speedup": res.metrics.tokens_per_second / base, "differs": res.token_ids != greedy.token_ids,
-                             "agree_before_first_difference": _agree(res.token_ids, greedy.token_ids),
-                             "tau": res.metrics.mean_accepted_tokens, "exact": res.metrics.exact}  # fmt: skip
+                row[name] = {
+                    "speedup": res.metrics.tokens_per_second / base,
+                    "differs": res.token_ids != greedy.token_ids,
+                    "agree_before_first_difference": _agree(res.token_ids, greedy.token_ids),
+                    "tau": res.metrics.mean_accepted_tokens,
+                    "exact": res.metrics.exact,
+                }
             rows.append(row)
-            print(f"{p.category:16s} T={t:<4g} " + "  ".join(
-                f"{n} {row[n]['speedup']:.2f}x differs={row[n]['differs']!s:5s} agree={row[n]['agree_before_first_difference']:.2f}"
-                for n in ("plain", "exact", "typical")), flush=True)  # fmt: skip
+            print(
+                f"{p.category:16s} T={t:<4g} "
+                + "  ".join(
+                    f"{n} {row[n]['speedup']:.2f}x differs={row[n]['differs']!s:5s} agree={row[n]['agree_before_first_difference']:.2f}"
+                    for n in ("plain", "exact", "typical")
+                ),
+                flush=True,
+            )
     summary = []
     for t in a.temperatures:
         rs = [r for r in rows if r["temperature"] == t]
         s = {"temperature": t}
         for n in ("plain", "exact", "typical"):
-            s[n] = {"speedup_median": statistics.median(r[n]["speedup"] for r in rs),
-                    "differs_share": sum(r[n]["differs"] for r in rs) / len(rs),
-                    "agree_median": statistics.median(r[n]["agree_before_first_difference"] for r in rs)}  # fmt: skip
+            s[n] = {
+                "speedup_median": statistics.median(r[n]["speedup"] for r in rs),
+                "differs_share": sum(r[n]["differs"] for r in rs) / len(rs),
+                "agree_median": statistics.median(r[n]["agree_before_first_difference"] for r in rs),
+            }
         summary.append(s)
-        print(f"T={t:<4g} medians: " + "; ".join(
-            f"{n}: {s[n]['speedup_median']:.2f}x, differs from greedy in {s[n]['differs_share']:.0%}, agrees "
-            f"{s[n]['agree_median']:.0%} before the first difference" for n in ("plain", "exact", "typical")))  # fmt: skip
+        print(
+            f"T={t:<4g} medians: "
+            + "; ".join(
+                f"{n}: {s[n]['speedup_median']:.2f}x, differs from greedy in {s[n]['differs_share']:.0%}, agrees "
+                f"{s[n]['agree_median']:.0%} before the first difference"
+                for n in ("plain", "exact", "typical")
+            )
+        )
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"settings": vars(a) | {"out": str(a.out)}, "machine": machine(), "rows": rows,
-                                     "summary": summary}, indent=1) + "\n")  # fmt: skip
+        a.out.write_text(
+            json.dumps(
+                {"settings": vars(a) | {"out": str(a.out)}, "machine": machine(), "rows": rows, "summary": summary},
+                indent=1,
+            )
+            + "\n"
+        )
         print(f"wrote {a.out}")
 
 

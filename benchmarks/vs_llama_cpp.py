@@ -74,9 +74,12 @@ def main() -> int:
                 req = request(target, ids, assistant_model=draft, k=a.k, **common)
                 return run_request(target, req, prefix_tokens=PREFIX_TOKENS)
 
-            sides = {"ours-plain": ours_plain, "ours-spec": ours_spec,
-                     "llama-plain": lambda: lplain.complete(ids, a.max_new_tokens),
-                     "llama-spec": lambda: lspec.complete(ids, a.max_new_tokens)}  # fmt: skip
+            sides = {
+                "ours-plain": ours_plain,
+                "ours-spec": ours_spec,
+                "llama-plain": lambda: lplain.complete(ids, a.max_new_tokens),
+                "llama-spec": lambda: lspec.complete(ids, a.max_new_tokens),
+            }
             got: dict[str, list] = {s: [] for s in sides}
             for rep in range(a.repeats):
                 for s in list(sides) if rep % 2 == 0 else list(sides)[::-1]:
@@ -87,33 +90,56 @@ def main() -> int:
             llama_ratio = [x / y for x, y in zip(tps["llama-spec"], tps["llama-plain"], strict=True)]
             sm = got["ours-spec"][0].metrics
             lr = got["llama-spec"][0]
-            rows.append({
-                "id": p.id, "category": p.category, "prompt_tokens": len(ids),
-                "tokens_per_second": {s: v for s, v in tps.items()},
-                "ours_speedup": ours_ratio, "llama_speedup": llama_ratio,
-                "ours_acceptance": sm.acceptance_rate, "llama_acceptance": lr.accepted / lr.drafted if lr.drafted else None,
-                "ours_identical": all(r.token_ids == got["ours-plain"][0].token_ids for r in got["ours-spec"]),
-                "llama_identical": all(r.tokens == got["llama-plain"][0].tokens for r in got["llama-spec"]),
-                "llama_plain_vs_ours_plain_first_diff": _first_diff(got["llama-plain"][0].tokens, got["ours-plain"][0].token_ids),
-                "llama_spec_vs_ours_plain_first_diff": _first_diff(got["llama-spec"][0].tokens, got["ours-plain"][0].token_ids),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "id": p.id,
+                    "category": p.category,
+                    "prompt_tokens": len(ids),
+                    "tokens_per_second": {s: v for s, v in tps.items()},
+                    "ours_speedup": ours_ratio,
+                    "llama_speedup": llama_ratio,
+                    "ours_acceptance": sm.acceptance_rate,
+                    "llama_acceptance": lr.accepted / lr.drafted if lr.drafted else None,
+                    "ours_identical": all(r.token_ids == got["ours-plain"][0].token_ids for r in got["ours-spec"]),
+                    "llama_identical": all(r.tokens == got["llama-plain"][0].tokens for r in got["llama-spec"]),
+                    "llama_plain_vs_ours_plain_first_diff": _first_diff(
+                        got["llama-plain"][0].tokens, got["ours-plain"][0].token_ids
+                    ),
+                    "llama_spec_vs_ours_plain_first_diff": _first_diff(
+                        got["llama-spec"][0].tokens, got["ours-plain"][0].token_ids
+                    ),
+                }
+            )
             r = rows[-1]
-            print(f"{p.id:12s} ours plain {_band(tps['ours-plain'])} spec {_band(tps['ours-spec'])} "
-                  f"x{statistics.median(ours_ratio):.2f} | llama plain {_band(tps['llama-plain'])} spec "
-                  f"{_band(tps['llama-spec'])} x{statistics.median(llama_ratio):.2f} | acc {r['ours_acceptance'] or 0:.2f}/"
-                  f"{r['llama_acceptance'] or 0:.2f} identical {r['ours_identical']}/{r['llama_identical']} "
-                  f"llama-vs-ours first diff {r['llama_plain_vs_ours_plain_first_diff']}", flush=True)  # fmt: skip
+            print(
+                f"{p.id:12s} ours plain {_band(tps['ours-plain'])} spec {_band(tps['ours-spec'])} "
+                f"x{statistics.median(ours_ratio):.2f} | llama plain {_band(tps['llama-plain'])} spec "
+                f"{_band(tps['llama-spec'])} x{statistics.median(llama_ratio):.2f} | acc {r['ours_acceptance'] or 0:.2f}/"
+                f"{r['llama_acceptance'] or 0:.2f} identical {r['ours_identical']}/{r['llama_identical']} "
+                f"llama-vs-ours first diff {r['llama_plain_vs_ours_plain_first_diff']}",
+                flush=True,
+            )
     med = lambda key: statistics.median(statistics.median(r[key]) for r in rows)
     tmed = lambda s: statistics.median(statistics.median(r["tokens_per_second"][s]) for r in rows)
-    print(f"median over prompts: ours x{med('ours_speedup'):.2f} ({tmed('ours-spec'):.1f} tok/s), llama.cpp "
-          f"x{med('llama_speedup'):.2f} ({tmed('llama-spec'):.1f} tok/s); plain {tmed('ours-plain'):.1f} / "
-          f"{tmed('llama-plain'):.1f} tok/s")  # fmt: skip
+    print(
+        f"median over prompts: ours x{med('ours_speedup'):.2f} ({tmed('ours-spec'):.1f} tok/s), llama.cpp "
+        f"x{med('llama_speedup'):.2f} ({tmed('llama-spec'):.1f} tok/s); plain {tmed('ours-plain'):.1f} / "
+        f"{tmed('llama-plain'):.1f} tok/s"
+    )
     from specdec.info import collect
 
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"settings": vars(a) | {"out": str(a.out), "prompts": str(a.prompts)},
-                                 "machine": collect(bandwidth=False)["cpu"], "llama_cpp_python": llama_server.LLAMA_CPP_PYTHON,
-                                 "rows": rows}, indent=1))  # fmt: skip
+    a.out.write_text(
+        json.dumps(
+            {
+                "settings": vars(a) | {"out": str(a.out), "prompts": str(a.prompts)},
+                "machine": collect(bandwidth=False)["cpu"],
+                "llama_cpp_python": llama_server.LLAMA_CPP_PYTHON,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {a.out}", file=sys.stderr)
     return 0
 

@@ -15,6 +15,7 @@ from helpers import PROMPT_IDS, V_SMALL
 import specdec
 from specdec import engine
 from specdec.adaptive import forget
+from specdec.certify import broken_rules
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.model import load_transformer
 from specdec.model.kernels import MODES
@@ -22,7 +23,6 @@ from specdec.model.native import available as native_available
 from specdec.model.transformer import Transformer
 from specdec.sampling import probs
 from specdec.testing import make_tiny_model
-from specdec.certify import broken_rules
 
 # the batch-invariant modes this machine can run (q4k needs the native kernels)
 EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != "q4k" or native_available())]
@@ -138,9 +138,20 @@ def exact_joint():
     return _exact_joint
 
 
-def _sample_joint(target, drafter, sampling: SamplingParams, *, runs: int, n_tokens: int = 4, k: int = 2,
-                  prompt: list[int] = PROMPT_IDS, expect_mixed: bool = True, bounds=(0.1, 0.9),
-                  adaptive_k: bool = False, prediction: list[int] | None = None) -> Counter:  # fmt: skip
+def _sample_joint(
+    target,
+    drafter,
+    sampling: SamplingParams,
+    *,
+    runs: int,
+    n_tokens: int = 4,
+    k: int = 2,
+    prompt: list[int] = PROMPT_IDS,
+    expect_mixed: bool = True,
+    bounds=(0.1, 0.9),
+    adaptive_k: bool = False,
+    prediction: list[int] | None = None,
+) -> Counter:
     """Outputs of `runs` seeded speculative generations with `drafter`. With `expect_mixed`,
     drafts were offered and both branches of the rule (accept; reject + recover) exercised."""
     cfg = GenerationConfig(max_new_tokens=n_tokens, k=k, ignore_eos=True, adaptive_k=adaptive_k)
@@ -171,6 +182,7 @@ def wrong_rule(monkeypatch):
         monkeypatch.setattr(engine, "EXACT", broken_rules([which]))
 
     return install
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that needs a real model (`real`) is slow too: `pytest -m "not slow"` is the fast

@@ -8,15 +8,16 @@ from scipy.stats import chisquare
 
 from specdec.costs import Costs
 from specdec.drafters import Draft, DraftModelDrafter, Feedback
+from specdec.sampling import probs
 from specdec.training.eagle3 import Eagle3Head, HeadConfig, config_for_target
 from specdec.training.vocabulary import attach as attach_target
-from specdec.sampling import probs
 
 ALPHA = 1e-3  # significance level of every statistical test; all runs are seeded
 
 
-def chi2_pvalue(counts: dict[tuple, int] | np.ndarray, expected_probs: dict[tuple, float] | np.ndarray,
-                min_expected: float = 5.0) -> float:  # fmt: skip
+def chi2_pvalue(
+    counts: dict[tuple, int] | np.ndarray, expected_probs: dict[tuple, float] | np.ndarray, min_expected: float = 5.0
+) -> float:
     """Pearson chi-square p-value of observed counts against exact probabilities. Cells with
     expected count < `min_expected` are pooled into one cell. An outcome with probability 0
     that was observed makes the p-value 0."""
@@ -60,8 +61,9 @@ def fb(path: list[int] | int, next_token: int, extra_logits=None):
 
 def verify_vs_decode(model, prompt_len: int, k: int, seed: int = 0):
     """Logits of one k-token pass and of k one-token passes over the same random prefix."""
-    ids = torch.randint(0, min(model.args.vocab_size, 250), (1, prompt_len + k),
-                        generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    ids = torch.randint(
+        0, min(model.args.vocab_size, 250), (1, prompt_len + k), generator=torch.Generator().manual_seed(seed)
+    )
     cache = model.new_cache(prompt_len + k)
     model(ids[:, :prompt_len], cache)
     together = model(ids[:, prompt_len:], cache).logits
@@ -83,8 +85,9 @@ def no_timing(monkeypatch) -> None:
 
 
 # -- EAGLE-3 heads ---------------------------------------------------------------------------
-def random_head(model, seed: int = 0, draft_vocab: int | None = None, scale: float = 1.0, model_dir=None,
-                width: int = 32) -> Eagle3Head:
+def random_head(
+    model, seed: int = 0, draft_vocab: int | None = None, scale: float = 1.0, model_dir=None, width: int = 32
+) -> Eagle3Head:
     """A seeded random head for `model` (draft vocabulary: every other token, or the first n)."""
     V = model.args.vocab_size
     cfg = config_for_target(model, "test", draft_vocab_size=draft_vocab or V // 2, intermediate_size=width)
@@ -103,9 +106,20 @@ def random_head(model, seed: int = 0, draft_vocab: int | None = None, scale: flo
 
 def small_head(target) -> Eagle3Head:
     """A peaked random head for the `small_vocab` target (the statistical tests)."""
-    cfg = HeadConfig("v8", V_SMALL, target.args.dim, target.args.n_heads, target.args.n_kv_heads, target.args.head_dim,
-                     16, 6, HeadConfig.default_feature_layers(target.args.n_layers), target.args.norm_eps,
-                     target.args.rope_theta, target.args.max_seq_len)  # fmt: skip
+    cfg = HeadConfig(
+        "v8",
+        V_SMALL,
+        target.args.dim,
+        target.args.n_heads,
+        target.args.n_kv_heads,
+        target.args.head_dim,
+        16,
+        6,
+        HeadConfig.default_feature_layers(target.args.n_layers),
+        target.args.norm_eps,
+        target.args.rope_theta,
+        target.args.max_seq_len,
+    )
     head = Eagle3Head(cfg)
     head.init_weights(torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -117,18 +131,28 @@ def small_head(target) -> Eagle3Head:
 
 
 # -- Medusa / Hydra heads --------------------------------------------------------------------
-def random_heads(model, kind: str = "medusa", seed: int = 0, num_heads: int = 3, noise: float = 0.02,
-                 draft_vocab: int | None = None, hydra_inner: int = 16, vocab_ids=None, model_dir=None):  # fmt: skip
+def random_heads(
+    model,
+    kind: str = "medusa",
+    seed: int = 0,
+    num_heads: int = 3,
+    noise: float = 0.02,
+    draft_vocab: int | None = None,
+    hydra_inner: int = 16,
+    vocab_ids=None,
+    model_dir=None,
+):
     """Seeded heads for `model`: Medusa's initialisation (each head starts as the target's own
     LM head) plus `noise` on every weight; draft vocabulary every other token, or `vocab_ids`."""
     from specdec.training.medusa import MedusaHeads
-    from specdec.training.vocabulary import attach as attach_heads
     from specdec.training.medusa import config_for_target as heads_config
+    from specdec.training.vocabulary import attach as attach_heads
 
     V = model.args.vocab_size
     n = len(vocab_ids) if vocab_ids is not None else draft_vocab or V // 2
-    heads = MedusaHeads(heads_config(model, "test", kind, num_heads=num_heads, draft_vocab_size=n,
-                                     hydra_inner=hydra_inner))  # fmt: skip
+    heads = MedusaHeads(
+        heads_config(model, "test", kind, num_heads=num_heads, draft_vocab_size=n, hydra_inner=hydra_inner)
+    )
     g = torch.Generator().manual_seed(seed)
     heads.init_weights(g)
     with torch.no_grad():

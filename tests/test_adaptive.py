@@ -134,8 +134,9 @@ def test_greedy_identity_with_k_switching_every_step(tiny, monkeypatch, dtype):
 def test_the_real_controller_is_exact_and_reports(tiny):
     target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True)
-    out = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, adaptive_k=True, max_new_tokens=30,
-                           ignore_eos=True)  # fmt: skip
+    out = specdec.generate(
+        target, PROMPTS[0], assistant_model=draft, k=4, adaptive_k=True, max_new_tokens=30, ignore_eos=True
+    )
     assert out.token_ids == plain.token_ids
     rep = out.metrics.drafter_info["adaptive_k"]
     # one choice per step with budget for a draft (the last step, one token left, has none)
@@ -143,13 +144,15 @@ def test_the_real_controller_is_exact_and_reports(tiny):
     assert rep["draft_ms_per_token"] > 0  # known before it drafts: the draft's one-row pass time
     # positions that were proposed: up to 4 (the draft may never pay on a tiny model: none)
     assert isinstance(rep["alpha_by_position"], list) and len(rep["alpha_by_position"]) <= 4
-    fixed = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=30, ignore_eos=True,
-                             adaptive_k=False)
+    fixed = specdec.generate(
+        target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=30, ignore_eos=True, adaptive_k=False
+    )
     assert "adaptive_k" not in fixed.metrics.drafter_info
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
-                         ids=["T1", "T0.7-topk"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)], ids=["T1", "T0.7-topk"]
+)
 @pytest.mark.slow
 def test_sampling_law_with_k_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
     target, draft = small_vocab
@@ -187,7 +190,11 @@ def test_step_guard_turns_slow_drafting_off_and_probes():
         g.update(4, 4, 4, draft_ms=1.0, rows=5)
     assert g.drafting_pays() and g.choose() == 4
     rep = g.report()
-    assert rep["drafted_steps"] == 4 and rep["plain_steps"] == 12 and rep["drafted_tokens_per_ms"] > rep["plain_tokens_per_ms"]
+    assert (
+        rep["drafted_steps"] == 4
+        and rep["plain_steps"] == 12
+        and rep["drafted_tokens_per_ms"] > rep["plain_tokens_per_ms"]
+    )
 
 
 @pytest.mark.parametrize("dtype", EXACT_MODES)
@@ -284,8 +291,13 @@ def test_a_self_sized_drafter_is_tried_early_where_nothing_pays_on_its_merits():
     once (with its deepest k) before plain steps settle in; a drafter that was tried is not."""
     from specdec.adaptive import MethodChooser
 
-    ch = MethodChooser(["prompt-lookup", "draft-model"], 8, PASS, draft_ms={"prompt-lookup": 0.1, "draft-model": 40.0},
-                       self_sized=frozenset({"draft-model"}))  # fmt: skip
+    ch = MethodChooser(
+        ["prompt-lookup", "draft-model"],
+        8,
+        PASS,
+        draft_ms={"prompt-lookup": 0.1, "draft-model": 40.0},
+        self_sized=frozenset({"draft-model"}),
+    )
     assert ch.rate("draft-model", "", 1) < ch.rate("plain", None, 0)  # (40 ms a token never pays on its prior)
     both = {"prompt-lookup": ("", 8, 0.0), "draft-model": ("", 8, 0.0)}
     assert ch.choose(both, remaining=50)[0] == "prompt-lookup"  # copying pays: no trial

@@ -59,15 +59,17 @@ def test_earlier_requests_acceptance_is_the_next_ones_prior():
     starts with plain steps there, where a fresh chooser (prior alpha_1 = 0.6) tries them; an
     unseen situation and a drafter with a model of its own start from the prior either way."""
     memory: dict = {}
-    first = MethodChooser([LOOKUP, DRAFT], 4, PASS, draft_ms={LOOKUP: 0.1, DRAFT: 15.0}, memory=memory,
-                          remembered=frozenset({LOOKUP}))  # fmt: skip
+    first = MethodChooser(
+        [LOOKUP, DRAFT], 4, PASS, draft_ms={LOOKUP: 0.1, DRAFT: 15.0}, memory=memory, remembered=frozenset({LOOKUP})
+    )
     _feed(first, LOOKUP, 1, 30, 2, 0, draft_ms=0.2)
     _feed(first, DRAFT, "", 30, 2, 0, draft_ms=30.0)
     assert set(memory) == {(LOOKUP, 1)}  # the draft model's acceptance is its own, not the target's
 
     def chooser(mem):
-        return MethodChooser([LOOKUP, DRAFT], 4, PASS, draft_ms={LOOKUP: 0.1, DRAFT: 3.0}, memory=mem,
-                             remembered=frozenset({LOOKUP}))  # fmt: skip
+        return MethodChooser(
+            [LOOKUP, DRAFT], 4, PASS, draft_ms={LOOKUP: 0.1, DRAFT: 3.0}, memory=mem, remembered=frozenset({LOOKUP})
+        )
 
     one_token = {LOOKUP: (1, 2, 0.0)}
     assert chooser(memory).choose(one_token) == ("plain", 0)
@@ -158,8 +160,16 @@ def test_greedy_identity_in_a_batch_of_auto_sequences(tiny, monkeypatch):
 def test_the_real_chooser_is_exact_and_reports(tiny):
     target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True)
-    out = specdec.generate(target, PROMPTS[0], drafter="auto", assistant_model=draft, k=4, max_new_tokens=30,
-                           ignore_eos=True, adaptive_k=False)  # fmt: skip
+    out = specdec.generate(
+        target,
+        PROMPTS[0],
+        drafter="auto",
+        assistant_model=draft,
+        k=4,
+        max_new_tokens=30,
+        ignore_eos=True,
+        adaptive_k=False,
+    )
     assert out.token_ids == plain.token_ids
     rep = out.metrics.drafter_info["auto"]
     assert rep["methods"] == [DRAFT, LOOKUP, SUFFIX]
@@ -174,17 +184,21 @@ def test_the_real_chooser_is_exact_and_reports(tiny):
 
 def test_auto_without_a_draft_model_uses_the_model_free_drafters(tiny):
     target = tiny("llama", dtype=EXACT_MODES[-1])
-    out = specdec.generate(target, PROMPTS[0], drafter="auto", k=4, max_new_tokens=12, ignore_eos=True,
-                           adaptive_k=False)
+    out = specdec.generate(
+        target, PROMPTS[0], drafter="auto", k=4, max_new_tokens=12, ignore_eos=True, adaptive_k=False
+    )
     assert out.metrics.drafter_info["auto"]["methods"] == [LOOKUP, SUFFIX]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"methods": "lookahead"}, "auto cannot switch to 'lookahead'"),
-    ({"methods": " , "}, "--auto-methods is empty"),
-    ({"methods": "prompt-lookup,prompt-lookup"}, "names a drafter twice"),
-    ({"methods": "draft-model"}, "auto with draft-model needs a draft model"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"methods": "lookahead"}, "auto cannot switch to 'lookahead'"),
+        ({"methods": " , "}, "--auto-methods is empty"),
+        ({"methods": "prompt-lookup,prompt-lookup"}, "names a drafter twice"),
+        ({"methods": "draft-model"}, "auto with draft-model needs a draft model"),
+    ],
+)
 def test_bad_method_lists_are_one_clear_error(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message):
         AutoDrafter(tiny("llama").model, **kwargs)
@@ -195,8 +209,9 @@ def test_a_draft_model_that_auto_would_not_use_is_refused(tiny):
         AutoDrafter(tiny("llama").model, tiny("llama", "close").model, methods="prompt-lookup")
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
-                         ids=["T1", "T0.7-topk"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)], ids=["T1", "T0.7-topk"]
+)
 @pytest.mark.slow
 def test_sampling_law_with_drafter_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
     target, draft = small_vocab
@@ -222,8 +237,7 @@ def test_wrong_rule_fails_with_drafter_switching(small_vocab, exact_joint, sampl
     if rule == "rejection":
         counts = sample_joint(target, AutoDrafter(target, draft, methods=DRAFT), sampling, runs=3000)
     else:
-        counts = sample_joint(target, AutoDrafter(target, methods=LOOKUP), sampling, runs=3000, k=3,
-                              expect_mixed=False)  # fmt: skip
+        counts = sample_joint(target, AutoDrafter(target, methods=LOOKUP), sampling, runs=3000, k=3, expect_mixed=False)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 
@@ -281,8 +295,9 @@ def test_auto_takes_eagle3_only_when_asked(tiny):
 
 @pytest.mark.parametrize("rule", ["exact", "rejection"])
 @pytest.mark.slow
-def test_sampling_law_with_eagle3_chains_switching(small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule,
-                                                    rule):  # fmt: skip
+def test_sampling_law_with_eagle3_chains_switching(
+    small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule, rule
+):
     """The head's drawn chains, switching with prompt lookup and plain steps, keep the target's
     law; the negative control (a rejection recovered from p) must fail the same test."""
     if rule != "exact":
@@ -355,8 +370,9 @@ def test_greedy_identity_with_merged_trees(tiny, monkeypatch, dtype, method):
     sizes = _merging(monkeypatch, method, 3)
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
-        out = specdec.generate(target, prompt, drafter="auto", assistant_model=draft, k=4, max_new_tokens=24,
-                               ignore_eos=True)  # fmt: skip
+        out = specdec.generate(
+            target, prompt, drafter="auto", assistant_model=draft, k=4, max_new_tokens=24, ignore_eos=True
+        )
         assert out.token_ids == plain.token_ids, prompt
         assert out.metrics.drafter_info["auto"]["merged"]["steps"] > 0
     assert sizes and max(sizes) > 3  # (trees beyond the chain were sent)

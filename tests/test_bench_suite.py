@@ -17,7 +17,9 @@ def test_bundled_suite_covers_every_category():
     assert set(counts) == set(CATEGORIES) and min(counts.values()) >= 10
     assert len({p.id for p in prompts}) == len(prompts)
     assert any(len(p.turns) > 1 for p in prompts if p.category == "chat")  # multi-turn
-    longest = {c: max(sum(len(t["content"]) for t in p.turns) for p in prompts if p.category == c) for c in INPUT_GROUNDED}
+    longest = {
+        c: max(sum(len(t["content"]) for t in p.turns) for p in prompts if p.category == c) for c in INPUT_GROUNDED
+    }
     assert max(longest.values()) > 10_000  # a few thousand tokens
 
 
@@ -39,16 +41,21 @@ def write(tmp_path, *lines):
 GOOD = json.dumps({"id": "a", "category": "mine", "turns": [{"role": "user", "content": "hi"}]})
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", "line 2: not valid JSON"),
-    ('["a"]', "line 2: expected a JSON object"),
-    ('{"id": "b", "turns": []}', "line 2: missing category"),
-    ('{"id": "b", "category": "c", "turns": []}', "turns must be a non-empty list"),
-    ('{"id": "b", "category": "c", "turns": [{"role": "bot", "content": "x"}]}', "turn 0 must be"),
-    ('{"id": "b", "category": "c", "turns": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}',
-     "the last turn must be the user's"),
-    (GOOD, "line 2: duplicate id 'a'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "line 2: not valid JSON"),
+        ('["a"]', "line 2: expected a JSON object"),
+        ('{"id": "b", "turns": []}', "line 2: missing category"),
+        ('{"id": "b", "category": "c", "turns": []}', "turns must be a non-empty list"),
+        ('{"id": "b", "category": "c", "turns": [{"role": "bot", "content": "x"}]}', "turn 0 must be"),
+        (
+            '{"id": "b", "category": "c", "turns": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+            "the last turn must be the user's",
+        ),
+        (GOOD, "line 2: duplicate id 'a'"),
+    ],
+)
 def test_bad_prompt_files_name_the_line_and_the_fix(tmp_path, line, message):
     with pytest.raises(ValueError, match=message):
         load_prompts(write(tmp_path, GOOD, line))

@@ -24,8 +24,10 @@ def test_two_sample_test_is_calibrated_and_has_power():
     in total variation: caught at N = 2000 nearly always. The TV estimate brackets the truth."""
     rng = np.random.default_rng(0)
     law = rng.dirichlet(np.full(30, 0.5))
-    same = [two_sample_test([_one(_sample(law, 2000, rng))], [_one(_sample(law, 2000, rng))], resamples=50,
-                            seed=i).p_value for i in range(200)]  # fmt: skip
+    same = [
+        two_sample_test([_one(_sample(law, 2000, rng))], [_one(_sample(law, 2000, rng))], resamples=50, seed=i).p_value
+        for i in range(200)
+    ]
     assert 0.003 <= np.mean(np.array(same) < 0.05) <= 0.11
     assert 0.35 < np.median(same) < 0.65
     shifted = law.copy()
@@ -33,8 +35,10 @@ def test_two_sample_test_is_calibrated_and_has_power():
     shifted[top] += 0.1
     shifted /= shifted.sum()
     tv_true = 0.5 * np.abs(shifted - law).sum()
-    results = [two_sample_test([_one(_sample(law, 2000, rng))], [_one(_sample(shifted, 2000, rng))], resamples=200,
-                               seed=i) for i in range(20)]  # fmt: skip
+    results = [
+        two_sample_test([_one(_sample(law, 2000, rng))], [_one(_sample(shifted, 2000, rng))], resamples=200, seed=i)
+        for i in range(20)
+    ]
     assert np.mean([r.p_value < 0.01 for r in results]) >= 0.9
     assert np.mean([r.tv_upper >= tv_true for r in results]) >= 0.8
     assert all(r.tv_null < tv_true for r in results)
@@ -86,8 +90,17 @@ def v8(small_vocab):
 @pytest.mark.slow
 def test_certificate_passes_an_exact_method_and_catches_the_broken_control(v8, method):
     target, draft = v8
-    cert = certify(target, method=method, assistant_model=draft if method == "draft-model" else None, k=2,
-                   temperature=1.0, samples=1000, tokens=4, prompts=[PROMPT_IDS * 3], seed=1)  # fmt: skip
+    cert = certify(
+        target,
+        method=method,
+        assistant_model=draft if method == "draft-model" else None,
+        k=2,
+        temperature=1.0,
+        samples=1000,
+        tokens=4,
+        prompts=[PROMPT_IDS * 3],
+        seed=1,
+    )
     assert cert.proposed > 0 and cert.acceptance is not None and 0.05 < cert.acceptance < 0.95
     assert cert.passed, cert.table()
     assert cert.control_caught, cert.table()
@@ -107,8 +120,18 @@ def test_draft_model_trees_are_certified_and_the_broken_control_caught(v8, monke
     _bushy(monkeypatch)
     target, draft = v8
     # (3000 a side: the broken tree rule moves the law less than the broken chain rule does)
-    cert = certify(target, method="draft-model", assistant_model=draft, k=2, temperature=1.0, samples=3000, tokens=4,
-                   prompts=[PROMPT_IDS * 3], seed=2, options={"tree": 1})  # fmt: skip
+    cert = certify(
+        target,
+        method="draft-model",
+        assistant_model=draft,
+        k=2,
+        temperature=1.0,
+        samples=3000,
+        tokens=4,
+        prompts=[PROMPT_IDS * 3],
+        seed=2,
+        options={"tree": 1},
+    )
     assert cert.proposed > 0 and cert.options == {"tree": 1}
     assert cert.passed and cert.control_caught and cert.verdict == "PASS", cert.table()
 
@@ -117,15 +140,28 @@ def test_certificate_fails_a_wrong_method(v8, wrong_rule):
     """The method itself broken (the engine's rule replaced): the certificate says FAIL."""
     target, draft = v8
     wrong_rule("rejection")
-    cert = certify(target, method="draft-model", assistant_model=draft, k=2, samples=1000, tokens=4,
-                   prompts=[PROMPT_IDS * 3], seed=2, control=False)  # fmt: skip
+    cert = certify(
+        target,
+        method="draft-model",
+        assistant_model=draft,
+        k=2,
+        samples=1000,
+        tokens=4,
+        prompts=[PROMPT_IDS * 3],
+        seed=2,
+        control=False,
+    )
     assert cert.verdict == "FAIL" and not cert.passed
 
 
 def test_certify_refuses_bad_settings(v8):
     target, _ = v8
-    for kw, message in (({"samples": 5}, "too few"), ({"alpha": 2.0}, "alpha"), ({"tokens": 0}, "tokens"),
-                        ({"temperature": 0.0}, "greedy")):  # fmt: skip
+    for kw, message in (
+        ({"samples": 5}, "too few"),
+        ({"alpha": 2.0}, "alpha"),
+        ({"tokens": 0}, "tokens"),
+        ({"temperature": 0.0}, "greedy"),
+    ):
         with pytest.raises(ValueError, match=message):
             certify(target, method="prompt-lookup", prompts=[PROMPT_IDS], **kw)
 
@@ -144,15 +180,45 @@ def test_tree_drafters_are_certified_with_a_fixed_tree(v8, monkeypatch, kind):
 
     target, _ = v8
     monkeypatch.setattr(specdec.costs, "pass_costs", lambda model, rows: Costs({1: 10.0, 2: 20.0, 64: 640.0}))
-    heads = random_heads(target.model, kind, seed=9, num_heads=2, noise=0.3, hydra_inner=8, vocab_ids=[0, 1, 2, 4, 5, 7])
-    sized = generate_batch(target, [PROMPT_IDS * 3] * 4, seed=[0, 1, 2, 3], max_new_tokens=4, ignore_eos=True,
-                           chat=False, temperature=1.0, drafter=kind, adaptive_k=False, head=heads)  # fmt: skip
+    heads = random_heads(
+        target.model, kind, seed=9, num_heads=2, noise=0.3, hydra_inner=8, vocab_ids=[0, 1, 2, 4, 5, 7]
+    )
+    sized = generate_batch(
+        target,
+        [PROMPT_IDS * 3] * 4,
+        seed=[0, 1, 2, 3],
+        max_new_tokens=4,
+        ignore_eos=True,
+        chat=False,
+        temperature=1.0,
+        drafter=kind,
+        adaptive_k=False,
+        head=heads,
+    )
     assert sum(r.metrics.proposed for r in sized) == 0  # control: the cost model drafts nothing here
-    cert = certify(target, method=kind, k=2, samples=100, tokens=4, prompts=[PROMPT_IDS * 3], seed=3, control=False,
-                   options={"head": heads})  # fmt: skip
+    cert = certify(
+        target,
+        method=kind,
+        k=2,
+        samples=100,
+        tokens=4,
+        prompts=[PROMPT_IDS * 3],
+        seed=3,
+        control=False,
+        options={"head": heads},
+    )
     assert cert.options["total"] == TREE_TOKENS and cert.proposed > 0 and cert.acceptance is not None
     assert f"--tree-tokens {TREE_TOKENS}" in cert.table()
     assert json.loads(json.dumps(cert.to_dict()))["options"] == {"head": type(heads).__name__, "total": TREE_TOKENS}
-    mine = certify(target, method=kind, k=2, samples=100, tokens=4, prompts=[PROMPT_IDS * 3], seed=3, control=False,
-                   options={"head": heads, "total": 3})  # fmt: skip
+    mine = certify(
+        target,
+        method=kind,
+        k=2,
+        samples=100,
+        tokens=4,
+        prompts=[PROMPT_IDS * 3],
+        seed=3,
+        control=False,
+        options={"head": heads, "total": 3},
+    )
     assert mine.options["total"] == 3 and "--tree-tokens 3" in mine.table()

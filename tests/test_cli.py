@@ -16,9 +16,23 @@ def specdec_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.real
 def test_generate_compare_json_as_written():
-    res = specdec_cli("generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "-k", "4",
-                      "--temperature", "0", "--max-new-tokens", "40", "--compare", "--json",
-                      "--prompt", "Name three planets of the solar system.")  # fmt: skip
+    res = specdec_cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--draft",
+        "smollm2-135m",
+        "-k",
+        "4",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "40",
+        "--compare",
+        "--json",
+        "--prompt",
+        "Name three planets of the solar system.",
+    )
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 1
@@ -30,9 +44,24 @@ def test_generate_compare_json_as_written():
     # and says so (how many probe steps it spends depends on measured times: 0-6 of ~22 seen)
     chosen = out["speculative"]["metrics"]["drafter_info"]["adaptive_k"]["k_chosen"]
     assert chosen.get("0", 0) >= sum(chosen.values()) / 2
-    fixed = specdec_cli("generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "-k", "4", "--no-adaptive-k",
-                        "--temperature", "0", "--max-new-tokens", "40", "--compare", "--json",
-                        "--prompt", "Name three planets of the solar system.")  # fmt: skip
+    fixed = specdec_cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--draft",
+        "smollm2-135m",
+        "-k",
+        "4",
+        "--no-adaptive-k",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "40",
+        "--compare",
+        "--json",
+        "--prompt",
+        "Name three planets of the solar system.",
+    )
     out = json.loads(fixed.stdout)
     assert out["identical"] is True
     assert out["acceptance_rate"] == 1.0  # the draft is the target itself
@@ -45,8 +74,24 @@ def test_generate_compare_json_as_written():
 
 @pytest.mark.real
 def test_sampled_generation_reports_seed_and_reproduces():
-    args = ("generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--temperature", "0.8",
-            "--top-p", "0.9", "--seed", "7", "--max-new-tokens", "16", "--json", "--prompt", "Once upon a time")  # fmt: skip
+    args = (
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--draft",
+        "smollm2-135m",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+        "--max-new-tokens",
+        "16",
+        "--json",
+        "--prompt",
+        "Once upon a time",
+    )
     a, b = specdec_cli(*args), specdec_cli(*args)
     assert a.returncode == 0, a.stderr
     ja, jb = json.loads(a.stdout), json.loads(b.stdout)
@@ -64,9 +109,24 @@ def test_models_list():
 def test_prompt_lookup_compare_json_as_written():
     """`specdec generate --target NAME --drafter prompt-lookup --compare --json ...` with the
     same JSON fields as the draft-model path."""
-    res = specdec_cli("generate", "--target", "smollm2-135m", "--drafter", "prompt-lookup", "--ngram-max", "3",
-                      "-k", "5", "--max-new-tokens", "40", "--compare", "--json", "--no-chat",
-                      "--prompt", "one two three four five. one two three four five. one two")  # fmt: skip
+    res = specdec_cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--drafter",
+        "prompt-lookup",
+        "--ngram-max",
+        "3",
+        "-k",
+        "5",
+        "--max-new-tokens",
+        "40",
+        "--compare",
+        "--json",
+        "--no-chat",
+        "--prompt",
+        "one two three four five. one two three four five. one two",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip())
     for key in ("identical", "speedup", "acceptance_rate", "mean_accepted_tokens", "tokens_per_second"):
@@ -79,27 +139,72 @@ def test_prompt_lookup_compare_json_as_written():
 def test_auto_compare_json_as_written():
     """`specdec generate --drafter auto [--draft NAME] --compare --json`: auto's choices in the
     metrics and on stderr, output identical to plain decoding."""
-    res = specdec_cli("generate", "--target", "smollm2-135m", "--drafter", "auto", "--draft", "smollm2-135m", "-k", "4",
-                      "--max-new-tokens", "32", "--compare", "--json", "--no-chat",
-                      "--prompt", "one two three four five. one two three four five. one two")  # fmt: skip
+    res = specdec_cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--drafter",
+        "auto",
+        "--draft",
+        "smollm2-135m",
+        "-k",
+        "4",
+        "--max-new-tokens",
+        "32",
+        "--compare",
+        "--json",
+        "--no-chat",
+        "--prompt",
+        "one two three four five. one two three four five. one two",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip())
     assert out["identical"] is True and out["drafter"] == "auto"
     auto = out["speculative"]["metrics"]["drafter_info"]["auto"]
     assert auto["methods"] == ["draft-model", "prompt-lookup", "suffix"] and "prompt-lookup" in auto["steps"]
-    text = specdec_cli("generate", "--target", "smollm2-135m", "--drafter", "auto", "--max-new-tokens", "8",
-                       "--no-chat", "--prompt", "one two three one two three one two")  # fmt: skip
+    text = specdec_cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--drafter",
+        "auto",
+        "--max-new-tokens",
+        "8",
+        "--no-chat",
+        "--prompt",
+        "one two three one two three one two",
+    )
     assert text.returncode == 0 and "auto steps:" in text.stderr
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("drafter, extra", [("early-exit", []), ("early-exit", ["--exit-layer", "24"]),
-                                            ("lookahead", ["--window", "3", "--ngram", "4", "--guesses", "3"])])
+@pytest.mark.parametrize(
+    "drafter, extra",
+    [
+        ("early-exit", []),
+        ("early-exit", ["--exit-layer", "24"]),
+        ("lookahead", ["--window", "3", "--ngram", "4", "--guesses", "3"]),
+    ],
+)
 def test_other_drafters_compare_json_as_written(drafter, extra):
     """`specdec generate --target NAME --drafter early-exit|lookahead --compare --json ...`: the
     same JSON fields as the draft-model path; early exit reports its layer."""
-    res = specdec_cli("generate", "--target", "smollm2-135m", "--drafter", drafter, *extra, "-k", "3",
-                      "--max-new-tokens", "24", "--compare", "--json", "--prompt", "Name three planets.")  # fmt: skip
+    res = specdec_cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--drafter",
+        drafter,
+        *extra,
+        "-k",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--compare",
+        "--json",
+        "--prompt",
+        "Name three planets.",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip())
     for key in ("identical", "speedup", "acceptance_rate", "mean_accepted_tokens", "tokens_per_second"):
@@ -114,20 +219,23 @@ def test_other_drafters_compare_json_as_written(drafter, extra):
         assert str(info["layer"]) == best and 15 <= info["layer"] <= 29
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--drafter", "draft-model"], "--drafter draft-model needs --draft MODEL"),
-    (["--drafter", "early-exit", "--exit-layer", "9"], "early-exit layer 9 is out of range"),
-    (["--drafter", "lookahead", "--ngram", "1"], "lookahead needs window >= 0, ngram >= 2"),
-    (["--drafter", "prompt-lookup", "--draft", "x"], "--draft is only used by the draft-model and auto drafters"),
-    (["--drafter", "auto", "--auto-methods", "lookahead"], "auto cannot switch to 'lookahead'; choose among"),
-    (["--drafter", "auto", "--auto-methods", "draft-model"], "auto with draft-model needs a draft model (--draft"),
-    (["--auto-methods", "prompt-lookup"], "--auto-methods is an option of the auto drafter"),
-    (["--drafter", "prompt-lookup", "--ngram-min", "3", "--ngram-max", "2"], "min_ngram <= max_ngram"),
-    (["--compare"], "--compare needs --draft or --drafter"),
-    (["--drafter", "prompt-lookup", "--window", "2"], "--window is an option of the lookahead drafter"),
-    (["--exit-layer", "1"], "--exit-layer is an option of the early-exit drafter"),
-    (["--drafter", "prompt-lookup", "--stream", "--json"], "--stream prints text as it is committed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--drafter", "draft-model"], "--drafter draft-model needs --draft MODEL"),
+        (["--drafter", "early-exit", "--exit-layer", "9"], "early-exit layer 9 is out of range"),
+        (["--drafter", "lookahead", "--ngram", "1"], "lookahead needs window >= 0, ngram >= 2"),
+        (["--drafter", "prompt-lookup", "--draft", "x"], "--draft is only used by the draft-model and auto drafters"),
+        (["--drafter", "auto", "--auto-methods", "lookahead"], "auto cannot switch to 'lookahead'; choose among"),
+        (["--drafter", "auto", "--auto-methods", "draft-model"], "auto with draft-model needs a draft model (--draft"),
+        (["--auto-methods", "prompt-lookup"], "--auto-methods is an option of the auto drafter"),
+        (["--drafter", "prompt-lookup", "--ngram-min", "3", "--ngram-max", "2"], "min_ngram <= max_ngram"),
+        (["--compare"], "--compare needs --draft or --drafter"),
+        (["--drafter", "prompt-lookup", "--window", "2"], "--window is an option of the lookahead drafter"),
+        (["--exit-layer", "1"], "--exit-layer is an option of the early-exit drafter"),
+        (["--drafter", "prompt-lookup", "--stream", "--json"], "--stream prints text as it is committed"),
+    ],
+)
 @pytest.mark.slow
 def test_drafter_option_errors_are_one_line(tiny_dir, args, message):
     res = specdec_cli("generate", "--target", str(tiny_dir("llama")), "--max-new-tokens", "4", "--prompt", "ab", *args)
@@ -140,10 +248,23 @@ def test_generate_stream_as_written():
     """`specdec generate --target smollm2-135m --drafter prompt-lookup --stream --max-new-tokens
     40 --prompt "..."` prints the text as it is committed: stdout carries the same text as
     the non-streamed run, written in several pieces."""
-    args = ("generate", "--target", "smollm2-135m", "--drafter", "prompt-lookup", "--max-new-tokens", "40",
-            "--prompt", "Repeat after me: the quick brown fox jumps over the lazy dog.")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", *args, "--stream"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    args = (
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--drafter",
+        "prompt-lookup",
+        "--max-new-tokens",
+        "40",
+        "--prompt",
+        "Repeat after me: the quick brown fox jumps over the lazy dog.",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdec.cli", *args, "--stream"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pieces = []
     while chunk := proc.stdout.read(1):  # type: ignore[union-attr]
         pieces.append(chunk)
@@ -170,8 +291,22 @@ def test_stream_writes_each_step_as_it_is_committed(tiny_dir, monkeypatch):
             return super().write(s)
 
     monkeypatch.setattr(sys, "stdout", Spy())
-    rc = cli.main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "prompt-lookup", "--stream",
-                   "--max-new-tokens", "12", "--ignore-eos", "--no-chat", "--prompt", "abcabcabcabc"])  # fmt: skip
+    rc = cli.main(
+        [
+            "generate",
+            "--target",
+            str(tiny_dir("llama")),
+            "--drafter",
+            "prompt-lookup",
+            "--stream",
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--no-chat",
+            "--prompt",
+            "abcabcabcabc",
+        ]
+    )
     assert rc == 0 and len(set(writes)) > 2  # text written during several different steps
 
 
@@ -180,8 +315,22 @@ def test_bench_batch_as_written(tmp_path):
     """`specdec bench batch --target smollm2-135m --batch 1 2 4 8 --json` prints per batch size
     and method (plain, draft-model, prompt-lookup) the aggregate tokens/s and the speedup over
     plain decoding at that batch size; --out DIR writes the JSON and a PNG."""
-    res = specdec_cli("bench", "batch", "--target", "smollm2-135m", "--batch", "1", "2", "4", "8", "--json",
-                      "--max-new-tokens", "16", "--out", str(tmp_path))  # fmt: skip
+    res = specdec_cli(
+        "bench",
+        "batch",
+        "--target",
+        "smollm2-135m",
+        "--batch",
+        "1",
+        "2",
+        "4",
+        "8",
+        "--json",
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(tmp_path),
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     rows = {(r["batch"], r["method"]): r for r in out["summary"]}
@@ -200,8 +349,23 @@ def test_json_output_still_reports_the_early_exit_choice_on_stderr(tiny_dir, cap
 
     from specdec.cli import main
 
-    assert main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "early-exit", "--prompt", "hello hello",
-                 "--max-new-tokens", "4", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_dir("llama")),
+                "--drafter",
+                "early-exit",
+                "--prompt",
+                "hello hello",
+                "--max-new-tokens",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     info = _json.loads(out)["metrics"]["drafter_info"]
     assert f"early exit after layer {info['layer']} of {info['n_layers']}" in err
@@ -223,8 +387,12 @@ def test_auto_takes_the_installed_draft_of_its_target(monkeypatch, capsys):
     got = ns()
     auto_draft(got, "auto")
     assert got.draft == registry.DEFAULT_DRAFT and "--no-auto-draft" in capsys.readouterr().err
-    for kept, method in ((ns(auto_draft=False), "auto"), (ns(draft="other"), "auto"), (ns(), "suffix"),
-                         (ns(target="smollm2-135m"), "auto")):  # fmt: skip
+    for kept, method in (
+        (ns(auto_draft=False), "auto"),
+        (ns(draft="other"), "auto"),
+        (ns(), "suffix"),
+        (ns(target="smollm2-135m"), "auto"),
+    ):
         before = kept.draft
         auto_draft(kept, method)
         assert kept.draft == before
@@ -241,8 +409,20 @@ def test_prediction_file_drafts_and_logprobs_come_with_json(tiny_dir, tmp_path, 
 
     from specdec.cli import main
 
-    args = ["generate", "--target", str(tiny_dir("llama")), "--prompt", "hello hello", "--max-new-tokens", "12",
-            "--ignore-eos", "--no-chat", "--json", "--logprobs", "2"]  # fmt: skip
+    args = [
+        "generate",
+        "--target",
+        str(tiny_dir("llama")),
+        "--prompt",
+        "hello hello",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--no-chat",
+        "--json",
+        "--logprobs",
+        "2",
+    ]
     assert main(args) == 0
     plain = _json.loads(capsys.readouterr().out)
     assert len(plain["logprobs"]) == 12 and all(len(lp["top"]) == 2 for lp in plain["logprobs"])
@@ -253,9 +433,35 @@ def test_prediction_file_drafts_and_logprobs_come_with_json(tiny_dir, tmp_path, 
     out = _json.loads(capsys.readouterr().out)
     assert out["drafter"] == "prediction" and out["token_ids"] == plain["token_ids"]
     assert out["logprobs"] == plain["logprobs"] and out["metrics"]["drafter_info"]["prediction"]["accepted_tokens"] > 0
-    assert main(["generate", "--target", str(tiny_dir("llama")), "--prompt", "x", "--prediction-file",
-                 str(tmp_path / "missing.txt")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_dir("llama")),
+                "--prompt",
+                "x",
+                "--prediction-file",
+                str(tmp_path / "missing.txt"),
+            ]
+        )
+        == 2
+    )
     assert "cannot read the prediction file" in capsys.readouterr().err
-    assert main(["generate", "--target", str(tiny_dir("llama")), "--prompt", "x", "--drafter", "suffix",
-                 "--prediction-file", str(tmp_path / "p.txt")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_dir("llama")),
+                "--prompt",
+                "x",
+                "--drafter",
+                "suffix",
+                "--prediction-file",
+                str(tmp_path / "p.txt"),
+            ]
+        )
+        == 2
+    )
     assert "does not draft from a prediction" in capsys.readouterr().err

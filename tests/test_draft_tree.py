@@ -13,8 +13,8 @@ from helpers import ALPHA, PROMPT_IDS, PROMPTS, chi2_pvalue, no_timing
 import specdec
 from specdec.adaptive import KController
 from specdec.config import SamplingParams
-from specdec.drafters import DraftModelDrafter
 from specdec.costs import Costs
+from specdec.drafters import DraftModelDrafter
 from specdec.drafters.base import DraftSession, Feedback
 from specdec.drafters.confidence import Calibration
 from specdec.drafters.draft_tree import TreeGrowth
@@ -31,18 +31,35 @@ def test_a_tree_fed_over_two_passes_attends_as_a_chain(tiny):
     model.forward_batch([Segment(prompt, cache, last_only=True)])
     base = prompt.shape[0] - 1  # position of the last committed token
     # pass 1: two siblings (depth 1); pass 2: a child of the second one (depth 2)
-    model.forward_batch([Segment(torch.tensor([5, 9]), cache, torch.tensor([base + 1, base + 1]),
-                                 tree_mask=torch.tensor([[True, False], [False, True]]))])  # fmt: skip
-    out = model.forward_batch([Segment(torch.tensor([7]), cache, torch.tensor([base + 2]),
-                                       tree_mask=torch.tensor([[False, True, True]]))])[0]  # fmt: skip
+    model.forward_batch(
+        [
+            Segment(
+                torch.tensor([5, 9]),
+                cache,
+                torch.tensor([base + 1, base + 1]),
+                tree_mask=torch.tensor([[True, False], [False, True]]),
+            )
+        ]
+    )
+    out = model.forward_batch(
+        [Segment(torch.tensor([7]), cache, torch.tensor([base + 2]), tree_mask=torch.tensor([[False, True, True]]))]
+    )[0]
     chain = model.new_cache(32)
     ref = model.forward_batch([Segment(torch.cat([prompt, torch.tensor([9, 7])]), chain)])[0]
     torch.testing.assert_close(out.logits[0, -1], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
     # ...and a row that saw its cousin too would differ (the mask matters)
     wrong = model.new_cache(32)
     model.forward_batch([Segment(prompt, wrong, last_only=True)])
-    model.forward_batch([Segment(torch.tensor([5, 9]), wrong, torch.tensor([base + 1, base + 1]),
-                                 tree_mask=torch.tensor([[True, False], [False, True]]))])  # fmt: skip
+    model.forward_batch(
+        [
+            Segment(
+                torch.tensor([5, 9]),
+                wrong,
+                torch.tensor([base + 1, base + 1]),
+                tree_mask=torch.tensor([[True, False], [False, True]]),
+            )
+        ]
+    )
     leak = model.forward_batch([Segment(torch.tensor([7]), wrong, torch.tensor([base + 2]))])[0]
     assert not torch.allclose(leak.logits[0, -1], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
 
@@ -87,8 +104,9 @@ def test_greedy_identity_and_rollback_with_trees(tiny, monkeypatch, dtype):
         # the draft's cache now holds exactly the committed rows a fresh prefill computes
         n = self.cache.length
         assert n <= len(self._tokens) and torch.equal(self.cache.pos[0, :n], torch.arange(n))
-        torch.testing.assert_close(self.cache.k[:, :, :, :n], _fresh_rows(self.model, self._tokens, n), rtol=1e-3,
-                                   atol=1e-3)  # fmt: skip
+        torch.testing.assert_close(
+            self.cache.k[:, :, :, :n], _fresh_rows(self.model, self._tokens, n), rtol=1e-3, atol=1e-3
+        )
         seen["checked"] += 1
 
     monkeypatch.setattr(DraftModelDrafter, "accepted", accepted)
@@ -130,8 +148,9 @@ def test_a_tree_proposal_is_a_draft_of_distinct_siblings(tiny, monkeypatch):
     _bushy(monkeypatch)
     model = tiny("llama", "close").model
     d = DraftModelDrafter(model, tree=1)
-    d.begin(DraftSession(PROMPT_IDS * 2, 64, SamplingParams(temperature=1.0), make_generator(0, "cpu"),
-                         tiny("llama").model))  # fmt: skip
+    d.begin(
+        DraftSession(PROMPT_IDS * 2, 64, SamplingParams(temperature=1.0), make_generator(0, "cpu"), tiny("llama").model)
+    )
     draft = d.propose(3)
     assert draft.parents is not None and draft.probs is not None and draft.depth() == 3
     kids: dict[int, list[int]] = {}
@@ -164,4 +183,3 @@ def test_wrong_rule_fails_with_trees(small_vocab, exact_joint, sample_joint, mon
     sampling = SamplingParams(temperature=1.0)
     counts = sample_joint(target, DraftModelDrafter(draft, vocab=0, tree=1), sampling, runs=3000, k=2, adaptive_k=True)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
-

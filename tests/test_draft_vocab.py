@@ -74,8 +74,9 @@ def test_greedy_identity_with_a_cut_vocabulary(tiny, arch, dtype):
         plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
         drafter = _Recording(draft.model, vocab=vocab)
         _Recording.proposed = []
-        spec = specdec.generate(target, prompt, drafter=drafter, k=4, max_new_tokens=24, ignore_eos=True,
-                                adaptive_k=False)  # fmt: skip
+        spec = specdec.generate(
+            target, prompt, drafter=drafter, k=4, max_new_tokens=24, ignore_eos=True, adaptive_k=False
+        )
         assert spec.token_ids == plain.token_ids, prompt
         shown = set(target.tokenizer.encode(prompt)) | set(plain.token_ids)  # (the sequence's own tokens join it)
         assert _Recording.proposed and set(_Recording.proposed) <= allowed | shown
@@ -109,8 +110,11 @@ def _cut(draft, ids) -> dv.DraftVocab:
 SUBSET = [0, 2, 3, 5, 6]  # 5 of the 8 tokens
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)],
-                         ids=["T1", "T0.8-topk-topp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)],
+    ids=["T1", "T0.8-topk-topp"],
+)
 @pytest.mark.slow
 def test_cut_vocabulary_keeps_the_target_sampling_law(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
@@ -150,11 +154,26 @@ def test_lists_are_found_by_tokenizer_and_cut_to_n(tiny, tiny_dir, tmp_path, mon
 def test_models_vocab_counts_chat_rendered_conversations(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     data = tmp_path / "talk.json"
-    data.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "aaab"},
-                                                                {"from": "gpt", "value": "ba"}]}]))  # fmt: skip
+    data.write_text(
+        json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "aaab"}, {"from": "gpt", "value": "ba"}]}])
+    )
     out = tmp_path / "list.safetensors"
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "models", "vocab", str(tiny_dir("llama")),
-                          "--data", str(data), "--out", str(out)], capture_output=True, text=True)  # fmt: skip
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "models",
+            "vocab",
+            str(tiny_dir("llama")),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     freq = dv._read(out)
     from specdec.tokenizer import Tokenizer
@@ -171,9 +190,31 @@ def test_bench_forward_times_the_draft(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     counts = np.arange(264, dtype=np.int64)
     dv.write(dv.user_dir() / "bytes.safetensors", counts, key=dv.tokenizer_key(tiny_dir("llama")), meta={})
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "forward", "--model", str(tiny_dir("llama")),
-                          "--modes", "int8", "--context", "8", "--repeats", "1", "--draft", str(tiny_dir("llama", "close")),
-                          "--draft-vocab", "64", "0", "--json"], capture_output=True, text=True)  # fmt: skip
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "bench",
+            "forward",
+            "--model",
+            str(tiny_dir("llama")),
+            "--modes",
+            "int8",
+            "--context",
+            "8",
+            "--repeats",
+            "1",
+            "--draft",
+            str(tiny_dir("llama", "close")),
+            "--draft-vocab",
+            "64",
+            "0",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     d = json.loads(res.stdout)["draft"]
     assert set(d["vocab"]) == {"64", "0"} and d["vocab"]["64"]["tokens"] == 64 and d["vocab"]["0"]["tokens"] == 264

@@ -36,7 +36,9 @@ def test_the_window_feeds_its_rows_at_their_positions(tiny):
     d = DraftModelDrafter(draft, vocab=0, window=10)
     d.begin(_session(ctx))
     got = d.propose(3).tokens.tolist()
-    assert d.skip == 60 - 1 - SINK - 10 and d.cache.length == SINK + 10 + 3  # (the prompt's last token came with the proposal)
+    assert (
+        d.skip == 60 - 1 - SINK - 10 and d.cache.length == SINK + 10 + 3
+    )  # (the prompt's last token came with the proposal)
     cache = draft.new_cache(64)
     rows = ctx[:SINK] + ctx[SINK + d.skip :]
     pos = torch.tensor(list(range(SINK)) + list(range(SINK + d.skip, 60)))
@@ -58,8 +60,9 @@ def _session(ctx):
 LONG_IDS = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # 10 tokens over the 8-token vocabulary: a window of 2 skips 4
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.3, top_k=6)],
-                         ids=["T1", "T1.3-topk"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.3, top_k=6)], ids=["T1", "T1.3-topk"]
+)
 @pytest.mark.slow
 def test_a_windowed_draft_keeps_the_target_sampling_law(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab

@@ -22,8 +22,8 @@ from specdec.drafters import Eagle3Drafter, make_drafter
 from specdec.drafters.eagle3 import _Runner
 from specdec.training import features as fe
 from specdec.training.eagle3 import Eagle3Head, HeadConfig, config_for_target
-from specdec.training.vocabulary import attach as attach_target
 from specdec.training.loop import TrainConfig, evaluate, sequence_loss, train, unroll
+from specdec.training.vocabulary import attach as attach_target
 
 
 def _examples(model, n: int, length: int, seed: int) -> list[fe.Example]:
@@ -92,21 +92,43 @@ def test_training_layout_is_what_drafting_computes(tiny):
         kc = torch.zeros(c.num_key_value_heads, 32, c.head_dim)
         vc = torch.zeros_like(kc)
         pos = torch.arange(i + 1)
-        g, logits = run.step(head.embed(ex.tokens[1 : i + 2]), run.project(ex.features[: i + 1]), pos, kc, vc, pos,
-                             torch.ones(i + 1, i + 1, dtype=torch.bool).tril())  # fmt: skip
+        g, logits = run.step(
+            head.embed(ex.tokens[1 : i + 2]),
+            run.project(ex.features[: i + 1]),
+            pos,
+            kc,
+            vc,
+            pos,
+            torch.ones(i + 1, i + 1, dtype=torch.bool).tril(),
+        )
         assert torch.allclose(g[-1], gs[0][i], atol=1e-4)
         # catching up computes the last row alone (every row's keys and values still cached)
         kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
-        g1, logits1 = run.step(head.embed(ex.tokens[1 : i + 2]), run.project(ex.features[: i + 1]), pos, kc2, vc2, pos,
-                               torch.ones(i + 1, i + 1, dtype=torch.bool).tril(), last_only=True)  # fmt: skip
+        g1, logits1 = run.step(
+            head.embed(ex.tokens[1 : i + 2]),
+            run.project(ex.features[: i + 1]),
+            pos,
+            kc2,
+            vc2,
+            pos,
+            torch.ones(i + 1, i + 1, dtype=torch.bool).tril(),
+            last_only=True,
+        )
         assert g1.shape[0] == 1 and torch.allclose(g1[0], g[-1], atol=1e-5) and torch.equal(kc2, kc)
         assert torch.allclose(logits1[0], logits[-1], atol=1e-4) and torch.equal(vc2, vc)
         prev = g[-1]
         for j in range(2, steps + 1):
             slot = i + j - 1
             mask = torch.ones(1, slot + 1, dtype=torch.bool)
-            g, _ = run.step(head.embed(ex.tokens[i + j : i + j + 1]), prev[None], torch.tensor([i + j - 1]), kc, vc,
-                            torch.tensor([slot]), mask)  # fmt: skip
+            g, _ = run.step(
+                head.embed(ex.tokens[i + j : i + j + 1]),
+                prev[None],
+                torch.tensor([i + j - 1]),
+                kc,
+                vc,
+                torch.tensor([slot]),
+                mask,
+            )
             assert torch.allclose(g[0], gs[j - 1][i], atol=1e-4), (i, j)
             prev = g[0]
 
@@ -140,8 +162,13 @@ def test_training_resumes_from_its_checkpoint(tiny, tmp_path):
     train(full, data, TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1), tmp_path / "full", progress=False)
     part = random_head(model)
     # stop after about half the steps (a budget of 0 minutes stops after the first step)
-    r = train(part, data, TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1, minutes=0.0), tmp_path / "part",
-              progress=False)  # fmt: skip
+    r = train(
+        part,
+        data,
+        TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1, minutes=0.0),
+        tmp_path / "part",
+        progress=False,
+    )
     assert r["optimizer_steps"] == 1 and (tmp_path / "part" / "checkpoint.pt").exists()
     resumed = random_head(model)
     r = train(resumed, data, TrainConfig(steps=2, seqs_per_step=2, epochs=2, seed=1), tmp_path / "part", progress=False)
@@ -166,8 +193,12 @@ def test_loss_counts_only_answer_tokens(tiny):
 
 @pytest.mark.slow
 def test_conversation_mask_marks_the_answers(smollm2):
-    messages = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there, friend."},
-                {"role": "user", "content": "Again."}, {"role": "assistant", "content": "Hello again."}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": "Hello there, friend."},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "Hello again."},
+    ]
     ids, mask = fe.tokenize_conversation(smollm2.tokenizer, messages, 512)
     # each answer with the end-of-turn marker the template closes it with (the head learns to end)
     answer = smollm2.tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
@@ -261,8 +292,10 @@ def test_tree_shapes(tiny):
     lm = tiny("llama")
     head = random_head(lm.model, seed=4, scale=20.0)
     ids = lm.tokenizer.encode(PROMPTS[1])
-    for sampling, opts, most in ((SamplingParams(), {"topk": 3, "total": 7}, 7),
-                                 (SamplingParams(temperature=1.0, seed=1), {"sample_children": 2, "sample_frontier": 2}, 2 + 3 * 4)):  # fmt: skip
+    for sampling, opts, most in (
+        (SamplingParams(), {"topk": 3, "total": 7}, 7),
+        (SamplingParams(temperature=1.0, seed=1), {"sample_children": 2, "sample_frontier": 2}, 2 + 3 * 4),
+    ):
         d = Eagle3Drafter(lm.model, head=head, **opts)
         seen = []
         orig = d.propose
@@ -273,8 +306,9 @@ def test_tree_shapes(tiny):
             return draft
 
         d.propose = spy
-        engine.run(lm.model, ids, GenerationConfig(max_new_tokens=12, k=4, ignore_eos=True,
-                                                   adaptive_k=False), sampling, d)
+        engine.run(
+            lm.model, ids, GenerationConfig(max_new_tokens=12, k=4, ignore_eos=True, adaptive_k=False), sampling, d
+        )
         assert seen
         for draft in seen:
             depths = draft.depths()  # checks parents come first
@@ -311,8 +345,15 @@ def test_cost_model_sizes_trees_by_the_price_of_rows(tiny):
     assert d._tree_size(scores) == 4
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
-                                      SamplingParams(temperature=0.5)], ids=["T1", "T0.7-topk-topp", "T0.5"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+        SamplingParams(temperature=0.5),
+    ],
+    ids=["T1", "T0.7-topk-topp", "T0.5"],
+)
 @pytest.mark.slow
 def test_sampled_trees_keep_the_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
@@ -337,15 +378,41 @@ def _jsonl(path, n: int = 12) -> None:
     rows = []
     for i in range(n):
         q = f"What is {i} plus {i}?"
-        rows.append({"id": f"c{i}", "category": "chat",
-                     "turns": [{"role": "user", "content": q}, {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * 3}]})  # fmt: skip
+        rows.append(
+            {
+                "id": f"c{i}",
+                "category": "chat",
+                "turns": [
+                    {"role": "user", "content": q},
+                    {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * 3},
+                ],
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _train_cmd(tiny_path, data, out) -> list[str]:
-    return ["train", "eagle3", "--target", str(tiny_path), "--data", str(data), "--out", str(out), "--tokens", "1000",
-            "--draft-vocab", "64", "--intermediate-size", "32", "--epochs", "2", "--seqs-per-step", "2",
-            "--no-progress"]  # fmt: skip
+    return [
+        "train",
+        "eagle3",
+        "--target",
+        str(tiny_path),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--tokens",
+        "1000",
+        "--draft-vocab",
+        "64",
+        "--intermediate-size",
+        "32",
+        "--epochs",
+        "2",
+        "--seqs-per-step",
+        "2",
+        "--no-progress",
+    ]
 
 
 def test_train_cli_writes_a_usable_head(tiny_dir, tmp_path, capsys):
@@ -356,10 +423,34 @@ def test_train_cli_writes_a_usable_head(tiny_dir, tmp_path, capsys):
     out = tmp_path / "head"
     assert main(_train_cmd(tiny_dir("llama"), data, out)) == 0
     rec = Eagle3Head.training_record(out)
-    assert rec["data"] == str(data) and rec["seed"] == 0 and 1000 <= rec["feature_tokens"] < 1200 and rec["cpu_seconds"] > 0
+    assert (
+        rec["data"] == str(data)
+        and rec["seed"] == 0
+        and 1000 <= rec["feature_tokens"] < 1200
+        and rec["cpu_seconds"] > 0
+    )
     assert "specdec train eagle3" in rec["command"] and len(rec["validation_top1_by_step"]) == 3
-    assert main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "eagle3", "--head", str(out),
-                 "--prompt", "What is 3 plus 3?", "--max-new-tokens", "8", "--json", "--dtype", "fp32"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_dir("llama")),
+                "--drafter",
+                "eagle3",
+                "--head",
+                str(out),
+                "--prompt",
+                "What is 3 plus 3?",
+                "--max-new-tokens",
+                "8",
+                "--json",
+                "--dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["metrics"]["target_forwards"] > 0
 
 
@@ -391,13 +482,19 @@ def test_a_stopped_extraction_resumes_where_it_was(tiny, tmp_path, mode):
     depend on what shares its passes); a larger token count grows a finished cache."""
     lm = tiny("llama", dtype=EXACT_MODES[-1])
     layers = HeadConfig.default_feature_layers(lm.model.args.n_layers)
-    convs = [[{"role": "user", "content": f"What is {i} plus {i}?"},
-              {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * (1 + i % 3)}] for i in range(14)]  # fmt: skip
+    convs = [
+        [
+            {"role": "user", "content": f"What is {i} plus {i}?"},
+            {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * (1 + i % 3)},
+        ]
+        for i in range(14)
+    ]
 
     def examples(done):
         if mode == "self":
-            return fe.self_distill_examples(lm, convs, layers=layers, top_k=4, max_len=128, max_new_tokens=6, batch=3,
-                                            skip=done)  # fmt: skip
+            return fe.self_distill_examples(
+                lm, convs, layers=layers, top_k=4, max_len=128, max_new_tokens=6, batch=3, skip=done
+            )
         return fe.teacher_examples(lm, convs, layers=layers, top_k=4, max_len=128, skip=done)
 
     def killed_after(n):
@@ -406,6 +503,7 @@ def test_a_stopped_extraction_resumes_where_it_was(tiny, tmp_path, mode):
                 if i == n:
                     raise KeyboardInterrupt
                 yield ex
+
         return make
 
     record = {"data": "test", "tokens_wanted": 10**6}
@@ -428,20 +526,38 @@ def test_a_stopped_extraction_resumes_where_it_was(tiny, tmp_path, mode):
         assert torch.equal(e.tokens, ref.tokens) and torch.equal(e.features, ref.features)
         assert torch.equal(e.mask, ref.mask) and torch.equal(e.top_ids, ref.top_ids)
     # a finished cache with fewer tokens than now wanted grows; another record starts anew
-    small = fe.extract(examples, tmp_path / "grow", max_tokens=100, shard_tokens=60, progress=False,
-                       record={**record, "tokens_wanted": 100})  # fmt: skip
+    small = fe.extract(
+        examples,
+        tmp_path / "grow",
+        max_tokens=100,
+        shard_tokens=60,
+        progress=False,
+        record={**record, "tokens_wanted": 100},
+    )
     grown = fe.extract(examples, tmp_path / "grow", max_tokens=10**6, shard_tokens=60, progress=False, record=record)
     assert small["conversations"] < grown["conversations"] == len(convs) and grown["sources"] == whole["sources"]
-    other = fe.extract(examples, tmp_path / "grow", max_tokens=100, shard_tokens=60, progress=False,
-                       record={**record, "data": "other"})  # fmt: skip
+    other = fe.extract(
+        examples, tmp_path / "grow", max_tokens=100, shard_tokens=60, progress=False, record={**record, "data": "other"}
+    )
     assert other["conversations"] == small["conversations"] and other["shards"] == small["shards"]
 
 
 def test_eagle3_without_a_head_says_how_to_get_one(tiny_dir, capsys):
     from specdec.cli import main
 
-    rc = main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "eagle3", "--prompt", "hi",
-               "--max-new-tokens", "4"])  # fmt: skip
+    rc = main(
+        [
+            "generate",
+            "--target",
+            str(tiny_dir("llama")),
+            "--drafter",
+            "eagle3",
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "specdec train eagle3" in err and len(err.strip().splitlines()) == 1
 
@@ -453,8 +569,17 @@ def test_train_runs_under_torchrun_with_two_processes(tiny_dir, tmp_path):
     _jsonl(data, 40)
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "specdec.cli", *_train_cmd(tiny_dir("llama"), data, out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "specdec.cli",
+        *_train_cmd(tiny_dir("llama"), data, out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = Eagle3Head.training_record(out)
@@ -475,8 +600,13 @@ def _proposals(model, head, prompt_ids) -> list[list[int]]:
         return draft
 
     d.propose = spy
-    engine.run(model, prompt_ids, GenerationConfig(max_new_tokens=16, k=4, ignore_eos=True,
-                                                   adaptive_k=False), SamplingParams(), d)
+    engine.run(
+        model,
+        prompt_ids,
+        GenerationConfig(max_new_tokens=16, k=4, ignore_eos=True, adaptive_k=False),
+        SamplingParams(),
+        d,
+    )
     return seen
 
 
@@ -490,23 +620,41 @@ def test_export_writes_the_engines_layout_and_loads_back(tiny, tmp_path):
     model = lm.model
     head = random_head(model, seed=3, scale=20.0)
     c = head.cfg
-    H, nh, nkv, D, I, N, V = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                              c.intermediate_size, c.draft_vocab_size, c.target_vocab_size)  # fmt: skip
+    H, nh, nkv, D, I, N, V = (
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.draft_vocab_size,
+        c.target_vocab_size,
+    )
     shapes = {  # as vLLM's and SGLang's Eagle3 Llama layers allocate them (q/k/v read embeds + hidden)
-        "midlayer.self_attn.q_proj.weight": (nh * D, 2 * H), "midlayer.self_attn.k_proj.weight": (nkv * D, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (nkv * D, 2 * H), "midlayer.self_attn.o_proj.weight": (H, nh * D),
-        "midlayer.mlp.gate_proj.weight": (I, H), "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I), "fc.weight": (H, 3 * H), "lm_head.weight": (N, H),
-        "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
-        "midlayer.post_attention_layernorm.weight": (H,), "norm.weight": (H,), "d2t": (N,), "t2d": (V,),
-    }  # fmt: skip
+        "midlayer.self_attn.q_proj.weight": (nh * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (nkv * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (nkv * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, nh * D),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "fc.weight": (H, 3 * H),
+        "lm_head.weight": (N, H),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "norm.weight": (H,),
+        "d2t": (N,),
+        "t2d": (V,),
+    }
     prompt = lm.tokenizer.encode(PROMPTS[0])
     for fmt in ("vllm", "sglang"):
         out = export(head, tmp_path / fmt, fmt, torch.float32)
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
         assert (cfg["draft_vocab_size"], cfg["vocab_size"], cfg["target_hidden_size"]) == (N, V, H)
-        assert cfg["tie_word_embeddings"] is False and cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in c.feature_layers]
+        assert cfg["tie_word_embeddings"] is False and cfg["eagle_aux_hidden_state_layer_ids"] == [
+            i + 1 for i in c.feature_layers
+        ]
         tensors = load_file(str(out / "model.safetensors"))
         assert set(tensors) == set(WEIGHT_NAMES) == set(shapes)
         assert {k: tuple(v.shape) for k, v in tensors.items()} == shapes
@@ -551,17 +699,24 @@ def test_training_in_bf16_autocast(tiny, tmp_path):
     model = tiny("llama").model
     data = _examples(model, 8, 30, seed=10)
     head = random_head(model, width=128)
-    r = train(head, data, TrainConfig(steps=2, lr=3e-3, seqs_per_step=2, epochs=6, dtype="bf16"), tmp_path,
-              progress=False)  # fmt: skip
+    r = train(
+        head, data, TrainConfig(steps=2, lr=3e-3, seqs_per_step=2, epochs=6, dtype="bf16"), tmp_path, progress=False
+    )
     hist = r["history"]
     assert r["compute_dtype"] == "bf16" and all(math.isfinite(h["loss"]) for h in hist)
     assert hist[-1]["loss"] < hist[0]["loss"]
     assert all(p.dtype == torch.float32 for p in head.parameters())  # weights stay float32
 
 
-@pytest.mark.parametrize(("flags", "expected"), [("avx2 fma amx_tile amx_bf16 amx_int8", True),
-                                               ("avx2 avx512f avx512_bf16 avx512_vnni", True),
-                                               ("avx2 avx512f avx512_vnni", False), ("avx2 fma", False)])
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("avx2 fma amx_tile amx_bf16 amx_int8", True),
+        ("avx2 avx512f avx512_bf16 avx512_vnni", True),
+        ("avx2 avx512f avx512_vnni", False),
+        ("avx2 fma", False),
+    ],
+)
 def test_auto_compute_dtype_is_bf16_where_the_cpu_has_bf16_matmuls(monkeypatch, flags, expected):
     """bf16 autocast where oneDNN has bf16 instructions (AMX tiles, AVX512-BF16), fp32 elsewhere;
     an explicit choice overrides the CPU."""

@@ -41,8 +41,9 @@ def test_greedy_identity_tiny(four_layers, arch, dtype):
         plain = specdec.generate(target, prompt, max_new_tokens=30, ignore_eos=True)
         for layer, k in ((1, 3), (2, 1), (3, 4), (None, 2)):
             drafter = EarlyExitDrafter(target.model, layer=layer)
-            out = specdec.generate(target, prompt, drafter=drafter, k=k, max_new_tokens=30, ignore_eos=True,
-                                   adaptive_k=False)
+            out = specdec.generate(
+                target, prompt, drafter=drafter, k=k, max_new_tokens=30, ignore_eos=True, adaptive_k=False
+            )
             assert out.token_ids == plain.token_ids, (arch, prompt, layer, k)
             accepted += out.metrics.accepted
             rejected += out.metrics.proposed - out.metrics.accepted
@@ -56,11 +57,19 @@ def test_verification_does_not_recompute_early_blocks(four_layers):
     specdec.api.prepare(target)  # (the pass table, timed once before a first request: not counted below)
     layers = target.model.model.layers
     rows: dict[int, list[int]] = {0: [], 1: [], 2: [], 3: []}
-    hooks = [layers[i].register_forward_hook(lambda mod, args, out, i=i: rows[i].append(args[0].shape[1]))
-             for i in range(4)]  # fmt: skip
+    hooks = [
+        layers[i].register_forward_hook(lambda mod, args, out, i=i: rows[i].append(args[0].shape[1])) for i in range(4)
+    ]
     try:
-        out = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model, layer=2), k=3,
-                               max_new_tokens=20, ignore_eos=True, adaptive_k=False)  # fmt: skip
+        out = specdec.generate(
+            target,
+            PROMPTS[0],
+            drafter=EarlyExitDrafter(target.model, layer=2),
+            k=3,
+            max_new_tokens=20,
+            ignore_eos=True,
+            adaptive_k=False,
+        )
     finally:
         for h in hooks:
             h.remove()
@@ -74,8 +83,9 @@ def test_verification_does_not_recompute_early_blocks(four_layers):
 def test_calibration_picks_and_reports_a_layer(four_layers):
     target = four_layers("qwen2", "auto")
     drafter = EarlyExitDrafter(target.model)
-    out = specdec.generate(target, PROMPTS[1], drafter=drafter, k=3, max_new_tokens=12, ignore_eos=True,
-                           adaptive_k=False)
+    out = specdec.generate(
+        target, PROMPTS[1], drafter=drafter, k=3, max_new_tokens=12, ignore_eos=True, adaptive_k=False
+    )
     info = out.metrics.drafter_info
     assert info["calibrated"] and info["k"] == 3 and set(info["candidates"]) == {2, 3}
     best = max(info["candidates"], key=lambda L: info["candidates"][L]["predicted_speedup"])
@@ -93,10 +103,17 @@ def _predict(monkeypatch, speedup: float, target=None) -> None:
     (no calibration kept from before: neither in this process nor on disk)."""
 
     def calibrate(self, context, k):
-        self.info = {"layer": 2, "n_layers": 4, "calibrated": True, "k": k, "plain_ms": 1.0,
-                     "candidates": {2: {"alpha": 0.5, "draft_ms": 1.0, "verify_ms": 1.0, "predicted_speedup": speedup},
-                                    3: {"alpha": 0.6, "draft_ms": 1.0, "verify_ms": 1.0,
-                                        "predicted_speedup": speedup - 0.1}}}  # fmt: skip
+        self.info = {
+            "layer": 2,
+            "n_layers": 4,
+            "calibrated": True,
+            "k": k,
+            "plain_ms": 1.0,
+            "candidates": {
+                2: {"alpha": 0.5, "draft_ms": 1.0, "verify_ms": 1.0, "predicted_speedup": speedup},
+                3: {"alpha": 0.6, "draft_ms": 1.0, "verify_ms": 1.0, "predicted_speedup": speedup - 0.1},
+            },
+        }
         return 2
 
     from specdec.drafters import early_exit
@@ -114,18 +131,41 @@ def test_a_predicted_slowdown_falls_back_to_plain_decoding(four_layers, monkeypa
     target = four_layers("llama", dtype)
     _predict(monkeypatch, 0.6, target)
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=16, ignore_eos=True)
-    off = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=3, max_new_tokens=16,
-                           ignore_eos=True, adaptive_k=False)  # fmt: skip
+    off = specdec.generate(
+        target,
+        PROMPTS[0],
+        drafter=EarlyExitDrafter(target.model),
+        k=3,
+        max_new_tokens=16,
+        ignore_eos=True,
+        adaptive_k=False,
+    )
     assert off.token_ids == plain.token_ids
     assert off.metrics.proposed == 0 and off.metrics.scored_rows == off.metrics.target_forwards
-    assert "plain decoding" in off.metrics.drafter_info["fallback"] and "--force" in off.metrics.drafter_info["fallback"]
-    forced = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model, force=True), k=3,
-                              max_new_tokens=16, ignore_eos=True, adaptive_k=False)  # fmt: skip
+    assert (
+        "plain decoding" in off.metrics.drafter_info["fallback"] and "--force" in off.metrics.drafter_info["fallback"]
+    )
+    forced = specdec.generate(
+        target,
+        PROMPTS[0],
+        drafter=EarlyExitDrafter(target.model, force=True),
+        k=3,
+        max_new_tokens=16,
+        ignore_eos=True,
+        adaptive_k=False,
+    )
     assert forced.token_ids == plain.token_ids and forced.metrics.proposed > 0
     assert "fallback" not in forced.metrics.drafter_info
     _predict(monkeypatch, 1.3, target)  # a layer that pays is used
-    on = specdec.generate(target, PROMPTS[1], drafter=EarlyExitDrafter(target.model), k=3, max_new_tokens=16,
-                          ignore_eos=True, adaptive_k=False)  # fmt: skip
+    on = specdec.generate(
+        target,
+        PROMPTS[1],
+        drafter=EarlyExitDrafter(target.model),
+        k=3,
+        max_new_tokens=16,
+        ignore_eos=True,
+        adaptive_k=False,
+    )
     assert on.metrics.proposed > 0 and "fallback" not in on.metrics.drafter_info
 
 
@@ -134,15 +174,43 @@ def test_force_flag_and_the_fallback_line(four_layers, monkeypatch, capsys):
 
     target = four_layers("llama", "fp32")
     _predict(monkeypatch, 0.5)
-    base = ["generate", "--target", str(target.model.source_dir), "--drafter", "early-exit", "-k", "2", "--prompt",
-            "hello", "--max-new-tokens", "6", "--dtype", "fp32"]  # fmt: skip
+    base = [
+        "generate",
+        "--target",
+        str(target.model.source_dir),
+        "--drafter",
+        "early-exit",
+        "-k",
+        "2",
+        "--prompt",
+        "hello",
+        "--max-new-tokens",
+        "6",
+        "--dtype",
+        "fp32",
+    ]
     assert main(base) == 0
     err = capsys.readouterr().err
     assert "plain decoding: early exit predicted 0.50x" in err and "--force" in err
     assert main([*base, "--force"]) == 0
     assert "plain decoding" not in capsys.readouterr().err
-    assert main(["generate", "--target", str(target.model.source_dir), "--drafter", "prompt-lookup", "--force",
-                 "--prompt", "hi", "--max-new-tokens", "2"]) == 2  # an option of another drafter  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(target.model.source_dir),
+                "--drafter",
+                "prompt-lookup",
+                "--force",
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "2",
+            ]
+        )
+        == 2
+    )  # an option of another drafter
     assert "--drafter early-exit" in capsys.readouterr().err
 
 
@@ -152,8 +220,9 @@ def test_a_calibration_is_kept_for_later_processes(four_layers, monkeypatch, tmp
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     target = four_layers("llama", "fp32")
     monkeypatch.setattr(target.model.state, "calibrations", {})
-    first = specdec.generate(target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6,
-                             adaptive_k=False)
+    first = specdec.generate(
+        target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6, adaptive_k=False
+    )
     assert (tmp_path / "early_exit.json").exists()
     target.model.state.calibrations.clear()  # "a new process"
 
@@ -161,8 +230,9 @@ def test_a_calibration_is_kept_for_later_processes(four_layers, monkeypatch, tmp
         raise AssertionError("calibrated again")
 
     monkeypatch.setattr(EarlyExitDrafter, "calibrate", no_calibration)
-    again = specdec.generate(target, PROMPTS[1], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6,
-                             adaptive_k=False)
+    again = specdec.generate(
+        target, PROMPTS[1], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6, adaptive_k=False
+    )
     assert again.metrics.drafter_info["layer"] == first.metrics.drafter_info["layer"]
     assert again.metrics.drafter_info["candidates"] == first.metrics.drafter_info["candidates"]
 
@@ -176,18 +246,21 @@ def test_bad_layers_and_targets_are_refused(four_layers):
         EarlyExitDrafter(target.model, candidates=(1, 7))
     other = four_layers("qwen2", "fp32")
     with pytest.raises(ValueError, match="different target"):
-        specdec.generate(target, "abc", drafter=EarlyExitDrafter(other.model, layer=1), max_new_tokens=4,
-                         adaptive_k=False)
+        specdec.generate(
+            target, "abc", drafter=EarlyExitDrafter(other.model, layer=1), max_new_tokens=4, adaptive_k=False
+        )
     with pytest.raises(ValueError, match="different target"):
-        EarlyExitDrafter(target.model, layer=1).begin(
-            DraftSession([1, 2], 8, SamplingParams(), torch.Generator()))
+        EarlyExitDrafter(target.model, layer=1).begin(DraftSession([1, 2], 8, SamplingParams(), torch.Generator()))
 
 
 @pytest.mark.real
 def test_greedy_identity_smollm2(smollm2_exact):
     model = smollm2_exact
-    prompts = ["What is the capital of France?", "Write a short poem about the sea.",
-               "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and then again 1, 2, 3,"]  # fmt: skip
+    prompts = [
+        "What is the capital of France?",
+        "Write a short poem about the sea.",
+        "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and then again 1, 2, 3,",
+    ]
     accepted = 0
     drafter = EarlyExitDrafter(model.model)  # calibrated once, reused
     for prompt in prompts:
@@ -199,8 +272,11 @@ def test_greedy_identity_smollm2(smollm2_exact):
     assert accepted > 0 and 15 <= drafter.layer <= 29
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
-                         ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["T1", "T0.7-topk-topp"],
+)
 @pytest.mark.slow
 def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab

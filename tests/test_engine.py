@@ -71,8 +71,16 @@ class CheckingDrafter(Drafter):
     def propose(self, k: int):
         draft = self.inner.propose(k)
         fresh = DraftModelDrafter(self.model)
-        fresh.begin(DraftSession(list(self.committed), self.session.capacity, self.session.sampling,
-                                 self.session.generator, self.session.target, fixed_k=self.session.fixed_k))  # fmt: skip
+        fresh.begin(
+            DraftSession(
+                list(self.committed),
+                self.session.capacity,
+                self.session.sampling,
+                self.session.generator,
+                self.session.target,
+                fixed_k=self.session.fixed_k,
+            )
+        )
         assert fresh.propose(k).tokens.tolist() == draft.tokens.tolist()
         self.checks += 1
         self.last = draft.tokens.tolist()
@@ -87,16 +95,18 @@ class CheckingDrafter(Drafter):
 def test_draft_cache_rollback(tiny, k):
     target, draft = tiny("llama"), tiny("llama", "close")
     checker = CheckingDrafter(draft.model)
-    out = specdec.generate(target, PROMPTS[1], drafter=checker, k=k, max_new_tokens=30, ignore_eos=True, chat=False,
-                           adaptive_k=False)
+    out = specdec.generate(
+        target, PROMPTS[1], drafter=checker, k=k, max_new_tokens=30, ignore_eos=True, chat=False, adaptive_k=False
+    )
     assert checker.checks == out.metrics.steps > 1
     assert 0 < out.metrics.accepted < out.metrics.proposed  # partial acceptance happened
 
 
 def test_same_model_as_draft_accepts_everything(tiny):
     target = tiny("qwen2")
-    out = specdec.generate(target, PROMPTS[0], assistant_model=target, k=4, max_new_tokens=21, ignore_eos=True,
-                           adaptive_k=False)
+    out = specdec.generate(
+        target, PROMPTS[0], assistant_model=target, k=4, max_new_tokens=21, ignore_eos=True, adaptive_k=False
+    )
     m = out.metrics
     assert m.acceptance_rate == 1.0 and m.mean_accepted_tokens == 5.0
     assert m.accepted_per_position == m.proposed_per_position == [4, 4, 4, 4]
@@ -129,8 +139,9 @@ def test_wrong_acceptance_rule_fails_end_to_end(small_vocab, exact_joint, sample
 def test_max_new_tokens_with_k_larger_than_budget(tiny):
     target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
     for n in (1, 2, 3):
-        out = specdec.generate(target, "hello", assistant_model=draft, k=8, max_new_tokens=n, ignore_eos=True,
-                               adaptive_k=False)
+        out = specdec.generate(
+            target, "hello", assistant_model=draft, k=8, max_new_tokens=n, ignore_eos=True, adaptive_k=False
+        )
         plain = specdec.generate(target, "hello", max_new_tokens=n, ignore_eos=True)
         assert len(out.token_ids) == n and out.finish_reason == "length"
         assert out.token_ids == plain.token_ids
@@ -171,8 +182,16 @@ def test_stop_string_cuts_speculative_step(tiny):
     full = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True)
     stop = full.text[10:13]
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=30, ignore_eos=True, stop=[stop])
-    spec = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=6, max_new_tokens=30,
-                            ignore_eos=True, stop=[stop], adaptive_k=False)  # fmt: skip
+    spec = specdec.generate(
+        target,
+        PROMPTS[0],
+        assistant_model=draft,
+        k=6,
+        max_new_tokens=30,
+        ignore_eos=True,
+        stop=[stop],
+        adaptive_k=False,
+    )
     assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason == "stop"
     assert spec.text == full.text[: full.text.index(stop)]
     assert len(spec.token_ids) < 30
@@ -183,8 +202,16 @@ def test_context_policies(tiny):
     long_prompt = list(range(100)) * 5  # 500 tokens
     with pytest.raises(ContextOverflowError, match="--context-overflow truncate; API: context_overflow='truncate'"):
         specdec.generate(target, long_prompt, assistant_model=draft, max_new_tokens=20, adaptive_k=False)
-    out = specdec.generate(target, long_prompt, assistant_model=draft, max_new_tokens=20, k=4,
-                           context_overflow="truncate", ignore_eos=True, adaptive_k=False)  # fmt: skip
+    out = specdec.generate(
+        target,
+        long_prompt,
+        assistant_model=draft,
+        max_new_tokens=20,
+        k=4,
+        context_overflow="truncate",
+        ignore_eos=True,
+        adaptive_k=False,
+    )
     plain = specdec.generate(target, long_prompt, max_new_tokens=20, context_overflow="truncate", ignore_eos=True)
     assert len(out.token_ids) == 12 and out.finish_reason == "length" and out.token_ids == plain.token_ids
     with pytest.raises(ContextOverflowError, match="shorten the prompt"):
@@ -216,8 +243,9 @@ def test_greedy_identity_smollm2(smollm2_exact, noisy_smollm2, k):
     rejected = 0
     for prompt in REAL_PROMPTS:
         plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=32)
-        spec = specdec.generate(smollm2_exact, prompt, drafter=DraftModelDrafter(noisy_smollm2), k=k, max_new_tokens=32,
-                                adaptive_k=False)
+        spec = specdec.generate(
+            smollm2_exact, prompt, drafter=DraftModelDrafter(noisy_smollm2), k=k, max_new_tokens=32, adaptive_k=False
+        )
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.finish_reason == plain.finish_reason
         rejected += spec.metrics.proposed - spec.metrics.accepted
@@ -229,8 +257,9 @@ def test_smollm2_stops_at_eos_and_stop_string(smollm2):
     out = specdec.generate(smollm2, REAL_PROMPTS[0], assistant_model=smollm2, max_new_tokens=60, adaptive_k=False)
     assert out.finish_reason == "eos" and out.token_ids[-1] in smollm2.tokenizer.eos_ids
     assert "Paris" in out.text
-    cut = specdec.generate(smollm2, REAL_PROMPTS[0], assistant_model=smollm2, max_new_tokens=60, stop=["Paris"],
-                           adaptive_k=False)
+    cut = specdec.generate(
+        smollm2, REAL_PROMPTS[0], assistant_model=smollm2, max_new_tokens=60, stop=["Paris"], adaptive_k=False
+    )
     assert cut.finish_reason == "stop" and "Paris" not in cut.text and cut.text == out.text[: out.text.index("Paris")]
 
 
@@ -371,7 +400,9 @@ class SampledTreeDrafter(Drafter):
         self.committed += [self.tokens[j] for j in feedback.path] + [feedback.next_token]
 
 
-@pytest.mark.parametrize("sampling", [*SAMPLINGS, SamplingParams(temperature=0.5)], ids=["T1", "T0.7-topk-topp", "T0.5"])
+@pytest.mark.parametrize(
+    "sampling", [*SAMPLINGS, SamplingParams(temperature=0.5)], ids=["T1", "T0.7-topk-topp", "T0.5"]
+)
 @pytest.mark.slow
 def test_sampled_token_trees_match_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
@@ -406,8 +437,11 @@ def test_a_prompt_read_in_chunks_gives_what_one_pass_gives(tiny, monkeypatch, dt
         out, progress = [], []
         for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=5)):
             e = eng.Engine(target.model, target.tokenizer)
-            ids = [e.add(prompt, cfg, sampling, None), e.add(prompt, cfg, sampling, DraftModelDrafter(draft.model)),
-                   e.add(prompt, cfg, sampling, None)]  # fmt: skip
+            ids = [
+                e.add(prompt, cfg, sampling, None),
+                e.add(prompt, cfg, sampling, DraftModelDrafter(draft.model)),
+                e.add(prompt, cfg, sampling, None),
+            ]
             while e.has_work():
                 progress += [d.prefilled for d in e.step() if d.seq_id == ids[0] and d.prefilled is not None]
             out += [e.result(i).token_ids for i in ids]

@@ -69,8 +69,11 @@ def test_repeats_alternate_the_order(tiny, monkeypatch):
     target = tiny("llama")
     order: list[str] = []
     run = api.run_request
-    monkeypatch.setattr(api, "run_request", lambda t, req, *a, **kw: order.append("spec" if req.drafter else "plain")
-                        or run(t, req, *a, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        api,
+        "run_request",
+        lambda t, req, *a, **kw: order.append("spec" if req.drafter else "plain") or run(t, req, *a, **kw),
+    )
     cmp = specdec.compare(target, PROMPT, drafter="prompt-lookup", max_new_tokens=6, repeats=4, temperature=1.0, seed=3)
     assert order == ["plain", "spec", "spec", "plain"] * 2
     # sampled: every run of a side draws from the one seed (the same tokens every repeat)

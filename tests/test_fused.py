@@ -86,7 +86,10 @@ def test_a_long_prefill_computes_what_one_token_steps_compute(tiny_dir):
     model = _model(tiny_dir, "qwen2")
     assert model.rows_bitwise
     g = torch.Generator().manual_seed(3)
-    prompt, rows = torch.randint(0, model.args.vocab_size, (7,), generator=g), torch.randint(0, model.args.vocab_size, (4,), generator=g)
+    prompt, rows = (
+        torch.randint(0, model.args.vocab_size, (7,), generator=g),
+        torch.randint(0, model.args.vocab_size, (4,), generator=g),
+    )
     long = torch.randint(0, model.args.vocab_size, (80,), generator=g)  # > ROW_ATTENTION_MAX
 
     def decode(with_prefill: bool) -> torch.Tensor:
@@ -126,7 +129,10 @@ def test_every_build_gives_the_same_forward(tiny_dir):
     model = _model(tiny_dir, "qwen2")
     kernels = [m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), kq.KQuantKernel)]
     g = torch.Generator().manual_seed(5)
-    prompt, rows = torch.randint(0, model.args.vocab_size, (1, 70), generator=g), torch.randint(0, model.args.vocab_size, (1, 5), generator=g)
+    prompt, rows = (
+        torch.randint(0, model.args.vocab_size, (1, 70), generator=g),
+        torch.randint(0, model.args.vocab_size, (1, 5), generator=g),
+    )
     outs = []
     for build in (native.AVX2, native.AVX512):
         for k in kernels:

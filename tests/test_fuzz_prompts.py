@@ -13,18 +13,27 @@ from hypothesis import strategies as st
 from specdec.bench.suite import ROLES, load_prompts
 from specdec.cli import main
 
-FUZZ = settings(max_examples=300, derandomize=True, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+FUZZ = settings(
+    max_examples=300,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
     max_leaves=8,
 )
-turn = st.fixed_dictionaries({"role": st.sampled_from([*ROLES, "bot", ""]), "content": st.text(max_size=20) | st.integers()})
+turn = st.fixed_dictionaries(
+    {"role": st.sampled_from([*ROLES, "bot", ""]), "content": st.text(max_size=20) | st.integers()}
+)
 prompt_like = st.fixed_dictionaries(
-    {"id": st.text(max_size=6) | st.integers(), "category": st.sampled_from(["chat", "code", ""]),
-     "turns": st.lists(turn, max_size=3) | json_values}  # fmt: skip
+    {
+        "id": st.text(max_size=6) | st.integers(),
+        "category": st.sampled_from(["chat", "code", ""]),
+        "turns": st.lists(turn, max_size=3) | json_values,
+    }
 )
 line = st.one_of(
     prompt_like.map(json.dumps),  # nearly valid prompts
@@ -56,8 +65,7 @@ def test_prompt_file_loader_returns_checked_prompts_or_one_clear_error(tmp_path_
         assert all(t["role"] in ROLES and isinstance(t["content"], str) for t in p.turns)
 
 
-@settings(max_examples=40, derandomize=True, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(max_examples=40, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.binary(min_size=1, max_size=64))
 def test_generate_prompt_file_of_any_bytes_is_read_or_refused_in_one_line(tmp_path_factory, tiny_dir, raw):
     """Undecodable bytes are refused before any model loads; decodable text is a prompt (the
@@ -67,10 +75,22 @@ def test_generate_prompt_file_of_any_bytes_is_read_or_refused_in_one_line(tmp_pa
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError:
-        code = main(["generate", "--target", str(tiny_dir("llama")), "--prompt-file", str(path), "--max-new-tokens", "2"])
+        code = main(
+            ["generate", "--target", str(tiny_dir("llama")), "--prompt-file", str(path), "--max-new-tokens", "2"]
+        )
         assert code == 2
         return
-    code = main(["generate", "--target", str(tiny_dir("llama")), "--prompt-file", str(path), "--max-new-tokens", "2",
-                 "--no-chat"])  # fmt: skip
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(tiny_dir("llama")),
+            "--prompt-file",
+            str(path),
+            "--max-new-tokens",
+            "2",
+            "--no-chat",
+        ]
+    )
     assert code in (0, 2)
     assert (code == 2) == (not raw.decode("utf-8").strip())

@@ -84,8 +84,10 @@ def test_chain_rules_return_what_the_target_could_produce(case):
     p, q, tokens, seed = case
     K = tokens.numel()
     g = torch.Generator().manual_seed(seed)
-    for verdict in (rejection_sample(p[None], q[None], tokens[None], g) if K else None,
-                    point_mass_sample(p[None], tokens[None], g)):  # fmt: skip
+    for verdict in (
+        rejection_sample(p[None], q[None], tokens[None], g) if K else None,
+        point_mass_sample(p[None], tokens[None], g),
+    ):
         if verdict is None:
             continue
         n, nxt = int(verdict.num_accepted[0]), int(verdict.next_token[0])
@@ -138,9 +140,13 @@ def _small_gguf(tmp: str) -> bytes:
     return _GGUF["base"]
 
 
-@settings(max_examples=300, derandomize=True, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(flips=st.lists(st.tuples(st.integers(0, 199), st.integers(0, 255)), min_size=1, max_size=4),
-       cut=st.one_of(st.none(), st.integers(8, 10_000)))  # fmt: skip
+@settings(
+    max_examples=300, derandomize=True, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 199), st.integers(0, 255)), min_size=1, max_size=4),
+    cut=st.one_of(st.none(), st.integers(8, 10_000)),
+)
 def test_damaged_gguf_headers_get_one_clear_error(tmp_path_factory, flips, cut):
     """Bytes of the header, key-value table and tensor table flipped, the file cut short: the
     reader says it cannot use the file (UnsupportedArchitectureError, one line) or reads it;

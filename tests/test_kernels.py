@@ -70,8 +70,9 @@ def test_greedy_identity_in_invariant_modes_tiny(tiny_dir, mode):
     for prompt in ("abcabcabc", "def f(x):\n", "Hello, world. Hello"):
         for k in (1, 4, 7):
             plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
-            spec = specdec.generate(target, prompt, assistant_model=draft, k=k, max_new_tokens=24, ignore_eos=True,
-                                    adaptive_k=False)
+            spec = specdec.generate(
+                target, prompt, assistant_model=draft, k=k, max_new_tokens=24, ignore_eos=True, adaptive_k=False
+            )
             assert spec.token_ids == plain.token_ids
 
 
@@ -85,8 +86,9 @@ def test_greedy_identity_int8_smollm2(smollm2):
     rejected = 0
     for prompt in ("What is the capital of France?", "Write a haiku about the sea.", "Count from 1 to 10."):
         plain = specdec.generate(target, prompt, max_new_tokens=32)
-        spec = specdec.generate(target, prompt, drafter=DraftModelDrafter(noisy), k=5, max_new_tokens=32,
-                                adaptive_k=False)
+        spec = specdec.generate(
+            target, prompt, drafter=DraftModelDrafter(noisy), k=5, max_new_tokens=32, adaptive_k=False
+        )
         assert spec.token_ids == plain.token_ids, prompt
         rejected += spec.metrics.proposed - spec.metrics.accepted
     assert rejected > 0
@@ -94,8 +96,15 @@ def test_greedy_identity_int8_smollm2(smollm2):
 
 def test_bench_forward_harness_on_tiny(tiny_dir):
     """Harness check only (speed is never asserted): well-formed output, invariance flags."""
-    out = bench_forward.run(str(tiny_dir("llama")), modes=["fp32", "int8"], context=16, ks=(1, 2, 8), repeats=1,
-                            device="cpu", progress=lambda s: None)  # fmt: skip
+    out = bench_forward.run(
+        str(tiny_dir("llama")),
+        modes=["fp32", "int8"],
+        context=16,
+        ks=(1, 2, 8),
+        repeats=1,
+        device="cpu",
+        progress=lambda s: None,
+    )
     assert set(out["modes"]) == {"fp32", "int8"}
     for r in out["modes"].values():
         assert set(r["ms"]) == {"1", "2", "8"} and all(v > 0 for v in r["ms"].values())
@@ -105,12 +114,35 @@ def test_bench_forward_harness_on_tiny(tiny_dir):
 
 @pytest.mark.slow
 def test_bench_forward_cli_json(tiny_dir):
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "forward", "--model", str(tiny_dir("qwen2")),
-                          "--modes", "int8", "--context", "8", "--repeats", "1", "--json"],
-                         capture_output=True, text=True)  # fmt: skip
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "bench",
+            "forward",
+            "--model",
+            str(tiny_dir("qwen2")),
+            "--modes",
+            "int8",
+            "--context",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["modes"]["int8"]["batch_invariant"] is True and set(out["modes"]["int8"]["ms"]) == {"1", "2", "4", "8", "16"}
+    assert out["modes"]["int8"]["batch_invariant"] is True and set(out["modes"]["int8"]["ms"]) == {
+        "1",
+        "2",
+        "4",
+        "8",
+        "16",
+    }
 
 
 def test_auto_mode_is_the_exact_fast_one_on_cpu(tiny_dir, monkeypatch):
@@ -135,13 +167,16 @@ def test_bench_forward_reports_llama_cpp_when_installed(smollm2):
 AVX512_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 
 
-@pytest.mark.parametrize("flags, amx_problem, build, says", [
-    (AVX512_FLAGS, None, native.AVX512, "no AMX"),
-    (AVX512_FLAGS | {"amx_tile", "amx_int8"}, None, native.AMX, "passed its self-check"),
-    (AVX512_FLAGS | {"amx_tile", "amx_int8"}, "the OS refused the tile state", native.AVX512, "the OS refused"),
-    ({"avx2", "fma", "f16c", "avx512f", "amx_tile", "amx_int8"}, None, native.AVX2, "not avx512_vnni, avx512bw"),
-    ({"avx2", "fma"}, None, None, "missing: f16c"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, amx_problem, build, says",
+    [
+        (AVX512_FLAGS, None, native.AVX512, "no AMX"),
+        (AVX512_FLAGS | {"amx_tile", "amx_int8"}, None, native.AMX, "passed its self-check"),
+        (AVX512_FLAGS | {"amx_tile", "amx_int8"}, "the OS refused the tile state", native.AVX512, "the OS refused"),
+        ({"avx2", "fma", "f16c", "avx512f", "amx_tile", "amx_int8"}, None, native.AVX2, "not avx512_vnni, avx512bw"),
+        ({"avx2", "fma"}, None, None, "missing: f16c"),
+    ],
+)
 def test_kernel_dispatch_from_cpu_flags(monkeypatch, flags, amx_problem, build, says):
     """One place picks the kernel build from what the CPU reports (AMX -> AVX-512 VNNI ->
     AVX2), and says why."""
@@ -169,19 +204,23 @@ def test_kernel_build_can_be_forced_for_a_before_after_comparison(monkeypatch):
 
 @pytest.mark.slow
 def test_info_reports_the_machine_and_the_kernel_path():
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "info", "--json", "--no-bandwidth"],
-                         capture_output=True, text=True)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "info", "--json", "--no-bandwidth"], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout)
     flags = info["cpu"]["flags"]
     if native.available():
         assert info["kernels"]["build"] == native.dispatch()[0] and info["default_mode"] == "q4k"
-        assert (info["kernels"]["build"] != native.AVX2) == all(flags[f] for f in ("avx512f", "avx512bw", "avx512_vnni"))
+        assert (info["kernels"]["build"] != native.AVX2) == all(
+            flags[f] for f in ("avx512f", "avx512bw", "avx512_vnni")
+        )
     else:
         assert info["kernels"]["build"] is None and info["default_mode"] == "int8"
     assert info["torch_threads"] >= 1 and info["memory_gib"] > 0
-    text = subprocess.run([sys.executable, "-m", "specdec.cli", "info", "--no-bandwidth"], capture_output=True,
-                          text=True).stdout  # fmt: skip
+    text = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "info", "--no-bandwidth"], capture_output=True, text=True
+    ).stdout
     assert "native kernels:" in text and "default precision mode" in text
 
 
@@ -197,11 +236,14 @@ def test_bench_forward_sets_q4k_passes_against_the_roofline(tiny_dir, monkeypatc
         pytest.skip("the q4k kernel cannot be built on this machine")
     machine = roofline.Machine(bandwidth_gbs=10.0, mac_rate_g=5.0, build="avx2", threads=1)
     monkeypatch.setattr(roofline, "probe", lambda rounds: machine)  # the real probes take a second; tested below
-    out = bench_forward.run(str(tiny_dir("llama")), modes=["q4k"], context=16, ks=(1, 8), repeats=1, device="cpu",
-                            progress=lambda s: None)  # fmt: skip
+    out = bench_forward.run(
+        str(tiny_dir("llama")), modes=["q4k"], context=16, ks=(1, 8), repeats=1, device="cpu", progress=lambda s: None
+    )
     roof = out["modes"]["q4k"]["roofline"]
     model = load_transformer(tiny_dir("llama"), dtype="q4k", device="cpu")
-    packed = sum(m.kernel.weight.numel() for m in model.modules() if isinstance(getattr(m, "kernel", None), KQuantKernel))
+    packed = sum(
+        m.kernel.weight.numel() for m in model.modules() if isinstance(getattr(m, "kernel", None), KQuantKernel)
+    )
     a = model.args
     for k in ("1", "8"):
         p = roof["ks"][k]["pass"]

@@ -66,7 +66,9 @@ def test_kernel_is_bitwise_batch_invariant(kind):
     rng = np.random.default_rng(kind)
     n, k = 37, 1100
     blocks = kq.quantize(rng.standard_normal((n, k)).astype(np.float32), kind)
-    kernel = kq.KQuantKernel.from_blocks(blocks, torch.from_numpy(rng.standard_normal(n).astype(np.float32)), in_features=k)
+    kernel = kq.KQuantKernel.from_blocks(
+        blocks, torch.from_numpy(rng.standard_normal(n).astype(np.float32)), in_features=k
+    )
     x = torch.from_numpy(rng.standard_normal((20, k)).astype(np.float32) * 3)
     x[5] = 0.0  # an all-zero row (zero scales)
     together = kernel(x)
@@ -133,8 +135,9 @@ def test_tiny_model_on_4bit_blocks_is_invariant_and_exact(tiny_dir, monkeypatch)
     draft = specdec.load(tiny_dir("llama", "close"), dtype="q4k", device="cpu")
     for prompt in ("abcabcabc", "def f(x):\n"):
         plain = specdec.generate(target, prompt, max_new_tokens=20, ignore_eos=True)
-        spec = specdec.generate(target, prompt, assistant_model=draft, k=4, max_new_tokens=20, ignore_eos=True,
-                                adaptive_k=False)
+        spec = specdec.generate(
+            target, prompt, assistant_model=draft, k=4, max_new_tokens=20, ignore_eos=True, adaptive_k=False
+        )
         assert spec.token_ids == plain.token_ids
 
 
@@ -242,7 +245,9 @@ def test_self_check_catches_a_wrong_tile_multiply(monkeypatch):
     (tdpbusd, which reads the activations' bytes as unsigned) must fail the self-check."""
     if not native._AVX512_NEEDS <= native._cpu_flags():
         pytest.skip("the AMX path's vector code needs AVX-512 VNNI, which this CPU lacks")
-    monkeypatch.setitem(native._VARIANT_FLAGS, "broken-amx", [*native._AMX_EMULATED_FLAGS, "-DSPECDEC_AMX_EMULATE_TDPBUSD"])
+    monkeypatch.setitem(
+        native._VARIANT_FLAGS, "broken-amx", [*native._AMX_EMULATED_FLAGS, "-DSPECDEC_AMX_EMULATE_TDPBUSD"]
+    )
     broken = native._library("broken-amx")
     assert broken.specdec_amx_enable(1) == 0
     assert kq.self_check(broken, native._library(native.AVX512)) is not None
@@ -259,10 +264,12 @@ def test_amx_enable_is_refused_without_amx():
 def test_grouped_layers_equal_separate_calls():
     rng = np.random.default_rng(4)
     kernels = tuple(
-        kq.KQuantKernel.from_blocks(kq.quantize(rng.standard_normal((n, 512)).astype(np.float32), kind),
-                                    torch.randn(n, generator=torch.Generator().manual_seed(n)))
+        kq.KQuantKernel.from_blocks(
+            kq.quantize(rng.standard_normal((n, 512)).astype(np.float32), kind),
+            torch.randn(n, generator=torch.Generator().manual_seed(n)),
+        )
         for n, kind in ((48, kq.Q4K), (16, kq.Q6K), (20, kq.Q4K))
-    )  # fmt: skip
+    )
     x = torch.from_numpy(rng.standard_normal((2, 3, 512)).astype(np.float32))
     for together, alone in zip(kq.KQuantKernel.group(kernels, x), [k(x) for k in kernels], strict=True):
         assert torch.equal(together, alone)
@@ -301,7 +308,9 @@ def test_native_attention_rows_of_unequal_segments_equal_one_row_calls():
     g = torch.Generator().manual_seed(11)
     H, Hkv, D, cap = 12, 2, 64, 40
     lengths, starts = [7, 3, 9], [5, 17, 0]
-    caches = [(torch.randn(1, 1, Hkv, cap, D, generator=g), torch.randn(1, 1, Hkv, cap, D, generator=g)) for _ in lengths]
+    caches = [
+        (torch.randn(1, 1, Hkv, cap, D, generator=g), torch.randn(1, 1, Hkv, cap, D, generator=g)) for _ in lengths
+    ]
     tree = torch.ones(3, 20, dtype=torch.bool).tril(17)
     tree[2, 18] = False  # the third new token does not see the second: a branch
     masks = [None, tree, None]
@@ -407,9 +416,14 @@ def _awkward_weights(rng: np.random.Generator) -> list[np.ndarray]:
     groups, values near float32's range ends, an input size off the block size."""
     zeros = rng.standard_normal((4, 512)).astype(np.float32)
     zeros[:, :16], zeros[1, 256:] = 0, 0
-    return [rng.standard_normal((37, 700)).astype(np.float32), _ties(rng), zeros, np.zeros((3, 256), np.float32),
-            (rng.standard_normal((20, 512)) * 1e-30).astype(np.float32),
-            (rng.standard_normal((8, 256)) * 1e30).astype(np.float32)]  # fmt: skip
+    return [
+        rng.standard_normal((37, 700)).astype(np.float32),
+        _ties(rng),
+        zeros,
+        np.zeros((3, 256), np.float32),
+        (rng.standard_normal((20, 512)) * 1e-30).astype(np.float32),
+        (rng.standard_normal((8, 256)) * 1e30).astype(np.float32),
+    ]
 
 
 def test_native_q6k_quantizer_gives_the_references_bytes():

@@ -82,8 +82,15 @@ def test_greedy_identity_tiny(tiny, arch, dtype):
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=40, ignore_eos=True)
         for cfg, k in zip(CONFIGS, (2, 3, 1)):
-            out = specdec.generate(target, prompt, drafter=LookaheadDrafter(**cfg), k=k, max_new_tokens=40, ignore_eos=True,
-                                   adaptive_k=False)
+            out = specdec.generate(
+                target,
+                prompt,
+                drafter=LookaheadDrafter(**cfg),
+                k=k,
+                max_new_tokens=40,
+                ignore_eos=True,
+                adaptive_k=False,
+            )
             assert out.token_ids == plain.token_ids, (arch, prompt, cfg)
             accepted += out.metrics.accepted
     assert accepted > 0
@@ -99,8 +106,9 @@ def test_window_near_the_context_end(tmp_path):
     prompt = "abcabcabcabcabc"
     kw = dict(max_new_tokens=100, ignore_eos=True, context_overflow="truncate")
     plain = specdec.generate(target, prompt, **kw)
-    out = specdec.generate(target, prompt, drafter=LookaheadDrafter(window=5, ngram=4, guesses=3), k=3,
-                           adaptive_k=False, **kw)  # fmt: skip
+    out = specdec.generate(
+        target, prompt, drafter=LookaheadDrafter(window=5, ngram=4, guesses=3), k=3, adaptive_k=False, **kw
+    )
     assert out.token_ids == plain.token_ids and len(out.token_ids) == 40 - len(target.tokenizer.encode(prompt))
 
 
@@ -115,20 +123,30 @@ def test_greedy_identity_smollm2(smollm2_exact):
     for prompt in prompts:
         plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=48)
         for cfg, k in zip(CONFIGS, (2, 3, 1)):
-            out = specdec.generate(smollm2_exact, prompt, drafter=LookaheadDrafter(**cfg), k=k, max_new_tokens=48,
-                                   adaptive_k=False)
+            out = specdec.generate(
+                smollm2_exact, prompt, drafter=LookaheadDrafter(**cfg), k=k, max_new_tokens=48, adaptive_k=False
+            )
             assert out.token_ids == plain.token_ids, (prompt, cfg)
             accepted += out.metrics.accepted
     assert accepted > 0
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
-                         ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["T1", "T0.7-topk-topp"],
+)
 @pytest.mark.slow
 def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
-    counts = sample_joint(target, LookaheadDrafter(window=3, ngram=2, guesses=3), sampling, runs=3000,
-                          prompt=PROMPT_IDS * 2, bounds=(0.05, 0.95))
+    counts = sample_joint(
+        target,
+        LookaheadDrafter(window=3, ngram=2, guesses=3),
+        sampling,
+        runs=3000,
+        prompt=PROMPT_IDS * 2,
+        bounds=(0.05, 0.95),
+    )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, PROMPT_IDS * 2)) > ALPHA
 
 
@@ -137,6 +155,12 @@ def test_wrong_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wro
     wrong_rule("tree")
     target, _ = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, LookaheadDrafter(window=3, ngram=2, guesses=3), sampling, runs=3000,
-                          prompt=PROMPT_IDS * 2, bounds=(0.05, 0.95))
+    counts = sample_joint(
+        target,
+        LookaheadDrafter(window=3, ngram=2, guesses=3),
+        sampling,
+        runs=3000,
+        prompt=PROMPT_IDS * 2,
+        bounds=(0.05, 0.95),
+    )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, PROMPT_IDS * 2)) <= ALPHA

@@ -18,9 +18,8 @@ from specdec.costs import Costs
 from specdec.drafters import DraftSession, HydraDrafter, MedusaDrafter, make_drafter
 from specdec.training import features as fe
 from specdec.training.loop import TrainConfig, train
-from specdec.training.medusa import MedusaHeads, greedy_tree
+from specdec.training.medusa import MedusaHeads, greedy_tree, head_states, heads_loss, topk_accuracy
 from specdec.training.vocabulary import attach as attach_target
-from specdec.training.medusa import head_states, heads_loss, topk_accuracy
 
 KINDS = ["medusa", "hydra"]
 DRAFTER = {"medusa": MedusaDrafter, "hydra": HydraDrafter}
@@ -84,8 +83,15 @@ def test_training_learns_and_is_reproducible(tiny, tmp_path, kind):
     trained = []
     for run in ("a", "b"):
         heads = random_heads(model, kind, noise=0.0, hydra_inner=64)
-        result = train(heads, data, cfg, tmp_path / run, progress=False, name=kind,
-                       loss=lambda h, ex, f, g: heads_loss(h, ex, norm, 64, f, g))  # fmt: skip
+        result = train(
+            heads,
+            data,
+            cfg,
+            tmp_path / run,
+            progress=False,
+            name=kind,
+            loss=lambda h, ex, f, g: heads_loss(h, ex, norm, 64, f, g),
+        )
         trained.append(heads)
     after = topk_accuracy(trained[0], data, norm, 64, topk=2)
     assert result["optimizer_steps"] == 25 and len(result["history"][0]["acc"]) == 3
@@ -120,13 +126,26 @@ def test_drafting_reads_what_training_trained(tiny, kind):
     y1 = int(ex.top_ids[-1, 0])  # the target's own next token
     d = DRAFTER[kind](model, head=heads)
     d.chain_only = True
-    d.begin(DraftSession(ids + [y1], 64, SamplingParams(), torch.Generator(), model, None,
-                         {model.args.n_layers - 1: ex.features.float()}))  # fmt: skip
+    d.begin(
+        DraftSession(
+            ids + [y1],
+            64,
+            SamplingParams(),
+            torch.Generator(),
+            model,
+            None,
+            {model.args.n_layers - 1: ex.features.float()},
+        )
+    )
     drafted = d.propose(3).tokens.tolist()
     # the same in the training layout: anchor = the prompt's last position, y = [y1, guesses...]
-    seq = fe.Example(torch.tensor(ids + [y1] + drafted), torch.ones(len(ids) + 4, dtype=torch.bool),
-                     torch.cat([ex.features, torch.zeros(4, ex.features.shape[1], dtype=ex.features.dtype)]),
-                     ex.top_ids, ex.top_p)  # fmt: skip
+    seq = fe.Example(
+        torch.tensor(ids + [y1] + drafted),
+        torch.ones(len(ids) + 4, dtype=torch.bool),
+        torch.cat([ex.features, torch.zeros(4, ex.features.shape[1], dtype=ex.features.dtype)]),
+        ex.top_ids,
+        ex.top_p,
+    )
     anchors, states = head_states(heads, seq, model.model.norm, len(ids) + 4)
     t = len(ids) - 1
     expected = [int(heads.draft_ids[heads.logits(z[t]).argmax()]) for z in states]
@@ -175,8 +194,11 @@ def _v8_heads(target, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
-                         ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["T1", "T0.7-topk-topp"],
+)
 @pytest.mark.slow
 def test_sampled_trees_keep_the_target_distribution(small_vocab, exact_joint, sample_joint, sampling, kind):
     target, _ = small_vocab
@@ -199,9 +221,17 @@ def test_wrong_sampled_tree_rule_fails_with_heads_trees(small_vocab, exact_joint
 
 # -- CLI ----------------------------------------------------------------------------------------
 def _jsonl(path, n: int) -> None:
-    rows = [{"id": f"c{i}", "category": "chat",
-             "turns": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                       {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * 3}]} for i in range(n)]  # fmt: skip
+    rows = [
+        {
+            "id": f"c{i}",
+            "category": "chat",
+            "turns": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * 3},
+            ],
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -212,17 +242,64 @@ def test_train_cli_writes_usable_heads(tiny_dir, tmp_path, capsys, kind):
     data = tmp_path / "conv.jsonl"
     _jsonl(data, 40)
     out = tmp_path / "heads"
-    assert main(["train", kind, "--target", str(tiny_dir("llama")), "--data", str(data), "--out", str(out),
-                 "--tokens", "1000", "--draft-vocab", "64", "--heads", "3", "--epochs", "2", "--seqs-per-step", "2",
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                kind,
+                "--target",
+                str(tiny_dir("llama")),
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--tokens",
+                "1000",
+                "--draft-vocab",
+                "64",
+                "--heads",
+                "3",
+                "--epochs",
+                "2",
+                "--seqs-per-step",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "validation top-1 accuracy by head" in capsys.readouterr().err
     rec = MedusaHeads.load(out).record
-    assert rec["data"] == str(data) and rec["seed"] == 0 and 1000 <= rec["feature_tokens"] < 1200 and rec["cpu_seconds"] > 0
+    assert (
+        rec["data"] == str(data)
+        and rec["seed"] == 0
+        and 1000 <= rec["feature_tokens"] < 1200
+        and rec["cpu_seconds"] > 0
+    )
     assert f"specdec train {kind}" in rec["command"]
     acc = rec["validation_topk_accuracy"]
     assert len(acc) == 3 and all(len(row) == 8 for row in acc)
-    assert main(["generate", "--target", str(tiny_dir("llama")), "--drafter", kind, "--head", str(out),
-                 "--prompt", "What is 3 plus 3?", "--max-new-tokens", "8", "--json", "--dtype", "fp32"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_dir("llama")),
+                "--drafter",
+                kind,
+                "--head",
+                str(out),
+                "--prompt",
+                "What is 3 plus 3?",
+                "--max-new-tokens",
+                "8",
+                "--json",
+                "--dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["metrics"]["target_forwards"] > 0 and res["metrics"]["drafter_info"]["accuracy"] == "measured"
     other = "hydra" if kind == "medusa" else "medusa"
@@ -235,10 +312,26 @@ def test_heads_drafters_without_heads_say_how_to_get_them(tiny_dir, capsys):
     from specdec.cli import main
 
     for kind in KINDS:
-        assert main(["generate", "--target", str(tiny_dir("llama")), "--drafter", kind, "--prompt", "hi",
-                     "--max-new-tokens", "4"]) == 2  # fmt: skip
+        assert (
+            main(
+                [
+                    "generate",
+                    "--target",
+                    str(tiny_dir("llama")),
+                    "--drafter",
+                    kind,
+                    "--prompt",
+                    "hi",
+                    "--max-new-tokens",
+                    "4",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
-        assert f"no {kind} head ships for this target" in err and f"specdec train {kind}" in err and "Traceback" not in err
+        assert (
+            f"no {kind} head ships for this target" in err and f"specdec train {kind}" in err and "Traceback" not in err
+        )
 
 
 # -- typical acceptance (lossy, opt-in) ----------------------------------------------------------
@@ -275,8 +368,13 @@ def test_typical_acceptance_is_lossy_and_flagged(small_vocab, exact_joint, sampl
     assert chi2_pvalue(counts, exact_joint(target, SamplingParams(temperature=1.0), 4)) <= ALPHA
     out = engine.run(target, [1, 2, 3], GenerationConfig(max_new_tokens=4, k=2, ignore_eos=True), lossy, drafter)
     assert out.metrics.exact is False and out.metrics.to_dict()["exact"] is False
-    out = engine.run(target, [1, 2, 3], GenerationConfig(max_new_tokens=4, k=2, ignore_eos=True),
-                     SamplingParams(temperature=1.0), drafter)  # fmt: skip
+    out = engine.run(
+        target,
+        [1, 2, 3],
+        GenerationConfig(max_new_tokens=4, k=2, ignore_eos=True),
+        SamplingParams(temperature=1.0),
+        drafter,
+    )
     assert out.metrics.exact is True
     with pytest.raises(ValueError, match="typical acceptance is a sampling rule"):
         SamplingParams(acceptance="typical")
@@ -287,14 +385,50 @@ def test_typical_acceptance_is_lossy_and_flagged(small_vocab, exact_joint, sampl
 def test_typical_acceptance_on_the_command_line(tiny_dir, capsys):
     from specdec.cli import main
 
-    assert main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "prompt-lookup", "--prompt",
-                 "a b a b a b a b", "--max-new-tokens", "6", "--temperature", "0.8", "--acceptance", "typical",
-                 "--json", "--dtype", "fp32"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_dir("llama")),
+                "--drafter",
+                "prompt-lookup",
+                "--prompt",
+                "a b a b a b a b",
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0.8",
+                "--acceptance",
+                "typical",
+                "--json",
+                "--dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     cap = capsys.readouterr()
     res = json.loads(cap.out.strip().splitlines()[-1])
     assert res["exact"] is False and res["metrics"]["exact"] is False and "NOT EXACT" in cap.err
-    assert main(["generate", "--target", str(tiny_dir("llama")), "--drafter", "prompt-lookup", "--prompt", "a b",
-                 "--max-new-tokens", "4", "--acceptance", "typical"]) == 2  # greedy: refused, one line  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_dir("llama")),
+                "--drafter",
+                "prompt-lookup",
+                "--prompt",
+                "a b",
+                "--max-new-tokens",
+                "4",
+                "--acceptance",
+                "typical",
+            ]
+        )
+        == 2
+    )  # greedy: refused, one line
     err = capsys.readouterr().err
     assert "typical acceptance is a sampling rule" in err and "Traceback" not in err
 
@@ -316,7 +450,10 @@ def test_export_writes_vllms_medusa_layout_and_loads_back(tiny, tmp_path):
     from safetensors.torch import load_file
 
     names = set(load_file(str(out / "model.safetensors")))
-    assert names == {f"blocks.{d}.layers.0.{w}" for d in range(3) for w in ("weight", "bias")} | {"lm_head.weight", "token_map"}
+    assert names == {f"blocks.{d}.layers.0.{w}" for d in range(3) for w in ("weight", "bias")} | {
+        "lm_head.weight",
+        "token_map",
+    }
     back = load_exported(out)
     h = torch.randn(5, model.args.dim, generator=torch.Generator().manual_seed(0))
     for d in range(3):  # the same logits, the same draft -> target ids

@@ -129,6 +129,6 @@ def test_smollm2_logits_match_transformers(smollm2):
 @pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b"])
 def test_real_logits_match_transformers(name):
     lm = specdec.load(name, dtype="fp32", device="cpu")
-    ids = torch.tensor([lm.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.")])
+    ids = torch.tensor([lm.tokenizer.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number.')])
     got = lm.model(ids, lm.model.new_cache(64)).logits
     torch.testing.assert_close(got, hf_logits(lm.path, ids), rtol=1e-4, atol=1e-4)

@@ -35,7 +35,9 @@ def test_same_draws_as_the_general_rule_with_one_hot_q():
     g = gen(3)
     B, K, V = 64, 4, 7
     p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 1.5, -1)
-    drafts = torch.where(torch.rand(B, K, generator=g) < 0.8, p[:, :K].argmax(-1), torch.randint(0, V, (B, K), generator=g))
+    drafts = torch.where(
+        torch.rand(B, K, generator=g) < 0.8, p[:, :K].argmax(-1), torch.randint(0, V, (B, K), generator=g)
+    )
     a = point_mass_sample(p, drafts, gen(9))
     b = rejection_sample(p, point_mass(drafts, V), drafts, gen(9))
     assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.next_token, b.next_token)
@@ -67,8 +69,9 @@ def test_committed_token_follows_p(seed):
     p = torch.softmax(torch.randn(6, generator=g) * 2, -1)
     p[seed % 6] = 0.0  # sometimes the draft itself is impossible
     p = p / p.sum()
-    counts = first_token_counts(point_mass_sample, p, draft=int(torch.randint(0, 6, (1,), generator=g)),
-                                n=20_000, seed=50 + seed)  # fmt: skip
+    counts = first_token_counts(
+        point_mass_sample, p, draft=int(torch.randint(0, 6, (1,), generator=g)), n=20_000, seed=50 + seed
+    )
     assert chi2_pvalue(counts.double().numpy(), p.double().numpy()) > ALPHA
 
 

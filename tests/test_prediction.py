@@ -17,8 +17,11 @@ from specdec.drafters import AutoDrafter, DraftSession, PredictionDrafter, Promp
 def started(output_so_far: list[int], prediction: list[int], **kw) -> PredictionDrafter:
     """A drafter begun on a prompt [99] and the output's first token, then told the rest."""
     d = PredictionDrafter(**kw)
-    d.begin(DraftSession([99, output_so_far[0]], 1000, SamplingParams(), torch.Generator().manual_seed(0),
-                         prediction=prediction))  # fmt: skip
+    d.begin(
+        DraftSession(
+            [99, output_so_far[0]], 1000, SamplingParams(), torch.Generator().manual_seed(0), prediction=prediction
+        )
+    )
     if output_so_far[1:]:
         d.catch_up(output_so_far[1:])
     return d
@@ -95,8 +98,16 @@ def test_greedy_identity_whatever_the_prediction(tiny, arch, dtype):
         for name, pred in _edits(plain.token_ids).items():
             for drafter in ("prediction", "auto"):
                 for adaptive in (True, False):
-                    out = specdec.generate(target, prompt, drafter=drafter, prediction=pred, k=6, max_new_tokens=40,
-                                           ignore_eos=True, adaptive_k=adaptive)  # fmt: skip
+                    out = specdec.generate(
+                        target,
+                        prompt,
+                        drafter=drafter,
+                        prediction=pred,
+                        k=6,
+                        max_new_tokens=40,
+                        ignore_eos=True,
+                        adaptive_k=adaptive,
+                    )
                     assert out.token_ids == plain.token_ids, (arch, prompt, name, drafter, adaptive)
                     counts = out.metrics.drafter_info["prediction"]
                     accepted[name] = accepted.get(name, 0) + counts["accepted_tokens"]
@@ -112,8 +123,9 @@ def test_auto_with_a_prediction_takes_deep_chains(tiny):
     target = tiny("llama", dtype=EXACT_MODES[-1])
     prompt = PROMPTS[3]
     plain = specdec.generate(target, prompt, max_new_tokens=60, ignore_eos=True)
-    out = specdec.generate(target, prompt, drafter="auto", prediction=plain.token_ids, k=24, max_new_tokens=60,
-                           ignore_eos=True)  # fmt: skip
+    out = specdec.generate(
+        target, prompt, drafter="auto", prediction=plain.token_ids, k=24, max_new_tokens=60, ignore_eos=True
+    )
     assert out.token_ids == plain.token_ids
     steps = out.metrics.drafter_info["auto"]["steps"]["prediction"]
     assert max(int(k.removeprefix("k=")) for k in steps) > 8  # past the chains of copying drafters
@@ -133,14 +145,18 @@ def test_which_drafter_reads_a_prediction(tiny):
     assert isinstance(req.drafter, AutoDrafter)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
-                         ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["T1", "T0.7-topk-topp"],
+)
 @pytest.mark.slow
 def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab
     # a prediction the target follows part of the time (its likeliest tokens): both branches of the rule run
-    counts = sample_joint(target, PredictionDrafter(), sampling, runs=3000, k=3, prediction=[3, 3, 7, 3, 7],
-                          bounds=(0.05, 0.95))  # fmt: skip
+    counts = sample_joint(
+        target, PredictionDrafter(), sampling, runs=3000, k=3, prediction=[3, 3, 7, 3, 7], bounds=(0.05, 0.95)
+    )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
@@ -149,10 +165,10 @@ def test_wrong_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wro
     wrong_rule("point-mass")
     target, _ = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, PredictionDrafter(), sampling, runs=3000, k=3, prediction=[3, 3, 7, 3, 7],
-                          bounds=(0.05, 0.95))  # fmt: skip
+    counts = sample_joint(
+        target, PredictionDrafter(), sampling, runs=3000, k=3, prediction=[3, 3, 7, 3, 7], bounds=(0.05, 0.95)
+    )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
-
 
 
 @pytest.mark.parametrize("drafter", ["prediction", "auto"])
@@ -162,8 +178,9 @@ def test_the_counts_include_the_step_that_finishes(tiny, drafter):
     target = tiny("llama", dtype=EXACT_MODES[-1])
     plain = specdec.generate(target, PROMPTS[0], max_new_tokens=24, ignore_eos=True)
     for pred in (plain.token_ids, plain.token_ids[:10] + [5, 6] + plain.token_ids[10:]):
-        out = specdec.generate(target, PROMPTS[0], drafter=drafter, prediction=pred, k=6, max_new_tokens=24,
-                               ignore_eos=True)  # fmt: skip
+        out = specdec.generate(
+            target, PROMPTS[0], drafter=drafter, prediction=pred, k=6, max_new_tokens=24, ignore_eos=True
+        )
         assert out.token_ids == plain.token_ids
         counts, m = out.metrics.drafter_info["prediction"], out.metrics
         if drafter == "prediction":

@@ -79,8 +79,13 @@ def test_a_next_turn_reuses_the_rows_and_gives_the_same_output(tiny, dtype, meth
     drafters = {"none": lambda: None, "suffix": SuffixDrafter, "draft-model": lambda: DraftModelDrafter(draft.model)}
 
     def run(prefix_tokens: int) -> list:
-        return _turns(Engine(target.model, target.tokenizer, prefix_tokens=prefix_tokens), prompt, cfg,
-                      lambda: SamplingParams(temperature=temperature, seed=7), drafters[method])  # fmt: skip
+        return _turns(
+            Engine(target.model, target.tokenizer, prefix_tokens=prefix_tokens),
+            prompt,
+            cfg,
+            lambda: SamplingParams(temperature=temperature, seed=7),
+            drafters[method],
+        )
 
     fresh, reused = run(0), run(4096)
     assert [r.token_ids for r in reused] == [r.token_ids for r in fresh]
@@ -106,7 +111,9 @@ def test_wrong_rows_change_the_output(tiny):
 
     def put_other(pool, tokens, cache):  # rows of other tokens, under these tokens
         other = target.model.new_cache(len(tokens))
-        noise = torch.randint(3, target.model.args.vocab_size, (1, len(tokens)), generator=torch.Generator().manual_seed(0))
+        noise = torch.randint(
+            3, target.model.args.vocab_size, (1, len(tokens)), generator=torch.Generator().manual_seed(0)
+        )
         target.model(noise, other)
         real_put(pool, tokens, other)
 

@@ -87,8 +87,9 @@ def test_greedy_identity_tiny(tiny, arch, dtype):
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=40, ignore_eos=True)
         for k in (1, 3, 6):
-            out = specdec.generate(target, prompt, drafter=PromptLookupDrafter(), k=k, max_new_tokens=40, ignore_eos=True,
-                                   adaptive_k=False)
+            out = specdec.generate(
+                target, prompt, drafter=PromptLookupDrafter(), k=k, max_new_tokens=40, ignore_eos=True, adaptive_k=False
+            )
             assert out.token_ids == plain.token_ids, (arch, prompt, k)
             proposed += out.metrics.proposed
     assert proposed > 0
@@ -105,8 +106,14 @@ def test_greedy_identity_smollm2(smollm2_exact):
     for prompt in prompts:
         plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=48)
         for k, n in ((3, 3), (6, 2)):
-            out = specdec.generate(smollm2_exact, prompt, drafter=PromptLookupDrafter(max_ngram=n), k=k, max_new_tokens=48,
-                                   adaptive_k=False)
+            out = specdec.generate(
+                smollm2_exact,
+                prompt,
+                drafter=PromptLookupDrafter(max_ngram=n),
+                k=k,
+                max_new_tokens=48,
+                adaptive_k=False,
+            )
             assert out.token_ids == plain.token_ids, (prompt, k)
             accepted += out.metrics.accepted
     assert accepted > 0
@@ -145,8 +152,11 @@ def test_match_running_into_eos(smollm2_exact):
     assert out.token_ids[-1] == eos and any(eos in p[:-1] for p in drafter.proposals)  # EOS mid-draft
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
-                         ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["T1", "T0.7-topk-topp"],
+)
 @pytest.mark.slow
 def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, _ = small_vocab

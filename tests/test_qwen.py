@@ -52,8 +52,7 @@ def test_shipped_eagle3_head_is_small_documented_and_exact(pair):
     target = pair[0]
     accepted = 0
     for prompt, opts in zip(PROMPTS, ({}, {"total": 8}, {"total": 3, "topk": 2}), strict=True):
-        cmp = specdec.compare(target, prompt, drafter="eagle3", **opts, max_new_tokens=32,
-                              adaptive_k=False)  # fmt: skip
+        cmp = specdec.compare(target, prompt, drafter="eagle3", **opts, max_new_tokens=32, adaptive_k=False)
         assert cmp.identical, (prompt, cmp.speculative.text, cmp.plain.text)
         accepted += cmp.speculative.metrics.accepted
     assert accepted > 0

@@ -17,7 +17,14 @@ import specdec
 from specdec import costs
 from specdec.adaptive import StepGuard
 from specdec.costs import Costs
-from specdec.drafters import AutoDrafter, DraftModelDrafter, Eagle3Drafter, HydraDrafter, LookaheadDrafter, MedusaDrafter
+from specdec.drafters import (
+    AutoDrafter,
+    DraftModelDrafter,
+    Eagle3Drafter,
+    HydraDrafter,
+    LookaheadDrafter,
+    MedusaDrafter,
+)
 
 SEED, TOKENS = 1234, 40
 
@@ -25,7 +32,11 @@ SEED, TOKENS = 1234, 40
 def _drafters(target, draft):
     """Factories of each drafter; the heads made once, so that their runners' state (measured
     call times, EAGLE-3's calibration) carries from one request to the next as in a server."""
-    eagle, medusa, hydra = random_head(target, seed=4), random_heads(target, "medusa", seed=5), random_heads(target, "hydra", seed=6)
+    eagle, medusa, hydra = (
+        random_head(target, seed=4),
+        random_heads(target, "medusa", seed=5),
+        random_heads(target, "hydra", seed=6),
+    )
     return {
         "eagle3": lambda: Eagle3Drafter(target, head=eagle),
         "medusa": lambda: MedusaDrafter(target, head=medusa),
@@ -45,8 +56,9 @@ def _clock(step_s: float):
 
 def _run(target, drafter, monkeypatch, step_s: float) -> list[int]:
     monkeypatch.setattr(time, "perf_counter", _clock(step_s))
-    out = specdec.generate(target, PROMPTS[1], drafter=drafter, k=4, max_new_tokens=TOKENS, ignore_eos=True,
-                           temperature=1.0, seed=SEED)  # fmt: skip
+    out = specdec.generate(
+        target, PROMPTS[1], drafter=drafter, k=4, max_new_tokens=TOKENS, ignore_eos=True, temperature=1.0, seed=SEED
+    )
     monkeypatch.undo()
     return out.token_ids
 

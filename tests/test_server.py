@@ -76,8 +76,11 @@ def models(smollm2_exact):
 @pytest.fixture(scope="module")
 def server(models):
     target, draft = models
-    app = create_app(target, draft, ServeSettings("smollm2-135m", "prompt-lookup", {}, k=4, max_batch=8,
-                                                  api_keys=(KEY,), max_body_bytes=64 * 1024))  # fmt: skip
+    app = create_app(
+        target,
+        draft,
+        ServeSettings("smollm2-135m", "prompt-lookup", {}, k=4, max_batch=8, api_keys=(KEY,), max_body_bytes=64 * 1024),
+    )
     running = Running(app)
     yield running
     running.close()
@@ -105,35 +108,61 @@ def test_openai_client_greedy_equals_generate(client, models, method):
     prompt = PROMPTS[2]
     want = _reference(target, draft, prompt, method, 24)
     assert want == _reference(target, draft, prompt, "none", 24)  # the same with and without speculation
-    chat = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
-                                          max_tokens=24, temperature=0, extra_body=_spec(method))  # fmt: skip
+    chat = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=24,
+        temperature=0,
+        extra_body=_spec(method),
+    )
     assert chat.choices[0].message.content == want
     assert chat.choices[0].finish_reason in ("stop", "length")
     assert chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 0
     spec = chat.usage.model_extra["speculative"]
     assert spec["method"] == method and (spec["target_passes"] > 0) == (method != "none")
-    stream = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=24, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body=_spec(method))  # fmt: skip
+    stream = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=_spec(method),
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
-        [chat.choices[0].finish_reason]  # fmt: skip
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        chat.choices[0].finish_reason
+    ]
     want_raw = _reference(target, draft, "def fibonacci(n):", method, 20, chat=False)
-    comp = client.completions.create(model="smollm2-135m", prompt="def fibonacci(n):", max_tokens=20, temperature=0,
-                                     extra_body=_spec(method))  # fmt: skip
+    comp = client.completions.create(
+        model="smollm2-135m", prompt="def fibonacci(n):", max_tokens=20, temperature=0, extra_body=_spec(method)
+    )
     assert comp.choices[0].text == want_raw
-    streamed = client.completions.create(model="smollm2-135m", prompt="def fibonacci(n):", max_tokens=20,
-                                         temperature=0, stream=True, extra_body=_spec(method))  # fmt: skip
+    streamed = client.completions.create(
+        model="smollm2-135m",
+        prompt="def fibonacci(n):",
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        extra_body=_spec(method),
+    )
     assert "".join(c.choices[0].text for c in streamed) == want_raw
 
 
 @pytest.mark.real
 def test_server_default_method_and_seeded_sampling(client):
     # no "speculative" field: the server's default (prompt lookup); a seed reproduces a sampled answer
-    kw = {"model": "smollm2-135m", "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 16,
-          "temperature": 0.8, "top_p": 0.9, "seed": 7, "extra_body": {"top_k": 40}}  # fmt: skip
+    kw = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": PROMPTS[1]}],
+        "max_tokens": 16,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "seed": 7,
+        "extra_body": {"top_k": 40},
+    }
     a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.usage.model_extra["speculative"]["method"] == "prompt-lookup"
@@ -154,8 +183,13 @@ def test_32_concurrent_streaming_clients(server, models, capsys):
         first = None
         text = []
         stream = await aclient.chat.completions.create(
-            model="smollm2-135m", messages=[{"role": "user", "content": prompt}], max_tokens=n, temperature=0,
-            stream=True, extra_body=_spec(method))  # fmt: skip
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body=_spec(method),
+        )
         async for c in stream:
             if c.choices and c.choices[0].delta.content:
                 first = first or time.perf_counter() - t0
@@ -173,8 +207,10 @@ def test_32_concurrent_streaming_clients(server, models, capsys):
     ttft = sorted(r[1] for r in results if r[1] is not None)
     total = sorted(r[2] for r in results)
     with capsys.disabled():
-        print(f"\n32 concurrent streams: TTFT p50 {statistics.median(ttft):.2f} s p99 {ttft[-1]:.2f} s; "
-              f"latency p50 {statistics.median(total):.2f} s p99 {total[-1]:.2f} s")
+        print(
+            f"\n32 concurrent streams: TTFT p50 {statistics.median(ttft):.2f} s p99 {ttft[-1]:.2f} s; "
+            f"latency p50 {statistics.median(total):.2f} s p99 {total[-1]:.2f} s"
+        )
     metrics = httpx.get(server.url + "/metrics").text
     assert "specdec_time_to_first_token_seconds_count" in metrics and "specdec_batch_size" in metrics
     assert 'specdec_draft_tokens_total{method="draft-model"}' in metrics
@@ -184,32 +220,36 @@ def test_32_concurrent_streaming_clients(server, models, capsys):
 def _post(server, path: str, body, headers=None, **kw) -> httpx.Response:
     h = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(server.url + path, content=data, headers={"Content-Type": "application/json", **h}, timeout=60,
-                      **kw)  # fmt: skip
+    return httpx.post(
+        server.url + path, content=data, headers={"Content-Type": "application/json", **h}, timeout=60, **kw
+    )
 
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("change, status, param", [
-    ({"model": "gpt-9"}, 404, "model"),
-    ({"speculative": {"method": "prompt-lookup", "k": 0}}, 400, "speculative.k"),
-    ({"speculative": {"method": "telepathy"}}, 400, "speculative.method"),
-    ({"speculative": {"method": "prompt-lookup", "bogus_option": 3}}, 400, "speculative"),
-    ({"temperature": -0.5}, 400, "temperature"),
-    ({"top_p": 0}, 400, "top_p"),
-    ({"top_p": 1.5}, 400, "top_p"),
-    ({"max_tokens": 10**6}, 400, "max_tokens"),
-    ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"n": 2}, 400, "n"),
-    ({"messages": []}, 400, "messages"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"presence_penalty": 1.0}, 400, "presence_penalty"),
-    ({"speculative": {"method": "prompt-lookup", "k": 65}}, 400, "speculative.k"),
-    ({"temperature": float("nan")}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, status, param",
+    [
+        ({"model": "gpt-9"}, 404, "model"),
+        ({"speculative": {"method": "prompt-lookup", "k": 0}}, 400, "speculative.k"),
+        ({"speculative": {"method": "telepathy"}}, 400, "speculative.method"),
+        ({"speculative": {"method": "prompt-lookup", "bogus_option": 3}}, 400, "speculative"),
+        ({"temperature": -0.5}, 400, "temperature"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"top_p": 1.5}, 400, "top_p"),
+        ({"max_tokens": 10**6}, 400, "max_tokens"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"n": 2}, 400, "n"),
+        ({"messages": []}, 400, "messages"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"presence_penalty": 1.0}, 400, "presence_penalty"),
+        ({"speculative": {"method": "prompt-lookup", "k": 65}}, 400, "speculative.k"),
+        ({"temperature": float("nan")}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+    ],
+)
 def test_bad_requests_get_openai_errors(server, change, status, param):
     r = _post(server, "/v1/chat/completions", {**CHAT, **change})
     assert r.status_code == status, r.text
@@ -218,11 +258,14 @@ def test_bad_requests_get_openai_errors(server, change, status, param):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("change, reason", [
-    ({"temperature": float("nan")}, "finite number"),  # not "less than or equal to 100"
-    ({"messages": [{"role": "user", "content": None}]}, "not null"),
-    ({"speculative": {"method": "prompt-lookup", "k": 1000}}, "less than or equal to 64"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"temperature": float("nan")}, "finite number"),  # not "less than or equal to 100"
+        ({"messages": [{"role": "user", "content": None}]}, "not null"),
+        ({"speculative": {"method": "prompt-lookup", "k": 1000}}, "less than or equal to 64"),
+    ],
+)
 def test_bad_requests_say_what_is_wrong(server, change, reason):
     r = _post(server, "/v1/chat/completions", {**CHAT, **change})
     assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
@@ -252,10 +295,16 @@ def test_transport_errors_and_keys(server, client):
 
 @pytest.mark.real
 def test_a_client_that_disconnects_frees_its_sequence(server, client):
-    body = {**CHAT, "max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": PROMPTS[0]}],
-            "speculative": {"method": "none"}}  # fmt: skip
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:  # fmt: skip
+    body = {
+        **CHAT,
+        "max_tokens": 400,
+        "stream": True,
+        "messages": [{"role": "user", "content": PROMPTS[0]}],
+        "speculative": {"method": "none"},
+    }
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -276,8 +325,13 @@ def test_graceful_shutdown_finishes_or_cancels_in_flight_requests(models):
         app = create_app(target, draft, ServeSettings("smollm2-135m", max_batch=2))
         running = Running(app, graceful_s)
         got: list[str] = []
-        body = {**CHAT, "max_tokens": max_tokens, "stream": True, "messages": [{"role": "user", "content": PROMPTS[0]}],
-                "speculative": {"method": "none"}}  # fmt: skip
+        body = {
+            **CHAT,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "speculative": {"method": "none"},
+        }
 
         started = threading.Event()
 
@@ -319,8 +373,22 @@ def test_specdec_serve_command_serves_and_stops_on_sigterm(smollm2_exact):
     # the command as a user runs it: the engine on the main thread, uvicorn beside it; SIGTERM
     # ends it cleanly (exit 0); a port already taken is one clear line, exit 2
     port = _free_port()
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--target", "smollm2-135m", "--dtype", smollm2_exact.model.mode,
-           "--drafter", "prompt-lookup", "--port", str(port), "--max-batch", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec.cli",
+        "serve",
+        "--target",
+        "smollm2-135m",
+        "--dtype",
+        smollm2_exact.model.mode,
+        "--drafter",
+        "prompt-lookup",
+        "--port",
+        str(port),
+        "--max-batch",
+        "2",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -331,7 +399,8 @@ def test_specdec_serve_command_serves_and_stops_on_sigterm(smollm2_exact):
                 break
         assert httpx.get(url + "/health", timeout=10).status_code == 200, "".join(lines)
         out = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120).chat.completions.create(
-            model="smollm2-135m", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=16, temperature=0)
+            model="smollm2-135m", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=16, temperature=0
+        )
         assert out.choices[0].message.content == _reference(smollm2_exact, None, PROMPTS[2], "prompt-lookup", 16)
         taken = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert taken.returncode == 2 and "Traceback" not in taken.stderr
@@ -354,12 +423,15 @@ def test_drafting_stops_paying_as_the_batch_grows():
     assert small == list(range(1, small[-1] + 1)) and 2 <= small[-1] < 16  # on up to some size, off beyond
 
 
-@pytest.mark.parametrize("argv", [
-    ["serve", "--port", "0"],
-    ["serve", "--drafter", "draft-model"],
-    ["serve", "--max-batch", "0"],
-    ["serve", "-k", "0"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "0"],
+        ["serve", "--drafter", "draft-model"],
+        ["serve", "--max-batch", "0"],
+        ["serve", "-k", "0"],
+    ],
+)
 def test_serve_cli_bad_values(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -369,8 +441,30 @@ def test_serve_cli_bad_values(argv, capsys):
 @pytest.mark.real
 def test_bench_serve_load_test(server, tmp_path, capsys):
     out = tmp_path / "serve"
-    assert main(["bench", "serve", "--url", server.url, "--concurrency", "1", "3", "--requests", "3",
-                 "--max-tokens", "8", "--api-key", KEY, "--method", "prompt-lookup", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                server.url,
+                "--concurrency",
+                "1",
+                "3",
+                "--requests",
+                "3",
+                "--max-tokens",
+                "8",
+                "--api-key",
+                KEY,
+                "--method",
+                "prompt-lookup",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "TTFT p50" in printed
     result = json.loads((out / "serve.json").read_text())
@@ -397,8 +491,9 @@ def test_one_clients_outputs_never_draft_for_another(models, shared):
     rows come from the first request's)."""
     target, draft = models
     keys = ("key-a", "key-b")
-    app = create_app(target, draft, ServeSettings("smollm2-135m", "suffix", {}, max_batch=4, api_keys=keys,
-                                                  suffix_shared=shared))  # fmt: skip
+    app = create_app(
+        target, draft, ServeSettings("smollm2-135m", "suffix", {}, max_batch=4, api_keys=keys, suffix_shared=shared)
+    )
     running = Running(app)
     try:
         texts, pools, cached = [], [], []
@@ -430,14 +525,24 @@ def _trace(path, lines) -> str:
 @pytest.mark.real
 def test_bench_serve_replays_an_agent_trace(tmp_path, capsys):
     ask = [{"role": "user", "content": "Write a Python function add(a, b) that returns a + b."}]
-    again = [*ask, {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
-             {"role": "user", "content": "Add type hints. Reply with the whole function."}]  # fmt: skip
-    trace = _trace(tmp_path / "t.jsonl", [{"conversation": "c1", "turn": 1, "messages": again, "max_tokens": 24},
-                                          {"conversation": "c1", "turn": 0, "messages": ask, "max_tokens": 24},
-                                          {"conversation": "c2", "turn": 0, "messages": ask, "max_tokens": 16}])  # fmt: skip
+    again = [
+        *ask,
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+        {"role": "user", "content": "Add type hints. Reply with the whole function."},
+    ]
+    trace = _trace(
+        tmp_path / "t.jsonl",
+        [
+            {"conversation": "c1", "turn": 1, "messages": again, "max_tokens": 24},
+            {"conversation": "c1", "turn": 0, "messages": ask, "max_tokens": 24},
+            {"conversation": "c2", "turn": 0, "messages": ask, "max_tokens": 16},
+        ],
+    )
     out = tmp_path / "out"
-    assert main(["bench", "serve", "--trace", trace, "--target", "smollm2-135m", "--methods", "suffix",
-                 "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(["bench", "serve", "--trace", trace, "--target", "smollm2-135m", "--methods", "suffix", "--out", str(out)])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "trace: 3 requests in 2 conversations" in printed and "suffix memory after suffix" in printed
     result = json.loads((out / "trace.json").read_text())
@@ -462,11 +567,32 @@ def test_bench_serve_replays_predictions_to_the_methods_that_read_them(tmp_path,
     # prediction drafter has a run of right tokens to follow on any machine
     expected = specdec.generate(smollm2_exact, ask, max_new_tokens=32, temperature=0.0).text
     assert len(expected) > 20
-    trace = _trace(tmp_path / "t.jsonl", [{"conversation": "c1", "turn": 0, "messages": ask, "max_tokens": 32,
-                                           "prediction": expected}])  # fmt: skip
+    trace = _trace(
+        tmp_path / "t.jsonl",
+        [{"conversation": "c1", "turn": 0, "messages": ask, "max_tokens": 32, "prediction": expected}],
+    )
     out = tmp_path / "out"
-    assert main(["bench", "serve", "--trace", trace, "--target", "smollm2-135m", "--dtype", EXACT_MODES[-1],
-                 "--methods", "suffix", "prediction", "auto+prediction", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--trace",
+                trace,
+                "--target",
+                "smollm2-135m",
+                "--dtype",
+                EXACT_MODES[-1],
+                "--methods",
+                "suffix",
+                "prediction",
+                "auto+prediction",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "auto+prediction" in printed and "pred. acc/rej" in printed
     runs = json.loads((out / "trace.json").read_text())["methods"]
@@ -484,22 +610,37 @@ def test_the_bundled_edit_trace_sends_the_file_as_its_prediction():
     convs = load_trace("edit")
     reqs = [r for rs in convs.values() for r in rs]
     assert len(reqs) == 10 and {r["conversation"].rsplit("-", 1)[1] for r in reqs} == {
-        "rename", "parameter", "comments", "docstring", "bugfix"}  # fmt: skip
+        "rename",
+        "parameter",
+        "comments",
+        "docstring",
+        "bugfix",
+    }
     for r in reqs:
         assert r["prediction"].startswith("```python\n") and r["prediction"] in r["messages"][-1]["content"]
-    for a, b in zip([r for r in reqs if r["conversation"].endswith("rename")],
-                    [r for r in reqs if r["conversation"].endswith("bugfix")], strict=True):  # fmt: skip
+    for a, b in zip(
+        [r for r in reqs if r["conversation"].endswith("rename")],
+        [r for r in reqs if r["conversation"].endswith("bugfix")],
+        strict=True,
+    ):
         changed = [(x, y) for x, y in zip(a["prediction"].splitlines(), b["prediction"].splitlines()) if x != y]
         assert len(changed) == 1  # the planted bug: one line
 
 
-@pytest.mark.parametrize("line, reason", [
-    ("{not json", "a trace line is a JSON object"),
-    (json.dumps({"conversation": "c", "turn": 0, "messages": []}), "max_tokens"),
-    (json.dumps({"conversation": "c", "turn": 0, "messages": [], "max_tokens": 8}), "non-empty list"),
-    (json.dumps({"conversation": "c", "turn": 0, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
-     "positive integer"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("{not json", "a trace line is a JSON object"),
+        (json.dumps({"conversation": "c", "turn": 0, "messages": []}), "max_tokens"),
+        (json.dumps({"conversation": "c", "turn": 0, "messages": [], "max_tokens": 8}), "non-empty list"),
+        (
+            json.dumps(
+                {"conversation": "c", "turn": 0, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}
+            ),
+            "positive integer",
+        ),
+    ],
+)
 def test_bad_trace_is_one_clear_line(tmp_path, capsys, line, reason):
     path = tmp_path / "t.jsonl"
     path.write_text(line + "\n")
@@ -517,13 +658,17 @@ def test_the_bundled_agent_trace_resends_a_growing_conversation():
     assert len(convs) == 8 and sum(len(r) for r in convs.values()) == 40
     calls = 0
     for reqs in convs.values():
-        assert [r["turn"] for r in reqs] == [0, 1, 2, 3, 4] and all(r["tools"][0]["function"]["name"] == "run_tests"
-                                                                    for r in reqs)  # fmt: skip
+        assert [r["turn"] for r in reqs] == [0, 1, 2, 3, 4] and all(
+            r["tools"][0]["function"]["name"] == "run_tests" for r in reqs
+        )
         for before, after in zip(reqs, reqs[1:]):  # each request: the one before, its answer, the next ask
             assert after["messages"][: len(before["messages"])] == before["messages"]
             assert after["messages"][len(before["messages"])] == before["answer"]
         for call in reqs[1]["answer"].get("tool_calls") or ():  # the tool's result follows its call
             calls += 1
             assert reqs[2]["messages"][len(reqs[1]["messages"]) + 1] == {
-                "role": "tool", "tool_call_id": call["id"], "content": reqs[2]["messages"][-2]["content"]}  # fmt: skip
+                "role": "tool",
+                "tool_call_id": call["id"],
+                "content": reqs[2]["messages"][-2]["content"],
+            }
     assert calls >= 4  # (the model called its tool where asked in most sessions; the others wrote code again)

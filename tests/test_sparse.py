@@ -80,13 +80,21 @@ def cached_model(tmp_path, monkeypatch):
     monkeypatch.setitem(registry.MODELS, spec.name, spec)
     heads = 4
     q_blocks = blocks["blk.0.attn_q.weight"].permute_rows(kq._llama_rows(ROWS, heads))  # as the packer stores q
-    tiles = {"model.layers.0.self_attn.q_proj": (kq.Q4K, kq.tiles(q_blocks)),
-             "model.layers.0.mlp.down_proj": (kq.Q6K, kq.tiles(blocks["blk.0.ffn_down.weight"])),
-             "model.layers.0.mlp.up_proj": (kq.Q6K, kq.tiles(kq.quantize_reference(np.ones((ROWS, COLS), np.float32), kq.Q6K)))}  # fmt: skip
+    tiles = {
+        "model.layers.0.self_attn.q_proj": (kq.Q4K, kq.tiles(q_blocks)),
+        "model.layers.0.mlp.down_proj": (kq.Q6K, kq.tiles(blocks["blk.0.ffn_down.weight"])),
+        "model.layers.0.mlp.up_proj": (
+            kq.Q6K,
+            kq.tiles(kq.quantize_reference(np.ones((ROWS, COLS), np.float32), kq.Q6K)),
+        ),
+    }
     packed = tmp_path / "packed" / "p.safetensors"
     packed.parent.mkdir()
-    save_file({m: torch.from_numpy(t.view(np.uint8)) for m, (_, t) in tiles.items()}, str(packed),
-              metadata={m: str(k) for m, (k, _) in tiles.items()})  # fmt: skip
+    save_file(
+        {m: torch.from_numpy(t.view(np.uint8)) for m, (_, t) in tiles.items()},
+        str(packed),
+        metadata={m: str(k) for m, (k, _) in tiles.items()},
+    )
     return g, packed, sha, blocks
 
 

@@ -41,7 +41,9 @@ def test_q4k_from_the_gguf_equals_q4k_from_float_weights(name, tmp_path, monkeyp
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))  # both pack their kernels afresh
     a = load_transformer(lean, dtype="q4k", device="cpu")
     b = load_transformer(old, dtype="q4k", device="cpu")
-    assert type(a.model.embed_tokens).__name__ == "GGUFEmbedding" and isinstance(b.model.embed_tokens, torch.nn.Embedding)
+    assert type(a.model.embed_tokens).__name__ == "GGUFEmbedding" and isinstance(
+        b.model.embed_tokens, torch.nn.Embedding
+    )
     assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
     ids = torch.tensor([[1, 5, 17, 300, 2000, a.args.vocab_size - 1, 9, 9]])
     ca, cb = a.new_cache(16), b.new_cache(16)
@@ -67,8 +69,9 @@ def _fake_model(home: Path) -> registry.ModelSpec:
             zf.writestr(member, data[i * step : (i + 1) * step])
         parts.append(registry.WheelPart(f"fake-model-part{i}", "1.0", member))
     src = registry.MODELS[SOURCE]
-    return registry.ModelSpec("fake-model", "test", tuple(parts), sha256=src.sha256, filename="fake-model.gguf",
-                              architecture=src.architecture)  # fmt: skip
+    return registry.ModelSpec(
+        "fake-model", "test", tuple(parts), sha256=src.sha256, filename="fake-model.gguf", architecture=src.architecture
+    )
 
 
 _DRIVER = """
@@ -107,8 +110,12 @@ def _env(home: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_two_installs_at_once_end_with_one_verified_copy(tmp_path):
     spec = _fake_model(tmp_path)
-    procs = [subprocess.Popen(_install_cmd(spec), env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            _install_cmd(spec), env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert all("DONE" in o for o in outs)
@@ -125,7 +132,9 @@ def test_an_install_killed_half_way_is_finished_by_the_next(tmp_path):
     for attempt in range(3):
         home = tmp_path / f"run{attempt}"
         spec = _fake_model(home)
-        p = subprocess.Popen(_install_cmd(spec), env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            _install_cmd(spec), env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         seen = []
         wanted = ("assembling", "reading config", "preparing")[attempt]  # kill after this stage has begun
         deadline = time.monotonic() + 300
@@ -177,8 +186,15 @@ def test_a_gguf_whose_packed_blocks_are_gone_is_assembled_again(tmp_path, monkey
     with open(g, "r+b") as f:  # as if punched
         f.seek(g.stat().st_size - 4096)
         f.write(bytes(4096))
-    sparse._write_note(g, {"sha256": spec.sha256, "packed": str(tmp_path / "packed" / "gone.safetensors"),
-                           "format": kquant.tile_format(), "tensors": {}})  # fmt: skip
+    sparse._write_note(
+        g,
+        {
+            "sha256": spec.sha256,
+            "packed": str(tmp_path / "packed" / "gone.safetensors"),
+            "format": kquant.tile_format(),
+            "tensors": {},
+        },
+    )
     assert not sparse.recoverable(g)
     messages = []
     assert store.install(spec.name, keep_downloads=True, log=messages.append) == d
@@ -225,8 +241,9 @@ def _same_parse(path) -> None:
         g = ours.fields[name]
         assert g.types == f.types and g.data == f.data and len(g.parts) == len(f.parts), name
         assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(g.parts, f.parts)), name
-    assert [(t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in ours.tensors] == \
-        [(t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in theirs.tensors]
+    assert [(t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in theirs.tensors
+    ]
 
 
 def test_fast_gguf_parse_reads_what_ggufs_reader_reads():
@@ -243,10 +260,21 @@ def test_fast_gguf_parse_of_every_kind_of_array(tmp_path):
     w.add_array("t.strings", ["a", "", "é漢字", "x" * 300])
     w.add_array("t.empty", [])
     w.add_array("t.nested", [[1, 2], [3]])
-    for i, vtype in enumerate([GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-                               GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32,
-                               GGUFValueType.UINT64, GGUFValueType.INT64, GGUFValueType.FLOAT64,
-                               GGUFValueType.BOOL]):  # fmt: skip
+    for i, vtype in enumerate(
+        [
+            GGUFValueType.UINT8,
+            GGUFValueType.INT8,
+            GGUFValueType.UINT16,
+            GGUFValueType.INT16,
+            GGUFValueType.UINT32,
+            GGUFValueType.INT32,
+            GGUFValueType.FLOAT32,
+            GGUFValueType.UINT64,
+            GGUFValueType.INT64,
+            GGUFValueType.FLOAT64,
+            GGUFValueType.BOOL,
+        ]
+    ):
         values = [True, False, True] if vtype == GGUFValueType.BOOL else [1, 2, 3 + i]
         w.add_key_value(f"t.scalars{i}", values, GGUFValueType.ARRAY, sub_type=vtype)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))

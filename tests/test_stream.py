@@ -23,8 +23,10 @@ def test_deltas_add_up_to_the_final_text(tiny, arch, drafter):
         assert s.result is not None and deltas[-1].finish_reason == s.result.finish_reason == "length"
         assert "".join(d.text for d in deltas) == s.result.text == target.tokenizer.decode(s.result.token_ids)
         assert [t for d in deltas for t in d.token_ids] == s.result.token_ids
-        assert s.result.token_ids == specdec.generate(target, prompt, max_new_tokens=40, ignore_eos=True,
-                                                      chat=False).token_ids  # fmt: skip
+        assert (
+            s.result.token_ids
+            == specdec.generate(target, prompt, max_new_tokens=40, ignore_eos=True, chat=False).token_ids
+        )
 
 
 @pytest.mark.parametrize("drafter", [None, "prompt-lookup"])
@@ -37,8 +39,16 @@ def test_no_delta_holds_a_stop_string_or_what_follows(tiny, drafter):
             stop = full[a:b]
             if not stop.strip() or "\ufffd" in stop:
                 continue
-            s = specdec.stream(target, prompt, drafter=drafter, k=4, max_new_tokens=40, ignore_eos=True, chat=False,
-                               stop=[stop, "never-generated"])  # fmt: skip
+            s = specdec.stream(
+                target,
+                prompt,
+                drafter=drafter,
+                k=4,
+                max_new_tokens=40,
+                ignore_eos=True,
+                chat=False,
+                stop=[stop, "never-generated"],
+            )
             texts = [d.text for d in s]
             assert s.result.finish_reason == "stop" and s.result.text == full[: full.index(stop)]
             assert "".join(texts) == s.result.text
@@ -89,8 +99,7 @@ def test_stopping_a_stream_early_cancels_its_sequence(tiny):
 
 @pytest.mark.real
 def test_stream_real_text_smollm2(smollm2_exact):
-    s = specdec.stream(smollm2_exact, "Write two sentences about the moon.", drafter="prompt-lookup",
-                       max_new_tokens=48)  # fmt: skip
+    s = specdec.stream(smollm2_exact, "Write two sentences about the moon.", drafter="prompt-lookup", max_new_tokens=48)
     texts = [d.text for d in s]
     assert len([t for t in texts if t]) > 5 and "".join(texts) == s.result.text
     assert s.result.text == smollm2_exact.tokenizer.decode(s.result.token_ids)

@@ -28,12 +28,16 @@ class _Target:
         self.state = ModelState()
 
 
-def started(tokens: list[int], target=None, pool: str = "", sampling: SamplingParams | None = None,
-            **kw) -> SuffixDrafter:  # fmt: skip
+def started(
+    tokens: list[int], target=None, pool: str = "", sampling: SamplingParams | None = None, **kw
+) -> SuffixDrafter:
     d = SuffixDrafter(total=kw.pop("total", 8), **kw)
     d.pool = pool
-    d.begin(DraftSession(list(tokens), 1000, sampling or SamplingParams(), torch.Generator().manual_seed(0),
-                         target or _Target()))  # fmt: skip
+    d.begin(
+        DraftSession(
+            list(tokens), 1000, sampling or SamplingParams(), torch.Generator().manual_seed(0), target or _Target()
+        )
+    )
     return d
 
 
@@ -68,8 +72,13 @@ def test_tree_merges_continuations_best_first():
     # min_prob drops the single continuations; cap and depth bound the tree
     assert build_tree(cands, 3, 10, 0.5, FLAT).tokens == [7, 8]
     assert len(build_tree(cands, 3, 2, 0.0, FLAT).tokens) == 2
-    assert max(specdec.Draft(torch.tensor(t.tokens), parents=t.parents).depth()
-               for t in [build_tree(cands, 1, 10, 0.0, FLAT)]) == 1  # fmt: skip
+    assert (
+        max(
+            specdec.Draft(torch.tensor(t.tokens), parents=t.parents).depth()
+            for t in [build_tree(cands, 1, 10, 0.0, FLAT)]
+        )
+        == 1
+    )
     # alpha scales each depth: a node's chance is its share times alpha at its depth
     half = build_tree(cands, 3, 10, 0.0, [1.0, 0.5, 0.25])
     assert half.probs[:2] == pytest.approx([2 / 3, 1 / 3])
@@ -120,7 +129,9 @@ def test_earlier_outputs_draft_only_within_their_pool():
     # before), but adds to it
     seeded = started([9, 3, 4], target, pool="a", sampling=SamplingParams(temperature=1.0, seed=3))
     assert seeded.propose(4).tokens.numel() == 0
-    assert started([9, 3, 4], target, pool="a", sampling=SamplingParams(temperature=1.0)).propose(4).tokens.tolist() == [5]
+    assert started([9, 3, 4], target, pool="a", sampling=SamplingParams(temperature=1.0)).propose(
+        4
+    ).tokens.tolist() == [5]
 
 
 def test_cost_model_sizes_the_tree(monkeypatch):
@@ -181,12 +192,21 @@ def _sampled(target, sampling, runs: int):
     """Joint law of 4 tokens with trees from the prompt and from earlier runs' outputs (the
     store is read although the runs are seeded: what is tested is the rule, given any tree)."""
     target.state.suffix.clear()
-    return dict(drafter=SuffixDrafter(total=4, min_prob=0.0), sampling=sampling, runs=runs, k=3,
-                prompt=PROMPT_IDS * 2, bounds=(0.05, 0.99))  # fmt: skip
+    return dict(
+        drafter=SuffixDrafter(total=4, min_prob=0.0),
+        sampling=sampling,
+        runs=runs,
+        k=3,
+        prompt=PROMPT_IDS * 2,
+        bounds=(0.05, 0.99),
+    )
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
-                         ids=["T1", "T0.7-topk-topp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["T1", "T0.7-topk-topp"],
+)
 @pytest.mark.slow
 def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling, monkeypatch):
     target, _ = small_vocab

@@ -18,7 +18,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 def test_a_tagged_call_after_some_text():
     content, calls = parse_all("Let me look.\n" + CALL, NAMES)
     assert content == "Let me look.\n" and [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Paris"})]  # fmt: skip
+        ("get_weather", {"city": "Paris"})
+    ]
     assert calls[0].id.startswith("call_") and calls[0].to_dict()["type"] == "function"
 
 
@@ -39,27 +40,35 @@ def test_no_parallel_calls_keeps_the_first():  # (parallel_tool_calls: false)
     assert parse_all("no call here", NAMES, most=1) == ("no call here", [])
 
 
-@pytest.mark.parametrize("text", [
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>',  # broken JSON
-    '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',  # not an offered tool
-    '<tool_call>\n["get_weather"]\n</tool_call>',  # not an object
-    '<tool_call>\n{"name": "get_weather", "arguments": 3}\n</tool_call>',  # arguments not an object
-    '{"name": "get_weather", "arguments": {"city": "Paris"}} and then some prose',
-    "```python\nprint('hi')\n```",  # a code answer: held, then text
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>',  # broken JSON
+        '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',  # not an offered tool
+        '<tool_call>\n["get_weather"]\n</tool_call>',  # not an object
+        '<tool_call>\n{"name": "get_weather", "arguments": 3}\n</tool_call>',  # arguments not an object
+        '{"name": "get_weather", "arguments": {"city": "Paris"}} and then some prose',
+        "```python\nprint('hi')\n```",  # a code answer: held, then text
+    ],
+)
 def test_malformed_or_foreign_output_is_text(text):
     assert parse_all(text, NAMES) == (text, [])
 
 
-@pytest.mark.parametrize("text", [
-    '{"name": "get_weather", "arguments": {"city": "Paris"}}',
-    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
-    '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-    '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',  # arguments as a JSON string
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',  # arguments as a JSON string
+    ],
+)
 def test_a_bare_json_answer_naming_a_tool_is_a_call(text):
     content, calls = parse_all(text, NAMES)
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
 
 
 def test_an_unclosed_block_at_the_end_is_a_call_when_its_json_is_whole():
@@ -83,10 +92,21 @@ def test_forced_starts_are_parsed_with_the_output():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 9), min_size=1, max_size=40), st.sampled_from([
-    "Sure. " + CALL + " Done.", CALL, '```json\n{"name": "search", "arguments": {"q": "x"}}\n```', "plain <tool answer",
-    "a < b and <tool_call> never closed", '{"not": "a call"}', CALL + " then " + CALL.replace("Paris", "Rome")]),
-    st.sampled_from([None, 1]))  # fmt: skip
+@given(
+    st.lists(st.integers(1, 9), min_size=1, max_size=40),
+    st.sampled_from(
+        [
+            "Sure. " + CALL + " Done.",
+            CALL,
+            '```json\n{"name": "search", "arguments": {"q": "x"}}\n```',
+            "plain <tool answer",
+            "a < b and <tool_call> never closed",
+            '{"not": "a call"}',
+            CALL + " then " + CALL.replace("Paris", "Rome"),
+        ]
+    ),
+    st.sampled_from([None, 1]),
+)
 def test_streaming_in_any_chunks_says_what_parsing_the_whole_says(cuts, text, most):
     parser, events, at, i = ToolCallParser(NAMES, most=most), [], 0, 0
     while at < len(text):
@@ -101,12 +121,23 @@ def test_streaming_in_any_chunks_says_what_parsing_the_whole_says(cuts, text, mo
     assert (content if content.strip() or not calls else None) == whole_content
     assert calls == [(c.name, c.arguments) for c in whole_calls]
     # no text that is part of a call ever went out as content
-    assert all("<tool_call>\n{\"name\"" not in v for kind, v in events if kind == "content") or not calls
+    assert all('<tool_call>\n{"name"' not in v for kind, v in events if kind == "content") or not calls
 
 
 def test_history_tool_calls_reach_the_template_as_objects():
-    m = history_message({"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]})  # fmt: skip
+    m = history_message(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        }
+    )
     assert m["content"] == "" and m["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert history_message({"role": "tool", "content": "18C", "tool_call_id": "call_1"})["tool_call_id"] == "call_1"
     assert template_renders_tools("{% if tools %}...{% endif %}") and not template_renders_tools("{{ messages }}")

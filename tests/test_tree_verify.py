@@ -7,7 +7,6 @@ from collections import Counter
 
 import pytest
 import torch
-
 from helpers import ALPHA, chi2_pvalue
 
 from specdec import verify

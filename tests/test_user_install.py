@@ -8,7 +8,6 @@ invocations run in a process where what only the test extra brings cannot be imp
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
 import sys
@@ -70,8 +69,11 @@ def _test_only_modules() -> set[str]:
     """Top-level modules that only the test extra's distributions provide."""
     core, full = _closure(""), _closure("test")
     only = full - core
-    return {mod for mod, dists in metadata.packages_distributions().items()
-            if {_norm(d) for d in dists} & only and not {_norm(d) for d in dists} & core}  # fmt: skip
+    return {
+        mod
+        for mod, dists in metadata.packages_distributions().items()
+        if {_norm(d) for d in dists} & only and not {_norm(d) for d in dists} & core
+    }
 
 
 def test_every_import_is_served_by_the_install():
@@ -120,18 +122,61 @@ def _python(view: Path, code: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.real
-@pytest.mark.parametrize("args", [
-    ["info", "--no-bandwidth"],
-    ["models", "list"],
-    ["generate", "--target", "smollm2-135m", "--drafter", "prompt-lookup", "--compare", "--repeats", "2",
-     "--max-new-tokens", "6", "--prompt", "one two three one two three one two"],
-    ["certify", "--target", "smollm2-135m", "--drafter", "prompt-lookup", "--temperature", "1", "--samples", "100",
-     "--no-control"],
-    ["bench", "--target", "smollm2-135m", "--quick", "--no-peers", "--methods", "prompt-lookup", "--categories",
-     "chat", "--temperatures", "0", "--repeats", "1", "--max-new-tokens", "4", "--out", "{tmp}"],
-    ["bench", "forward", "--model", "smollm2-135m", "--modes", "q4k", "--repeats", "2"],
-    ["bench", "peers"],
-], ids=lambda a: " ".join(a[:2]))  # fmt: skip
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["info", "--no-bandwidth"],
+        ["models", "list"],
+        [
+            "generate",
+            "--target",
+            "smollm2-135m",
+            "--drafter",
+            "prompt-lookup",
+            "--compare",
+            "--repeats",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--prompt",
+            "one two three one two three one two",
+        ],
+        [
+            "certify",
+            "--target",
+            "smollm2-135m",
+            "--drafter",
+            "prompt-lookup",
+            "--temperature",
+            "1",
+            "--samples",
+            "100",
+            "--no-control",
+        ],
+        [
+            "bench",
+            "--target",
+            "smollm2-135m",
+            "--quick",
+            "--no-peers",
+            "--methods",
+            "prompt-lookup",
+            "--categories",
+            "chat",
+            "--temperatures",
+            "0",
+            "--repeats",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            "{tmp}",
+        ],
+        ["bench", "forward", "--model", "smollm2-135m", "--modes", "q4k", "--repeats", "2"],
+        ["bench", "peers"],
+    ],
+    ids=lambda a: " ".join(a[:2]),
+)
 def test_a_command_runs_without_the_test_extra(args, tmp_path):
     view = _site_without_test_extra(tmp_path)
     args = [a.replace("{tmp}", str(tmp_path / "out")) for a in args]

@@ -147,6 +147,9 @@ def test_multi_position_chain_matches_target():
     # p[j] (context-independent here, so the conditional equals the marginal).
     for j in range(K + 1):
         has = v.num_accepted >= j
-        tok = torch.where(v.num_accepted[has] > j, drafts[has, j] if j < K else v.next_token[has],
-                          v.next_token[has]) if j < K else v.next_token[has & (v.num_accepted == K)]  # fmt: skip
+        tok = (
+            torch.where(v.num_accepted[has] > j, drafts[has, j] if j < K else v.next_token[has], v.next_token[has])
+            if j < K
+            else v.next_token[has & (v.num_accepted == K)]
+        )
         assert pvalue(torch.bincount(tok, minlength=V), p[j]) > ALPHA

@@ -37,11 +37,10 @@ from .verify import (
     point_mass_sample,
     rejection_sample,
     tree_greedy_verify,
-    tree_point_mass_sample,
     tree_mixed_sample,
+    tree_point_mass_sample,
     tree_rejection_sample,
 )
-
 from .version import __version__
 
 __all__ = [
@@ -84,4 +83,4 @@ __all__ = [
     "tree_point_mass_sample",
     "tree_mixed_sample",
     "tree_rejection_sample",
-]  # fmt: skip
+]

@@ -60,8 +60,9 @@ class Acceptance:
     j accepted, for j = 1..k_max, with a weak prior (`prior`: what earlier requests measured
     for these positions, see `acceptance_memory`)."""
 
-    def __init__(self, k_max: int, gamma: float, prior: list[float] | None = None,
-                 weight: list[float] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, k_max: int, gamma: float, prior: list[float] | None = None, weight: list[float] | None = None
+    ) -> None:
         self.gamma = gamma
         self.prior = prior or []
         # pseudo-proposals behind each position's prior (PRIOR_WEIGHT where not given)
@@ -191,10 +192,16 @@ class KController:
 
     def __init__(self, drafter: Any, k_max: int, costs: Costs, **kw: Any) -> None:
         self.drafter, self.name = drafter, drafter.name or "drafter"
-        self.chooser = MethodChooser([self.name], k_max, costs, draft_ms={self.name: drafter.cost_ms()},
-                                     self_sized=frozenset([self.name] if drafter.sizes_itself else []),
-                                     priors=lambda m, situation: drafter.prior_alpha(situation),
-                                     steps=lambda m: drafter.step_record(), **kw)  # fmt: skip
+        self.chooser = MethodChooser(
+            [self.name],
+            k_max,
+            costs,
+            draft_ms={self.name: drafter.cost_ms()},
+            self_sized=frozenset([self.name] if drafter.sizes_itself else []),
+            priors=lambda m, situation: drafter.prior_alpha(situation),
+            steps=lambda m: drafter.step_record(),
+            **kw,
+        )
         self._situation: Hashable = None
 
     def choose(self, k: int, remaining: int | None = None, others: tuple[float, float] = (0, 0.0)) -> int:
@@ -212,10 +219,12 @@ class KController:
     def report(self) -> dict[str, Any]:
         rep = self.chooser.report()
         alpha = rep["alpha_by_position"]  # per situation ("drafter[situation]"), or one list
-        return {"k_chosen": {k: n for (_, k), n in sorted(self.chooser.chosen.items(), key=lambda t: t[0][1])},
-                "alpha_by_position": alpha.get(self.name, []) if set(alpha) <= {self.name} else alpha,
-                "draft_ms_per_token": rep["draft_ms_per_token"][self.name],
-                "pass_scale": rep["pass_scale"]}  # fmt: skip
+        return {
+            "k_chosen": {k: n for (_, k), n in sorted(self.chooser.chosen.items(), key=lambda t: t[0][1])},
+            "alpha_by_position": alpha.get(self.name, []) if set(alpha) <= {self.name} else alpha,
+            "draft_ms_per_token": rep["draft_ms_per_token"][self.name],
+            "pass_scale": rep["pass_scale"],
+        }
 
 
 class MethodChooser:
@@ -223,13 +232,22 @@ class MethodChooser:
     module doc). A drafter is offered each step with its *outlook*: the situation its proposal
     would come from and how many tokens it could propose now (absent: nothing to propose)."""
 
-    def __init__(self, methods: list[str], k_max: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4,
-                 margin: float = 1.03, draft_ms: Mapping[str, float | None] | None = None,
-                 memory: dict[tuple[str, Hashable], Acceptance] | None = None,
-                 remembered: frozenset[str] = frozenset(), reproducible: bool = False,
-                 self_sized: frozenset[str] = frozenset(),
-                 priors: Callable[[str, Hashable], float | None] | None = None,
-                 steps: Callable[[str], StepRecord | None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        methods: list[str],
+        k_max: int,
+        costs: Costs,
+        gamma: float = 0.9,
+        probe_after: int = 4,
+        margin: float = 1.03,
+        draft_ms: Mapping[str, float | None] | None = None,
+        memory: dict[tuple[str, Hashable], Acceptance] | None = None,
+        remembered: frozenset[str] = frozenset(),
+        reproducible: bool = False,
+        self_sized: frozenset[str] = frozenset(),
+        priors: Callable[[str, Hashable], float | None] | None = None,
+        steps: Callable[[str], StepRecord | None] | None = None,
+    ) -> None:
         if not methods or k_max < 1 or not 0 < gamma <= 1 or margin < 1:
             raise ValueError("give at least one method; k_max must be >= 1, gamma in (0, 1] and margin >= 1")
         self.methods, self.k_max, self.costs, self.gamma, self.margin = list(methods), k_max, costs, gamma, margin
@@ -286,8 +304,15 @@ class MethodChooser:
             self.acceptance[key] = Acceptance(self.k_max, self.gamma, prior, weight)
         return self.acceptance[key]
 
-    def rate(self, method: str, situation: Hashable, k: int, switch_ms: float = 0.0,
-             remaining: int | None = None, others: tuple[float, float] = (0, 0.0)) -> float:  # fmt: skip
+    def rate(
+        self,
+        method: str,
+        situation: Hashable,
+        k: int,
+        switch_ms: float = 0.0,
+        remaining: int | None = None,
+        others: tuple[float, float] = (0, 0.0),
+    ) -> float:
         """Expected tokens per millisecond of a step with k drafts of `method` (k = 0: plain).
         `switch_ms`: what the drafter must do first to catch up (a draft model feeding the
         tokens it missed), spread over the steps that the `remaining` tokens take. `others`:
@@ -316,8 +341,9 @@ class MethodChooser:
                 self.realized.setdefault(method, record.step)
         return self._records[method]
 
-    def ranked(self, outlook: Mapping[str, Outlook], remaining: int | None = None,
-               others: tuple[float, float] = (0, 0.0)) -> list[tuple[float, str, int]]:  # fmt: skip
+    def ranked(
+        self, outlook: Mapping[str, Outlook], remaining: int | None = None, others: tuple[float, float] = (0, 0.0)
+    ) -> list[tuple[float, str, int]]:
         """(expected tokens/ms, method, k) of every method's best k, best first."""
         out = []
         for m in self.methods:
@@ -336,8 +362,9 @@ class MethodChooser:
                 out.append((rate[k], m, k))
         return sorted(out, key=lambda t: (-t[0], self.methods.index(t[1])))
 
-    def choose(self, outlook: Mapping[str, Outlook], remaining: int | None = None,
-               others: tuple[float, float] = (0, 0.0)) -> tuple[str, int]:  # fmt: skip
+    def choose(
+        self, outlook: Mapping[str, Outlook], remaining: int | None = None, others: tuple[float, float] = (0, 0.0)
+    ) -> tuple[str, int]:
         """This step's (method, k); ("plain", 0) for a plain step. Call once per step.
         `outlook`: per drafter that could propose now, (situation, most tokens, switch ms);
         `remaining`: tokens left to generate (None: unknown); `others`: (rows, expected tokens)
@@ -389,8 +416,16 @@ class MethodChooser:
             self._last_method = choice[0]
         return choice
 
-    def update(self, method: str, situation: Hashable, asked: int, proposed: int, accepted: int,
-               draft_ms: float, rows: int | None = None) -> None:  # fmt: skip
+    def update(
+        self,
+        method: str,
+        situation: Hashable,
+        asked: int,
+        proposed: int,
+        accepted: int,
+        draft_ms: float,
+        rows: int | None = None,
+    ) -> None:
         """A verified step of `method`: asked for `asked` drafts, got `proposed` in a row (`rows`
         rows in the pass: a tree's nodes and the last committed token; None: 1 + proposed),
         `accepted` kept."""
@@ -409,8 +444,10 @@ class MethodChooser:
             step = (accepted + 1.0, spent + pass_ms)
             # the first step starts from what the position model predicted for it (one unlucky
             # first draft must not rank a drafter below plain for the rest of the request)
-            old = self.realized.get(method) or (self._acc(method, situation).expected(proposed),
-                                                self.draft_cost(method) * proposed + pass_ms)  # fmt: skip
+            old = self.realized.get(method) or (
+                self._acc(method, situation).expected(proposed),
+                self.draft_cost(method) * proposed + pass_ms,
+            )
             self.realized[method] = (_ema(old[0], step[0], REALIZED_WEIGHT), _ema(old[1], step[1], REALIZED_WEIGHT))
             if (record := self._record(method)) is not None:
                 record.update(*step)
@@ -427,14 +464,19 @@ class MethodChooser:
         for (m, k), n in sorted(self.chosen.items(), key=lambda t: (t[0][0], t[0][1])):
             steps.setdefault(m, {})[f"k={k}" if m != "plain" else "steps"] = n
         return {
-            "methods": self.methods, "steps": steps, "switches": self.switches,
+            "methods": self.methods,
+            "steps": steps,
+            "switches": self.switches,
             # per drafter[situation], the positions that were ever proposed
-            "alpha_by_position": {f"{m}[{s}]" if s != "" else m:
-                                  [round(a, 3) for a, p in zip(acc.alpha(), acc.proposed, strict=True) if p > 0]
-                                  for (m, s), acc in sorted(self.acceptance.items(), key=lambda t: str(t[0]))},
+            "alpha_by_position": {
+                f"{m}[{s}]" if s != "" else m: [
+                    round(a, 3) for a, p in zip(acc.alpha(), acc.proposed, strict=True) if p > 0
+                ]
+                for (m, s), acc in sorted(self.acceptance.items(), key=lambda t: str(t[0]))
+            },
             "draft_ms_per_token": {m: None if v is None else round(v, 3) for m, v in self.draft_ms.items()},
             "pass_scale": round(self.costs.scale, 3),
-        }  # fmt: skip
+        }
 
 
 class StepGuard:
@@ -446,8 +488,14 @@ class StepGuard:
     drafting is not measured to keep up with plain decoding, with one drafted probe after 4, 8,
     ... 64 plain steps so the estimate can recover."""
 
-    def __init__(self, k: int, costs: Costs, gamma: float = 0.9, probe_after: int = 4,
-                 estimate: Callable[[int], float] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        k: int,
+        costs: Costs,
+        gamma: float = 0.9,
+        probe_after: int = 4,
+        estimate: Callable[[int], float] | None = None,
+    ) -> None:
         if k < 1 or not 0 < gamma <= 1:
             raise ValueError("k must be >= 1 and gamma in (0, 1]")
         self.k, self.costs, self.gamma = k, costs, gamma
@@ -489,9 +537,13 @@ class StepGuard:
         self.ms = self.gamma * self.ms + draft_ms + self.costs.target(rows)
 
     def report(self) -> dict[str, Any]:
-        return {"drafted_steps": self.drafted_steps, "plain_steps": self.plain_steps,
-                "drafted_tokens_per_ms": round(self.tokens / self.ms, 4) if self.ms else None,
-                "plain_tokens_per_ms": round(1.0 / self.costs.target(1), 4), "pass_scale": round(self.costs.scale, 3)}  # fmt: skip
+        return {
+            "drafted_steps": self.drafted_steps,
+            "plain_steps": self.plain_steps,
+            "drafted_tokens_per_ms": round(self.tokens / self.ms, 4) if self.ms else None,
+            "plain_tokens_per_ms": round(1.0 / self.costs.target(1), 4),
+            "pass_scale": round(self.costs.scale, 3),
+        }
 
 
 def batch_drafting_pays(costs: Costs, batch: int, k: float, alpha: float, draft_ms_per_token: float = 0.0) -> bool:

@@ -1,14 +1,14 @@
 """Python API, shaped like Hugging Face's ``generate(..., assistant_model=draft)``.
 
-    >>> import specdec
-    >>> target = specdec.load("qwen2.5-coder-1.5b")
-    >>> draft = specdec.load("qwen2.5-coder-0.5b")
-    >>> out = specdec.generate(target, "Write a Python function that reverses a list.",
-    ...                        assistant_model=draft, k=4, max_new_tokens=64)
-    >>> out.text, out.metrics.acceptance_rate
-    >>> for delta in specdec.stream(target, "Explain recursion.", drafter="prompt-lookup"):
-    ...     print(delta.text, end="", flush=True)
-    >>> outs = specdec.generate_batch(target, ["First prompt", "Second prompt"], assistant_model=draft)
+>>> import specdec
+>>> target = specdec.load("qwen2.5-coder-1.5b")
+>>> draft = specdec.load("qwen2.5-coder-0.5b")
+>>> out = specdec.generate(target, "Write a Python function that reverses a list.",
+...                        assistant_model=draft, k=4, max_new_tokens=64)
+>>> out.text, out.metrics.acceptance_rate
+>>> for delta in specdec.stream(target, "Explain recursion.", drafter="prompt-lookup"):
+...     print(delta.text, end="", flush=True)
+>>> outs = specdec.generate_batch(target, ["First prompt", "Second prompt"], assistant_model=draft)
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class LoadedModel:
         return f"LoadedModel({self.name!r}, {a.model_type}, {a.n_layers} layers, mode={self.model.mode})"
 
 
-def load(name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.device | None = None,
-         bits: int | None = None) -> LoadedModel:  # fmt: skip
+def load(
+    name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.device | None = None, bits: int | None = None
+) -> LoadedModel:
     """Load a registered model name, a Hugging Face directory or a GGUF file.
 
     `dtype` is a precision/kernel mode: "auto" (the fastest mode that keeps greedy identity
@@ -59,19 +60,32 @@ def load(name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.d
     4: every linear layer in Q4_K blocks (the draft's numbers change, and with them only the
     acceptance: speculative decoding stays exact whatever the draft computes)."""
     path = store.resolve(name_or_path)
-    return LoadedModel(str(name_or_path), path, load_transformer(path, dtype=dtype, device=device, bits=bits),
-                       Tokenizer.from_dir(path))  # fmt: skip
+    return LoadedModel(
+        str(name_or_path), path, load_transformer(path, dtype=dtype, device=device, bits=bits), Tokenizer.from_dir(path)
+    )
 
 
-def load_draft(name_or_path: str | Path, *, dtype: str = "auto", device: str | torch.device | None = None,
-               bits: int | None | str = "default") -> LoadedModel:  # fmt: skip
+def load_draft(
+    name_or_path: str | Path,
+    *,
+    dtype: str = "auto",
+    device: str | torch.device | None = None,
+    bits: int | None | str = "default",
+) -> LoadedModel:
     """`load` for a model that will draft: `bits="default"` takes the packing measured best for
     a known draft model (`registry.ModelSpec.draft_bits`) where the mode has it, else the file's own."""
-    return load(name_or_path, dtype=dtype, device=device, bits=draft_bits(name_or_path, bits, dtype=dtype, device=device))
+    return load(
+        name_or_path, dtype=dtype, device=device, bits=draft_bits(name_or_path, bits, dtype=dtype, device=device)
+    )
 
 
-def draft_bits(name_or_path: str | Path, bits: int | None | str = "default", *, dtype: str = "auto",
-               device: str | torch.device | None = None) -> int | None:  # fmt: skip
+def draft_bits(
+    name_or_path: str | Path,
+    bits: int | None | str = "default",
+    *,
+    dtype: str = "auto",
+    device: str | torch.device | None = None,
+) -> int | None:
     """The packing a draft model is loaded from: `bits` as given, or for "default" the one a
     known draft model drafts from in this mode (None: its file's own)."""
     if bits != "default":
@@ -103,8 +117,12 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, chat: bool | None = None
     return ids
 
 
-def build_drafter(target: LoadedModel, assistant_model: LoadedModel | None = None,
-                  drafter: Drafter | str | None = None, **options: Any) -> Drafter | None:  # fmt: skip
+def build_drafter(
+    target: LoadedModel,
+    assistant_model: LoadedModel | None = None,
+    drafter: Drafter | str | None = None,
+    **options: Any,
+) -> Drafter | None:
     """The drafter for one sequence: `drafter` may be a drafter object, or a registered name
     (`specdec.DRAFTERS`) built with `options`; `assistant_model` alone means the draft-model
     drafter. None: plain decoding."""
@@ -123,11 +141,14 @@ def build_drafter(target: LoadedModel, assistant_model: LoadedModel | None = Non
         given = sorted(k for k, v in options.items() if v is not None)
         if given:
             known = sorted(_CONFIG_FIELDS | _SAMPLING_FIELDS | {"k", "chat", "config", "sampling"})
-            raise ValueError(f"unknown option {given[0]!r}: generation options are {', '.join(known)}; "
-                             "a drafter's own options go with drafter=NAME")  # fmt: skip
+            raise ValueError(
+                f"unknown option {given[0]!r}: generation options are {', '.join(known)}; "
+                "a drafter's own options go with drafter=NAME"
+            )
         return None
-    return make_drafter(drafter, target=target.model, draft=assistant_model.model if assistant_model else None,
-                        **options)  # fmt: skip
+    return make_drafter(
+        drafter, target=target.model, draft=assistant_model.model if assistant_model else None, **options
+    )
 
 
 @dataclass
@@ -143,11 +164,21 @@ class Request:
     logprobs: int | None = None  # each token's logprob with this many alternatives (None: none)
 
 
-def request(target: LoadedModel, prompt: Prompt, *, assistant_model: LoadedModel | None = None,
-            drafter: Drafter | str | None = None, drafter_options: dict[str, Any] | None = None,
-            config: GenerationConfig | None = None, sampling: SamplingParams | None = None,
-            k: int | None = None, chat: bool | None = None, prediction: str | list[int] | None = None,
-            logprobs: int | None = None, **kwargs: Any) -> Request:  # fmt: skip
+def request(
+    target: LoadedModel,
+    prompt: Prompt,
+    *,
+    assistant_model: LoadedModel | None = None,
+    drafter: Drafter | str | None = None,
+    drafter_options: dict[str, Any] | None = None,
+    config: GenerationConfig | None = None,
+    sampling: SamplingParams | None = None,
+    k: int | None = None,
+    chat: bool | None = None,
+    prediction: str | list[int] | None = None,
+    logprobs: int | None = None,
+    **kwargs: Any,
+) -> Request:
     """Build a request from either config objects (`config=`, `sampling=`: built once by the
     caller) or the keywords of their fields (max_new_tokens=, temperature=, stop=, ...).
     `prediction`: the output expected (text, or token ids), drafted from by the prediction
@@ -173,10 +204,16 @@ def request(target: LoadedModel, prompt: Prompt, *, assistant_model: LoadedModel
     if config is None:
         if spec is not None:
             method = spec.name or type(spec).__name__
-            k, k_source = resolve_k(k, target=target.name, method=method, mode=target.model.mode,
-                                    draft=assistant_model.name if assistant_model is not None else None)  # fmt: skip
-        config = GenerationConfig(**{key: v for key, v in kwargs.items() if key in _CONFIG_FIELDS},
-                                  **({"k": k} if k is not None else {}))  # fmt: skip
+            k, k_source = resolve_k(
+                k,
+                target=target.name,
+                method=method,
+                mode=target.model.mode,
+                draft=assistant_model.name if assistant_model is not None else None,
+            )
+        config = GenerationConfig(
+            **{key: v for key, v in kwargs.items() if key in _CONFIG_FIELDS}, **({"k": k} if k is not None else {})
+        )
     elif spec is not None:
         k_source = "given"
     return Request(encode_prompt(target.tokenizer, prompt, chat), config, sampling, spec, k_source, predicted, logprobs)
@@ -200,14 +237,17 @@ def prediction_drafter(drafter: Drafter | str | None, assistant: bool) -> Drafte
         return "auto" if assistant else "prediction"
     name = drafter if isinstance(drafter, str) else drafter.name
     if name not in PREDICTION_READERS:
-        raise ValueError(f"the {name or type(drafter).__name__} drafter does not draft from a prediction; "
-                         f"use {' or '.join(repr(n) for n in PREDICTION_READERS)}, or drop the prediction")  # fmt: skip
+        raise ValueError(
+            f"the {name or type(drafter).__name__} drafter does not draft from a prediction; "
+            f"use {' or '.join(repr(n) for n in PREDICTION_READERS)}, or drop the prediction"
+        )
     return drafter
 
 
 def _submit(engine: Engine, req: Request) -> int:
-    return engine.add(req.prompt_ids, req.config, req.sampling, req.drafter, prediction=req.prediction,
-                      logprobs=req.logprobs)  # fmt: skip
+    return engine.add(
+        req.prompt_ids, req.config, req.sampling, req.drafter, prediction=req.prediction, logprobs=req.logprobs
+    )
 
 
 def _finish(result: GenerationResult, req: Request) -> GenerationResult:
@@ -216,8 +256,9 @@ def _finish(result: GenerationResult, req: Request) -> GenerationResult:
     return result
 
 
-def run_request(target: LoadedModel, req: Request, on_delta: Callable[[Delta], None] | None = None, *,
-                prefix_tokens: int = 0) -> GenerationResult:  # fmt: skip
+def run_request(
+    target: LoadedModel, req: Request, on_delta: Callable[[Delta], None] | None = None, *, prefix_tokens: int = 0
+) -> GenerationResult:
     """Decode one request to the end; `on_delta` sees each step's committed tokens and text.
     `prefix_tokens`: start from the rows of an earlier sequence that began the same way, and
     keep this one's, in the model's prefix store of that many tokens (`model.prefix`)."""
@@ -284,14 +325,18 @@ def stream(target: LoadedModel, prompt: Prompt, **kwargs: Any) -> Stream:
 
 def _request_kw(target: LoadedModel, prompt: Prompt, kwargs: dict[str, Any]) -> Request:
     kw = dict(kwargs)
-    named = {n: kw.pop(n) for n in ("assistant_model", "drafter", "config", "sampling", "k", "chat", "prediction",
-                                    "logprobs") if n in kw}  # fmt: skip
+    named = {
+        n: kw.pop(n)
+        for n in ("assistant_model", "drafter", "config", "sampling", "k", "chat", "prediction", "logprobs")
+        if n in kw
+    }
     fields = {n: kw.pop(n) for n in list(kw) if n in _CONFIG_FIELDS | _SAMPLING_FIELDS}
     return request(target, prompt, drafter_options=kw, **named, **fields)
 
 
-def generate_batch(target: LoadedModel, prompts: Sequence[Prompt], *, seed: int | Sequence[int] | None = None,
-                   **kwargs: Any) -> list[GenerationResult]:  # fmt: skip
+def generate_batch(
+    target: LoadedModel, prompts: Sequence[Prompt], *, seed: int | Sequence[int] | None = None, **kwargs: Any
+) -> list[GenerationResult]:
     """Several prompts decoded together (one target pass per step for all of them); same
     keywords as `generate`, with one drafter per prompt built from the drafter's name (or
     `assistant_model`). `seed`: one per prompt, or an int s (prompt i gets s + i). Each
@@ -381,12 +426,18 @@ class Comparison:
 def compare(target: LoadedModel, prompt: Prompt, *, repeats: int = 1, **kwargs: Any) -> Comparison:
     """Run plain decoding and speculative decoding on the same prompt, side by side (same
     keywords as `generate`), `repeats` times in alternating order (`compare_requests`)."""
-    return compare_requests(target, lambda: _request_kw(target, prompt, kwargs), kwargs.get("assistant_model"),
-                            repeats=repeats)  # fmt: skip
+    return compare_requests(
+        target, lambda: _request_kw(target, prompt, kwargs), kwargs.get("assistant_model"), repeats=repeats
+    )
 
 
-def compare_requests(target: LoadedModel, make: Callable[[], Request], assistant_model: LoadedModel | None = None,
-                     on_delta: Callable[[Delta], None] | None = None, repeats: int = 1) -> Comparison:  # fmt: skip
+def compare_requests(
+    target: LoadedModel,
+    make: Callable[[], Request],
+    assistant_model: LoadedModel | None = None,
+    on_delta: Callable[[Delta], None] | None = None,
+    repeats: int = 1,
+) -> Comparison:
     """Plain decoding of a speculative request's prompt with its settings, and the request
     itself (`make()` builds it afresh for each run: a drafter serves one sequence), `repeats`
     times in alternating order: plain then speculative, speculative then plain, ... (ABBA), so

@@ -41,8 +41,9 @@ PROMPTS = (
 
 
 # -- deliberately broken rules: the negative control ---------------------------------------------
-def broken_rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor,
-                            generator: torch.Generator) -> Verdict:  # fmt: skip
+def broken_rejection_sample(
+    p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor, generator: torch.Generator
+) -> Verdict:
     """NOT EXACT, on purpose. The acceptance test is right, but after a rejection the token is
     drawn from p itself instead of norm(max(0, p - q)), so q's mass is counted twice."""
     B, K = draft_tokens.shape
@@ -68,8 +69,9 @@ def broken_point_mass_sample(p: torch.Tensor, draft_tokens: torch.Tensor, genera
     return Verdict(n, torch.multinomial(row, 1, generator=generator).squeeze(-1))
 
 
-def broken_tree_point_mass_sample(p: torch.Tensor, tokens: list[int], parents: list[int],
-                                  generator: torch.Generator) -> TreeVerdict:  # fmt: skip
+def broken_tree_point_mass_sample(
+    p: torch.Tensor, tokens: list[int], parents: list[int], generator: torch.Generator
+) -> TreeVerdict:
     """NOT EXACT, on purpose. Each child is tried with the target's probability as it was,
     without removing the rejected siblings and renormalising; all rejected: draw from p."""
     V = p.shape[-1]
@@ -86,8 +88,9 @@ def broken_tree_point_mass_sample(p: torch.Tensor, tokens: list[int], parents: l
             return TreeVerdict(path, int(torch.multinomial(p[row].float(), 1, generator=generator)))
 
 
-def broken_tree_rejection_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[int], parents: list[int],
-                                 generator: torch.Generator) -> TreeVerdict:  # fmt: skip
+def broken_tree_rejection_sample(
+    p: torch.Tensor, q: torch.Tensor, tokens: list[int], parents: list[int], generator: torch.Generator
+) -> TreeVerdict:
     """NOT EXACT, on purpose. After a rejected child the proposal is not updated (the child's
     mass stays in it): the rule for drafts drawn with replacement, used on drafts drawn
     without."""
@@ -112,8 +115,9 @@ def broken_tree_rejection_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[
             return TreeVerdict(path, int(torch.multinomial(r, 1, generator=generator)))
 
 
-def broken_tree_recovery_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[int], parents: list[int],
-                                generator: torch.Generator) -> TreeVerdict:  # fmt: skip
+def broken_tree_recovery_sample(
+    p: torch.Tensor, q: torch.Tensor, tokens: list[int], parents: list[int], generator: torch.Generator
+) -> TreeVerdict:
     """NOT EXACT, on purpose. The children are tested as `tree_rejection_sample` tests them, but
     when every child of a node is rejected the token is drawn from p itself instead of the
     residual r: the chain rule's classic mistake (`broken_rejection_sample`), in a tree. Its
@@ -146,8 +150,14 @@ def broken_tree_recovery_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[i
             return TreeVerdict(path, int(torch.multinomial(p[row], 1, generator=generator)))
 
 
-def broken_tree_mixed_sample(p: torch.Tensor, q: torch.Tensor, tokens: list[int], parents: list[int],
-                             attempts: list[tuple[int, bool]], generator: torch.Generator) -> TreeVerdict:  # fmt: skip
+def broken_tree_mixed_sample(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    tokens: list[int],
+    parents: list[int],
+    attempts: list[tuple[int, bool]],
+    generator: torch.Generator,
+) -> TreeVerdict:
     """NOT EXACT, on purpose. `tree_mixed_sample`'s attempts, tested right, but when every
     attempt at a node fails the token is drawn from p itself instead of the residual: the chain
     rule's classic mistake, in a tree that mixes drawn and deterministic drafts."""
@@ -241,8 +251,9 @@ def _prefixes(c: Counter, n: int) -> Counter:
     return out
 
 
-def two_sample_test(a: Sequence[Counter], b: Sequence[Counter], *, min_count: int = 10, resamples: int = 400,
-                    seed: int = 0) -> TwoSample:  # fmt: skip
+def two_sample_test(
+    a: Sequence[Counter], b: Sequence[Counter], *, min_count: int = 10, resamples: int = 400, seed: int = 0
+) -> TwoSample:
     """Chi-square tests that samples `a[i]` and `b[i]` (counts of continuations, one pair per
     prompt) come from one law: one test per prefix length l (the joint law of the first l
     tokens; a verifier's error shows first where it happens, before later tokens spread the
@@ -252,7 +263,9 @@ def two_sample_test(a: Sequence[Counter], b: Sequence[Counter], *, min_count: in
     longest = max((len(k) for c in (*a, *b) for k in c), default=1)
     by_length = []
     for n in range(1, longest + 1):
-        by_length.append(_chi2([_cells(_prefixes(ca, n), _prefixes(cb, n), min_count) for ca, cb in zip(a, b, strict=True)]))
+        by_length.append(
+            _chi2([_cells(_prefixes(ca, n), _prefixes(cb, n), min_count) for ca, cb in zip(a, b, strict=True)])
+        )
     best = min(range(longest), key=lambda i: by_length[i][2])
     tables = [_cells(ca, cb, min_count) for ca, cb in zip(a, b, strict=True)]
     tvs, ups, nulls = [], [], []
@@ -262,12 +275,21 @@ def two_sample_test(a: Sequence[Counter], b: Sequence[Counter], *, min_count: in
         pa, pb = table[0] / na, table[1] / nb
         pooled = table.sum(0) / table.sum()
         ups.append([_tv(np.stack([rng.multinomial(na, pa), rng.multinomial(nb, pb)])) for _ in range(resamples)])
-        nulls.append([_tv(np.stack([rng.multinomial(na, pooled), rng.multinomial(nb, pooled)]))
-                      for _ in range(resamples)])  # fmt: skip
+        nulls.append(
+            [_tv(np.stack([rng.multinomial(na, pooled), rng.multinomial(nb, pooled)])) for _ in range(resamples)]
+        )
     stat, dof, _ = by_length[best]
-    return TwoSample(stat, dof, min(1.0, longest * by_length[best][2]), best + 1, tuple(p for _, _, p in by_length),
-                     float(np.mean(tvs)), float(np.quantile(np.mean(ups, 0), 0.95)),
-                     float(np.quantile(np.mean(nulls, 0), 0.95)), sum(t.shape[1] for t in tables))  # fmt: skip
+    return TwoSample(
+        stat,
+        dof,
+        min(1.0, longest * by_length[best][2]),
+        best + 1,
+        tuple(p for _, _, p in by_length),
+        float(np.mean(tvs)),
+        float(np.quantile(np.mean(ups, 0), 0.95)),
+        float(np.quantile(np.mean(nulls, 0), 0.95)),
+        sum(t.shape[1] for t in tables),
+    )
 
 
 def _flags(method: str, options: dict[str, Any]) -> list[str]:
@@ -291,8 +313,18 @@ class Draws:
         return self.accepted / self.proposed if self.proposed else None
 
 
-def draw(target: Any, prompts: Sequence[str], n: int, *, tokens: int, first_seed: int, batch: int = 32,
-         progress: Callable[[int], None] | None = None, rules: Rules | None = None, **method: Any) -> Draws:  # fmt: skip
+def draw(
+    target: Any,
+    prompts: Sequence[str],
+    n: int,
+    *,
+    tokens: int,
+    first_seed: int,
+    batch: int = 32,
+    progress: Callable[[int], None] | None = None,
+    rules: Rules | None = None,
+    **method: Any,
+) -> Draws:
     """`n` continuations of `tokens` tokens per prompt, seeds first_seed, first_seed + 1, ...;
     `method`: generate's keywords (temperature, top_p, drafter, assistant_model, k, options);
     `rules`: the sampling rules the engine verifies with (the control's are broken)."""
@@ -304,8 +336,12 @@ def draw(target: Any, prompts: Sequence[str], n: int, *, tokens: int, first_seed
     for i, prompt in enumerate(prompts):
         for lo in range(0, n, batch):
             m = min(batch, n - lo)
-            reqs = [_request_kw(target, prompt, {**method, "seed": s, "max_new_tokens": tokens, "ignore_eos": True,
-                                                 "chat": False}) for s in range(seed, seed + m)]  # fmt: skip
+            reqs = [
+                _request_kw(
+                    target, prompt, {**method, "seed": s, "max_new_tokens": tokens, "ignore_eos": True, "chat": False}
+                )
+                for s in range(seed, seed + m)
+            ]
             results = run_requests(target, reqs, rules)
             seed += m
             for r in results:
@@ -364,38 +400,75 @@ class Certificate:
         return d
 
     def table(self) -> str:
-        head = (f"certificate: {self.target}, {self.method}" + (f" ({self.draft})" if self.draft else "")
-                + (f", k={self.k}" if self.k else "")
-                + "".join(f", {flag}" for flag in _flags(self.method, self.options))
-                + f", T={self.temperature:g}, top-p {self.top_p:g}, "
-                f"{len(self.prompts)} prompts x {self.tokens} tokens, N={self.samples} per arm and prompt, "
-                f"{self.dtype}, alpha {self.alpha:g}")  # fmt: skip
-        rows = [("method vs plain", self.test, self.acceptance,
-                 "pass (same law)" if self.passed else "FAIL: the method's outputs differ from plain decoding's")]
+        head = (
+            f"certificate: {self.target}, {self.method}"
+            + (f" ({self.draft})" if self.draft else "")
+            + (f", k={self.k}" if self.k else "")
+            + "".join(f", {flag}" for flag in _flags(self.method, self.options))
+            + f", T={self.temperature:g}, top-p {self.top_p:g}, "
+            f"{len(self.prompts)} prompts x {self.tokens} tokens, N={self.samples} per arm and prompt, "
+            f"{self.dtype}, alpha {self.alpha:g}"
+        )
+        rows = [
+            (
+                "method vs plain",
+                self.test,
+                self.acceptance,
+                "pass (same law)" if self.passed else "FAIL: the method's outputs differ from plain decoding's",
+            )
+        ]
         if self.control is not None:
-            rows.append(("broken control", self.control, self.control_acceptance,
-                         "caught" if self.control_caught else "NOT caught: raise --samples"))  # fmt: skip
-        lines = [head, f"{'':16s} {'p-value':>9s} {'tokens':>6s} {'chi2':>9s} {'dof':>5s} {'TV':>7s} {'TV<=95%':>8s} "
-                       f"{'accept':>7s}  result"]  # fmt: skip
+            rows.append(
+                (
+                    "broken control",
+                    self.control,
+                    self.control_acceptance,
+                    "caught" if self.control_caught else "NOT caught: raise --samples",
+                )
+            )
+        lines = [
+            head,
+            f"{'':16s} {'p-value':>9s} {'tokens':>6s} {'chi2':>9s} {'dof':>5s} {'TV':>7s} {'TV<=95%':>8s} "
+            f"{'accept':>7s}  result",
+        ]
         for name, t, acc, result in rows:
             acc_s = "-" if acc is None else f"{acc:.2f}"
-            lines.append(f"{name:16s} {t.p_value:9.3g} {t.length:6d} {t.chi2:9.1f} {t.dof:5d} {t.tv:7.3f} "
-                         f"{t.tv_upper:8.3f} {acc_s:>7s}  {result}")  # fmt: skip
-        lines.append("(p-value: the smallest over the first 1..L tokens' joint laws, times L; tokens: that prefix; "
-                     "TV: whole continuations)")
-        lines.append(f"two samples of one law show TV <= {self.test.tv_null:.3f} here (95%); "
-                     f"{self.outcomes} distinct continuations; {self.proposed} draft tokens verified; {self.seconds:.0f} s")
+            lines.append(
+                f"{name:16s} {t.p_value:9.3g} {t.length:6d} {t.chi2:9.1f} {t.dof:5d} {t.tv:7.3f} "
+                f"{t.tv_upper:8.3f} {acc_s:>7s}  {result}"
+            )
+        lines.append(
+            "(p-value: the smallest over the first 1..L tokens' joint laws, times L; tokens: that prefix; "
+            "TV: whole continuations)"
+        )
+        lines.append(
+            f"two samples of one law show TV <= {self.test.tv_null:.3f} here (95%); "
+            f"{self.outcomes} distinct continuations; {self.proposed} draft tokens verified; {self.seconds:.0f} s"
+        )
         if self.proposed == 0:
             lines.append("the method drafted nothing on these prompts: its rule never ran (give prompts it drafts on)")
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
 
 
-def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | None = None,
-            temperature: float = 1.0, top_p: float = 1.0, samples: int = 1000, tokens: int = 4,
-            prompts: Sequence[str] = PROMPTS, alpha: float = 0.01, seed: int = 0, control: bool = True,
-            batch: int = 32, options: dict[str, Any] | None = None,
-            progress: Callable[[int], None] | None = None) -> Certificate:  # fmt: skip
+def certify(
+    target: Any,
+    *,
+    method: str,
+    assistant_model: Any = None,
+    k: int | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    samples: int = 1000,
+    tokens: int = 4,
+    prompts: Sequence[str] = PROMPTS,
+    alpha: float = 0.01,
+    seed: int = 0,
+    control: bool = True,
+    batch: int = 32,
+    options: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Certificate:
     """Draw, test and (with `control`) run the broken control; see the module docstring.
     Seeds: plain uses seed, seed + 1, ...; the method seed + 10^7, ...; the control seed + 2 * 10^7, ..."""
     if samples < 20:
@@ -405,8 +478,10 @@ def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | N
     if tokens < 1:
         raise ValueError(f"--tokens must be at least 1, got {tokens}")
     if temperature <= 0:
-        raise ValueError("certify compares sampled outputs; greedy identity is checked by `generate --compare` "
-                         "(use --temperature > 0)")  # fmt: skip
+        raise ValueError(
+            "certify compares sampled outputs; greedy identity is checked by `generate --compare` "
+            "(use --temperature > 0)"
+        )
     started = time.perf_counter()
     common = {"temperature": temperature, "top_p": top_p}
     # Fixed k, no cost controller, no fallback to plain decoding: every step drafts, so the rule
@@ -425,23 +500,55 @@ def certify(target: Any, *, method: str, assistant_model: Any = None, k: int | N
     if assistant_model is not None:
         spec["assistant_model"] = assistant_model
     plain = draw(target, prompts, samples, tokens=tokens, first_seed=seed, batch=batch, progress=progress, **common)
-    mine = draw(target, prompts, samples, tokens=tokens, first_seed=seed + 10**7, batch=batch, progress=progress,
-                **common, **spec)  # fmt: skip
+    mine = draw(
+        target,
+        prompts,
+        samples,
+        tokens=tokens,
+        first_seed=seed + 10**7,
+        batch=batch,
+        progress=progress,
+        **common,
+        **spec,
+    )
     test = two_sample_test(plain.counts, mine.counts, seed=seed)
     ctrl, ctrl_draws = None, None
     if control:
-        ctrl_draws = draw(target, prompts, samples, tokens=tokens, first_seed=seed + 2 * 10**7, batch=batch,
-                          progress=progress, rules=broken_rules(), **common, **spec)  # fmt: skip
+        ctrl_draws = draw(
+            target,
+            prompts,
+            samples,
+            tokens=tokens,
+            first_seed=seed + 2 * 10**7,
+            batch=batch,
+            progress=progress,
+            rules=broken_rules(),
+            **common,
+            **spec,
+        )
         ctrl = two_sample_test(plain.counts, ctrl_draws.counts, seed=seed + 1)
     outcomes = sum(len(set(a) | set(b)) for a, b in zip(plain.counts, mine.counts, strict=True))
     return Certificate(
-        target=getattr(target, "name", str(target)), method=method,
-        draft=getattr(assistant_model, "name", None), k=k, temperature=temperature, top_p=top_p,
-        samples=samples, tokens=tokens, prompts=list(prompts), alpha=alpha, seed=seed, dtype=target.model.mode,
-        test=test, control=ctrl, acceptance=mine.acceptance,
+        target=getattr(target, "name", str(target)),
+        method=method,
+        draft=getattr(assistant_model, "name", None),
+        k=k,
+        temperature=temperature,
+        top_p=top_p,
+        samples=samples,
+        tokens=tokens,
+        prompts=list(prompts),
+        alpha=alpha,
+        seed=seed,
+        dtype=target.model.mode,
+        test=test,
+        control=ctrl,
+        acceptance=mine.acceptance,
         control_acceptance=ctrl_draws.acceptance if ctrl_draws else None,
-        seconds=time.perf_counter() - started, outcomes=outcomes, proposed=mine.proposed,
+        seconds=time.perf_counter() - started,
+        outcomes=outcomes,
+        proposed=mine.proposed,
         # as given on a command line; an object (heads passed from Python) by its type, so the
         # certificate stays JSON
         options={n: v if isinstance(v, str | int | float | bool) else type(v).__name__ for n, v in options.items()},
-    )  # fmt: skip
+    )

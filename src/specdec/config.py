@@ -24,12 +24,20 @@ class SamplingParams:
     top_k: int = field(default=0, metadata=_opt("keep the k most likely tokens (0 = off)"))
     top_p: float = field(default=1.0, metadata=_opt("nucleus sampling mass in (0, 1] (1 = off)"))
     seed: int | None = field(default=None, metadata=_opt("random seed (unset: a fresh one, reported in the output)"))
-    acceptance: str = field(default="exact", metadata=_opt(
-        "how drafts are verified when sampling: 'exact' (the output is distributed as the target's, always the "
-        "default) or 'typical' (Medusa's typical acceptance: NOT exact, accepts more; every output says so)",
-        choices=("exact", "typical")))  # fmt: skip
-    epsilon: float = field(default=0.09, metadata=_opt(
-        "typical acceptance: a draft token x is accepted where p(x) > min(epsilon, delta * exp(-entropy of p))"))
+    acceptance: str = field(
+        default="exact",
+        metadata=_opt(
+            "how drafts are verified when sampling: 'exact' (the output is distributed as the target's, always the "
+            "default) or 'typical' (Medusa's typical acceptance: NOT exact, accepts more; every output says so)",
+            choices=("exact", "typical"),
+        ),
+    )
+    epsilon: float = field(
+        default=0.09,
+        metadata=_opt(
+            "typical acceptance: a draft token x is accepted where p(x) > min(epsilon, delta * exp(-entropy of p))"
+        ),
+    )
     delta: float = field(default=0.3, metadata=_opt("typical acceptance: see --epsilon"))
 
     def __post_init__(self) -> None:
@@ -48,10 +56,14 @@ class SamplingParams:
         if self.acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical', got {self.acceptance!r}")
         if self.acceptance == "typical" and self.temperature == 0.0:
-            raise ValueError("typical acceptance is a sampling rule: give --temperature > 0 (greedy decoding "
-                             "verifies exactly, and typical acceptance would gain nothing there)")  # fmt: skip
+            raise ValueError(
+                "typical acceptance is a sampling rule: give --temperature > 0 (greedy decoding "
+                "verifies exactly, and typical acceptance would gain nothing there)"
+            )
         if not 0.0 < self.epsilon <= 1.0 or not self.delta > 0.0:
-            raise ValueError(f"typical acceptance needs epsilon in (0, 1] and delta > 0, got {self.epsilon}, {self.delta}")
+            raise ValueError(
+                f"typical acceptance needs epsilon in (0, 1] and delta > 0, got {self.epsilon}, {self.delta}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -68,16 +80,25 @@ class GenerationConfig:
     """What to generate and when to stop."""
 
     max_new_tokens: int = field(default=128, metadata=_opt("maximum number of tokens to generate"))
-    k: int = field(default=DEFAULT_K, metadata=_opt(
-        "draft tokens proposed per target pass (unset: the k `specdec bench --tune` stored, else 4)",
-        "-k", "--num-draft-tokens"))  # fmt: skip
+    k: int = field(
+        default=DEFAULT_K,
+        metadata=_opt(
+            "draft tokens proposed per target pass (unset: the k `specdec bench --tune` stored, else 4)",
+            "-k",
+            "--num-draft-tokens",
+        ),
+    )
     stop: tuple[str, ...] = field(default=(), metadata=_opt("stop string (repeatable); not included in the text"))
     ignore_eos: bool = field(default=False, metadata=_opt("keep generating past end-of-sequence tokens"))
-    adaptive_k: bool = field(default=True, metadata=_opt(
-        "never slower than plain decoding: each step's k (up to -k) is chosen from this request's measured "
-        "acceptance and costs, 0 = a plain step where drafting is not predicted to pay (draft-model, "
-        "prompt-lookup); other drafters' steps turn plain where drafting is measured slower (--no-adaptive-k: "
-        "draft k tokens every step)"))  # fmt: skip
+    adaptive_k: bool = field(
+        default=True,
+        metadata=_opt(
+            "never slower than plain decoding: each step's k (up to -k) is chosen from this request's measured "
+            "acceptance and costs, 0 = a plain step where drafting is not predicted to pay (draft-model, "
+            "prompt-lookup); other drafters' steps turn plain where drafting is measured slower (--no-adaptive-k: "
+            "draft k tokens every step)"
+        ),
+    )
     context_overflow: OverflowPolicy = field(
         default="error",
         metadata=_opt(

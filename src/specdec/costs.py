@@ -162,8 +162,16 @@ def machine_key(target: Transformer) -> str | None:
     if src is None:
         return None
     mode = target.mode + (f"-b{target.bits}" if getattr(target, "bits", None) else "")
-    return "|".join([str(src), mode, build_id(), cpu_info().get("model name", "?"),
-                     str(torch.get_num_threads()), str(target.device)])  # fmt: skip
+    return "|".join(
+        [
+            str(src),
+            mode,
+            build_id(),
+            cpu_info().get("model name", "?"),
+            str(torch.get_num_threads()),
+            str(target.device),
+        ]
+    )
 
 
 def stored(name: str, key: str) -> Any:
@@ -265,7 +273,6 @@ def draft_step_ms(model: Transformer, key: str, step: Callable[[], None], reset:
             store_measurement(DRAFT_STEP_FILE, full, ms)
     known[key] = float(ms)
     return known[key]
-
 
 
 def head_call_ms(target: Transformer, what: str, weights: Iterable[torch.Tensor], call: Callable[[], None]) -> float:

@@ -27,8 +27,16 @@ from .registry import DATASETS, DatasetSpec
 
 Messages = list[dict[str, str]]
 # ShareGPT speakers -> chat roles (the few exotic names are other assistants)
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-          "bard": "assistant", "assistant": "assistant", "system": "system"}  # fmt: skip
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 
 class DataNotInstalledError(RuntimeError):
@@ -39,7 +47,9 @@ def get_dataset(name: str) -> DatasetSpec:
     try:
         return DATASETS[name]
     except KeyError:
-        raise ValueError(f"unknown data set {name!r}; known: {', '.join(sorted(DATASETS))}, or a .json/.jsonl path") from None
+        raise ValueError(
+            f"unknown data set {name!r}; known: {', '.join(sorted(DATASETS))}, or a .json/.jsonl path"
+        ) from None
 
 
 def data_path(spec: DatasetSpec) -> Path:
@@ -77,7 +87,9 @@ def resolve(source: str | Path) -> tuple[Path, str]:
         return path, spec.format
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"no data set or file named {str(source)!r}; known data sets: {', '.join(sorted(DATASETS))}")
+        raise FileNotFoundError(
+            f"no data set or file named {str(source)!r}; known data sets: {', '.join(sorted(DATASETS))}"
+        )
     suite = Path(__file__).parent / "bench" / "prompts"
     if path.resolve().is_relative_to(suite.resolve()):
         raise ValueError("that is the benchmark's prompt suite: heads are not trained on what they are measured with")
@@ -125,8 +137,11 @@ def _sharegpt(path: Path) -> Iterator[Messages]:
         turns = record.get("conversations") if isinstance(record, dict) else None
         if not isinstance(turns, list):
             continue
-        messages = [{"role": _ROLES[t["from"]], "content": t["value"]} for t in turns
-                    if isinstance(t, dict) and t.get("from") in _ROLES and isinstance(t.get("value"), str) and t["value"]]  # fmt: skip
+        messages = [
+            {"role": _ROLES[t["from"]], "content": t["value"]}
+            for t in turns
+            if isinstance(t, dict) and t.get("from") in _ROLES and isinstance(t.get("value"), str) and t["value"]
+        ]
         if messages:
             yield messages
 

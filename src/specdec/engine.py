@@ -44,7 +44,6 @@ from .stops import StopChecker
 from .tokenizer import Tokenizer
 from .verify import EXACT, Rules, greedy_verify, lossy_typical_acceptance, tree_greedy_verify
 
-
 # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
 MAX_TOP_LOGPROBS = 20
 
@@ -74,8 +73,10 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     if top <= 0:
         return [TokenLogprob(t, c) for t, c in zip(tokens, chosen, strict=True)]
     vals, ids = lp.topk(top, dim=-1)
-    return [TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
-            for t, c, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist(), strict=True)]  # fmt: skip
+    return [
+        TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
+        for t, c, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist(), strict=True)
+    ]
 
 
 @dataclass
@@ -88,8 +89,13 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, where asked for
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-               "seed": self.seed, "metrics": self.metrics.to_dict()}  # fmt: skip
+        out = {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "seed": self.seed,
+            "metrics": self.metrics.to_dict(),
+        }
         if self.logprobs is not None:
             out["logprobs"] = [lp.to_dict() for lp in self.logprobs]
         return out
@@ -111,9 +117,15 @@ class Delta:
         return self.finish_reason is not None
 
 
-def plan_length(prompt_len: int, cfg: GenerationConfig, context: int, *, length_name: str = "max_new_tokens",
-                fix: str = "lower max_new_tokens or let the output stop at the context end (--context-overflow "
-                           "truncate; API: context_overflow='truncate')") -> int:  # fmt: skip
+def plan_length(
+    prompt_len: int,
+    cfg: GenerationConfig,
+    context: int,
+    *,
+    length_name: str = "max_new_tokens",
+    fix: str = "lower max_new_tokens or let the output stop at the context end (--context-overflow "
+    "truncate; API: context_overflow='truncate')",
+) -> int:
     """How many new tokens fit, per the context-overflow policy. `length_name`, `fix`: how the
     caller's interface spells the length and the remedy (the server's is OpenAI's max_tokens)."""
     if prompt_len < 1:
@@ -188,8 +200,13 @@ class _Sequence:
 class Engine:
     """Steps any number of sequences together over one target model (see the module doc)."""
 
-    def __init__(self, target: Transformer, tokenizer: Tokenizer | None = None, rules: Rules | None = None,
-                 prefix_tokens: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: Tokenizer | None = None,
+        rules: Rules | None = None,
+        prefix_tokens: int = 0,
+    ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         # the sampling rules it verifies with: `verify.EXACT` (certify's control hands it broken ones)
@@ -202,18 +219,29 @@ class Engine:
         self._next_id = 0
 
     # -- sequences ---------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], cfg: GenerationConfig, sampling: SamplingParams,
-            drafter: Drafter | None = None, pool: str = "", *, prediction: list[int] | None = None,
-            logprobs: int | None = None) -> int:  # fmt: skip
+    def add(
+        self,
+        prompt_ids: list[int],
+        cfg: GenerationConfig,
+        sampling: SamplingParams,
+        drafter: Drafter | None = None,
+        pool: str = "",
+        *,
+        prediction: list[int] | None = None,
+        logprobs: int | None = None,
+    ) -> int:
         """Queue a sequence (prefilled in the next step); returns its id. `pool`: whose earlier
         sequences' cached rows it may start from (with the engine's `prefix_tokens`).
         `prediction`: the output expected, as token ids (drafted from by a drafter that reads it:
         `prediction`, auto). `logprobs`: return each committed token's logprob with this many
         alternatives (0..MAX_TOP_LOGPROBS; None: none)."""
         n_new = plan_length(len(prompt_ids), cfg, self.target.args.max_seq_len)
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):  # fmt: skip
-            raise ValueError(f"logprobs is the number of alternatives per token, 0..{MAX_TOP_LOGPROBS} (got {logprobs!r})")
+        if logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs is the number of alternatives per token, 0..{MAX_TOP_LOGPROBS} (got {logprobs!r})"
+            )
         if prediction is not None:
             vocab = self.target.args.vocab_size
             if any(not 0 <= t < vocab for t in prediction):
@@ -228,23 +256,44 @@ class Engine:
             from .costs import pass_costs, reproducible
 
             if drafter.adaptive_k:
-                controller = KController(drafter, cfg.k, pass_costs(self.target, cfg.k + 1),
-                                         memory=acceptance_memory(self.target, sampling.greedy),
-                                         remembered=remembered([drafter.name]), reproducible=reproducible(sampling))  # fmt: skip
+                controller = KController(
+                    drafter,
+                    cfg.k,
+                    pass_costs(self.target, cfg.k + 1),
+                    memory=acceptance_memory(self.target, sampling.greedy),
+                    remembered=remembered([drafter.name]),
+                    reproducible=reproducible(sampling),
+                )
                 drafter.lazy_begin = True  # its catch-up (a draft model's prefill) waits until it drafts
             else:
-                controller = StepGuard(cfg.k, pass_costs(self.target, max(cfg.k + 1 + drafter.scratch_rows, 2)),
-                                       estimate=drafter.estimated_ms if reproducible(sampling) else None)  # fmt: skip
+                controller = StepGuard(
+                    cfg.k,
+                    pass_costs(self.target, max(cfg.k + 1 + drafter.scratch_rows, 2)),
+                    estimate=drafter.estimated_ms if reproducible(sampling) else None,
+                )
         sid = self._next_id
         self._next_id += 1
         self._live[sid] = _Sequence(
-            sid, list(prompt_ids), cfg, sampling, seed, make_generator(seed, self.target.device), drafter,
-            StopChecker(cfg, n_new, self.tokenizer, eos), self.target.new_cache(len(prompt_ids) + n_new + scratch),
-            Metrics(prompt_tokens=len(prompt_ids), k=cfg.k if drafter is not None else None,
-                    exact=sampling.exact or drafter is None), time.perf_counter(),
-            controller=controller, pool=pool, prediction=list(prediction) if prediction else None,
+            sid,
+            list(prompt_ids),
+            cfg,
+            sampling,
+            seed,
+            make_generator(seed, self.target.device),
+            drafter,
+            StopChecker(cfg, n_new, self.tokenizer, eos),
+            self.target.new_cache(len(prompt_ids) + n_new + scratch),
+            Metrics(
+                prompt_tokens=len(prompt_ids),
+                k=cfg.k if drafter is not None else None,
+                exact=sampling.exact or drafter is None,
+            ),
+            time.perf_counter(),
+            controller=controller,
+            pool=pool,
+            prediction=list(prediction) if prediction else None,
             top_logprobs=logprobs,
-        )  # fmt: skip
+        )
         if self.prefixes is not None:
             # (the prompt's last row is computed in any case: it gives the first token)
             hit = self.prefixes.longest(pool, prompt_ids[:-1])
@@ -293,8 +342,11 @@ class Engine:
         total = (sum(r for r, _ in load.values()), sum(t for _, t in load.values()))
         for s in seqs:
             # a seeded sampled request's k must not depend on what else is in the batch
-            others = (0, 0.0) if len(seqs) == 1 or reproducible(s.sampling) else \
-                (total[0] - load[s.id][0], total[1] - load[s.id][1])  # fmt: skip
+            others = (
+                (0, 0.0)
+                if len(seqs) == 1 or reproducible(s.sampling)
+                else (total[0] - load[s.id][0], total[1] - load[s.id][1])
+            )
             s.k_now = s.plan_k(others) if s.last is not None and drafting else 0
             s.draft_ms = 0.0
         drafts = self._propose([s for s in seqs if s.last is not None])
@@ -308,9 +360,12 @@ class Engine:
         segments = [self._segment(s, drafts.get(s.id)) for s in run]
         with timer(self.target.device) as t:
             outs = self.target.forward_batch(
-                segments, return_hidden=any(s.drafter is not None and s.drafter.wants_hidden for s in seqs),
-                output_layers=tuple(sorted({i for s in seqs if s.drafter is not None for i in s.drafter.feature_layers})),
-            )  # fmt: skip
+                segments,
+                return_hidden=any(s.drafter is not None and s.drafter.wants_hidden for s in seqs),
+                output_layers=tuple(
+                    sorted({i for s in seqs if s.drafter is not None for i in s.drafter.feature_layers})
+                ),
+            )
         rows = sum(int(seg.tokens.shape[0]) for seg in segments)
         if all(s.last is not None for s in seqs) and all(seg.lo == 0 for seg in segments):
             # decode rows only, every layer: the online cost estimate follows this pass
@@ -370,7 +425,9 @@ class Engine:
                 s.metrics.draft_time += t[0] / len(group)
                 s.draft_ms = 1e3 * t[0] / len(group)
                 if draft.depth() > k:
-                    raise RuntimeError(f"drafter {s.drafter.name!r} proposed {draft.depth()} tokens in a row, more than k={k}")  # type: ignore[union-attr]
+                    raise RuntimeError(
+                        f"drafter {s.drafter.name!r} proposed {draft.depth()} tokens in a row, more than k={k}"
+                    )  # type: ignore[union-attr]
                 drafts[s.id] = draft
         return drafts
 
@@ -424,10 +481,19 @@ class Engine:
             with timer(self.target.device) as t:
                 s.forwards_before = s.drafter.forwards
                 layers = {i: out.layers[i][0] for i in s.drafter.feature_layers}
-                s.drafter.begin(DraftSession(s.prompt + [s.last], len(s.prompt) + s.stopper.limit, s.sampling,
-                                             make_generator(s.seed + 1, self.target.device), self.target, s.cache,
-                                             layers, fixed_k=not s.cfg.adaptive_k,
-                                             prediction=s.prediction))  # fmt: skip
+                s.drafter.begin(
+                    DraftSession(
+                        s.prompt + [s.last],
+                        len(s.prompt) + s.stopper.limit,
+                        s.sampling,
+                        make_generator(s.seed + 1, self.target.device),
+                        self.target,
+                        s.cache,
+                        layers,
+                        fixed_k=not s.cfg.adaptive_k,
+                        prediction=s.prediction,
+                    )
+                )
             s.metrics.prefill_time += t[0]
             s.metrics.draft_time += t[0]
         return self._delta(s, [s.last])
@@ -442,7 +508,9 @@ class Engine:
         if draft.parents is None and draft.extra is None:
             s.cache.truncate(start + 1 + len(path))  # keep `last` and the accepted drafts; drop the rest
         else:  # keep `last` and the accepted path's slots, moved to follow it
-            s.cache.keep(start + 1, torch.tensor([start + 1 + j for j in path], dtype=torch.long, device=s.cache.pos.device))
+            s.cache.keep(
+                start + 1, torch.tensor([start + 1 + j for j in path], dtype=torch.long, device=s.cache.pos.device)
+            )
         m = s.metrics
         m.scored_rows += logits.shape[0]
         if s.drafter is not None:
@@ -460,10 +528,16 @@ class Engine:
             rows = [0] + [j + 1 for j in path]
             s.logprobs += token_logprobs(logits[rows[: len(committed)]], committed, s.top_logprobs)
         if s.drafter is not None and not s.stopper.finish_reason:
-            s.drafter.accepted(Feedback(
-                path, nxt, logits[: K + 1], logits[K + 1 :] if draft.extra is not None else None,
-                out.hidden[0] if out.hidden is not None else None, {i: h[0] for i, h in out.layers.items()},
-            ))  # fmt: skip
+            s.drafter.accepted(
+                Feedback(
+                    path,
+                    nxt,
+                    logits[: K + 1],
+                    logits[K + 1 :] if draft.extra is not None else None,
+                    out.hidden[0] if out.hidden is not None else None,
+                    {i: h[0] for i, h in out.layers.items()},
+                )
+            )
         elif s.drafter is not None:
             s.drafter.last_step(Feedback(path, nxt, logits[: K + 1]), min(len(path), len(committed)))
         return self._delta(s, committed)
@@ -479,7 +553,9 @@ class Engine:
             m.draft_forwards = s.drafter.forwards - s.forwards_before
             m.drafter_info = dict(s.drafter.info)
             if s.controller is not None:
-                m.drafter_info["adaptive_k" if isinstance(s.controller, KController) else "guard"] = s.controller.report()
+                m.drafter_info["adaptive_k" if isinstance(s.controller, KController) else "guard"] = (
+                    s.controller.report()
+                )
         m.wall_time = time.perf_counter() - s.started
         m.new_tokens = len(s.stopper.tokens)
         if self.prefixes is not None and s.cache is not None:
@@ -489,8 +565,14 @@ class Engine:
         s.cache = None  # free the KV cache
         del self._live[s.id]
         reason = s.stopper.finish_reason or "length"
-        self._done[s.id] = GenerationResult(s.stopper.tokens, s.stopper.text(), reason, s.seed, m,
-                                            s.logprobs[: len(s.stopper.tokens)] if s.top_logprobs is not None else None)
+        self._done[s.id] = GenerationResult(
+            s.stopper.tokens,
+            s.stopper.text(),
+            reason,
+            s.seed,
+            m,
+            s.logprobs[: len(s.stopper.tokens)] if s.top_logprobs is not None else None,
+        )
 
 
 def _load(s: _Sequence) -> tuple[float, float]:
@@ -503,8 +585,9 @@ def _load(s: _Sequence) -> tuple[float, float]:
     return 1.0 + (s.draft_rows or 0.0), s.metrics.mean_accepted_tokens or 1.0
 
 
-def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: torch.Generator,
-            rules: Rules) -> tuple[list[int], int]:  # fmt: skip
+def _verify(
+    logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: torch.Generator, rules: Rules
+) -> tuple[list[int], int]:
     """The accepted draft nodes (a chain's first n, or a tree path) and the next token.
     logits: [K+1, V]."""
     K = draft.tokens.shape[0]
@@ -512,8 +595,9 @@ def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: t
         return [], int(pick(logits[:1], sampling, gen))
     tokens = draft.tokens.tolist()
     if not sampling.exact:  # asked for explicitly, flagged in the metrics: NOT the target's distribution
-        tv = lossy_typical_acceptance(probs(logits, sampling), tokens, draft.parents, sampling.epsilon, sampling.delta,
-                                      gen)  # fmt: skip
+        tv = lossy_typical_acceptance(
+            probs(logits, sampling), tokens, draft.parents, sampling.epsilon, sampling.delta, gen
+        )
         return tv.path, tv.next_token
     if draft.parents is not None:
         if sampling.greedy:
@@ -535,9 +619,16 @@ def _verify(logits: torch.Tensor, draft: Draft, sampling: SamplingParams, gen: t
     return list(range(int(verdict.num_accepted[0]))), int(verdict.next_token[0])
 
 
-def run(target: Transformer, prompt_ids: list[int], cfg: GenerationConfig, sampling: SamplingParams,
-        drafter: Drafter | None = None, tokenizer: Tokenizer | None = None,
-        rules: Rules | None = None, prediction: list[int] | None = None) -> GenerationResult:  # fmt: skip
+def run(
+    target: Transformer,
+    prompt_ids: list[int],
+    cfg: GenerationConfig,
+    sampling: SamplingParams,
+    drafter: Drafter | None = None,
+    tokenizer: Tokenizer | None = None,
+    rules: Rules | None = None,
+    prediction: list[int] | None = None,
+) -> GenerationResult:
     """One sequence, to the end: plain decoding without a drafter, speculative with one."""
     engine = Engine(target, tokenizer, rules)
     sid = engine.add(prompt_ids, cfg, sampling, drafter, prediction=prediction)

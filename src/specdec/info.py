@@ -19,8 +19,20 @@ import torch
 from . import registry, store
 from .version import __version__
 
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
-         "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
+FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 def _mem_total_gib() -> float | None:
@@ -72,20 +84,28 @@ def collect(bandwidth: bool = True) -> dict[str, Any]:
         if store.is_installed(name):
             models[name] = {f"{kind}_mib": round(n / 2**20) for kind, n in store.model_files(name).items()}
     return {
-        "specdec": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "specdec": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "platform": platform.platform(),
-        "cpu": {"model": cpu.get("model name", platform.processor()), "vendor": cpu.get("vendor_id"),
-                "family": cpu.get("cpu family"), "model_number": cpu.get("model"),
-                "flags": {f: f in flags for f in FLAGS}},
-        "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu": {
+            "model": cpu.get("model name", platform.processor()),
+            "vendor": cpu.get("vendor_id"),
+            "family": cpu.get("cpu family"),
+            "model_number": cpu.get("model"),
+            "flags": {f: f in flags for f in FLAGS},
+        },
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "memory_gib": _mem_total_gib(),
         "copy_bandwidth_gbs": copy_bandwidth_gbs() if bandwidth else None,
         "kernels": kernels,
         "default_mode": default_mode_name(torch.device("cpu")),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "cache": str(store.cache_root()), "cache_mib": round(_dir_bytes(store.cache_root()) / 2**20),
+        "cache": str(store.cache_root()),
+        "cache_mib": round(_dir_bytes(store.cache_root()) / 2**20),
         "models": models,
-    }  # fmt: skip
+    }
 
 
 def text(info: dict[str, Any]) -> str:
@@ -97,15 +117,18 @@ def text(info: dict[str, Any]) -> str:
         f"CPU: {c['model']} (vendor {c['vendor']}, family {c['family']} model {c['model_number']}), "
         f"{info['cores']} cores, torch threads {info['torch_threads']}",
         f"  flags: {' '.join(have) or 'none of ' + ', '.join(FLAGS)}",
-        f"memory: {info['memory_gib']} GiB" + (f", copy bandwidth {info['copy_bandwidth_gbs']} GB/s"
-                                                if info["copy_bandwidth_gbs"] else ""),
+        f"memory: {info['memory_gib']} GiB"
+        + (f", copy bandwidth {info['copy_bandwidth_gbs']} GB/s" if info["copy_bandwidth_gbs"] else ""),
         f"native kernels: {k['build'] or 'unavailable'} ({k['why']})",
-        f"default precision mode on the CPU: {info['default_mode']}" + (f"; CUDA: {info['cuda']}" if info["cuda"] else ""),
+        f"default precision mode on the CPU: {info['default_mode']}"
+        + (f"; CUDA: {info['cuda']}" if info["cuda"] else ""),
         f"cache: {info['cache']} ({info['cache_mib']} MiB)",
-    ]  # fmt: skip
+    ]
     for name, m in info["models"].items():
-        lines.append(f"  {name}: GGUF {m['gguf_mib']} MiB, q4k packed {m['q4k_mib']} MiB, float32 {m['float32_mib']} MiB, "
-                     f"other {m['other_mib']} MiB")
+        lines.append(
+            f"  {name}: GGUF {m['gguf_mib']} MiB, q4k packed {m['q4k_mib']} MiB, float32 {m['float32_mib']} MiB, "
+            f"other {m['other_mib']} MiB"
+        )
     if not info["models"]:
         lines.append("  no model installed (specdec models install NAME)")
     return "\n".join(lines)

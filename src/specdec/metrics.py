@@ -27,7 +27,9 @@ class Metrics:
     proposed: int = 0  # draft tokens offered for verification
     accepted: int = 0  # draft tokens accepted
     step_tokens: int = 0  # tokens committed by speculative steps (accepted + 1 each)
-    scored_rows: int = 0  # rows the target scored in verification passes (last token, drafts, tree branches, extra rows)
+    scored_rows: int = (
+        0  # rows the target scored in verification passes (last token, drafts, tree branches, extra rows)
+    )
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     drafter_info: dict[str, Any] = field(default_factory=dict)  # what the drafter chose (e.g. early-exit's layer)
@@ -85,8 +87,14 @@ class Metrics:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         del d["pass_ms"]  # (as target_ms_by_rows)
-        for name in ("acceptance_rate", "mean_accepted_tokens", "tokens_per_second", "decode_tokens_per_second",
-                     "draft_ms_per_token", "target_ms_by_rows"):  # fmt: skip
+        for name in (
+            "acceptance_rate",
+            "mean_accepted_tokens",
+            "tokens_per_second",
+            "decode_tokens_per_second",
+            "draft_ms_per_token",
+            "target_ms_by_rows",
+        ):
             d[name] = getattr(self, name)
         return d
 

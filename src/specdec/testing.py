@@ -40,31 +40,58 @@ def _special_ids(vocab_size: int) -> dict[str, int | None]:
     return {"eos_token_id": N_BYTES, "bos_token_id": N_BYTES + 1, "pad_token_id": N_BYTES}
 
 
-def tiny_config(arch: str = "llama", *, vocab_size: int = 264, hidden: int = 64, layers: int = 2,
-                heads: int = 4, kv_heads: int = 2, max_pos: int = 512, sliding_window: int = 8):  # fmt: skip
+def tiny_config(
+    arch: str = "llama",
+    *,
+    vocab_size: int = 264,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_pos: int = 512,
+    sliding_window: int = 8,
+):
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
         **_special_ids(vocab_size),
         initializer_range=0.05 if arch == "gemma3" else 0.2,  # Gemma scales embeddings by sqrt(dim)
-    )  # fmt: skip
+    )
     if arch == "llama":
-        return LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        return LlamaConfig(
+            **common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+        )
     if arch == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "gemma3":
         # layer 0 sliding, layer 1 full: both kinds of attention are exercised
-        return Gemma3TextConfig(**common, head_dim=hidden // heads, sliding_window=sliding_window,
-                                layer_types=["sliding_attention", "full_attention"] * (layers // 2)
-                                + ["sliding_attention"] * (layers % 2), query_pre_attn_scalar=16)  # fmt: skip
+        return Gemma3TextConfig(
+            **common,
+            head_dim=hidden // heads,
+            sliding_window=sliding_window,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+            query_pre_attn_scalar=16,
+        )
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
-                    base: str | Path | None = None, noise: float = 0.0, tokenizer: bool = True,
-                    **config_kwargs) -> Path:  # fmt: skip
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    base: str | Path | None = None,
+    noise: float = 0.0,
+    tokenizer: bool = True,
+    **config_kwargs,
+) -> Path:
     """Write a random model. With `base`, start from that model's weights and add Gaussian
     noise of relative size `noise` (a draft that agrees with its target only sometimes)."""
     from safetensors.torch import load_file

@@ -118,8 +118,6 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-
-
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, *, names: tuple[str, str] = ("target", "draft")) -> None:
     """Speculative decoding compares token ids, so both models must share one vocabulary."""
     if target is draft or draft in target.same:

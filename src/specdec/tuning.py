@@ -41,10 +41,15 @@ def save(result: Any) -> dict[str, Any]:
     for r in recs:
         if r.category != "all":
             continue
-        entry = {"k": r.best_k, "predicted_speedup": round(r.best_predicted, 3), "temperature": temp,
-                 "by_category": {c.category: c.best_k for c in recs if c.method == r.method and c.category != "all"},
-                 "measured_k": r.measured_k, "measured_speedup": r.measured_speedup,
-                 "written": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+        entry = {
+            "k": r.best_k,
+            "predicted_speedup": round(r.best_predicted, 3),
+            "temperature": temp,
+            "by_category": {c.category: c.best_k for c in recs if c.method == r.method and c.category != "all"},
+            "measured_k": r.measured_k,
+            "measured_speedup": r.measured_speedup,
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         written[key(s.target, r.method, s.draft, result.mode)] = entry
     table.update(written)
     store.write_json(tuned_path(), table)

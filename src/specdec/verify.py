@@ -270,8 +270,10 @@ def tree_mixed_sample(
     order: dict[int, list[tuple[int, bool]]] = {}
     for j, sampled in attempts:
         if not 0 <= j < K or (j, sampled) in seen:
-            raise ValueError(f"attempt ({j}, {sampled}) names no node or repeats one; each node is tried at most "
-                             "once as drawn and once as fixed")  # fmt: skip
+            raise ValueError(
+                f"attempt ({j}, {sampled}) names no node or repeats one; each node is tried at most "
+                "once as drawn and once as fixed"
+            )
         seen.add((j, sampled))
         order.setdefault(parents[j] + 1, []).append((j, sampled))
     if {j for j, _ in attempts} != set(range(K)):

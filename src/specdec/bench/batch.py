@@ -23,8 +23,8 @@ from ..api import LoadedModel, build_drafter, load, load_draft
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams
 from ..drafters.base import needs_draft_model
 from ..engine import Engine
-from .grid import machine, prompt_ids
 from . import save_figure
+from .grid import machine, prompt_ids
 from .suite import load_prompts
 
 PLAIN = "plain"
@@ -93,16 +93,29 @@ class BatchResult:
                 ratios = [r.tokens_per_second / p.tokens_per_second for r, p in zip(rs, plain, strict=False)]
                 alphas = [r.acceptance_rate for r in rs if r.acceptance_rate is not None]
                 same = [r.identical for r in rs if r.identical is not None]
-                rows.append({"batch": b, "method": m, "tokens_per_second": statistics.median(r.tokens_per_second for r in rs),
-                             "speedup": statistics.median(ratios) if ratios else None,
-                             "acceptance_rate": statistics.median(alphas) if alphas else None,
-                             "steps": statistics.median(r.steps for r in rs), "identical": all(same) if same else None})  # fmt: skip
+                rows.append(
+                    {
+                        "batch": b,
+                        "method": m,
+                        "tokens_per_second": statistics.median(r.tokens_per_second for r in rs),
+                        "speedup": statistics.median(ratios) if ratios else None,
+                        "acceptance_rate": statistics.median(alphas) if alphas else None,
+                        "steps": statistics.median(r.steps for r in rs),
+                        "identical": all(same) if same else None,
+                    }
+                )
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        return {"settings": asdict(self.settings), "machine": self.machine, "mode": self.mode, "draft": self.draft,
-                "prompts": self.prompt_ids, "summary": self.summary(),
-                "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in self.runs]}  # fmt: skip
+        return {
+            "settings": asdict(self.settings),
+            "machine": self.machine,
+            "mode": self.mode,
+            "draft": self.draft,
+            "prompts": self.prompt_ids,
+            "summary": self.summary(),
+            "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in self.runs],
+        }
 
 
 def default_draft(target: str) -> str:
@@ -120,7 +133,9 @@ def run_batch(settings: BatchSettings, progress: Callable[[str], None] | None = 
         draft = target if draft_name == settings.target else load_draft(draft_name, dtype=settings.dtype)
     suite = [p for p in load_prompts(settings.prompts_file) if len(prompt_ids(target, p)) <= settings.max_prompt_tokens]
     if not suite:
-        raise ValueError(f"no prompt of the suite has at most {settings.max_prompt_tokens} tokens; raise --max-prompt-tokens")
+        raise ValueError(
+            f"no prompt of the suite has at most {settings.max_prompt_tokens} tokens; raise --max-prompt-tokens"
+        )
     # one per category in turn, so a batch mixes task kinds (and prompt lengths)
     cats: dict[str, list] = {}
     for p in suite:
@@ -129,8 +144,9 @@ def run_batch(settings: BatchSettings, progress: Callable[[str], None] | None = 
     need = max(settings.batches)
     chosen = [order[i % len(order)] for i in range(need)]
     ids = [prompt_ids(target, p) for p in chosen]
-    result = BatchResult(settings, machine(), target.model.mode, draft_name if draft is not None else None,
-                         [p.id for p in chosen])  # fmt: skip
+    result = BatchResult(
+        settings, machine(), target.model.mode, draft_name if draft is not None else None, [p.id for p in chosen]
+    )
     cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, k=settings.k, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, seed=0)
     _timed(target, [ids[0][:8]], cfg, greedy, PLAIN, draft)  # warm-up: first-call costs
@@ -148,12 +164,25 @@ def run_batch(settings: BatchSettings, progress: Callable[[str], None] | None = 
     return result
 
 
-def _timed(target: LoadedModel, ids: list[list[int]], cfg: GenerationConfig, sampling: SamplingParams, method: str,
-           draft: LoadedModel | None) -> tuple[BatchRun, list[list[int]]]:  # fmt: skip
+def _timed(
+    target: LoadedModel,
+    ids: list[list[int]],
+    cfg: GenerationConfig,
+    sampling: SamplingParams,
+    method: str,
+    draft: LoadedModel | None,
+) -> tuple[BatchRun, list[list[int]]]:
     engine = Engine(target.model, target.tokenizer)
     t0 = time.perf_counter()
-    sids = [engine.add(p, cfg, sampling, None if method == PLAIN else build_drafter(
-                       target, draft if needs_draft_model(method) else None, method)) for p in ids]  # fmt: skip
+    sids = [
+        engine.add(
+            p,
+            cfg,
+            sampling,
+            None if method == PLAIN else build_drafter(target, draft if needs_draft_model(method) else None, method),
+        )
+        for p in ids
+    ]
     steps = 0
     while engine.has_work():
         engine.step()
@@ -168,14 +197,19 @@ def _timed(target: LoadedModel, ids: list[list[int]], cfg: GenerationConfig, sam
 
 def table(result: BatchResult) -> str:
     head = f"{'batch':>5s} {'method':14s} {'tok/s':>8s} {'speedup':>8s} {'alpha':>6s} {'steps':>6s} identical"
-    lines = [f"{result.settings.target} ({result.mode})" + (f", draft {result.draft}" if result.draft else ""),
-             head, "-" * len(head)]  # fmt: skip
+    lines = [
+        f"{result.settings.target} ({result.mode})" + (f", draft {result.draft}" if result.draft else ""),
+        head,
+        "-" * len(head),
+    ]
     for r in result.summary():
         sp = "–" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         al = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         same = "–" if r["identical"] is None else ("yes" if r["identical"] else "NO")
-        lines.append(f"{r['batch']:5d} {r['method']:14s} {r['tokens_per_second']:8.1f} {sp:>8s} {al:>6s} "
-                     f"{r['steps']:6.0f} {same}")  # fmt: skip
+        lines.append(
+            f"{r['batch']:5d} {r['method']:14s} {r['tokens_per_second']:8.1f} {sp:>8s} {al:>6s} "
+            f"{r['steps']:6.0f} {same}"
+        )
     return "\n".join(lines)
 
 
@@ -201,8 +235,11 @@ def write(result: BatchResult, out_dir: Path) -> list[Path]:
             ax2.plot([r["batch"] for r in rs], [r["speedup"] for r in rs], **style)
     ax1.set(xlabel="batch size (sequences in flight)", ylabel="aggregate tokens/s", title="throughput")
     ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax2.set(xlabel="batch size (sequences in flight)", ylabel="speedup over plain decoding",
-            title="speculative / plain, same batch size")  # fmt: skip
+    ax2.set(
+        xlabel="batch size (sequences in flight)",
+        ylabel="speedup over plain decoding",
+        title="speculative / plain, same batch size",
+    )
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(result.settings.batches), [str(b) for b in result.settings.batches])

@@ -42,12 +42,22 @@ class Acceptance:
     def pool(cls, records: list[dict[str, Any]]) -> Acceptance:
         steps = sum(r["steps"] for r in records)
         depth = max((len(r["proposed_per_position"]) for r in records), default=0)
-        acc = [sum(r["accepted_per_position"][i] for r in records if i < len(r["accepted_per_position"])) for i in range(depth)]
-        prop = [sum(r["proposed_per_position"][i] for r in records if i < len(r["proposed_per_position"])) for i in range(depth)]
+        acc = [
+            sum(r["accepted_per_position"][i] for r in records if i < len(r["accepted_per_position"]))
+            for i in range(depth)
+        ]
+        prop = [
+            sum(r["proposed_per_position"][i] for r in records if i < len(r["proposed_per_position"]))
+            for i in range(depth)
+        ]
         rows = sum(r["scored_rows"] for r in records) / steps if steps else 1.0
         extra = max(0.0, rows - 1 - sum(prop) / steps) if steps else 0.0
         timed = [r for r in records if r.get("draft_ms_per_token") is not None and r["proposed"]]
-        draft = sum(r["draft_ms_per_token"] * r["proposed"] for r in timed) / sum(r["proposed"] for r in timed) if timed else None
+        draft = (
+            sum(r["draft_ms_per_token"] * r["proposed"] for r in timed) / sum(r["proposed"] for r in timed)
+            if timed
+            else None
+        )
         return cls(steps, acc, prop, extra, draft)
 
     def per_step(self, k: int) -> tuple[list[float], list[float]]:
@@ -89,11 +99,21 @@ class Recommendation:
     by_k: dict[int, float] = field(default_factory=dict)
 
 
-def recommend(method: str, temperature: float, category: str, records: list[dict[str, Any]], costs: Costs,
-              k_used: int) -> Recommendation:  # fmt: skip
+def recommend(
+    method: str, temperature: float, category: str, records: list[dict[str, Any]], costs: Costs, k_used: int
+) -> Recommendation:
     acc = Acceptance.pool(records)
     by_k = {k: predict(method, k, acc, costs) for k in range(1, K_MAX + 1)}
     best = max(by_k, key=lambda k: by_k[k])
     speeds = [r["speedup"] for r in records if r.get("speedup") is not None]
-    return Recommendation(method, temperature, category, k_used, statistics.median(speeds) if speeds else None,
-                          predict(method, k_used, acc, costs), best, by_k[best], by_k)  # fmt: skip
+    return Recommendation(
+        method,
+        temperature,
+        category,
+        k_used,
+        statistics.median(speeds) if speeds else None,
+        predict(method, k_used, acc, costs),
+        best,
+        by_k[best],
+        by_k,
+    )

@@ -43,10 +43,14 @@ class ModeResult:
 
     def to_dict(self) -> dict[str, Any]:
         ms = {str(k): v for k, v in self.ms.items()}
-        out = {"ms": ms, "ratio_to_k1": {str(k): v for k, v in self.ratio.items()},
-               "ratio_band": {str(k): v for k, v in self.ratio_band.items()},
-               "batch_invariant": self.batch_invariant, "max_abs_diff": self.max_abs_diff,
-               "ratio_k8_k1": self.ratio.get(8)}  # fmt: skip
+        out = {
+            "ms": ms,
+            "ratio_to_k1": {str(k): v for k, v in self.ratio.items()},
+            "ratio_band": {str(k): v for k, v in self.ratio_band.items()},
+            "batch_invariant": self.batch_invariant,
+            "max_abs_diff": self.max_abs_diff,
+            "ratio_k8_k1": self.ratio.get(8),
+        }
         if self.roofline is not None:
             out["roofline"] = self.roofline
         return out
@@ -60,8 +64,7 @@ def _tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, min(vocab, 30000), (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats: int,
-              roof: bool = False) -> ModeResult:  # fmt: skip
+def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats: int, roof: bool = False) -> ModeResult:
     """`roof`: set the passes against this machine's roofline (q4k only). The probes run
     beside each k's timing and the best of them is the roof: on a machine whose memory and
     clock move from second to second, a floor from one early probe could be far off."""
@@ -123,8 +126,14 @@ def time_llama_cpp(gguf: Path, *, context: int, ks: tuple[int, ...], repeats: in
 
 
 def _time_llama_cpp(llama_cpp, gguf: Path, *, context: int, ks: tuple[int, ...], repeats: int) -> dict[str, Any]:  # noqa: ANN001
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context + max(ks) + 8, n_threads=torch.get_num_threads(),
-                n_threads_batch=torch.get_num_threads(), logits_all=True, verbose=False)  # fmt: skip
+    llm = llama_cpp.Llama(
+        model_path=str(gguf),
+        n_ctx=context + max(ks) + 8,
+        n_threads=torch.get_num_threads(),
+        n_threads_batch=torch.get_num_threads(),
+        logits_all=True,
+        verbose=False,
+    )
     vocab = llm.n_vocab()
     prompt = _tokens(context, vocab, 0)[0].tolist()
     new = _tokens(max(ks), vocab, 1)[0].tolist()
@@ -142,8 +151,9 @@ def _time_llama_cpp(llama_cpp, gguf: Path, *, context: int, ks: tuple[int, ...],
     return {"ms": ms, "ratio_k8_k1": _ratio_k8_k1(ms), "version": llama_cpp.__version__, "gguf": gguf.name}
 
 
-def time_draft(target: Transformer, draft: Transformer, vocabs: list[int], *, context: int,
-               repeats: int) -> dict[str, Any]:  # fmt: skip
+def time_draft(
+    target: Transformer, draft: Transformer, vocabs: list[int], *, context: int, repeats: int
+) -> dict[str, Any]:
     """One drafted token as the draft-model drafter computes it (`draft_model.draft_step`: its
     one-row pass, and its LM head over each vocabulary of `vocabs`, 0 = the whole one) beside
     the target's one-token pass, interleaved in one loop so both see the machine's same moments."""
@@ -171,21 +181,47 @@ def time_draft(target: Transformer, draft: Transformer, vocabs: list[int], *, co
             if r:
                 d_ms[n].append(t[0] * 1e3)
     target_ms = statistics.median(t_ms)
-    rows = {str(n): {"tokens": heads[n].size if heads[n] is not None else draft.args.vocab_size,
-                     "coverage": round(heads[n].freq.coverage(heads[n].size), 4) if heads[n] and heads[n].freq else 1.0,
-                     "ms": statistics.median(d_ms[n]), "ratio": statistics.median(d_ms[n]) / target_ms}
-            for n in vocabs}  # fmt: skip
+    rows = {
+        str(n): {
+            "tokens": heads[n].size if heads[n] is not None else draft.args.vocab_size,
+            "coverage": round(heads[n].freq.coverage(heads[n].size), 4) if heads[n] and heads[n].freq else 1.0,
+            "ms": statistics.median(d_ms[n]),
+            "ratio": statistics.median(d_ms[n]) / target_ms,
+        }
+        for n in vocabs
+    }
     default = str(DEFAULT_VOCAB) if str(DEFAULT_VOCAB) in rows else str(vocabs[0])
-    return {"target_ms": target_ms, "mode": draft.mode, "vocab": rows, "default_vocab": int(default),
-            "draft_ratio": rows[default]["ratio"]}  # fmt: skip
+    return {
+        "target_ms": target_ms,
+        "mode": draft.mode,
+        "vocab": rows,
+        "default_vocab": int(default),
+        "draft_ratio": rows[default]["ratio"],
+    }
 
 
-def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] = KS, repeats: int = 5,
-        device: str | None = None, progress=print, gguf: Path | None = None,
-        draft: str | None = None, draft_vocabs: list[int] | None = None,
-        draft_bits: int | None = None) -> dict[str, Any]:  # fmt: skip
-    out: dict[str, Any] = {"context": context, "ks": list(ks), "repeats": repeats,
-                           "threads": torch.get_num_threads(), "torch": torch.__version__, "modes": {}}  # fmt: skip
+def run(
+    path: str,
+    *,
+    modes: list[str],
+    context: int = 128,
+    ks: tuple[int, ...] = KS,
+    repeats: int = 5,
+    device: str | None = None,
+    progress=print,
+    gguf: Path | None = None,
+    draft: str | None = None,
+    draft_vocabs: list[int] | None = None,
+    draft_bits: int | None = None,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "context": context,
+        "ks": list(ks),
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "modes": {},
+    }
     for mode in modes:
         model = load_transformer(path, dtype=mode, device=device)
         roof = mode == "q4k"
@@ -205,8 +241,9 @@ def run(path: str, *, modes: list[str], context: int = 128, ks: tuple[int, ...] 
         progress(f"timing one drafted token of {Path(draft).name} beside the target's one-token pass ...")
         target = load_transformer(path, dtype="auto", device=device)
         dmodel = load_transformer(draft, dtype="auto", device=device, bits=draft_bits)
-        out["draft"] = {"name": draft, "bits": draft_bits} | time_draft(target, dmodel, vocabs, context=context,
-                                                                       repeats=max(repeats, 9))  # fmt: skip
+        out["draft"] = {"name": draft, "bits": draft_bits} | time_draft(
+            target, dmodel, vocabs, context=context, repeats=max(repeats, 9)
+        )
         del target, dmodel
         gc.collect()
     if gguf is not None and gguf.exists():
@@ -221,28 +258,44 @@ def table(result: dict[str, Any]) -> str:
     lines = [head]
     for mode, r in result["modes"].items():
         ratio = r["ratio_k8_k1"]
-        lines.append(f"{mode:8s}" + "".join(f"{r['ms'][str(k)]:10.1f}" for k in ks)
-                     + (f"{ratio:8.2f}" if ratio else f"{'':8s}")
-                     + f"  {'yes' if r['batch_invariant'] else 'no (max diff %.1e)' % r['max_abs_diff']}")  # fmt: skip
+        lines.append(
+            f"{mode:8s}"
+            + "".join(f"{r['ms'][str(k)]:10.1f}" for k in ks)
+            + (f"{ratio:8.2f}" if ratio else f"{'':8s}")
+            + f"  {'yes' if r['batch_invariant'] else 'no (max diff %.1e)' % r['max_abs_diff']}"
+        )
         if r.get("ratio_band"):
-            lines.append(f"{'':8s}over k={ks[0]}: " + ", ".join(
-                f"k={k} {r['ratio_to_k1'][str(k)]:.2f} ({r['ratio_band'][str(k)][0]:.2f}-{r['ratio_band'][str(k)][1]:.2f})"
-                for k in ks[1:]))  # fmt: skip
+            lines.append(
+                f"{'':8s}over k={ks[0]}: "
+                + ", ".join(
+                    f"k={k} {r['ratio_to_k1'][str(k)]:.2f} ({r['ratio_band'][str(k)][0]:.2f}-{r['ratio_band'][str(k)][1]:.2f})"
+                    for k in ks[1:]
+                )
+            )
     peer = result.get("llama_cpp")
     if peer:
-        lines.append(f"{'llama.cpp':8s}" + "".join(f"{peer['ms'][str(k)]:10.1f}" for k in ks)
-                     + (f"{peer['ratio_k8_k1']:8.2f}" if peer["ratio_k8_k1"] else "") + f"  (peer, {peer['gguf']})")  # fmt: skip
+        lines.append(
+            f"{'llama.cpp':8s}"
+            + "".join(f"{peer['ms'][str(k)]:10.1f}" for k in ks)
+            + (f"{peer['ratio_k8_k1']:8.2f}" if peer["ratio_k8_k1"] else "")
+            + f"  (peer, {peer['gguf']})"
+        )
     k = result.get("kernels") or {}
     where = f"; {result['cpu']}, native kernels {k.get('build') or 'unavailable'}: {k.get('why', '')}" if k else ""
-    text = "\n".join(lines) + (f"\n(ms per target forward, median; 'over k=1': each k's pass over the one-token pass of "
-                               f"the same round, median (lowest-highest round), rounds interleaved over k{where})")  # fmt: skip
+    text = "\n".join(lines) + (
+        f"\n(ms per target forward, median; 'over k=1': each k's pass over the one-token pass of "
+        f"the same round, median (lowest-highest round), rounds interleaved over k{where})"
+    )
     roof = (result["modes"].get("q4k") or {}).get("roofline")
     text = text + "\n\n" + roofline.table(roof) if roof else text
     d = result.get("draft")
     if d:
         bits = f", {d['bits']}-bit packing" if d.get("bits") else ""
-        lines = [f"draft {d['name']} ({d['mode']}{bits}): one drafted token as drafting computes it, beside the target's "
-                 f"one-token pass ({d['target_ms']:.1f} ms)", f"{'vocabulary':>12s}{'tokens':>9s}{'coverage':>10s}{'ms':>8s}{'x target':>10s}"]
+        lines = [
+            f"draft {d['name']} ({d['mode']}{bits}): one drafted token as drafting computes it, beside the target's "
+            f"one-token pass ({d['target_ms']:.1f} ms)",
+            f"{'vocabulary':>12s}{'tokens':>9s}{'coverage':>10s}{'ms':>8s}{'x target':>10s}",
+        ]
         for n, r in d["vocab"].items():
             name = "full" if n == "0" else n + (" (default)" if int(n) == d["default_vocab"] else "")
             lines.append(f"{name:>12s}{r['tokens']:9d}{r['coverage']:10.1%}{r['ms']:8.2f}{r['ratio']:10.2f}")

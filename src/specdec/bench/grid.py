@@ -34,14 +34,13 @@ import numpy as np
 import torch
 
 from .. import registry
-from ..version import __version__
 from ..api import LoadedModel, build_drafter, encode_prompt, generate, load, load_draft, request, run_request
 from ..config import DEFAULT_K, method_default_k
 from ..costs import K_MAX, Costs, PassClock, pass_costs
-from ..drafters import DRAFTERS, make_drafter, uses_draft_model
+from ..drafters import DRAFTERS, heads, make_drafter, uses_draft_model
 from ..drafters.base import draft_model_method, needs_draft_model
-from ..drafters import heads
 from ..engine import GenerationResult
+from ..version import __version__
 from .costmodel import Acceptance, Recommendation, recommend
 from .suite import Prompt, load_prompts, select
 
@@ -56,6 +55,8 @@ def shipped(method: str, target: str) -> bool:
     """Whether `method` runs on `target` without a head given: it needs none, or one ships."""
     kind = DRAFTERS[method].head
     return kind is None or heads.shipped(kind, name=target) is not None
+
+
 NOISE = "plain-again"  # the noise control: plain decoding again, timed against the first plain run
 WARM_UP_TOKENS = 8
 
@@ -113,17 +114,28 @@ def machine() -> dict[str, Any]:
 
     cpu = cpu_info().get("model name") or platform.processor()
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).parent).stdout.strip() or None  # fmt: skip
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     import transformers
 
-    return {"platform": platform.platform(), "python": sys.version.split()[0], "cpu": cpu,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "torch": torch.__version__, "transformers": transformers.__version__, "specdec": __version__,
-            "git_commit": commit}  # fmt: skip
+    return {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "specdec": __version__,
+        "git_commit": commit,
+    }
 
 
 def prompt_ids(model: LoadedModel, prompt: Prompt) -> list[int]:
@@ -139,8 +151,16 @@ def _per_token(m: Any, decode: bool = False) -> float:
     return (m.wall_time - (m.prefill_time if decode else 0.0)) / max(m.new_tokens, 1)
 
 
-def _record(prompt: Prompt, method: str, temp: float, repeat: int, seed: int, res: GenerationResult,
-            plains: tuple[GenerationResult, GenerationResult], position: int) -> dict[str, Any]:  # fmt: skip
+def _record(
+    prompt: Prompt,
+    method: str,
+    temp: float,
+    repeat: int,
+    seed: int,
+    res: GenerationResult,
+    plains: tuple[GenerationResult, GenerationResult],
+    position: int,
+) -> dict[str, Any]:
     """One timed run against the plain runs that bracket its block (`plains`: the first and the
     last run of the block; their mean time per token is the reference, so a machine that drifts
     during the block moves both sides alike)."""
@@ -150,28 +170,47 @@ def _record(prompt: Prompt, method: str, temp: float, repeat: int, seed: int, re
     mine, mine_decode = _per_token(m), _per_token(m, decode=True)
     passes = lambda mm: {str(r): len(ms) for r, ms in sorted(mm.pass_ms.items())}
     return {
-        "prompt_id": prompt.id, "category": prompt.category, "method": method, "temperature": temp,
-        "repeat": repeat, "seed": seed, "position": position, "prompt_tokens": m.prompt_tokens,
-        "cached_tokens": m.cached_tokens, "new_tokens": m.new_tokens,
-        "tokens_per_second": m.tokens_per_second, "plain_tokens_per_second": 1.0 / ref if ref > 0 else None,
+        "prompt_id": prompt.id,
+        "category": prompt.category,
+        "method": method,
+        "temperature": temp,
+        "repeat": repeat,
+        "seed": seed,
+        "position": position,
+        "prompt_tokens": m.prompt_tokens,
+        "cached_tokens": m.cached_tokens,
+        "new_tokens": m.new_tokens,
+        "tokens_per_second": m.tokens_per_second,
+        "plain_tokens_per_second": 1.0 / ref if ref > 0 else None,
         "speedup": ref / mine if mine > 0 else None,
         "decode_speedup": ref_decode / mine_decode if mine_decode > 0 else None,
-        "acceptance_rate": m.acceptance_rate, "mean_accepted_tokens": m.mean_accepted_tokens,
-        "steps": m.steps, "proposed": m.proposed, "accepted": m.accepted, "step_tokens": m.step_tokens,
-        "scored_rows": m.scored_rows, "proposed_per_position": m.proposed_per_position,
+        "acceptance_rate": m.acceptance_rate,
+        "mean_accepted_tokens": m.mean_accepted_tokens,
+        "steps": m.steps,
+        "proposed": m.proposed,
+        "accepted": m.accepted,
+        "step_tokens": m.step_tokens,
+        "scored_rows": m.scored_rows,
+        "proposed_per_position": m.proposed_per_position,
         "accepted_per_position": m.accepted_per_position,
         "identical": res.token_ids == plains[0].token_ids if temp == 0 else None,
         "drafter_info": m.drafter_info,
-        "draft_ms_per_token": m.draft_ms_per_token, "target_ms_by_rows": m.target_ms_by_rows,
+        "draft_ms_per_token": m.draft_ms_per_token,
+        "target_ms_by_rows": m.target_ms_by_rows,
         # what the modelled speedup prices (`model_speedups`): the passes by rows, the drafting
         # time, the prefill (the plain reference's, the same rows on both sides)
-        "passes": passes(m), "draft_seconds": m.draft_time, "plain_passes": passes(p),
-        "plain_new_tokens": p.new_tokens, "prefill_seconds": statistics.fmean(x.metrics.prefill_time for x in plains),
+        "passes": passes(m),
+        "draft_seconds": m.draft_time,
+        "plain_passes": passes(p),
+        "plain_new_tokens": p.new_tokens,
+        "prefill_seconds": statistics.fmean(x.metrics.prefill_time for x in plains),
         # the block's one-row pass at this prompt's context (the plain runs' median pass, ~2 x
         # new_tokens of them): what a row costs after this prompt, against the table's context
-        "plain_pass_ms": statistics.median(ms) if (ms := [t for x in plains for t in x.metrics.pass_ms.get(1, [])]) else None,
+        "plain_pass_ms": statistics.median(ms)
+        if (ms := [t for x in plains for t in x.metrics.pass_ms.get(1, [])])
+        else None,
         "modelled_speedup": None,
-    }  # fmt: skip
+    }
 
 
 def model_speedups(records: list[dict[str, Any]], costs: Costs) -> None:
@@ -216,8 +255,13 @@ class GridResult:
         for r in self.summary():
             if r["method"] in ("early-exit", NOISE) or r["method"].startswith("peer:"):
                 continue
-            rs = [x for x in self.records if x["method"] == r["method"] and x["temperature"] == r["temperature"]
-                  and (r["category"] == "all" or x["category"] == r["category"])]  # fmt: skip
+            rs = [
+                x
+                for x in self.records
+                if x["method"] == r["method"]
+                and x["temperature"] == r["temperature"]
+                and (r["category"] == "all" or x["category"] == r["category"])
+            ]
             out.append(recommend(r["method"], r["temperature"], r["category"], rs, self.costs, self.settings.chain_k))
         return out
 
@@ -244,10 +288,14 @@ class GridResult:
     def summary(self) -> list[dict[str, Any]]:
         """One row per (method, temperature, category), plus category "all"."""
         rows = []
-        keys = sorted({(r["method"], r["temperature"], r["category"]) for r in self.records},
-                      key=lambda k: (_order(k[0]), k[1], k[2]))  # fmt: skip
-        groups = [(m, t, c, [r for r in self.records if (r["method"], r["temperature"], r["category"]) == (m, t, c)])
-                  for m, t, c in keys]  # fmt: skip
+        keys = sorted(
+            {(r["method"], r["temperature"], r["category"]) for r in self.records},
+            key=lambda k: (_order(k[0]), k[1], k[2]),
+        )
+        groups = [
+            (m, t, c, [r for r in self.records if (r["method"], r["temperature"], r["category"]) == (m, t, c)])
+            for m, t, c in keys
+        ]
         for m, t in sorted({(m, t) for m, t, _ in keys}, key=lambda k: (_order(k[0]), k[1])):
             groups.append((m, t, "all", [r for r in self.records if (r["method"], r["temperature"]) == (m, t)]))
         for method, temp, cat, rs in groups:
@@ -258,11 +306,20 @@ class GridResult:
         recs = [asdict(r) for r in self.recommendations()]
         costs = None if self.costs is None else asdict(self.costs)
         priced = None if self.priced is None else self.priced.target_ms
-        return {"settings": asdict(self.settings), "mode": self.mode, "machine": self.machine, "wall_time": self.wall_time,
-                "costs": costs, "modelled_pass_ms": priced, "peers_skipped": self.peers_skipped, "first_use_seconds": self.first_use,
-                "summary": self.summary(), "cost_model": recs,
-                "auto_choices": self.auto_choices(),
-                "records": self.records}  # fmt: skip
+        return {
+            "settings": asdict(self.settings),
+            "mode": self.mode,
+            "machine": self.machine,
+            "wall_time": self.wall_time,
+            "costs": costs,
+            "modelled_pass_ms": priced,
+            "peers_skipped": self.peers_skipped,
+            "first_use_seconds": self.first_use,
+            "summary": self.summary(),
+            "cost_model": recs,
+            "auto_choices": self.auto_choices(),
+            "records": self.records,
+        }
 
 
 def _order(method: str) -> int:
@@ -297,16 +354,18 @@ def summarise(rs: list[dict[str, Any]], cells: bool = False) -> dict[str, Any]:
         "modelled_speedup": modelled,
         "measured_over_modelled": speed / modelled if speed and modelled else None,
         "decode_speedup": decode,
-        "tokens_per_second": statistics.median(tps) if (tps := [r["tokens_per_second"] for r in rs
-                                                                  if r["tokens_per_second"] is not None]) else None,
+        "tokens_per_second": statistics.median(tps)
+        if (tps := [r["tokens_per_second"] for r in rs if r["tokens_per_second"] is not None])
+        else None,
         "errors": sum(1 for r in rs if r.get("error")),
-        "plain_tokens_per_second": statistics.median(x) if (x := [r["plain_tokens_per_second"] for r in rs
-                                                                  if r["plain_tokens_per_second"]]) else None,
+        "plain_tokens_per_second": statistics.median(x)
+        if (x := [r["plain_tokens_per_second"] for r in rs if r["plain_tokens_per_second"]])
+        else None,
         "acceptance_rate": accepted / proposed if proposed else None,
         "mean_accepted_tokens": step_tokens / steps if steps else None,
         "acceptance_by_position": [a / p if p else None for a, p in zip(pooled.accepted, pooled.proposed, strict=True)],
         "identical": all(greedy) if greedy else None,
-    }  # fmt: skip
+    }
 
 
 BOOTSTRAP = 1000  # resamples of a method's band over categories
@@ -339,15 +398,24 @@ def _draft_options(settings: GridSettings, method: str) -> dict[str, Any]:
     return {"vocab": settings.draft_vocab} if settings.draft_vocab is not None and uses_draft_model(method) else {}
 
 
-def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: LoadedModel | None = None,
-             progress: Callable[[str], None] | None = None) -> GridResult:  # fmt: skip
+def run_grid(
+    settings: GridSettings,
+    target: LoadedModel | None = None,
+    draft: LoadedModel | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> GridResult:
     """Run the grid. `target`/`draft` may be passed already loaded (else loaded by name)."""
     from tqdm import tqdm
 
-    prompts = select(load_prompts(settings.prompts_file), list(settings.categories) if settings.categories else None,
-                     settings.per_category)  # fmt: skip
+    prompts = select(
+        load_prompts(settings.prompts_file),
+        list(settings.categories) if settings.categories else None,
+        settings.per_category,
+    )
     target = target or load(settings.target, dtype=settings.dtype)
-    if any(map(needs_draft_model, settings.methods)) or (settings.draft and any(map(uses_draft_model, settings.methods))):
+    if any(map(needs_draft_model, settings.methods)) or (
+        settings.draft and any(map(uses_draft_model, settings.methods))
+    ):
         draft = draft or load_draft(settings.draft, dtype=settings.dtype, bits=settings.draft_bits)  # type: ignore[arg-type]
     result = GridResult(settings, machine(), mode=target.model.mode)
     generate(target, [1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)  # warm-up: first-call costs
@@ -365,8 +433,9 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                 _prime(target, draft, ids)
                 for temp in settings.temperatures:
                     seed = settings.seed + 1000 * rep + i
-                    common = dict(max_new_tokens=settings.max_new_tokens, temperature=temp, seed=seed,
-                                  context_overflow="truncate")  # fmt: skip
+                    common = dict(
+                        max_new_tokens=settings.max_new_tokens, temperature=temp, seed=seed, context_overflow="truncate"
+                    )
 
                     def run(method: str | None) -> GenerationResult:
                         bar.set_postfix_str(f"{prompt.id} T={temp} {method or 'plain'}")
@@ -375,15 +444,25 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
                         else:
                             # a fresh drafter per run, with its default options (early exit's
                             # calibration is kept per target: done in the warm-up)
-                            drafter = build_drafter(target, draft if uses_draft_model(method) else None, method,
-                                                    **_draft_options(settings, method))  # fmt: skip
+                            drafter = build_drafter(
+                                target,
+                                draft if uses_draft_model(method) else None,
+                                method,
+                                **_draft_options(settings, method),
+                            )
                             # what a drafter learns from earlier requests (suffix decoding's
                             # outputs) comes from this method's runs on this repeat's earlier
                             # prompts, never from this prompt's answer by another method (auto's
                             # suffix member runs the same prompt too)
                             drafter.pool = pool_of(method, rep)  # type: ignore[union-attr]
-                            req = request(target, ids, drafter=drafter, k=settings.k_for(method),
-                                          adaptive_k=settings.adaptive_k, **common)  # fmt: skip
+                            req = request(
+                                target,
+                                ids,
+                                drafter=drafter,
+                                k=settings.k_for(method),
+                                adaptive_k=settings.adaptive_k,
+                                **common,
+                            )
                             out = run_request(target, req, prefix_tokens=PREFIX_TOKENS)
                         bar.update()
                         return out
@@ -405,8 +484,11 @@ def run_grid(settings: GridSettings, target: LoadedModel | None = None, draft: L
     target.model.state.prefixes = None  # (the prompts' rows: not kept past the suite)
     model_speedups(result.records, result.priced)
     drafting = draft_model_method()
-    draft_ms = (make_drafter(drafting, draft=draft.model, **_draft_options(settings, drafting)).cost_ms()
-                if draft is not None else None)  # fmt: skip
+    draft_ms = (
+        make_drafter(drafting, draft=draft.model, **_draft_options(settings, drafting)).cost_ms()
+        if draft is not None
+        else None
+    )
     if draft_ms:  # (timed once per machine, at another moment: moved as the target's pass moved since)
         result.costs.draft_ms = draft_ms * result.costs.target_ms[1] / pass_costs(target.model, 2).target_ms[1]
     if settings.peers and 0.0 in settings.temperatures:
@@ -428,14 +510,22 @@ def _prime(target: LoadedModel, draft: LoadedModel | None, ids: list[int]) -> No
     store (where its rows are bitwise what a prefill computes: `Transformer.rows_bitwise`;
     elsewhere every run reads the prompt itself) and the draft model's prefill of it is kept
     (`state.prefilled`), so no timed run pays a prompt that another did not."""
-    run_request(target, request(target, ids, max_new_tokens=1, context_overflow="truncate"), prefix_tokens=PREFIX_TOKENS)
+    run_request(
+        target, request(target, ids, max_new_tokens=1, context_overflow="truncate"), prefix_tokens=PREFIX_TOKENS
+    )
     if draft is not None:
-        run_request(target, request(target, ids, assistant_model=draft, max_new_tokens=2, k=1, adaptive_k=False,
-                                    context_overflow="truncate"), prefix_tokens=PREFIX_TOKENS)  # fmt: skip
+        run_request(
+            target,
+            request(
+                target, ids, assistant_model=draft, max_new_tokens=2, k=1, adaptive_k=False, context_overflow="truncate"
+            ),
+            prefix_tokens=PREFIX_TOKENS,
+        )
 
 
-def _warm_up(settings: GridSettings, target: LoadedModel, draft: LoadedModel | None, prompts: list[Prompt],
-             result: GridResult) -> None:  # fmt: skip
+def _warm_up(
+    settings: GridSettings, target: LoadedModel, draft: LoadedModel | None, prompts: list[Prompt], result: GridResult
+) -> None:
     """Each method once per temperature, short and untimed, on the shortest prompt: what it does
     once per process or machine (early exit's calibration, a head's loading and quantizing,
     the kernels' first calls for its row counts) goes to `result.first_use` instead of into
@@ -446,10 +536,19 @@ def _warm_up(settings: GridSettings, target: LoadedModel, draft: LoadedModel | N
     for method in settings.methods:
         t0 = time.perf_counter()
         for temp in settings.temperatures:
-            generate(target, ids, drafter=method, assistant_model=draft if uses_draft_model(method) else None,
-                     k=settings.k_for(method), max_new_tokens=WARM_UP_TOKENS, temperature=temp, seed=settings.seed,
-                     context_overflow="truncate", adaptive_k=settings.adaptive_k,
-                     **_draft_options(settings, method))  # fmt: skip
+            generate(
+                target,
+                ids,
+                drafter=method,
+                assistant_model=draft if uses_draft_model(method) else None,
+                k=settings.k_for(method),
+                max_new_tokens=WARM_UP_TOKENS,
+                temperature=temp,
+                seed=settings.seed,
+                context_overflow="truncate",
+                adaptive_k=settings.adaptive_k,
+                **_draft_options(settings, method),
+            )
         result.first_use[method] = time.perf_counter() - t0
     forget(target.model)
 
@@ -463,9 +562,15 @@ def _gguf_for(name: str) -> Path | None:
     return path if path.suffix == ".gguf" else None
 
 
-def _run_peers(settings: GridSettings, target: LoadedModel, draft: LoadedModel | None, prompts: list[Prompt],
-               plains: dict[tuple[str, int], GenerationResult], result: GridResult,
-               bar_progress: Callable[[str], None] | None) -> None:  # fmt: skip
+def _run_peers(
+    settings: GridSettings,
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompts: list[Prompt],
+    plains: dict[tuple[str, int], GenerationResult],
+    result: GridResult,
+    bar_progress: Callable[[str], None] | None,
+) -> None:
     """Peers, greedy, on the same prompts; speedups relative to specdec's plain decoding in this run."""
     from . import peers
 
@@ -491,8 +596,10 @@ def _run_peers(settings: GridSettings, target: LoadedModel, draft: LoadedModel |
     for peer in [p for p in wanted if p.startswith("llama.cpp")]:
         say(f"peers: {peer}")
         eos = sorted(target.tokenizer.eos_ids)
-        reqs = [{"id": f"{pid}#{rep}", "ids": ids[pid], "max_new_tokens": settings.max_new_tokens, "eos": eos}
-                for pid, rep in keys]  # fmt: skip
+        reqs = [
+            {"id": f"{pid}#{rep}", "ids": ids[pid], "max_new_tokens": settings.max_new_tokens, "eos": eos}
+            for pid, rep in keys
+        ]
         got = peers.run_llama_cpp(gguf, peer.endswith("prompt-lookup"), reqs, settings.chain_k)  # type: ignore[arg-type]
         runs[peer] = {(pid, rep): got[f"{pid}#{rep}"] for pid, rep in keys}
     for peer in [p for p in wanted if p.startswith("llama-server")]:
@@ -514,17 +621,35 @@ def _run_peers(settings: GridSettings, target: LoadedModel, draft: LoadedModel |
             same = None
             if peer not in own and base is not None and base.tokens and run.tokens:
                 same = run.tokens == base.tokens
-            result.records.append({
-                "prompt_id": pid, "category": by_id[pid].category, "method": "peer:" + peer, "temperature": 0.0,
-                "repeat": rep, "seed": None, "prompt_tokens": len(ids[pid]), "new_tokens": n,
-                "tokens_per_second": tps, "plain_tokens_per_second": plain.tokens_per_second,
-                "speedup": tps / plain.tokens_per_second if tps and plain.tokens_per_second else None,
-                "decode_speedup": None, "acceptance_rate": run.accepted / run.drafted if run.drafted else None,
-                "mean_accepted_tokens": None, "identical_to_ours": run.tokens == plain_tokens if run.tokens else None,
-                "steps": 0, "proposed": 0, "accepted": 0, "step_tokens": 0, "scored_rows": 0,
-                "proposed_per_position": [], "accepted_per_position": [],
-                "identical": same, "drafter_info": {}, "error": run.error,
-            })  # fmt: skip
+            result.records.append(
+                {
+                    "prompt_id": pid,
+                    "category": by_id[pid].category,
+                    "method": "peer:" + peer,
+                    "temperature": 0.0,
+                    "repeat": rep,
+                    "seed": None,
+                    "prompt_tokens": len(ids[pid]),
+                    "new_tokens": n,
+                    "tokens_per_second": tps,
+                    "plain_tokens_per_second": plain.tokens_per_second,
+                    "speedup": tps / plain.tokens_per_second if tps and plain.tokens_per_second else None,
+                    "decode_speedup": None,
+                    "acceptance_rate": run.accepted / run.drafted if run.drafted else None,
+                    "mean_accepted_tokens": None,
+                    "identical_to_ours": run.tokens == plain_tokens if run.tokens else None,
+                    "steps": 0,
+                    "proposed": 0,
+                    "accepted": 0,
+                    "step_tokens": 0,
+                    "scored_rows": 0,
+                    "proposed_per_position": [],
+                    "accepted_per_position": [],
+                    "identical": same,
+                    "drafter_info": {},
+                    "error": run.error,
+                }
+            )
 
 
 def pool_of(method: str, rep: int) -> str:

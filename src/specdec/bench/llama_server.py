@@ -51,8 +51,10 @@ def binary() -> Path | None:
 def unavailable() -> str | None:
     """Why the peer cannot run here (None: it can)."""
     if binary() is None:
-        return ("llama.cpp's server is not built here; `specdec bench peers --build` builds it once from "
-                f"llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored source (cmake and a C++ compiler; minutes)")
+        return (
+            "llama.cpp's server is not built here; `specdec bench peers --build` builds it once from "
+            f"llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored source (cmake and a C++ compiler; minutes)"
+        )
     return None
 
 
@@ -69,21 +71,53 @@ def build(log: Callable[[str], None] = print) -> Path:
     with tempfile.TemporaryDirectory(prefix="specdec-llama-") as tmp:
         work = Path(tmp)
         log(f"fetching llama-cpp-python {LLAMA_CPP_PYTHON}'s source distribution")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(work)], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                "-d",
+                str(work),
+            ],
+            check=True,
+        )
         sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
         with tarfile.open(sdist) as tar:
             tar.extractall(work, filter="data")
         src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         log("configuring llama.cpp (cmake, native CPU flags)")
-        subprocess.run(["cmake", "-S", str(src), "-B", str(work / "build"), *gen, "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF"],
-                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(src),
+                "-B",
+                str(work / "build"),
+                *gen,
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+                "-DBUILD_SHARED_LIBS=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_USE_PREBUILT_UI=OFF",
+                "-DLLAMA_BUILD_UI=OFF",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         log(f"building llama-server on {os.cpu_count()} cores (minutes)")
-        subprocess.run(["cmake", "--build", str(work / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
-                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            ["cmake", "--build", str(work / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         out = home() / "bin"
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy2(work / "build" / "bin" / "llama-server", out / "llama-server.tmp")
@@ -112,16 +146,44 @@ class LlamaServer:
     """One `llama-server` process on `gguf` (with `draft`: its draft-model speculation, k
     drafts per step at most), for the duration of a `with` block."""
 
-    def __init__(self, gguf: Path, draft: Path | None = None, *, k: int = 4, threads: int = 2, n_ctx: int = 4096) -> None:
+    def __init__(
+        self, gguf: Path, draft: Path | None = None, *, k: int = 4, threads: int = 2, n_ctx: int = 4096
+    ) -> None:
         path = binary()
         if path is None:
             raise RuntimeError(unavailable())
         self.port = _free_port()
-        self.cmd = [str(path), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-                    "-tb", str(threads), "-c", str(n_ctx), "-np", "1", "--no-webui"]  # fmt: skip
+        self.cmd = [
+            str(path),
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            str(n_ctx),
+            "-np",
+            "1",
+            "--no-webui",
+        ]
         if draft is not None:
-            self.cmd += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
-                         "--threads-draft", str(threads), "--threads-batch-draft", str(threads)]  # fmt: skip
+            self.cmd += [
+                "-md",
+                str(draft),
+                "--spec-type",
+                "draft-simple",
+                "--spec-draft-n-max",
+                str(k),
+                "--threads-draft",
+                str(threads),
+                "--threads-batch-draft",
+                str(threads),
+            ]
         self._stack = contextlib.ExitStack()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -157,18 +219,31 @@ class LlamaServer:
     def complete(self, ids: list[int], max_new_tokens: int) -> Completion:
         """Greedy continuation of `ids` (the server keeps the prompt's rows for the next request
         that begins the same way, as ours does)."""
-        body = {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": True,
-                "return_tokens": True, "stream": False}  # fmt: skip
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+        body = {
+            "prompt": ids,
+            "n_predict": max_new_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": True,
+            "return_tokens": True,
+            "stream": False,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=3600) as r:
                 out = json.loads(r.read())
         except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
             return Completion(None, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
         t = out.get("timings", {})
-        return Completion([int(x) for x in out.get("tokens", [])], t.get("predicted_ms", 0.0) / 1e3,
-                          t.get("prompt_ms", 0.0) / 1e3, int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0)))  # fmt: skip
+        return Completion(
+            [int(x) for x in out.get("tokens", [])],
+            t.get("predicted_ms", 0.0) / 1e3,
+            t.get("prompt_ms", 0.0) / 1e3,
+            int(t.get("draft_n", 0)),
+            int(t.get("draft_n_accepted", 0)),
+        )
 
 
 @contextlib.contextmanager

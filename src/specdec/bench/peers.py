@@ -23,8 +23,15 @@ from typing import Any
 
 import torch
 
-PEERS = ("transformers", "transformers-assisted", "transformers-prompt-lookup", "llama.cpp", "llama.cpp-prompt-lookup",
-         "llama-server", "llama-server-speculative")
+PEERS = (
+    "transformers",
+    "transformers-assisted",
+    "transformers-prompt-lookup",
+    "llama.cpp",
+    "llama.cpp-prompt-lookup",
+    "llama-server",
+    "llama-server-speculative",
+)
 WORKER_TIMEOUT_S = 3600
 
 
@@ -68,21 +75,27 @@ class TransformersPeers:
         from ..model.convert import float_weights  # transformers reads float weights (made on first use)
 
         self.target = AutoModelForCausalLM.from_pretrained(float_weights(target_dir), dtype=torch.bfloat16)
-        self.draft = AutoModelForCausalLM.from_pretrained(float_weights(draft_dir), dtype=torch.bfloat16) if draft_dir else None
+        self.draft = (
+            AutoModelForCausalLM.from_pretrained(float_weights(draft_dir), dtype=torch.bfloat16) if draft_dir else None
+        )
         self.k = k
 
     def run(self, peer: str, ids: list[int], max_new_tokens: int) -> PeerRun:
         extra: dict[str, Any] = {}
         if peer == "transformers-assisted":
-            extra = {"assistant_model": self.draft, "num_assistant_tokens": self.k,
-                     "num_assistant_tokens_schedule": "constant"}  # fmt: skip
+            extra = {
+                "assistant_model": self.draft,
+                "num_assistant_tokens": self.k,
+                "num_assistant_tokens_schedule": "constant",
+            }
         elif peer == "transformers-prompt-lookup":
             extra = {"prompt_lookup_num_tokens": self.k}
         x = torch.tensor([ids])
         t0 = time.perf_counter()
         try:
-            out = self.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                       do_sample=False, **extra)  # fmt: skip
+            out = self.target.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, **extra
+            )
         except Exception as exc:  # noqa: BLE001 (a peer's failure is a result, not our crash)
             return PeerRun(None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         return PeerRun(out[0, len(ids) :].tolist(), time.perf_counter() - t0)
@@ -103,11 +116,24 @@ def _run_llama_cpp(gguf: Path, lookup: bool, requests: list[dict[str, Any]], k: 
     n_ctx = max(len(r["ids"]) + r["max_new_tokens"] for r in requests) + 16
     while pending:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-            json.dump({"gguf": str(gguf), "lookup": lookup, "k": k, "n_ctx": n_ctx,
-                       "threads": torch.get_num_threads(), "requests": pending}, fh)  # fmt: skip
+            json.dump(
+                {
+                    "gguf": str(gguf),
+                    "lookup": lookup,
+                    "k": k,
+                    "n_ctx": n_ctx,
+                    "threads": torch.get_num_threads(),
+                    "requests": pending,
+                },
+                fh,
+            )
         try:
-            proc = subprocess.run([sys.executable, "-m", "specdec.bench.peers", fh.name], capture_output=True,
-                                  text=True, timeout=WORKER_TIMEOUT_S)  # fmt: skip
+            proc = subprocess.run(
+                [sys.executable, "-m", "specdec.bench.peers", fh.name],
+                capture_output=True,
+                text=True,
+                timeout=WORKER_TIMEOUT_S,
+            )
             stdout, code, err = proc.stdout, proc.returncode, proc.stderr
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout or ""
@@ -121,7 +147,9 @@ def _run_llama_cpp(gguf: Path, lookup: bool, requests: list[dict[str, Any]], k: 
         pending = [r for r in pending if r["id"] not in results]
         if pending and code != 0:  # the worker died inside the first unfinished request
             tail = err.strip().splitlines()[-1:] if err else []
-            results[pending[0]["id"]] = PeerRun(None, 0.0, f"llama.cpp worker crashed (exit {code}) {' '.join(tail)}".strip())
+            results[pending[0]["id"]] = PeerRun(
+                None, 0.0, f"llama.cpp worker crashed (exit {code}) {' '.join(tail)}".strip()
+            )
             pending = pending[1:]
         elif pending:
             for r in pending:
@@ -139,8 +167,10 @@ def run_llama_server(gguf: Path, draft: Path | None, requests: list[dict[str, An
     n_ctx = max(len(r["ids"]) + r["max_new_tokens"] for r in requests) + 64
     out: dict[str, PeerRun] = {}
     try:
-        with llama_server.whole(gguf, draft), llama_server.LlamaServer(gguf, draft, k=k, n_ctx=n_ctx,
-                                                                          threads=torch.get_num_threads()) as server:
+        with (
+            llama_server.whole(gguf, draft),
+            llama_server.LlamaServer(gguf, draft, k=k, n_ctx=n_ctx, threads=torch.get_num_threads()) as server,
+        ):
             for r in requests:
                 server.complete(r["ids"], 1)  # (untimed: reads the prompt)
                 c = server.complete(r["ids"], r["max_new_tokens"])
@@ -156,8 +186,9 @@ def _worker(spec_file: str) -> int:
 
     spec = json.loads(Path(spec_file).read_text())
     draft = LlamaPromptLookupDecoding(num_pred_tokens=spec["k"]) if spec["lookup"] else None
-    llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], verbose=False,
-                          draft_model=draft)  # fmt: skip
+    llm = llama_cpp.Llama(
+        model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], verbose=False, draft_model=draft
+    )
     for req in spec["requests"]:
         eos = set(req["eos"])
         tokens: list[int] = []
@@ -169,12 +200,15 @@ def _worker(spec_file: str) -> int:
                     break
             row = {"id": req["id"], "tokens": tokens, "seconds": time.perf_counter() - t0}
         except Exception as exc:  # noqa: BLE001 (recorded; the worker goes on with the next request)
-            row = {"id": req["id"], "tokens": None, "seconds": time.perf_counter() - t0,
-                   "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+            row = {
+                "id": req["id"],
+                "tokens": None,
+                "seconds": time.perf_counter() - t0,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
         print(json.dumps(row), flush=True)
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(_worker(sys.argv[1]))
-

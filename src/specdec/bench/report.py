@@ -32,8 +32,10 @@ NO_DIFFERENCE = "no measurable difference"  # a cell whose band holds 1.0
 def table(result: GridResult) -> str:
     """Terminal table: one line per method, temperature and category; `~` marks a speedup whose
     band holds 1.0 (no measurable difference from plain decoding in this run)."""
-    head = f"{'method':13s} {'T':>4s} {'category':15s} {'runs':>4s} {'speedup':>9s} {'band':>10s} {'modelled':>8s} " \
-           f"{'alpha':>6s} {'tau':>5s} {'tok/s':>7s} {'plain':>7s} identical"  # fmt: skip
+    head = (
+        f"{'method':13s} {'T':>4s} {'category':15s} {'runs':>4s} {'speedup':>9s} {'band':>10s} {'modelled':>8s} "
+        f"{'alpha':>6s} {'tau':>5s} {'tok/s':>7s} {'plain':>7s} identical"
+    )
     lines = [head, "-" * len(head)]
     for r in result.summary():
         mark = "~" if r.get("no_difference") else " "
@@ -43,26 +45,33 @@ def table(result: GridResult) -> str:
             f"{_fmt(r['acceptance_rate']):>6s} {_fmt(r['mean_accepted_tokens']):>5s} "
             f"{_fmt(r['tokens_per_second'], '.1f'):>7s} {_fmt(r['plain_tokens_per_second'], '.1f'):>7s} "
             f"{_same([r])}"
-        )  # fmt: skip
-    lines.append(f"~ : the band holds 1.0 ({NO_DIFFERENCE} from plain decoding in this run); band: lowest-highest "
-                 "run of a category, over all categories a bootstrap 90% interval of the median of the categories' "
-                 "medians; modelled: the runs' passes priced from the pass table measured between them, plus "
-                 "measured drafting time")  # fmt: skip
+        )
+    lines.append(
+        f"~ : the band holds 1.0 ({NO_DIFFERENCE} from plain decoding in this run); band: lowest-highest "
+        "run of a category, over all categories a bootstrap 90% interval of the median of the categories' "
+        "medians; modelled: the runs' passes priced from the pass table measured between them, plus "
+        "measured drafting time"
+    )
     lines += _auto_lines(result) + _first_use_lines(result)
     recs = [r for r in result.recommendations() if r.category == "all"]
     if recs:
         lines += ["", "cost model (all categories): measured vs predicted speedup at k, and the best k"]
         for r in recs:
-            lines.append(f"  {r.method:13s} T={r.temperature:<4g} measured {_fmt(r.measured_speedup, '.2f', 'x')}"
-                         f"  predicted {r.predicted_speedup:.2f}x  best k {r.best_k} ({r.best_predicted:.2f}x)")  # fmt: skip
+            lines.append(
+                f"  {r.method:13s} T={r.temperature:<4g} measured {_fmt(r.measured_speedup, '.2f', 'x')}"
+                f"  predicted {r.predicted_speedup:.2f}x  best k {r.best_k} ({r.best_predicted:.2f}x)"
+            )
     return "\n".join(lines)
 
 
 def _first_use_lines(result: GridResult) -> list[str]:
     if not result.first_use:
         return []
-    return ["", "first use (untimed warm-up runs before the suite: calibrations, head loading, first calls): "
-            + ", ".join(f"{m} {s:.1f} s" for m, s in result.first_use.items())]  # fmt: skip
+    return [
+        "",
+        "first use (untimed warm-up runs before the suite: calibrations, head loading, first calls): "
+        + ", ".join(f"{m} {s:.1f} s" for m, s in result.first_use.items()),
+    ]
 
 
 def _noise_note(result: GridResult) -> str:
@@ -70,9 +79,11 @@ def _noise_note(result: GridResult) -> str:
     again = [r["speedup"] for r in result.records if r["method"] == NOISE and r["speedup"] is not None]
     if not again:
         return ""
-    return (f" `{NOISE}` is plain decoding run once more among the methods and timed like one: "
-            f"its ratios ({min(again):.2f}–{max(again):.2f}× over {len(again)} runs here) are what noise alone "
-            "does to a speedup in this run.")  # fmt: skip
+    return (
+        f" `{NOISE}` is plain decoding run once more among the methods and timed like one: "
+        f"its ratios ({min(again):.2f}–{max(again):.2f}× over {len(again)} runs here) are what noise alone "
+        "does to a speedup in this run."
+    )
 
 
 def _choice(row: dict[str, Any]) -> str:
@@ -102,32 +113,39 @@ def markdown(result: GridResult, plots: list[str]) -> str:
     out = [
         f"# specdec benchmark: {s.target}" + (f" + {s.draft}" if any(map(needs_draft_model, s.methods)) else ""),
         "",
-        f"Target `{s.target}`" + (f", draft `{s.draft}`" if any(map(needs_draft_model, s.methods)) else "")
+        f"Target `{s.target}`"
+        + (f", draft `{s.draft}`" if any(map(needs_draft_model, s.methods)) else "")
         + f", mode `{result.mode}`, k = {s.chain_k} ("
         + ("adaptive: never-slower guard on" if s.adaptive_k else "fixed: k drafts every step")
         + f"), {s.max_new_tokens} new tokens, {s.repeats} repeat(s), seed {s.seed}.",
         f"Machine: {mach['cpu']} ({mach['cpu_count']} CPUs, {mach['torch_threads']} torch threads), "
         f"torch {mach['torch']}, transformers {mach['transformers']}, specdec {mach['specdec']}"
-        + (f" @ {mach['git_commit'][:10]}" if mach.get("git_commit") else "") + f"; {result.wall_time / 60:.1f} min.",
+        + (f" @ {mach['git_commit'][:10]}" if mach.get("git_commit") else "")
+        + f"; {result.wall_time / 60:.1f} min.",
         "",
-        ("Speedup = specdec's plain decoding time per token / the method's, measured side by side in the same run:"
-         " each prompt is read once, untimed, and every run of it starts from its cached rows (what is timed is"
-         " generation); plain decoding runs first and last in each block of runs and the methods between, in"
-         " alternating order over the repeats (ABBA), each timed against the mean of the two plain runs. A cell"
-         " gives the median over its repeats and the band from the lowest to the highest; `all` the median of the"
-         " categories' medians with a bootstrap 90% interval; a band that holds 1.0 is marked"
-         f" *{NO_DIFFERENCE}* (≈). Modelled = the runs' target passes by rows priced from a pass table"
-         " timed between the blocks of this run, plus the measured drafting time: it does not move with the"
-         " neighbours as the clock does. α = accepted / proposed draft tokens; τ = tokens per target pass."
-         " Peers (`peer:`, greedy only) are timed against the same plain decoding; their identity check is"
-         " against their own plain decoding." + _noise_note(result)),
+        (
+            "Speedup = specdec's plain decoding time per token / the method's, measured side by side in the same run:"
+            " each prompt is read once, untimed, and every run of it starts from its cached rows (what is timed is"
+            " generation); plain decoding runs first and last in each block of runs and the methods between, in"
+            " alternating order over the repeats (ABBA), each timed against the mean of the two plain runs. A cell"
+            " gives the median over its repeats and the band from the lowest to the highest; `all` the median of the"
+            " categories' medians with a bootstrap 90% interval; a band that holds 1.0 is marked"
+            f" *{NO_DIFFERENCE}* (≈). Modelled = the runs' target passes by rows priced from a pass table"
+            " timed between the blocks of this run, plus the measured drafting time: it does not move with the"
+            " neighbours as the clock does. α = accepted / proposed draft tokens; τ = tokens per target pass."
+            " Peers (`peer:`, greedy only) are timed against the same plain decoding; their identity check is"
+            " against their own plain decoding." + _noise_note(result)
+        ),
         "",
-    ]  # fmt: skip
+    ]
     if result.first_use:
-        out += ["Before the timed runs each method ran once per temperature, untimed, on the shortest prompt ("
-                + ", ".join(f"{m} {s:.1f} s" for m, s in result.first_use.items())
-                + "): what a method does once per process or machine (early exit's calibration, a head's loading,"
-                " first calls of new row counts) is in these times, not in the speedups.", ""]  # fmt: skip
+        out += [
+            "Before the timed runs each method ran once per temperature, untimed, on the shortest prompt ("
+            + ", ".join(f"{m} {s:.1f} s" for m, s in result.first_use.items())
+            + "): what a method does once per process or machine (early exit's calibration, a head's loading,"
+            " first calls of new row counts) is in these times, not in the speedups.",
+            "",
+        ]
     for temp in s.temperatures:
         rows = {(r["method"], r["category"]): r for r in summary if r["temperature"] == temp}
         out += [f"## Temperature {temp:g}" + (" (greedy)" if temp == 0 else ""), ""]
@@ -146,9 +164,11 @@ def markdown(result: GridResult, plots: list[str]) -> str:
                         cell += f" {r['errors']} failed"
                 else:
                     band = "" if not r.get("speedup_band") else f" [{_band(r)}]"
-                    cell = (f"{'≈' if r.get('no_difference') else ''}{_fmt(r['speedup'], '.2f', '×')}{band}, modelled "
-                            f"{_fmt(r.get('modelled_speedup'), '.2f', '×')} (α {_fmt(r['acceptance_rate'])}, "
-                            f"τ {_fmt(r['mean_accepted_tokens'])})")  # fmt: skip
+                    cell = (
+                        f"{'≈' if r.get('no_difference') else ''}{_fmt(r['speedup'], '.2f', '×')}{band}, modelled "
+                        f"{_fmt(r.get('modelled_speedup'), '.2f', '×')} (α {_fmt(r['acceptance_rate'])}, "
+                        f"τ {_fmt(r['mean_accepted_tokens'])})"
+                    )
                 if temp == 0 and r["identical"] is False:
                     cell += " **not identical**"
                 cells.append(cell)
@@ -156,33 +176,58 @@ def markdown(result: GridResult, plots: list[str]) -> str:
         if temp == 0:
             ours = [r for (m, c), r in rows.items() if not m.startswith("peer:") and c != "all"]
             same = all(r["identical"] is not False for r in ours)
-            out += ["", "specdec's greedy output identical to plain decoding in every run: " + ("yes." if same else "**no**.")]
-            diff = [f"{m.removeprefix('peer:')} ({c})" for (m, c), r in rows.items()
-                    if m.startswith("peer:") and c != "all" and r["identical"] is False]  # fmt: skip
+            out += [
+                "",
+                "specdec's greedy output identical to plain decoding in every run: " + ("yes." if same else "**no**."),
+            ]
+            diff = [
+                f"{m.removeprefix('peer:')} ({c})"
+                for (m, c), r in rows.items()
+                if m.startswith("peer:") and c != "all" and r["identical"] is False
+            ]
             if diff:
-                out.append("Peers whose speculative greedy output differed from their own plain decoding: "
-                           + ", ".join(diff) + ".")  # fmt: skip
+                out.append(
+                    "Peers whose speculative greedy output differed from their own plain decoding: "
+                    + ", ".join(diff)
+                    + "."
+                )
             if result.peers_skipped:
-                out.append("Peers skipped: " + "; ".join(f"{p}: {why}" for p, why in result.peers_skipped.items()) + ".")
+                out.append(
+                    "Peers skipped: " + "; ".join(f"{p}: {why}" for p, why in result.peers_skipped.items()) + "."
+                )
         out.append("")
     choices = result.auto_choices()
     if choices:
-        out += ["## What auto chose", "", "Share of auto's steps that each drafter proposed (or were plain steps), "
-                "with the number of steps per k, summed over the runs.", "",
-                "| T | category | steps | choices |", "|---|---|---|---|"]  # fmt: skip
+        out += [
+            "## What auto chose",
+            "",
+            "Share of auto's steps that each drafter proposed (or were plain steps), "
+            "with the number of steps per k, summed over the runs.",
+            "",
+            "| T | category | steps | choices |",
+            "|---|---|---|---|",
+        ]
         out += [f"| {r['temperature']:g} | {r['category']} | {r['steps']} | {_choice(r)} |" for r in choices]
         out.append("")
     recs = result.recommendations()
     if recs:
-        out += ["## Cost model", "",
-                ("Predicted from the measured pass times and per-position acceptance (expected-tokens formula,"
-                 " Leviathan et al.), against the measured median speedup; best k = the k in 1..8 with the"
-                 " highest predicted speedup."), "",
-                f"| method | T | category | measured (k = {s.chain_k}) | predicted | best k | predicted at best k |",
-                "|---|---|---|---|---|---|---|"]  # fmt: skip
+        out += [
+            "## Cost model",
+            "",
+            (
+                "Predicted from the measured pass times and per-position acceptance (expected-tokens formula,"
+                " Leviathan et al.), against the measured median speedup; best k = the k in 1..8 with the"
+                " highest predicted speedup."
+            ),
+            "",
+            f"| method | T | category | measured (k = {s.chain_k}) | predicted | best k | predicted at best k |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in recs:
-            out.append(f"| {r.method} | {r.temperature:g} | {r.category} | {_fmt(r.measured_speedup, '.2f', '×')} | "
-                       f"{r.predicted_speedup:.2f}× | {r.best_k} | {r.best_predicted:.2f}× |")  # fmt: skip
+            out.append(
+                f"| {r.method} | {r.temperature:g} | {r.category} | {_fmt(r.measured_speedup, '.2f', '×')} | "
+                f"{r.predicted_speedup:.2f}× | {r.best_k} | {r.best_predicted:.2f}× |"
+            )
         out.append("")
     for p in plots:
         out += [f"![{p}]({p})", ""]
@@ -209,17 +254,32 @@ def plots(result: GridResult, out_dir: Path, suffix: str = "") -> list[str]:
         cells = [by.get((m, c)) for c in cats]
         ys = [(r["speedup"] or 0.0) if r else 0.0 for r in cells]
         bands = [(r or {}).get("speedup_band") for r in cells]
-        err = [[y - b[0] if b else 0.0 for y, b in zip(ys, bands, strict=True)],
-               [b[1] - y if b else 0.0 for y, b in zip(ys, bands, strict=True)]]  # fmt: skip
-        bars = ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m, yerr=err, capsize=2,
-                      error_kw={"linewidth": 0.8})  # fmt: skip
+        err = [
+            [y - b[0] if b else 0.0 for y, b in zip(ys, bands, strict=True)],
+            [b[1] - y if b else 0.0 for y, b in zip(ys, bands, strict=True)],
+        ]
+        bars = ax.bar(
+            [i + j * width for i in range(len(cats))],
+            ys,
+            width,
+            label=m,
+            yerr=err,
+            capsize=2,
+            error_kw={"linewidth": 0.8},
+        )
         for bar, r in zip(bars, cells, strict=True):
             if r and r.get("no_difference"):  # the band holds 1.0: hatched, pale
                 bar.set_hatch("//")
                 bar.set_alpha(0.45)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.text(0.01, 0.99, f"hatched: {NO_DIFFERENCE} (band holds 1.0); bars: lowest-highest run", fontsize=7,
-            va="top", transform=ax.transAxes)  # fmt: skip
+    ax.text(
+        0.01,
+        0.99,
+        f"hatched: {NO_DIFFERENCE} (band holds 1.0); bars: lowest-highest run",
+        fontsize=7,
+        va="top",
+        transform=ax.transAxes,
+    )
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title(f"{result.settings.target}, T = {temp:g}, k = {result.settings.chain_k}")

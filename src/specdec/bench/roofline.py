@@ -95,8 +95,16 @@ def work(model: Transformer) -> Work:
 def _part(ms: float, nbytes: int, macs: int, m: Machine) -> dict[str, float]:
     mem, comp = nbytes / (m.bandwidth_gbs * 1e9) * 1e3, macs / (m.mac_rate_g * 1e9) * 1e3
     floor = max(mem, comp)
-    return {"ms": ms, "bytes": nbytes, "macs": macs, "memory_ms": mem, "compute_ms": comp, "floor_ms": floor,
-            "bound": "memory" if mem >= comp else "compute", "achieved_over_floor": ms / floor if floor else float("nan")}  # fmt: skip
+    return {
+        "ms": ms,
+        "bytes": nbytes,
+        "macs": macs,
+        "memory_ms": mem,
+        "compute_ms": comp,
+        "floor_ms": floor,
+        "bound": "memory" if mem >= comp else "compute",
+        "achieved_over_floor": ms / floor if floor else float("nan"),
+    }
 
 
 def _median_ms(fn, repeats: int) -> float:  # noqa: ANN001
@@ -125,8 +133,14 @@ def parts(model: Transformer, cache: Any, context: int, k: int, repeats: int) ->
     return head_ms, attn_ms
 
 
-def rows(model: Transformer, machine: Machine, totals: dict[int, float], heads: dict[int, float],
-         attns: dict[int, float], context: int) -> dict[str, Any]:  # fmt: skip
+def rows(
+    model: Transformer,
+    machine: Machine,
+    totals: dict[int, float],
+    heads: dict[int, float],
+    attns: dict[int, float],
+    context: int,
+) -> dict[str, Any]:
     """Per k: the whole pass, the LM head and the attention against their floors."""
     w = work(model)
     out: dict[str, Any] = {"machine": asdict(machine), "ks": {}}
@@ -142,16 +156,21 @@ def rows(model: Transformer, machine: Machine, totals: dict[int, float], heads: 
 
 def table(roof: dict[str, Any]) -> str:
     m = roof["machine"]
-    lines = [f"roofline (q4k): streaming read {m['bandwidth_gbs']:.1f} GB/s, {m['build']} dot products "
-             f"{m['mac_rate_g']:.0f} G multiply-adds/s, {m['threads']} threads",
-             f"{'k':>3s} {'MB read':>8s} {'G MAC':>7s} {'memory':>7s} {'compute':>8s} {'floor':>7s} {'pass':>7s} "
-             f"{'x floor':>7s} | {'head':>6s} {'x floor':>7s} | {'attn':>6s} {'x floor':>7s}"]  # fmt: skip
+    lines = [
+        f"roofline (q4k): streaming read {m['bandwidth_gbs']:.1f} GB/s, {m['build']} dot products "
+        f"{m['mac_rate_g']:.0f} G multiply-adds/s, {m['threads']} threads",
+        f"{'k':>3s} {'MB read':>8s} {'G MAC':>7s} {'memory':>7s} {'compute':>8s} {'floor':>7s} {'pass':>7s} "
+        f"{'x floor':>7s} | {'head':>6s} {'x floor':>7s} | {'attn':>6s} {'x floor':>7s}",
+    ]
     for k, r in roof["ks"].items():
         p, h, a = r["pass"], r["head"], r["attention"]
-        lines.append(f"{k:>3s} {p['bytes'] / 1e6:8.0f} {p['macs'] / 1e9:7.2f} {p['memory_ms']:7.1f} {p['compute_ms']:8.1f} "
-                     f"{p['floor_ms']:7.1f} {p['ms']:7.1f} {p['achieved_over_floor']:7.2f} | {h['ms']:6.1f} "
-                     f"{h['achieved_over_floor']:7.2f} | {a['ms']:6.2f} {a['achieved_over_floor']:7.1f}")  # fmt: skip
-    lines.append("(ms; floor = max(memory, compute); x floor = achieved / floor. The rest of a pass beyond the head "
-                 "and the attention is the decoder layers' kernels and what runs around them)")
+        lines.append(
+            f"{k:>3s} {p['bytes'] / 1e6:8.0f} {p['macs'] / 1e9:7.2f} {p['memory_ms']:7.1f} {p['compute_ms']:8.1f} "
+            f"{p['floor_ms']:7.1f} {p['ms']:7.1f} {p['achieved_over_floor']:7.2f} | {h['ms']:6.1f} "
+            f"{h['achieved_over_floor']:7.2f} | {a['ms']:6.2f} {a['achieved_over_floor']:7.1f}"
+        )
+    lines.append(
+        "(ms; floor = max(memory, compute); x floor = achieved / floor. The rest of a pass beyond the head "
+        "and the attention is the decoder layers' kernels and what runs around them)"
+    )
     return "\n".join(lines)
-

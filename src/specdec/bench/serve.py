@@ -99,15 +99,19 @@ class Level:
         drafted = sum((s.speculative or {}).get("draft_tokens") or 0 for s in ok)
         accepted = sum((s.speculative or {}).get("accepted_tokens") or 0 for s in ok)
         return {
-            "concurrency": self.concurrency, "requests": len(self.stats), "failed": len(self.stats) - len(ok),
-            "wall_s": round(self.wall_s, 3), "completion_tokens": tokens,
+            "concurrency": self.concurrency,
+            "requests": len(self.stats),
+            "failed": len(self.stats) - len(ok),
+            "wall_s": round(self.wall_s, 3),
+            "completion_tokens": tokens,
             "tokens_per_second": tokens / self.wall_s if self.wall_s > 0 else 0.0,
             "requests_per_second": len(ok) / self.wall_s if self.wall_s > 0 else 0.0,
-            "ttft_s": percentiles(ttft), "latency_s": percentiles(lat),
+            "ttft_s": percentiles(ttft),
+            "latency_s": percentiles(lat),
             "inter_token_s_mean": statistics.fmean(itl) if itl else None,
             "acceptance_rate": accepted / drafted if drafted else None,
             "errors": sorted({s.error for s in self.stats if s.error})[:5],
-        }  # fmt: skip
+        }
 
 
 def percentiles(xs: list[float]) -> dict[str, float | None]:
@@ -120,8 +124,15 @@ def percentiles(xs: list[float]) -> dict[str, float | None]:
     return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
-async def one_request(client: Any, model: str, messages: list[dict[str, Any]], max_tokens: int, temperature: float,
-                      speculative: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> RequestStat:  # fmt: skip
+async def one_request(
+    client: Any,
+    model: str,
+    messages: list[dict[str, Any]],
+    max_tokens: int,
+    temperature: float,
+    speculative: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> RequestStat:
     """One streaming chat request: its time to first token, latency, completion tokens and text
     (tool calls streamed appended to it as `name(arguments)`, so that answers compare whole).
     `extra`: more body fields (prediction, tools, tool_choice)."""
@@ -129,8 +140,14 @@ async def one_request(client: Any, model: str, messages: list[dict[str, Any]], m
     first = None
     usage = None
     texts: list[str] = []
-    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if speculative is not None:
         body["speculative"] = speculative
     body.update(extra or {})
@@ -163,8 +180,16 @@ async def one_request(client: Any, model: str, messages: list[dict[str, Any]], m
         return RequestStat(False, error=f"{type(exc).__name__}: {exc}")
     tokens = int((usage or {}).get("completion_tokens") or 0)
     said = "".join(texts) + "".join(f"\n{name}({args})" for name, args in (calls[i] for i in sorted(calls)))
-    return RequestStat(True, first, time.perf_counter() - t0, tokens, speculative=(usage or {}).get("speculative"),
-                       text=said, details=(usage or {}).get("completion_tokens_details"), tool_calls=len(calls))  # fmt: skip
+    return RequestStat(
+        True,
+        first,
+        time.perf_counter() - t0,
+        tokens,
+        speculative=(usage or {}).get("speculative"),
+        text=said,
+        details=(usage or {}).get("completion_tokens_details"),
+        tool_calls=len(calls),
+    )
 
 
 async def _level(s: ServeBenchSettings, model: str, conversations: list[list[dict[str, str]]], c: int) -> Level:
@@ -177,8 +202,9 @@ async def _level(s: ServeBenchSettings, model: str, conversations: list[list[dic
 
         async def bounded(i: int) -> RequestStat:
             async with sem:
-                return await one_request(client, model, conversations[i % len(conversations)], s.max_tokens,
-                                         s.temperature, s.speculative)  # fmt: skip
+                return await one_request(
+                    client, model, conversations[i % len(conversations)], s.max_tokens, s.temperature, s.speculative
+                )
 
         t0 = time.perf_counter()
         tasks = [asyncio.ensure_future(bounded(i)) for i in range(s.requests)]
@@ -203,7 +229,9 @@ def run(s: ServeBenchSettings, progress: Any = None) -> dict[str, Any]:
     model = s.model or models.json()["data"][0]["id"]
     conversations = [list(p.turns) for p in load_prompts()]
     conversations.sort(key=lambda t: sum(len(m["content"]) for m in t))
-    conversations = conversations[: max(8, len(conversations) // 2)]  # the shorter half: a load test, not a prefill test
+    conversations = conversations[
+        : max(8, len(conversations) // 2)
+    ]  # the shorter half: a load test, not a prefill test
     levels = []
     for c in s.concurrency:
         if progress:
@@ -213,20 +241,27 @@ def run(s: ServeBenchSettings, progress: Any = None) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"{'conc':>4s} {'ok/all':>7s} {'tok/s':>7s} {'req/s':>6s} {'TTFT p50':>9s} {'p99':>7s} "
-            f"{'lat p50':>8s} {'p99':>7s} {'ITL ms':>7s} {'alpha':>6s}")  # fmt: skip
-    lines = [f"{result['model']} at {result['settings']['url']}, max_tokens {result['settings']['max_tokens']}",
-             head, "-" * len(head)]  # fmt: skip
+    head = (
+        f"{'conc':>4s} {'ok/all':>7s} {'tok/s':>7s} {'req/s':>6s} {'TTFT p50':>9s} {'p99':>7s} "
+        f"{'lat p50':>8s} {'p99':>7s} {'ITL ms':>7s} {'alpha':>6s}"
+    )
+    lines = [
+        f"{result['model']} at {result['settings']['url']}, max_tokens {result['settings']['max_tokens']}",
+        head,
+        "-" * len(head),
+    ]
 
     def f(x: float | None, scale: float = 1.0, fmt: str = "7.2f") -> str:
         return "–".rjust(int(fmt.split(".")[0])) if x is None else format(x * scale, fmt)
 
     for lv in result["levels"]:
         ok = f"{lv['requests'] - lv['failed']}/{lv['requests']}"
-        lines.append(f"{lv['concurrency']:4d} {ok:>7s} {lv['tokens_per_second']:7.1f} {lv['requests_per_second']:6.2f} "
-                     f"{f(lv['ttft_s']['p50'], fmt='9.2f')} {f(lv['ttft_s']['p99'])} {f(lv['latency_s']['p50'], fmt='8.2f')} "
-                     f"{f(lv['latency_s']['p99'])} {f(lv['inter_token_s_mean'], 1e3, '7.1f')} "
-                     f"{f(lv['acceptance_rate'], fmt='6.2f')}")  # fmt: skip
+        lines.append(
+            f"{lv['concurrency']:4d} {ok:>7s} {lv['tokens_per_second']:7.1f} {lv['requests_per_second']:6.2f} "
+            f"{f(lv['ttft_s']['p50'], fmt='9.2f')} {f(lv['ttft_s']['p99'])} {f(lv['latency_s']['p50'], fmt='8.2f')} "
+            f"{f(lv['latency_s']['p99'])} {f(lv['inter_token_s_mean'], 1e3, '7.1f')} "
+            f"{f(lv['acceptance_rate'], fmt='6.2f')}"
+        )
         for e in lv["errors"]:
             lines.append(f"     error: {e}")
     return "\n".join(lines)
@@ -249,8 +284,14 @@ def write(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax1.set(xlabel="concurrent requests", ylabel="completion tokens/s", title="throughput")
     for key, style in (("ttft_s", "--"), ("latency_s", "-")):
         for p, color in (("p50", "C0"), ("p99", "C3")):
-            ax2.plot(cs, [x[key][p] for x in lv], ls=style, color=color, marker="o",
-                     label=f"{'TTFT' if key == 'ttft_s' else 'latency'} {p}")  # fmt: skip
+            ax2.plot(
+                cs,
+                [x[key][p] for x in lv],
+                ls=style,
+                color=color,
+                marker="o",
+                label=f"{'TTFT' if key == 'ttft_s' else 'latency'} {p}",
+            )
     ax2.set(xlabel="concurrent requests", ylabel="seconds", title="time to first token and request latency")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)

@@ -46,9 +46,7 @@ def _parse(line: str, where: str, answered: bool = False) -> Prompt:
         raise ValueError(f"{where} ({pid}): turns must be a non-empty list of {{role, content}} messages")
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
-            raise ValueError(
-                f"{where} ({pid}): turn {i} must be {{\"role\": one of {'/'.join(ROLES)}, \"content\": text}}"
-            )
+            raise ValueError(f'{where} ({pid}): turn {i} must be {{"role": one of {"/".join(ROLES)}, "content": text}}')
     if turns[-1]["role"] != "user" and not answered:
         raise ValueError(f"{where} ({pid}): the last turn must be the user's (the model answers it)")
     return Prompt(pid, category, tuple(turns))

@@ -63,8 +63,10 @@ class TraceSettings:
 
         unknown = [m for m in self.methods if m.removesuffix(WITH_PREDICTION) not in DRAFTERS]
         if unknown or not self.methods:
-            raise ValueError(f"unknown methods {unknown}; choose from {', '.join(DRAFTERS)} (a name with "
-                             f"{WITH_PREDICTION}: sent the trace's predictions)")  # fmt: skip
+            raise ValueError(
+                f"unknown methods {unknown}; choose from {', '.join(DRAFTERS)} (a name with "
+                f"{WITH_PREDICTION}: sent the trace's predictions)"
+            )
         if self.prefix_tokens < 0:
             raise ValueError(f"--prefix-cache-tokens must be >= 0 (0: off), got {self.prefix_tokens}")
         if self.concurrency < 1 or (self.conversations is not None and self.conversations < 1):
@@ -86,10 +88,15 @@ def load_trace(path: str | Path | None = None) -> dict[str, list[dict[str, Any]]
             rec = json.loads(line)
             conv, turn, messages, max_tokens = rec["conversation"], rec["turn"], rec["messages"], rec["max_tokens"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{n}: a trace line is a JSON object with conversation, turn, messages and "
-                             f"max_tokens ({type(exc).__name__}: {exc})") from None  # fmt: skip
-        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                                                                  for m in messages)):  # fmt: skip
+            raise ValueError(
+                f"{path}:{n}: a trace line is a JSON object with conversation, turn, messages and "
+                f"max_tokens ({type(exc).__name__}: {exc})"
+            ) from None
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages)
+        ):
             raise ValueError(f"{path}:{n}: messages must be a non-empty list of {{role, content}} objects")
         if not isinstance(rec.get("prediction", ""), str) or not isinstance(rec.get("tools", []), list):
             raise ValueError(f"{path}:{n}: a prediction is text and tools a list of tool definitions")
@@ -129,8 +136,14 @@ class _Server:
         self.thread.join(120)
 
 
-async def _replay(url: str, model: str, convs: dict[str, list[dict[str, Any]]], concurrency: int,
-                  timeout_s: float, prediction: bool = False) -> tuple[float, dict[tuple[str, int], RequestStat]]:  # fmt: skip
+async def _replay(
+    url: str,
+    model: str,
+    convs: dict[str, list[dict[str, Any]]],
+    concurrency: int,
+    timeout_s: float,
+    prediction: bool = False,
+) -> tuple[float, dict[tuple[str, int], RequestStat]]:
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -144,8 +157,9 @@ async def _replay(url: str, model: str, convs: dict[str, list[dict[str, Any]]], 
                     extra = {k: r[k] for k in ("tools", "tool_choice") if k in r}
                     if prediction and r.get("prediction"):
                         extra["prediction"] = {"type": "content", "content": r["prediction"]}
-                    stats[(name, r["turn"])] = await one_request(client, model, r["messages"], r["max_tokens"], 0.0,
-                                                                 extra=extra)  # fmt: skip
+                    stats[(name, r["turn"])] = await one_request(
+                        client, model, r["messages"], r["max_tokens"], 0.0, extra=extra
+                    )
 
         t0 = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(conversation(n, rs) for n, rs in convs.items())), timeout_s)
@@ -164,8 +178,10 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
         convs = dict(list(convs.items())[: s.conversations])
     target = load(s.target, dtype=s.dtype)
     draft = load_draft(s.draft, dtype=s.dtype) if s.draft else None
-    if draft is None and any(m.removesuffix(WITH_PREDICTION) != "auto" and uses_draft_model(m.removesuffix(WITH_PREDICTION))
-                             for m in s.methods):  # fmt: skip
+    if draft is None and any(
+        m.removesuffix(WITH_PREDICTION) != "auto" and uses_draft_model(m.removesuffix(WITH_PREDICTION))
+        for m in s.methods
+    ):
         raise ValueError("the draft-model method needs a draft model (--draft NAME)")
     runs: dict[str, dict[str, Any]] = {}
     plain_texts: dict[tuple[str, int], str] = {}
@@ -182,8 +198,9 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
         try:
             if progress:
                 progress(f"{method}: {sum(len(r) for r in convs.values())} requests in {len(convs)} conversations")
-            wall, stats = asyncio.run(_replay(server.url, target.name, convs, s.concurrency, s.timeout_s,
-                                              prediction=sends_prediction(method)))  # fmt: skip
+            wall, stats = asyncio.run(
+                _replay(server.url, target.name, convs, s.concurrency, s.timeout_s, prediction=sends_prediction(method))
+            )
         finally:
             server.close()
         if method == PLAIN:
@@ -192,52 +209,81 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
             px = target.model.state.prefixes
             prefixes[method] = {"tokens": px.tokens, "reused_tokens": px.reused, "hits": px.hits}
         if target.model.state.suffix:
-            memory[method] = {"tokens": sum(st.tokens for st in target.model.state.suffix.values()),
-                              "bytes": sum(st.bytes() for st in target.model.state.suffix.values())}  # fmt: skip
+            memory[method] = {
+                "tokens": sum(st.tokens for st in target.model.state.suffix.values()),
+                "bytes": sum(st.bytes() for st in target.model.state.suffix.values()),
+            }
         runs[method] = _summary(wall, stats, plain_texts)
     base = runs[PLAIN]["tokens_per_second"]
     for r in runs.values():
         r["speedup"] = r["tokens_per_second"] / base if base else None
     forget(target.model)
-    return {"settings": asdict(s), "machine": machine(), "mode": target.model.mode, "model": target.name,
-            "requests": sum(len(r) for r in convs.values()), "conversations": len(convs), "methods": runs,
-            "suffix_memory": memory, "prefix_cache": prefixes}  # fmt: skip
+    return {
+        "settings": asdict(s),
+        "machine": machine(),
+        "mode": target.model.mode,
+        "model": target.name,
+        "requests": sum(len(r) for r in convs.values()),
+        "conversations": len(convs),
+        "methods": runs,
+        "suffix_memory": memory,
+        "prefix_cache": prefixes,
+    }
 
 
-def _summary(wall: float, stats: dict[tuple[str, int], RequestStat], plain: dict[tuple[str, int], str]) -> dict[str, Any]:
+def _summary(
+    wall: float, stats: dict[tuple[str, int], RequestStat], plain: dict[tuple[str, int], str]
+) -> dict[str, Any]:
     ok = [st for st in stats.values() if st.ok]
     tokens = sum(st.tokens for st in ok)
     drafted = sum((st.speculative or {}).get("draft_tokens") or 0 for st in ok)
     accepted = sum((st.speculative or {}).get("accepted_tokens") or 0 for st in ok)
     details = [st.details or {} for st in ok]
     return {
-        "requests": len(stats), "failed": len(stats) - len(ok), "wall_s": round(wall, 3), "completion_tokens": tokens,
+        "requests": len(stats),
+        "failed": len(stats) - len(ok),
+        "wall_s": round(wall, 3),
+        "completion_tokens": tokens,
         "tokens_per_second": tokens / wall if wall > 0 else 0.0,
         "latency_s": percentiles(sorted(st.latency for st in ok if st.latency is not None)),
         "ttft_s": percentiles(sorted(st.ttft for st in ok if st.ttft is not None)),
         "acceptance_rate": accepted / drafted if drafted else None,
         "identical": all(plain.get(key) == st.text for key, st in stats.items()) if plain else None,
-        "prediction_tokens": {"accepted": sum(d.get("accepted_prediction_tokens") or 0 for d in details),
-                              "rejected": sum(d.get("rejected_prediction_tokens") or 0 for d in details)},
+        "prediction_tokens": {
+            "accepted": sum(d.get("accepted_prediction_tokens") or 0 for d in details),
+            "rejected": sum(d.get("rejected_prediction_tokens") or 0 for d in details),
+        },
         "tool_calls": sum(st.tool_calls for st in ok),
         "requests_with_tool_calls": sum(st.tool_calls > 0 for st in ok),
         "errors": sorted({st.error for st in stats.values() if st.error})[:5],
         # (each request, to tell which conversations and turns a method wins or loses)
-        "per_request": [{"conversation": conv, "turn": turn, "ok": st.ok, "tokens": st.tokens,
-                         "latency_s": None if st.latency is None else round(st.latency, 3),
-                         "ttft_s": None if st.ttft is None else round(st.ttft, 3),
-                         "drafted": (st.speculative or {}).get("draft_tokens"),
-                         "accepted": (st.speculative or {}).get("accepted_tokens")}
-                        for (conv, turn), st in stats.items()],
-    }  # fmt: skip
+        "per_request": [
+            {
+                "conversation": conv,
+                "turn": turn,
+                "ok": st.ok,
+                "tokens": st.tokens,
+                "latency_s": None if st.latency is None else round(st.latency, 3),
+                "ttft_s": None if st.ttft is None else round(st.ttft, 3),
+                "drafted": (st.speculative or {}).get("draft_tokens"),
+                "accepted": (st.speculative or {}).get("accepted_tokens"),
+            }
+            for (conv, turn), st in stats.items()
+        ],
+    }
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"{'method':19s} {'ok/all':>7s} {'tok/s':>7s} {'speedup':>8s} {'lat p50':>8s} {'p90':>7s} "
-            f"{'TTFT p50':>9s} {'alpha':>6s} {'pred. acc/rej':>13s} {'calls':>5s} identical")  # fmt: skip
-    lines = [f"trace: {result['requests']} requests in {result['conversations']} conversations, "
-             f"{result['model']} ({result['mode']}), concurrency {result['settings']['concurrency']}", head,
-             "-" * len(head)]  # fmt: skip
+    head = (
+        f"{'method':19s} {'ok/all':>7s} {'tok/s':>7s} {'speedup':>8s} {'lat p50':>8s} {'p90':>7s} "
+        f"{'TTFT p50':>9s} {'alpha':>6s} {'pred. acc/rej':>13s} {'calls':>5s} identical"
+    )
+    lines = [
+        f"trace: {result['requests']} requests in {result['conversations']} conversations, "
+        f"{result['model']} ({result['mode']}), concurrency {result['settings']['concurrency']}",
+        head,
+        "-" * len(head),
+    ]
 
     def f(x: float | None, fmt: str) -> str:
         return "–".rjust(int(fmt.split(".")[0])) if x is None else format(x, fmt)
@@ -247,15 +293,19 @@ def table(result: dict[str, Any]) -> str:
         same = "–" if r["identical"] is None else "yes" if r["identical"] else "NO"
         pred = r.get("prediction_tokens") or {}
         pred_s = f"{pred['accepted']}/{pred['rejected']}" if pred.get("accepted") or pred.get("rejected") else "–"
-        lines.append(f"{method:19s} {ok:>7s} {r['tokens_per_second']:7.1f} {f(r['speedup'], '7.2f')}x "
-                     f"{f(r['latency_s']['p50'], '8.2f')} {f(r['latency_s']['p90'], '7.2f')} "
-                     f"{f(r['ttft_s']['p50'], '9.2f')} {f(r['acceptance_rate'], '6.2f')} {pred_s:>13s} "
-                     f"{r.get('tool_calls', 0):5d} {same}")  # fmt: skip
+        lines.append(
+            f"{method:19s} {ok:>7s} {r['tokens_per_second']:7.1f} {f(r['speedup'], '7.2f')}x "
+            f"{f(r['latency_s']['p50'], '8.2f')} {f(r['latency_s']['p90'], '7.2f')} "
+            f"{f(r['ttft_s']['p50'], '9.2f')} {f(r['acceptance_rate'], '6.2f')} {pred_s:>13s} "
+            f"{r.get('tool_calls', 0):5d} {same}"
+        )
         for e in r["errors"]:
             lines.append(f"     error: {e}")
     for method, m in result.get("prefix_cache", {}).items():
-        lines.append(f"prefix cache after {method}: {m['reused_tokens']} prompt tokens reused in {m['hits']} requests, "
-                     f"{m['tokens']} tokens held")  # fmt: skip
+        lines.append(
+            f"prefix cache after {method}: {m['reused_tokens']} prompt tokens reused in {m['hits']} requests, "
+            f"{m['tokens']} tokens held"
+        )
     for method, m in result["suffix_memory"].items():
         lines.append(f"suffix memory after {method}: {m['tokens']} tokens, {m['bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)

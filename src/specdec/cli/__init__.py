@@ -41,12 +41,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(("\r\033[K" if sys.stderr.isatty() else "") + "specdec: interrupted", file=sys.stderr)  # (over a progress line)
+        print(
+            ("\r\033[K" if sys.stderr.isatty() else "") + "specdec: interrupted", file=sys.stderr
+        )  # (over a progress line)
         return 130
     except Exception as exc:  # noqa: BLE001 - a bug: one line for the user, the traceback on request
         if os.environ.get("SPECDEC_DEBUG"):
             raise
-        print(f"specdec: internal error: {type(exc).__name__}: {exc}. This is a bug in specdec; rerun with "
-              "SPECDEC_DEBUG=1 to see where, and report it.", file=sys.stderr)  # fmt: skip
+        print(
+            f"specdec: internal error: {type(exc).__name__}: {exc}. This is a bug in specdec; rerun with "
+            "SPECDEC_DEBUG=1 to see where, and report it.",
+            file=sys.stderr,
+        )
         return 1
-

@@ -17,73 +17,137 @@ from .common import Help, add_draft_bits, draft_bits
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (speed measured side by side in one run)",
-                       description="Without a subcommand: every method over the prompt suite, side by side with "
-                                   "plain decoding; writes DIR/results.json, DIR/report.md and PNG plots.",
-                       formatter_class=Help)  # fmt: skip
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks (speed measured side by side in one run)",
+        description="Without a subcommand: every method over the prompt suite, side by side with "
+        "plain decoding; writes DIR/results.json, DIR/report.md and PNG plots.",
+        formatter_class=Help,
+    )
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
-    p.add_argument("--quick", action="store_true",
-                   help="one prompt per category, 40 new tokens, 3 repeats in alternating order (minutes, not hours)")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one prompt per category, 40 new tokens, 3 repeats in alternating order (minutes, not hours)",
+    )
     p.add_argument("--prompts", type=Path, help="JSONL prompt file (id, category, turns) instead of the bundled suite")
     p.add_argument("--categories", nargs="+", help="only these categories")
     p.add_argument("--per-category", type=int, help="at most this many prompts per category")
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model")
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="draft model for the draft-model method")
     add_draft_bits(p)
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="the draft's vocabulary for draft-model and auto (0 = whole; default: the drafter's)")
-    p.add_argument("--pairs", nargs="+", metavar="TARGET[:DRAFT]",
-                   help="several model pairs, one grid each (instead of --target/--draft)")  # fmt: skip
-    p.add_argument("--methods", nargs="+", choices=list(DRAFTERS),
-                   help="drafting methods to run, each beside plain decoding (default: every drafter; eagle3, "
-                        "medusa and hydra where heads ship for the target)")  # fmt: skip
-    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0],
-                   help="sampling temperatures to run (0 = greedy, checked token for token against plain decoding)")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the draft's vocabulary for draft-model and auto (0 = whole; default: the drafter's)",
+    )
+    p.add_argument(
+        "--pairs",
+        nargs="+",
+        metavar="TARGET[:DRAFT]",
+        help="several model pairs, one grid each (instead of --target/--draft)",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=list(DRAFTERS),
+        help="drafting methods to run, each beside plain decoding (default: every drafter; eagle3, "
+        "medusa and hydra where heads ship for the target)",
+    )
+    p.add_argument(
+        "--temperatures",
+        nargs="+",
+        type=float,
+        default=[0.0, 1.0],
+        help="sampling temperatures to run (0 = greedy, checked token for token against plain decoding)",
+    )
     p.add_argument("-k", type=int, help=f"draft tokens per step (default: the method's own, else {DEFAULT_K})")
     p.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128; 40 with --quick)")
-    p.add_argument("--repeats", type=int, help="repeats of every run, in alternating order (ABBA): each cell's median with its band (default 3)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="repeats of every run, in alternating order (ABBA): each cell's median with its band (default 3)",
+    )
     p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs (seed + prompt index)")
-    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],
-                   help="precision/kernel mode of every model; auto = the fastest exact mode for the device")
-    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run transformers and llama-cpp-python (where installed) on the same prompts, greedy")  # fmt: skip
-    p.add_argument("--tune", action="store_true",
-                   help="store the cost model's best k per method where `specdec generate` uses it when -k is unset")  # fmt: skip
-    p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the methods as `generate` does, never-slower guard on (--no-adaptive-k: k drafts every "
-                        "step, what the cost model's per-k predictions assume)")  # fmt: skip
-    p.add_argument("--noise-control", action=argparse.BooleanOptionalAction, default=True,
-                   help="run plain decoding once more among the methods of every prompt (`plain-again`, timed like "
-                        "a method): the spread of its ratios is this run's noise floor")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default=AUTO,
+        choices=[AUTO, *MODES],
+        help="precision/kernel mode of every model; auto = the fastest exact mode for the device",
+    )
+    p.add_argument(
+        "--peers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run transformers and llama-cpp-python (where installed) on the same prompts, greedy",
+    )
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="store the cost model's best k per method where `specdec generate` uses it when -k is unset",
+    )
+    p.add_argument(
+        "--adaptive-k",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the methods as `generate` does, never-slower guard on (--no-adaptive-k: k drafts every "
+        "step, what the cost model's per-k predictions assume)",
+    )
+    p.add_argument(
+        "--noise-control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run plain decoding once more among the methods of every prompt (`plain-again`, timed like "
+        "a method): the spread of its ratios is this run's noise floor",
+    )
     p.set_defaults(func=_cmd_bench)
     bsub = p.add_subparsers(dest="bench_cmd")
-    fwd = bsub.add_parser("forward", help="ms per target forward for k new tokens, per precision/kernel mode",
-                          formatter_class=Help)  # fmt: skip
+    fwd = bsub.add_parser(
+        "forward", help="ms per target forward for k new tokens, per precision/kernel mode", formatter_class=Help
+    )
     fwd.add_argument("--model", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     fwd.add_argument("--modes", nargs="+", choices=list(MODES), help="modes to time (default: all for the device)")
     fwd.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
     fwd.add_argument("--repeats", type=int, default=5, help="timed repeats per k (median reported)")
     fwd.add_argument("--device", default=None)
-    fwd.add_argument("--draft", help="also time one drafted token of this draft model (as drafting runs it) against "
-                                     "the target's one-token pass (`draft_ratio` in --json)")  # fmt: skip
+    fwd.add_argument(
+        "--draft",
+        help="also time one drafted token of this draft model (as drafting runs it) against "
+        "the target's one-token pass (`draft_ratio` in --json)",
+    )
     add_draft_bits(fwd)
-    fwd.add_argument("--draft-vocab", type=int, nargs="+", metavar="N",
-                     help="with --draft: the draft vocabularies to time (0 = whole; default: the default and 0)")
+    fwd.add_argument(
+        "--draft-vocab",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="with --draft: the draft vocabularies to time (0 = whole; default: the default and 0)",
+    )
     fwd.add_argument("--json", action="store_true", help="print one JSON object")
     fwd.set_defaults(func=_cmd_bench_forward)
-    bat = bsub.add_parser("batch", help="aggregate tokens/s with several sequences in flight, per method",
-                          description="B different prompts decoded together (greedy), plain decoding and each "
-                                      "method side by side at every batch size; prints a table, writes "
-                                      "DIR/batch.json and DIR/batch.png with --out.",
-                          formatter_class=Help)  # fmt: skip
+    bat = bsub.add_parser(
+        "batch",
+        help="aggregate tokens/s with several sequences in flight, per method",
+        description="B different prompts decoded together (greedy), plain decoding and each "
+        "method side by side at every batch size; prints a table, writes "
+        "DIR/batch.json and DIR/batch.png with --out.",
+        formatter_class=Help,
+    )
     from ..bench.batch import METHODS as BATCH_METHODS
     from ..bench.batch import PLAIN
 
     bat.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model")
     bat.add_argument("--draft", help="draft model (default: the registered pair of the target, else the target itself)")
     bat.add_argument("--batch", nargs="+", type=int, default=[1, 2, 4, 8], help="batch sizes")
-    bat.add_argument("--methods", nargs="+", default=list(BATCH_METHODS), choices=[PLAIN, *DRAFTERS],
-                     help="plain decoding is always run as the reference")  # fmt: skip
+    bat.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(BATCH_METHODS),
+        choices=[PLAIN, *DRAFTERS],
+        help="plain decoding is always run as the reference",
+    )
     bat.add_argument("-k", type=int, default=DEFAULT_K, help="draft tokens per step")
     bat.add_argument("--max-new-tokens", type=int, default=64, help="tokens per sequence")
     bat.add_argument("--max-prompt-tokens", type=int, default=512, help="skip suite prompts longer than this")
@@ -93,48 +157,77 @@ def parser(sub: argparse._SubParsersAction) -> None:
     bat.add_argument("--out", type=Path, help="write DIR/batch.json and DIR/batch.png")
     bat.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bat.set_defaults(func=_cmd_bench_batch)
-    pr = bsub.add_parser("peers", help="the peers `specdec bench` runs beside ours: which can run here, and why not",
-                         description="Lists the peers (transformers, llama-cpp-python, llama.cpp's server plain and "
-                                     "with its draft-model speculation) and whether each can run here. --build "
-                                     "builds llama.cpp's server once into the specdec cache from the pinned "
-                                     "source that llama-cpp-python's source distribution vendors.")  # fmt: skip
-    pr.add_argument("--build", action="store_true", help="build llama.cpp's server now (cmake and a C++ compiler; minutes)")
+    pr = bsub.add_parser(
+        "peers",
+        help="the peers `specdec bench` runs beside ours: which can run here, and why not",
+        description="Lists the peers (transformers, llama-cpp-python, llama.cpp's server plain and "
+        "with its draft-model speculation) and whether each can run here. --build "
+        "builds llama.cpp's server once into the specdec cache from the pinned "
+        "source that llama-cpp-python's source distribution vendors.",
+    )
+    pr.add_argument(
+        "--build", action="store_true", help="build llama.cpp's server now (cmake and a C++ compiler; minutes)"
+    )
     pr.set_defaults(func=_cmd_bench_peers)
-    srv = bsub.add_parser("serve", help="load-test a running `specdec serve` on this machine",
-                          description="Streaming chat requests at each concurrency level (prompts of the bundled "
-                                      "suite); throughput, time to first token and latency percentiles as a table, "
-                                      "DIR/serve.json and DIR/serve.png. Localhost only; bounded in count and time.",
-                          formatter_class=Help)  # fmt: skip
+    srv = bsub.add_parser(
+        "serve",
+        help="load-test a running `specdec serve` on this machine",
+        description="Streaming chat requests at each concurrency level (prompts of the bundled "
+        "suite); throughput, time to first token and latency percentiles as a table, "
+        "DIR/serve.json and DIR/serve.png. Localhost only; bounded in count and time.",
+        formatter_class=Help,
+    )
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="the server (a loopback address)")
-    srv.add_argument("--concurrency", nargs="+", type=int,
-                     help="requests in flight, per level (default 1 4 16; with --trace: conversations at once, 1)")
+    srv.add_argument(
+        "--concurrency",
+        nargs="+",
+        type=int,
+        help="requests in flight, per level (default 1 4 16; with --trace: conversations at once, 1)",
+    )
     srv.add_argument("--requests", type=int, default=32, help="requests per level (at most 1000)")
     srv.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     srv.add_argument("--model", help="model id (default: the server's first)")
-    srv.add_argument("--method", help="send \"speculative\": {\"method\": METHOD} (e.g. none, prompt-lookup; "
-                                      "default: the server's own)")  # fmt: skip
+    srv.add_argument(
+        "--method", help='send "speculative": {"method": METHOD} (e.g. none, prompt-lookup; default: the server\'s own)'
+    )
     srv.add_argument("-k", type=int, help="with --method: draft tokens per step")
     srv.add_argument("--temperature", type=float, default=0.0)
     srv.add_argument("--api-key", help="the server's API key")
-    srv.add_argument("--timeout", type=float, help="seconds per level, at most (default 600; with --trace: per "
-                                                   "method, 3600)")
+    srv.add_argument(
+        "--timeout", type=float, help="seconds per level, at most (default 600; with --trace: per method, 3600)"
+    )
     srv.add_argument("--out", type=Path, default=Path("bench-out/serve"), help="output directory")
-    tr = srv.add_argument_group("agent trace (--trace): each method through a server of its own in this process, "
-                                "against plain decoding")  # fmt: skip
-    tr.add_argument("--trace", nargs="?", const="agent", metavar="FILE",
-                    help="replay a trace (JSONL: conversation, turn, messages, max_tokens; optional tools, tool_choice, "
-                         "prediction) instead of the load test; no FILE or 'agent': the bundled HumanEval coding-agent "
-                         "sessions with tool calls; 'edit': the bundled edit requests with predictions")  # fmt: skip
+    tr = srv.add_argument_group(
+        "agent trace (--trace): each method through a server of its own in this process, against plain decoding"
+    )
+    tr.add_argument(
+        "--trace",
+        nargs="?",
+        const="agent",
+        metavar="FILE",
+        help="replay a trace (JSONL: conversation, turn, messages, max_tokens; optional tools, tool_choice, "
+        "prediction) instead of the load test; no FILE or 'agent': the bundled HumanEval coding-agent "
+        "sessions with tool calls; 'edit': the bundled edit requests with predictions",
+    )
     tr.add_argument("--target", default=registry.DEFAULT_TARGET, help="with --trace: the model to serve")
     tr.add_argument("--draft", help="with --trace: draft model for draft-model and auto")
-    tr.add_argument("--methods", nargs="+", choices=[*DRAFTERS, *(m + "+prediction" for m in PREDICTION_READERS if m != "prediction")],
-                    default=["suffix", "prompt-lookup", "auto"], metavar="METHOD",
-                    help="with --trace: methods to replay, each beside plain decoding; prediction and NAME+prediction "
-                         "are sent the trace's predictions (e.g. auto+prediction), the others not")  # fmt: skip
+    tr.add_argument(
+        "--methods",
+        nargs="+",
+        choices=[*DRAFTERS, *(m + "+prediction" for m in PREDICTION_READERS if m != "prediction")],
+        default=["suffix", "prompt-lookup", "auto"],
+        metavar="METHOD",
+        help="with --trace: methods to replay, each beside plain decoding; prediction and NAME+prediction "
+        "are sent the trace's predictions (e.g. auto+prediction), the others not",
+    )
     tr.add_argument("--conversations", type=int, help="with --trace: the first N conversations (default: all)")
     tr.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="with --trace: precision/kernel mode")
-    tr.add_argument("--prefix-cache-tokens", type=int, metavar="N",
-                    help="with --trace: the servers' cache of finished requests' rows, as serve's (0: off)")
+    tr.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        metavar="N",
+        help="with --trace: the servers' cache of finished requests' rows, as serve's (0: off)",
+    )
     srv.set_defaults(func=_cmd_bench_serve)
 
 
@@ -150,18 +243,34 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         ns.methods = [m for m in DRAFTERS if all(shipped(m, t) for t in named)]
     pairs = [_pair(p, ns.methods) for p in ns.pairs] if ns.pairs else [(ns.target, ns.draft)]
     # every pair's settings are checked before the first (long) run starts
-    settings = [GridSettings(
-        target=target, draft=draft, methods=tuple(ns.methods), temperatures=tuple(ns.temperatures), k=ns.k,
-        max_new_tokens=ns.max_new_tokens or quick.get("max_new_tokens", 128),
-        repeats=ns.repeats or quick.get("repeats", 3), seed=ns.seed,
-        per_category=ns.per_category or quick.get("per_category"),
-        categories=tuple(ns.categories) if ns.categories else None,
-        prompts_file=str(ns.prompts) if ns.prompts else None, dtype=ns.dtype, peers=ns.peers, adaptive_k=ns.adaptive_k,
-        noise_control=ns.noise_control, draft_bits=draft_bits(ns), draft_vocab=ns.draft_vocab,
-    ) for target, draft in pairs]  # fmt: skip
+    settings = [
+        GridSettings(
+            target=target,
+            draft=draft,
+            methods=tuple(ns.methods),
+            temperatures=tuple(ns.temperatures),
+            k=ns.k,
+            max_new_tokens=ns.max_new_tokens or quick.get("max_new_tokens", 128),
+            repeats=ns.repeats or quick.get("repeats", 3),
+            seed=ns.seed,
+            per_category=ns.per_category or quick.get("per_category"),
+            categories=tuple(ns.categories) if ns.categories else None,
+            prompts_file=str(ns.prompts) if ns.prompts else None,
+            dtype=ns.dtype,
+            peers=ns.peers,
+            adaptive_k=ns.adaptive_k,
+            noise_control=ns.noise_control,
+            draft_bits=draft_bits(ns),
+            draft_vocab=ns.draft_vocab,
+        )
+        for target, draft in pairs
+    ]
     results = []
     for s in settings:
-        print(f"== {s.target}" + (f" + {s.draft}" if s.draft and any(map(needs_draft_model, s.methods)) else ""), file=sys.stderr)
+        print(
+            f"== {s.target}" + (f" + {s.draft}" if s.draft and any(map(needs_draft_model, s.methods)) else ""),
+            file=sys.stderr,
+        )
         result = run_grid(s, progress=lambda msg: print(msg, file=sys.stderr))
         print(report.table(result))
         results.append(result)
@@ -182,8 +291,9 @@ def _pair(text: str, methods: list[str]) -> tuple[str, str | None]:
     if not target or (":" in text and not draft):
         raise ValueError(f"--pairs takes TARGET or TARGET:DRAFT, got {text!r}")
     if not draft and any(map(needs_draft_model, methods)):
-        raise ValueError(f"pair {text!r} has no draft; write TARGET:DRAFT or leave {draft_model_method()} out of "
-                         "--methods")  # fmt: skip
+        raise ValueError(
+            f"pair {text!r} has no draft; write TARGET:DRAFT or leave {draft_model_method()} out of --methods"
+        )
     return target, draft or None
 
 
@@ -193,7 +303,9 @@ def _cmd_bench_peers(ns: argparse.Namespace) -> int:
     if ns.build:
         llama_server.build(log=lambda s: print(s, file=sys.stderr))
     for peer in peers.PEERS:
-        why = peers.unavailable(peer, has_draft=True, gguf=Path(__file__))  # (any existing file: the GGUF is per target)
+        why = peers.unavailable(
+            peer, has_draft=True, gguf=Path(__file__)
+        )  # (any existing file: the GGUF is per target)
         print(f"{peer:26s} {'ready' if why is None else 'skipped: ' + why}")
     return 0
 
@@ -212,11 +324,18 @@ def _cmd_bench_forward(ns: argparse.Namespace) -> int:
     path = store.resolve(ns.model)
     modes = ns.modes or forward.default_modes(resolve_device(ns.device))
     gguf = store.gguf_path(registry.MODELS[ns.model]) if ns.model in registry.MODELS else Path(ns.model)
-    result = forward.run(str(path), modes=modes, context=ns.context, repeats=ns.repeats, device=ns.device,
-                         progress=lambda s: print(s, file=sys.stderr),
-                         gguf=gguf if gguf.suffix == ".gguf" else None,
-                         draft=str(store.resolve(ns.draft)) if ns.draft else None, draft_vocabs=ns.draft_vocab,
-                         draft_bits=api_draft_bits(ns.draft, draft_bits(ns), device=ns.device) if ns.draft else None)  # fmt: skip
+    result = forward.run(
+        str(path),
+        modes=modes,
+        context=ns.context,
+        repeats=ns.repeats,
+        device=ns.device,
+        progress=lambda s: print(s, file=sys.stderr),
+        gguf=gguf if gguf.suffix == ".gguf" else None,
+        draft=str(store.resolve(ns.draft)) if ns.draft else None,
+        draft_vocabs=ns.draft_vocab,
+        draft_bits=api_draft_bits(ns.draft, draft_bits(ns), device=ns.device) if ns.draft else None,
+    )
     result["model"] = ns.model
     if ns.draft:
         result["draft"]["name"] = ns.draft
@@ -228,9 +347,18 @@ def _cmd_bench_batch(ns: argparse.Namespace) -> int:
     from ..bench.batch import PLAIN, BatchSettings, run_batch, table, write
 
     methods = (PLAIN, *[m for m in ns.methods if m != PLAIN])
-    settings = BatchSettings(target=ns.target, draft=ns.draft, batches=tuple(ns.batch), methods=methods, k=ns.k,
-                             max_new_tokens=ns.max_new_tokens, max_prompt_tokens=ns.max_prompt_tokens,
-                             repeats=ns.repeats, dtype=ns.dtype, prompts_file=str(ns.prompts) if ns.prompts else None)  # fmt: skip
+    settings = BatchSettings(
+        target=ns.target,
+        draft=ns.draft,
+        batches=tuple(ns.batch),
+        methods=methods,
+        k=ns.k,
+        max_new_tokens=ns.max_new_tokens,
+        max_prompt_tokens=ns.max_prompt_tokens,
+        repeats=ns.repeats,
+        dtype=ns.dtype,
+        prompts_file=str(ns.prompts) if ns.prompts else None,
+    )
     result = run_batch(settings, progress=lambda msg: print(msg, file=sys.stderr))
     print(json.dumps(result.to_dict()) if ns.json else table(result))
     if ns.out is not None:
@@ -247,10 +375,17 @@ def _cmd_bench_serve(ns: argparse.Namespace) -> int:
     if ns.k is not None and ns.method is None:
         raise ValueError("-k goes with --method (the server's own k applies otherwise)")
     spec = None if ns.method is None else {"method": ns.method, **({"k": ns.k} if ns.k is not None else {})}
-    settings = sb.ServeBenchSettings(url=ns.url, concurrency=tuple(ns.concurrency or (1, 4, 16)),
-                                     requests=ns.requests, max_tokens=ns.max_tokens, model=ns.model, speculative=spec,
-                                     temperature=ns.temperature, api_key=ns.api_key,
-                                     level_timeout_s=ns.timeout or 600.0)  # fmt: skip
+    settings = sb.ServeBenchSettings(
+        url=ns.url,
+        concurrency=tuple(ns.concurrency or (1, 4, 16)),
+        requests=ns.requests,
+        max_tokens=ns.max_tokens,
+        model=ns.model,
+        speculative=spec,
+        temperature=ns.temperature,
+        api_key=ns.api_key,
+        level_timeout_s=ns.timeout or 600.0,
+    )
     result = sb.run(settings, progress=lambda msg: print(msg, file=sys.stderr))
     print(sb.table(result))
     sb.write(result, ns.out)
@@ -264,10 +399,17 @@ def _bench_trace(ns: argparse.Namespace) -> int:
         raise ValueError("--trace starts its own server per method: drop --url, --method and -k (use --methods)")
     if ns.concurrency is not None and len(ns.concurrency) != 1:
         raise ValueError("with --trace, --concurrency takes one number: the conversations replayed at once")
-    settings = bt.TraceSettings(trace=ns.trace, target=ns.target, draft=ns.draft,
-                                methods=tuple(ns.methods), concurrency=ns.concurrency[0] if ns.concurrency else 1,
-                                conversations=ns.conversations, dtype=ns.dtype, timeout_s=ns.timeout or 3600.0,
-                                **({} if ns.prefix_cache_tokens is None else {"prefix_tokens": ns.prefix_cache_tokens}))  # fmt: skip
+    settings = bt.TraceSettings(
+        trace=ns.trace,
+        target=ns.target,
+        draft=ns.draft,
+        methods=tuple(ns.methods),
+        concurrency=ns.concurrency[0] if ns.concurrency else 1,
+        conversations=ns.conversations,
+        dtype=ns.dtype,
+        timeout_s=ns.timeout or 3600.0,
+        **({} if ns.prefix_cache_tokens is None else {"prefix_tokens": ns.prefix_cache_tokens}),
+    )
     result = bt.run(settings, progress=lambda msg: print(msg, file=sys.stderr))
     print(bt.table(result))
     bt.write(result, ns.out)

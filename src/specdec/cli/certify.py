@@ -14,32 +14,45 @@ from .common import Help, add_draft_bits, add_drafter_options, drafter_options, 
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("certify", help="a statistical certificate that a method samples exactly as the target does",
-                       formatter_class=Help,
-                       description="Draws N sampled continuations of a few tokens with plain decoding and N with the "
-                                   "method (fixed prompts, independent seeds), compares them with a two-sample "
-                                   "chi-square test, and runs the same test on a deliberately broken verifier to show "
-                                   "it catches an error at this N. Every step drafts: k is fixed, and the tree "
-                                   "drafters send a fixed tree (--tree-tokens, 8 unless given) instead of the cost "
-                                   "model's choice. Prints a table (or JSON); exits 1 when the method fails, 4 when "
-                                   "the broken control is not caught (too few samples to certify) or nothing was "
-                                   "drafted.")  # fmt: skip
+    p = sub.add_parser(
+        "certify",
+        help="a statistical certificate that a method samples exactly as the target does",
+        formatter_class=Help,
+        description="Draws N sampled continuations of a few tokens with plain decoding and N with the "
+        "method (fixed prompts, independent seeds), compares them with a two-sample "
+        "chi-square test, and runs the same test on a deliberately broken verifier to show "
+        "it catches an error at this N. Every step drafts: k is fixed, and the tree "
+        "drafters send a fixed tree (--tree-tokens, 8 unless given) instead of the cost "
+        "model's choice. Prints a table (or JSON); exits 1 when the method fails, 4 when "
+        "the broken control is not caught (too few samples to certify) or nothing was "
+        "drafted.",
+    )
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (for the draft-model and auto drafters)")
     add_draft_bits(p)
-    p.add_argument("--drafter", choices=sorted(DRAFTERS), help="the method to certify (default: draft-model with "
-                   "--draft)")  # fmt: skip
+    p.add_argument(
+        "--drafter", choices=sorted(DRAFTERS), help="the method to certify (default: draft-model with --draft)"
+    )
     add_drafter_options(p)
     p.add_argument("-k", type=int, help="draft tokens per step (default: as generate chooses)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--samples", type=int, default=1000, help="continuations per arm and prompt")
     p.add_argument("--tokens", type=int, default=4, help="length of each continuation")
-    p.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: three built-in "
-                   "prompts with repetition in them, so every drafter proposes)")  # fmt: skip
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt (repeat for several; default: three built-in "
+        "prompts with repetition in them, so every drafter proposes)",
+    )
     p.add_argument("--alpha", type=float, default=0.01, help="significance level")
-    p.add_argument("--seed", type=int, default=0, help="first seed (plain: seed, seed+1, ...; the method and the "
-                   "control draw from seeds 10^7 and 2*10^7 further on)")  # fmt: skip
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="first seed (plain: seed, seed+1, ...; the method and the "
+        "control draw from seeds 10^7 and 2*10^7 further on)",
+    )
     p.add_argument("--no-control", dest="control", action="store_false", help="skip the broken-verifier control")
     p.add_argument("--batch", type=int, default=32, help="continuations decoded together")
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="precision/kernel mode")
@@ -69,10 +82,26 @@ def _cmd_certify(ns: argparse.Namespace) -> int:
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
     draft = load_draft_model(ns)
     arms = 3 if ns.control else 2
-    with tqdm(total=arms * ns.samples * len(prompts), desc="certify", unit="seq", disable=ns.json, file=sys.stderr) as bar:
-        cert = certify(target, method=method, assistant_model=draft, k=ns.k, temperature=ns.temperature,
-                       top_p=ns.top_p, samples=ns.samples, tokens=ns.tokens, prompts=prompts, alpha=ns.alpha,
-                       seed=ns.seed, control=ns.control, batch=ns.batch, options=options, progress=bar.update)  # fmt: skip
+    with tqdm(
+        total=arms * ns.samples * len(prompts), desc="certify", unit="seq", disable=ns.json, file=sys.stderr
+    ) as bar:
+        cert = certify(
+            target,
+            method=method,
+            assistant_model=draft,
+            k=ns.k,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            samples=ns.samples,
+            tokens=ns.tokens,
+            prompts=prompts,
+            alpha=ns.alpha,
+            seed=ns.seed,
+            control=ns.control,
+            batch=ns.batch,
+            options=options,
+            progress=bar.update,
+        )
     from ..bench.grid import machine
 
     cert.cpu = machine()

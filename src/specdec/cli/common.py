@@ -20,11 +20,17 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
             return action.help
         return super()._get_help_string(action)
 
+
 def add_draft_bits(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-bits", type=int, default=None, metavar="BITS",
-                   help="the draft model's packing (q4k mode): 4 = every layer in Q4_K blocks, 3 or 2 = its layers "
-                        "in 3- or 2-bit codes (cheaper, less accepted), 0 = its file's own (default: the one measured "
-                        "best for a known draft, else its file's)")  # fmt: skip
+    p.add_argument(
+        "--draft-bits",
+        type=int,
+        default=None,
+        metavar="BITS",
+        help="the draft model's packing (q4k mode): 4 = every layer in Q4_K blocks, 3 or 2 = its layers "
+        "in 3- or 2-bit codes (cheaper, less accepted), 0 = its file's own (default: the one measured "
+        "best for a known draft, else its file's)",
+    )
 
 
 def draft_bits(ns: argparse.Namespace) -> int | None | str:
@@ -34,9 +40,13 @@ def draft_bits(ns: argparse.Namespace) -> int | None | str:
 
 
 def add_auto_draft(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-auto-draft", dest="auto_draft", action="store_false",
-                   help="with --drafter auto and no --draft: do not draft with the draft model registered for the "
-                        "target (auto takes it when it is installed)")  # fmt: skip
+    p.add_argument(
+        "--no-auto-draft",
+        dest="auto_draft",
+        action="store_false",
+        help="with --drafter auto and no --draft: do not draft with the draft model registered for the "
+        "target (auto takes it when it is installed)",
+    )
 
 
 def auto_draft(ns: argparse.Namespace, method: str | None) -> None:
@@ -51,8 +61,10 @@ def auto_draft(ns: argparse.Namespace, method: str | None) -> None:
     if draft is None or not store.is_installed(draft):
         return
     ns.draft = draft
-    print(f"specdec: auto drafts with {draft} too, the installed draft of {ns.target} (--no-auto-draft: without "
-          "it)", file=sys.stderr)  # fmt: skip
+    print(
+        f"specdec: auto drafts with {draft} too, the installed draft of {ns.target} (--no-auto-draft: without it)",
+        file=sys.stderr,
+    )
 
 
 def load_draft_model(ns: argparse.Namespace):  # noqa: ANN201 - LoadedModel
@@ -76,16 +88,33 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     drafters declare is one argument, given to whichever of them runs."""
     for flag, users in _drafter_flags().items():
         spec, opt, default = users[0]
-        helps = [f"{s.name}: {o.help}" + ("" if d is None or isinstance(d, bool) else f" (default: {d})")
-                 for s, o, d in users] if len(users) > 1 else [
-                 opt.help if default is None or isinstance(default, bool) else f"{opt.help} (default: {default})"]  # fmt: skip
+        helps = (
+            [
+                f"{s.name}: {o.help}" + ("" if d is None or isinstance(d, bool) else f" (default: {d})")
+                for s, o, d in users
+            ]
+            if len(users) > 1
+            else [opt.help if default is None or isinstance(default, bool) else f"{opt.help} (default: {default})"]
+        )
         if isinstance(default, bool):  # a switch: given -> True, absent -> the drafter's default
-            p.add_argument(flag, dest=f"drafter-option:{flag}", action="store_const", const=True, default=None,
-                           help="; ".join(helps))  # fmt: skip
+            p.add_argument(
+                flag,
+                dest=f"drafter-option:{flag}",
+                action="store_const",
+                const=True,
+                default=None,
+                help="; ".join(helps),
+            )
             continue
         kind = opt.type or (type(default) if default is not None else int)
-        p.add_argument(flag, dest=f"drafter-option:{flag}", type=kind, default=None, metavar=opt.name.upper(),
-                       help="; ".join(helps))  # fmt: skip
+        p.add_argument(
+            flag,
+            dest=f"drafter-option:{flag}",
+            type=kind,
+            default=None,
+            metavar=opt.name.upper(),
+            help="; ".join(helps),
+        )
 
 
 def drafter_options(ns: argparse.Namespace, method: str | None, strict: bool = True) -> dict[str, Any]:
@@ -100,8 +129,7 @@ def drafter_options(ns: argparse.Namespace, method: str | None, strict: bool = T
             if not strict:
                 continue
             names = " / ".join(spec.name for spec, _, _ in users)
-            raise ValueError(f"{flag} is an option of the {names} drafter; add --drafter "
-                             f"{users[0][0].name} or drop it")  # fmt: skip
+            raise ValueError(f"{flag} is an option of the {names} drafter; add --drafter {users[0][0].name} or drop it")
         out[mine[0].name] = value
     return out
 
@@ -114,7 +142,9 @@ def method_of(ns: argparse.Namespace, draft_for_others: bool = False) -> str | N
     if needs_draft_model(method) and not ns.draft:
         raise ValueError(f"--drafter {method} needs --draft MODEL")
     if not draft_for_others and method is not None and not uses_draft_model(method) and ns.draft:
-        raise ValueError(f"--draft is only used by the draft-model and auto drafters; drop it or drop --drafter {method}")
+        raise ValueError(
+            f"--draft is only used by the draft-model and auto drafters; drop it or drop --drafter {method}"
+        )
     return method
 
 

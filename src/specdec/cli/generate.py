@@ -16,46 +16,81 @@ from ..config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments,
 from ..drafters import DRAFTERS, Drafter
 from ..engine import Delta
 from ..model.kernels import AUTO, MODES
-from .common import (Help, add_auto_draft, add_draft_bits, add_drafter_options, auto_draft, drafter_options,
-                     load_draft_model, method_of, read_prompt, read_text)
+from .common import (
+    Help,
+    add_auto_draft,
+    add_draft_bits,
+    add_drafter_options,
+    auto_draft,
+    drafter_options,
+    load_draft_model,
+    method_of,
+    read_prompt,
+    read_text,
+)
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text, speculatively when a draft or drafter is given",
-                       formatter_class=Help)  # fmt: skip
+    p = sub.add_parser(
+        "generate", help="generate text, speculatively when a draft or drafter is given", formatter_class=Help
+    )
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
     p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
     add_draft_bits(p)
     add_auto_draft(p)
-    p.add_argument("--drafter", choices=sorted(DRAFTERS),
-                   help="drafting method (unset: draft-model when --draft is given, else plain decoding): "
-                        + "; ".join(f"{s.name}: {s.help}" for s in DRAFTERS.values()))  # fmt: skip
+    p.add_argument(
+        "--drafter",
+        choices=sorted(DRAFTERS),
+        help="drafting method (unset: draft-model when --draft is given, else plain decoding): "
+        + "; ".join(f"{s.name}: {s.help}" for s in DRAFTERS.values()),
+    )
     add_drafter_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' for stdin)")
-    p.add_argument("--prediction-file", type=Path,
-                   help="the output you expect, mostly (the file you asked the model to edit): drafted from with a "
-                        "pointer that realigns after the edits (OpenAI's predicted outputs); the drafter is "
-                        "prediction, or auto with --draft, unless --drafter names one of them")  # fmt: skip
-    p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="with --json: each token's log-probability under the target and its N likeliest alternatives "
-                        "(0..20; plain decoding's numbers)")  # fmt: skip
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap the prompt in the model's chat template (unset: when the model has one)")  # fmt: skip
+    p.add_argument(
+        "--prediction-file",
+        type=Path,
+        help="the output you expect, mostly (the file you asked the model to edit): drafted from with a "
+        "pointer that realigns after the edits (OpenAI's predicted outputs); the drafter is "
+        "prediction, or auto with --draft, unless --drafter names one of them",
+    )
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each token's log-probability under the target and its N likeliest alternatives "
+        "(0..20; plain decoding's numbers)",
+    )
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the model's chat template (unset: when the model has one)",
+    )
     add_arguments(p, GenerationConfig)
     add_arguments(p, SamplingParams)
     p.set_defaults(k=None)  # unset: the k stored by `specdec bench --tune`, else DEFAULT_K
-    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES],
-                   help="precision/kernel mode; auto = fastest exact mode for the device (q4k on CPU)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default=AUTO,
+        choices=[AUTO, *MODES],
+        help="precision/kernel mode; auto = fastest exact mode for the device (q4k on CPU)",
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="with --compare: run both sides this many times in alternating order (plain first, then "
-                        "speculative first, ...) and report the median speedup with its lowest and highest pair")  # fmt: skip
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --compare: run both sides this many times in alternating order (plain first, then "
+        "speculative first, ...) and report the median speedup with its lowest and highest pair",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--stream", action="store_true", help="print the text as it is committed, step by step")
     p.set_defaults(func=_cmd_generate)
+
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from ..api import Request, compare_requests, load, request, run_request
@@ -86,19 +121,41 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "k"}
 
     def build() -> Request:  # (a comparison's every speculative run gets a drafter of its own)
-        return request(target, prompt, assistant_model=draft, drafter=method, drafter_options=options,
-                       sampling=sampling, k=k_given if method is not None else cfg.k, chat=ns.chat,
-                       prediction=prediction, logprobs=ns.logprobs, **fields)  # fmt: skip
+        return request(
+            target,
+            prompt,
+            assistant_model=draft,
+            drafter=method,
+            drafter_options=options,
+            sampling=sampling,
+            k=k_given if method is not None else cfg.k,
+            chat=ns.chat,
+            prediction=prediction,
+            logprobs=ns.logprobs,
+            **fields,
+        )
 
     req = build()
     drafter = req.drafter
-    header = {"target": ns.target, "drafter": method, "draft": ns.draft, "k": req.config.k if drafter else None,
-              "k_source": req.k_source, "dtype": target.model.mode, "temperature": sampling.temperature,
-              "top_k": sampling.top_k, "top_p": sampling.top_p, "exact": sampling.exact or drafter is None}  # fmt: skip
+    header = {
+        "target": ns.target,
+        "drafter": method,
+        "draft": ns.draft,
+        "k": req.config.k if drafter else None,
+        "k_source": req.k_source,
+        "dtype": target.model.mode,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "exact": sampling.exact or drafter is None,
+    }
     if not header["exact"]:
-        print(f"specdec: NOT EXACT: typical acceptance (epsilon {sampling.epsilon}, delta {sampling.delta}) verifies "
-              "the drafts; the output is not distributed as the target's own (drop --acceptance typical for exact "
-              "sampling)", file=sys.stderr)  # fmt: skip
+        print(
+            f"specdec: NOT EXACT: typical acceptance (epsilon {sampling.epsilon}, delta {sampling.delta}) verifies "
+            "the drafts; the output is not distributed as the target's own (drop --acceptance typical for exact "
+            "sampling)",
+            file=sys.stderr,
+        )
     show = _shower(ns.stream, len(req.prompt_ids))
     describe = type(drafter).describe if drafter is not None else Drafter.describe
     if ns.compare:
@@ -114,8 +171,17 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     if ns.json:
         _note(describe(result.metrics.drafter_info, brief=True))
         m = result.metrics
-        print(json.dumps({**header, "acceptance_rate": m.acceptance_rate, "mean_accepted_tokens":
-                          m.mean_accepted_tokens, "tokens_per_second": m.tokens_per_second, **result.to_dict()}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    **header,
+                    "acceptance_rate": m.acceptance_rate,
+                    "mean_accepted_tokens": m.mean_accepted_tokens,
+                    "tokens_per_second": m.tokens_per_second,
+                    **result.to_dict(),
+                }
+            )
+        )
     else:
         _print_result(result, describe, streamed=ns.stream)
     return 0
@@ -134,8 +200,12 @@ def _shower(stream: bool, prompt_len: int) -> Callable[[Delta], None] | None:
         if d.prefilled is not None:
             if progress:
                 rate = d.prefilled / max(time.perf_counter() - started, 1e-9)
-                print(f"\rreading the prompt: {d.prefilled}/{prompt_len} tokens ({rate:.0f} tok/s, Ctrl-C stops)",
-                      end="", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"\rreading the prompt: {d.prefilled}/{prompt_len} tokens ({rate:.0f} tok/s, Ctrl-C stops)",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 shown[0] = True
             return
         if shown[0]:
@@ -154,16 +224,19 @@ def _note(notes: list[str]) -> None:
         print("specdec: " + "; ".join(notes), file=sys.stderr)
 
 
-def _print_result(result: Any, describe: Callable[[dict[str, Any]], list[str]], streamed: bool,
-                  extra: Any = None) -> None:  # fmt: skip
+def _print_result(
+    result: Any, describe: Callable[[dict[str, Any]], list[str]], streamed: bool, extra: Any = None
+) -> None:
     """The text (unless it was streamed already), then one line of figures on stderr: the
     run's, the drafter's own (`describe`), and the step controller's."""
     print("" if streamed else result.text, flush=True)
     m = result.metrics
     line = f"\n[{m.new_tokens} tokens, {m.tokens_per_second:.2f} tok/s"
     if m.prefill_time > 0:  # reading the prompt and generating, apart
-        line += (f" ({m.decode_tokens_per_second:.2f} tok/s generating; prompt of {m.prompt_tokens} tokens read in "
-                 f"{m.prefill_time:.2f} s, {m.prompt_tokens / m.prefill_time:.0f} tok/s)")  # fmt: skip
+        line += (
+            f" ({m.decode_tokens_per_second:.2f} tok/s generating; prompt of {m.prompt_tokens} tokens read in "
+            f"{m.prefill_time:.2f} s, {m.prompt_tokens / m.prefill_time:.0f} tok/s)"
+        )
     if m.acceptance_rate is not None:
         line += f", acceptance {m.acceptance_rate:.2f}, tokens/pass {m.mean_accepted_tokens:.2f}"
     if extra is not None:

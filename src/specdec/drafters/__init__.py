@@ -45,4 +45,4 @@ __all__ = [
     "point_mass",
     "register",
     "uses_draft_model",
-]  # fmt: skip
+]

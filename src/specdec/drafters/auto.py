@@ -72,15 +72,34 @@ def switchable() -> list[str]:
     needs="any",
     default_k=16,  # the deepest a step may go: chains stop at the chooser's K_MAX, suffix trees here
     help="choose the drafter (prompt lookup, suffix; the draft model with --draft; an EAGLE-3 head if asked for) and k "
-         "each step, or a plain step, by predicted tokens per second",
-    options=(Option("methods", "auto: the drafters to choose from, comma-separated (default: prompt-lookup, "
-                               "suffix, draft-model with --draft, eagle3 with --auto-head)", "--auto-methods", type=str),
-             Option("head", "auto: include this EAGLE-3 head (directory; with eagle3 in --auto-methods, default: "
-                            "the head shipped for the target)", "--auto-head", type=str),
-             Option("merge", "auto: verify suffix decoding's tree together with the chosen drafter's chain in one "
-                             "pass (0: the chosen drafter's proposal alone)", "--auto-merge", type=int),
-             VOCAB_OPTION, WINDOW_OPTION, CONFIDENCE_OPTION),
-)  # fmt: skip
+    "each step, or a plain step, by predicted tokens per second",
+    options=(
+        Option(
+            "methods",
+            "auto: the drafters to choose from, comma-separated (default: prompt-lookup, "
+            "suffix, draft-model with --draft, eagle3 with --auto-head)",
+            "--auto-methods",
+            type=str,
+        ),
+        Option(
+            "head",
+            "auto: include this EAGLE-3 head (directory; with eagle3 in --auto-methods, default: "
+            "the head shipped for the target)",
+            "--auto-head",
+            type=str,
+        ),
+        Option(
+            "merge",
+            "auto: verify suffix decoding's tree together with the chosen drafter's chain in one "
+            "pass (0: the chosen drafter's proposal alone)",
+            "--auto-merge",
+            type=int,
+        ),
+        VOCAB_OPTION,
+        WINDOW_OPTION,
+        CONFIDENCE_OPTION,
+    ),
+)
 class AutoDrafter(Drafter):
     """Switches between drafters step by step (see the module doc). `methods`: comma-separated
     names (default: every switchable drafter whose model is given); `margin`: a drafter must
@@ -88,17 +107,36 @@ class AutoDrafter(Drafter):
 
     own_schedule = True  # it chooses plain steps itself
 
-    def __init__(self, target: Transformer, draft: Transformer | None = None, methods: str | None = None,
-                 head: Any = None, margin: float = 1.03, vocab: int = DEFAULT_VOCAB,
-                 window: int = DEFAULT_WINDOW, merge: bool | int = True, confidence: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: Transformer,
+        draft: Transformer | None = None,
+        methods: str | None = None,
+        head: Any = None,
+        margin: float = 1.03,
+        vocab: int = DEFAULT_VOCAB,
+        window: int = DEFAULT_WINDOW,
+        merge: bool | int = True,
+        confidence: int = 1,
+    ) -> None:
         super().__init__()
         ok = switchable()
         if methods is None:
             # a drafter of a draft model when one is given; of a trained head only when auto is
             # given its head (see above; the others' heads only when named in `methods`)
             # (the prediction drafter joins a request that carries a prediction: `begin`)
-            names = [n for n in ok if n != PREDICTION and (draft is not None if DRAFTERS[n].needs == "draft" else
-                                       head is not None and DRAFTERS[n].auto_head if DRAFTERS[n].head else True)]  # fmt: skip
+            names = [
+                n
+                for n in ok
+                if n != PREDICTION
+                and (
+                    draft is not None
+                    if DRAFTERS[n].needs == "draft"
+                    else head is not None and DRAFTERS[n].auto_head
+                    if DRAFTERS[n].head
+                    else True
+                )
+            ]
         else:
             names = [n.strip() for n in methods.split(",") if n.strip()]
             if not names:
@@ -112,20 +150,36 @@ class AutoDrafter(Drafter):
         if drafter_needs and draft is None:
             raise ValueError(f"auto with {drafter_needs[0]} needs a draft model (--draft NAME, or assistant_model=)")
         if draft is not None and not drafter_needs:
-            raise ValueError("auto uses the draft model only with draft-model among its methods; drop --draft or "
-                             "add draft-model to --auto-methods")  # fmt: skip
+            raise ValueError(
+                "auto uses the draft model only with draft-model among its methods; drop --draft or "
+                "add draft-model to --auto-methods"
+            )
         self.target = target
         takes_head = [n for n in ok if DRAFTERS[n].auto_head]
         if head is not None and not set(takes_head) & set(names):
-            raise ValueError(f"--auto-head gives auto a head for {' / '.join(takes_head)}; add {takes_head[0]} to "
-                             "--auto-methods or drop --auto-head")  # fmt: skip
-        mine = {"head": head, "vocab": vocab, "window": window, "confidence": confidence}  # auto's options its members may declare
+            raise ValueError(
+                f"--auto-head gives auto a head for {' / '.join(takes_head)}; add {takes_head[0]} to "
+                "--auto-methods or drop --auto-head"
+            )
+        mine = {
+            "head": head,
+            "vocab": vocab,
+            "window": window,
+            "confidence": confidence,
+        }  # auto's options its members may declare
         self.subs: dict[str, Drafter] = {
-            n: make_drafter(n, target=target, draft=draft if DRAFTERS[n].needs == "draft" else None,
-                            **{o.name: mine[o.name] for o in DRAFTERS[n].options if o.name in mine
-                               and (o.name != "head" or DRAFTERS[n].auto_head)})
+            n: make_drafter(
+                n,
+                target=target,
+                draft=draft if DRAFTERS[n].needs == "draft" else None,
+                **{
+                    o.name: mine[o.name]
+                    for o in DRAFTERS[n].options
+                    if o.name in mine and (o.name != "head" or DRAFTERS[n].auto_head)
+                },
+            )
             for n in names
-        }  # fmt: skip
+        }
         for sub in self.subs.values():
             sub.lazy_begin = True  # caught up (a draft model prefilled) when first chosen, if ever
             sub.chain_only = True  # the chooser sizes chains
@@ -165,8 +219,10 @@ class AutoDrafter(Drafter):
         out = super().describe(info, brief)
         if info.get("auto") and not brief:
             steps = info["auto"]["steps"]
-            out.append("auto steps: " + "; ".join(f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items())
-                                                 for name, ks in steps.items()))  # fmt: skip
+            out.append(
+                "auto steps: "
+                + "; ".join(f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items()) for name, ks in steps.items())
+            )
         return out
 
     def begin(self, session: DraftSession) -> None:
@@ -184,19 +240,32 @@ class AutoDrafter(Drafter):
             sub.pool = self.pool
             # each drafter its own generator, seeded from the session's: reproducible, independent
             seed = int(torch.randint(0, 2**62, (1,), generator=session.generator))
-            sub.begin(DraftSession(session.context, session.capacity, session.sampling,
-                                   make_generator(seed, session.generator.device), session.target,
-                                   session.target_cache, session.layers, session.fixed_k,
-                                   session.prediction))  # fmt: skip
-        self.chooser = MethodChooser(self.methods, self.k_max, pass_costs(self.target, self.k_max + 1),
-                                     margin=self.margin,
-                                     draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()},
-                                     memory=acceptance_memory(self.target, session.sampling.greedy),
-                                     remembered=remembered(self.methods),
-                                     reproducible=reproducible(session.sampling),
-                                     self_sized=frozenset(n for n, sub in self.subs.items() if sub.sizes_itself),
-                                     priors=lambda m, situation: self.subs[m].prior_alpha(situation),
-                                     steps=lambda m: self.subs[m].step_record())  # fmt: skip
+            sub.begin(
+                DraftSession(
+                    session.context,
+                    session.capacity,
+                    session.sampling,
+                    make_generator(seed, session.generator.device),
+                    session.target,
+                    session.target_cache,
+                    session.layers,
+                    session.fixed_k,
+                    session.prediction,
+                )
+            )
+        self.chooser = MethodChooser(
+            self.methods,
+            self.k_max,
+            pass_costs(self.target, self.k_max + 1),
+            margin=self.margin,
+            draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()},
+            memory=acceptance_memory(self.target, session.sampling.greedy),
+            remembered=remembered(self.methods),
+            reproducible=reproducible(session.sampling),
+            self_sized=frozenset(n for n, sub in self.subs.items() if sub.sizes_itself),
+            priors=lambda m, situation: self.subs[m].prior_alpha(situation),
+            steps=lambda m: self.subs[m].step_record(),
+        )
 
     def end(self) -> None:
         for sub in self.subs.values():
@@ -215,16 +284,24 @@ class AutoDrafter(Drafter):
             raise RuntimeError("AutoDrafter.propose() called before begin()")
         remaining = self._capacity - self._length
         # (with `merge`, suffix decoding competes with its own tree's rate, not as a chain)
-        outlook = {name: o for name, sub in self.subs.items() if not (self.merge and name == SUFFIX)
-                   and (o := outlook_of(sub, k if name == PREDICTION else min(k, K_MAX))) is not None}  # fmt: skip
+        outlook = {
+            name: o
+            for name, sub in self.subs.items()
+            if not (self.merge and name == SUFFIX)
+            and (o := outlook_of(sub, k if name == PREDICTION else min(k, K_MAX))) is not None
+        }
         method, kk = self.chooser.choose(outlook, remaining=remaining)
         self._plan = (method, outlook[method][0] if method in outlook else None, kk)
         self._budget = k
         if self.merge and k > 0:
             sit, tree, rate = self.subs[SUFFIX].plan(k)  # type: ignore[attr-defined]
             # (the chosen drafter's rate as the chooser ranked it: a self-sized one's by its record)
-            chosen = 0.0 if method == "plain" else self.chooser.rates_now.get(method) or self.chooser.rate(
-                method, *self._plan[1:], *outlook[method][2:], remaining=remaining)  # fmt: skip
+            chosen = (
+                0.0
+                if method == "plain"
+                else self.chooser.rates_now.get(method)
+                or self.chooser.rate(method, *self._plan[1:], *outlook[method][2:], remaining=remaining)
+            )
             # (a draft model's chain adds what the tree cannot; another copy's chain adds little)
             joins = self._merges(method) and method in self.chooser.self_sized
             if tree.tokens and self._suffix_wins(rate, chosen, joins):
@@ -269,8 +346,10 @@ class AutoDrafter(Drafter):
         for idx in by_key.values():
             subs = [group[i].subs[group[i]._plan[0]] for i in idx]  # type: ignore[index]
             # (a chain as long as the chooser chose; suffix's own tree as deep as the step allows)
-            asked = [group[i]._budget if subs[n].name == SUFFIX and group[i].merge else group[i]._plan[2]  # type: ignore[index]
-                     for n, i in enumerate(idx)]  # fmt: skip
+            asked = [
+                group[i]._budget if subs[n].name == SUFFIX and group[i].merge else group[i]._plan[2]  # type: ignore[index]
+                for n, i in enumerate(idx)
+            ]
             with timer(group[idx[0]].target.device) as t:
                 drafts = type(subs[0]).propose_batch(subs, asked)
             for i, draft in zip(idx, drafts, strict=True):
@@ -314,8 +393,9 @@ class AutoDrafter(Drafter):
         self._merged = merged = merge(chain.tokens.tolist(), chain.probs is not None, tree.tokens[:n], tree.parents[:n])
         self._proposal = merged.tokens
         self._merged_sizes.append(len(merged.tokens))
-        draft = Draft(torch.tensor(merged.tokens, dtype=torch.long, device=chain.tokens.device), None,
-                      parents=merged.parents)  # fmt: skip
+        draft = Draft(
+            torch.tensor(merged.tokens, dtype=torch.long, device=chain.tokens.device), None, parents=merged.parents
+        )
         self._depth = draft.depth()
         if chain.probs is not None:  # drawn chain nodes beside fixed ones: the mixed rule
             q = chain.probs.new_zeros(len(merged.tokens), chain.probs.shape[-1])
@@ -347,7 +427,9 @@ class AutoDrafter(Drafter):
         method = self._plan[0] if self._plan is not None else "plain"
         if self._merged is not None:
             n = _along(feedback.path, self._merged.chain)
-            self.subs[method].last_step(_part(feedback, list(range(n)), self._merged.chain[:n], feedback.next_token), min(n, kept))
+            self.subs[method].last_step(
+                _part(feedback, list(range(n)), self._merged.chain[:n], feedback.next_token), min(n, kept)
+            )
         elif method != "plain":
             self.subs[method].last_step(feedback, kept)
 
@@ -391,7 +473,10 @@ class AutoDrafter(Drafter):
             report["sync_ms"] = round(self._sync_ms, 3)
             if self.merge:  # steps whose chain went out with suffix decoding's tree, and their size
                 sizes = self._merged_sizes
-                report["merged"] = {"steps": len(sizes), "tree_tokens_mean": round(sum(sizes) / len(sizes), 2) if sizes else None}
+                report["merged"] = {
+                    "steps": len(sizes),
+                    "tree_tokens_mean": round(sum(sizes) / len(sizes), 2) if sizes else None,
+                }
             info["auto"] = report
         self.info = info
 
@@ -470,6 +555,10 @@ def _part(feedback: Feedback, path: list[int], nodes: list[int], next_token: int
     proposal's indices; `nodes`: theirs in the merged tree) and the token after them, with the
     target's rows on that path."""
     rows = [0] + [j + 1 for j in nodes]
-    return Feedback(path, next_token, feedback.logits[rows],
-                    hidden=feedback.hidden[rows] if feedback.hidden is not None else None,
-                    layers={i: h[rows] for i, h in feedback.layers.items()})  # fmt: skip
+    return Feedback(
+        path,
+        next_token,
+        feedback.logits[rows],
+        hidden=feedback.hidden[rows] if feedback.hidden is not None else None,
+        layers={i: h[rows] for i, h in feedback.layers.items()},
+    )

@@ -101,7 +101,9 @@ class DraftSession:
     sampling: SamplingParams
     generator: torch.Generator  # the drafter's own, seeded
     target: Any = None  # the target Transformer (drafters that share its weights check it)
-    target_cache: Any = None  # the sequence's KVCache in the target (self-speculation writes its early blocks' KV there)
+    target_cache: Any = (
+        None  # the sequence's KVCache in the target (self-speculation writes its early blocks' KV there)
+    )
     # the prompt's residual after each of the drafter's `feature_layers` (the prefill computed
     # them; the first generated token's come with the first Feedback), [T_prompt, D]
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -122,7 +124,9 @@ class Feedback:
     logits: torch.Tensor  # [K+1, V] row 0 after the last committed token, row j+1 after draft node j
     extra_logits: torch.Tensor | None = None  # [R, V] the draft's extra rows (`Draft.extra`)
     hidden: torch.Tensor | None = None  # [K+1, D] final-normed hidden states (drafters with `wants_hidden`)
-    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # residual after each `feature_layers` layer, [K+1, D]
+    layers: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # residual after each `feature_layers` layer, [K+1, D]
 
     @property
     def num_accepted(self) -> int:
@@ -328,13 +332,22 @@ def uses_draft_model(name: str | None) -> bool:
     return spec is not None and spec.needs in ("draft", "any")
 
 
-def register(name: str, *, help: str, needs: Needs = "", options: tuple[Option, ...] = (), head: str | None = None,
-             switchable: bool = False, auto_head: bool = False, default_k: int | None = None,
-             ) -> Callable[[type], type]:  # fmt: skip
+def register(
+    name: str,
+    *,
+    help: str,
+    needs: Needs = "",
+    options: tuple[Option, ...] = (),
+    head: str | None = None,
+    switchable: bool = False,
+    auto_head: bool = False,
+    default_k: int | None = None,
+) -> Callable[[type], type]:
     """Add a drafter class to the registry under `name`: what it needs built (`needs`), its
     options (defaults from its constructor), the trained head it loads (`head`), whether auto
     may switch to it (`switchable`: it implements `catch_up`), its k when none is given
     (`default_k`)."""
+
     def deco(cls: type) -> type:
         if name in DRAFTERS:
             raise ValueError(f"drafter {name!r} registered twice")
@@ -361,8 +374,10 @@ def make_drafter(name: str, *, target: Any = None, draft: Any = None, **options:
     known = {o.name for o in spec.options}
     unknown = [k for k, v in options.items() if k not in known and v is not None]
     if unknown:
-        raise ValueError(f"the {name} drafter has no option {unknown[0]!r}" +
-                         (f"; its options: {', '.join(sorted(known))}" if known else " (it takes none)"))  # fmt: skip
+        raise ValueError(
+            f"the {name} drafter has no option {unknown[0]!r}"
+            + (f"; its options: {', '.join(sorted(known))}" if known else " (it takes none)")
+        )
     kwargs = {k: v for k, v in options.items() if v is not None}
     if spec.needs == "any":
         if target is None:

@@ -28,11 +28,18 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior a(c) = c in each bin
 PRIOR_MEAN = 0.6  # the prior of `Calibration.mean` (adaptive.PRIOR_ALPHA)
 MEMORY = 4000.0  # verified positions a calibration weighs at most (older ones fade by halving)
 
-CONFIDENCE_OPTION = Option("confidence", "the draft stops where its own confidence says one more token would not pay "
-                                         "(priced by the target's pass table; exact either way; 0 = always k)",
-                           "--draft-confidence")  # fmt: skip
-TREE_OPTION = Option("tree", "the draft grows a token tree where it is torn between tokens, by the same pricing "
-                             "(verified by the exact tree rules; 0 = a chain)", "--draft-tree")  # fmt: skip
+CONFIDENCE_OPTION = Option(
+    "confidence",
+    "the draft stops where its own confidence says one more token would not pay "
+    "(priced by the target's pass table; exact either way; 0 = always k)",
+    "--draft-confidence",
+)
+TREE_OPTION = Option(
+    "tree",
+    "the draft grows a token tree where it is torn between tokens, by the same pricing "
+    "(verified by the exact tree rules; 0 = a chain)",
+    "--draft-tree",
+)
 
 
 class Calibration:

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 # `specdec certify` or a server's n > 1 sends, prefills the draft model once.
 
 
-def draft_step(model: Transformer, vocab: DraftVocab | None,
-               segs: list[Segment]) -> tuple[list[ForwardOutput], torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+def draft_step(
+    model: Transformer, vocab: DraftVocab | None, segs: list[Segment]
+) -> tuple[list[ForwardOutput], torch.Tensor | None, torch.Tensor | None]:
     """One draft forward over each segment's pending rows: with a cut vocabulary, the final-normed
     hidden [B, D] of every segment's last row and its scores [B, N] from one call of the cut
     head; else the outputs' own full logits (and None, None)."""
@@ -59,13 +60,22 @@ def step_cost_ms(model: Transformer, vocab: DraftVocab | None, context: int = 12
             model(prompt, cache[0], last_only=True, head=False)
         cache[0].truncate(context)
 
-    return costs.draft_step_ms(model, f"vocab={vocab.size if vocab is not None else 0}",
-                               lambda: greedy_token(model, vocab, row, cache[0]), reset)  # fmt: skip
+    return costs.draft_step_ms(
+        model,
+        f"vocab={vocab.size if vocab is not None else 0}",
+        lambda: greedy_token(model, vocab, row, cache[0]),
+        reset,
+    )
 
 
-@register("draft-model", needs="draft", switchable=True, default_k=8,
-          help="a smaller model of the same tokenizer drafts up to k tokens, as deep as its confidence pays (--draft MODEL)",
-          options=(VOCAB_OPTION, WINDOW_OPTION, CONFIDENCE_OPTION, TREE_OPTION))  # fmt: skip
+@register(
+    "draft-model",
+    needs="draft",
+    switchable=True,
+    default_k=8,
+    help="a smaller model of the same tokenizer drafts up to k tokens, as deep as its confidence pays (--draft MODEL)",
+    options=(VOCAB_OPTION, WINDOW_OPTION, CONFIDENCE_OPTION, TREE_OPTION),
+)
 class DraftModelDrafter(Drafter):
     """Keeps its own KV cache of the committed tokens. A proposal feeds whatever committed
     tokens the cache lacks (1, or 2 after a fully accepted step) and then each new draft but
@@ -90,13 +100,23 @@ class DraftModelDrafter(Drafter):
 
     adaptive_k = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
 
-    def __init__(self, model: Transformer, vocab: int | DraftVocab = DEFAULT_VOCAB, window: int = DEFAULT_WINDOW,
-                 confidence: int = 1, tree: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Transformer,
+        vocab: int | DraftVocab = DEFAULT_VOCAB,
+        window: int = DEFAULT_WINDOW,
+        confidence: int = 1,
+        tree: int = 0,
+    ) -> None:
         super().__init__()
         if not isinstance(window, int) or window < 0:
-            raise ValueError(f"the draft window must be a whole number of tokens >= 0 (0 = the whole context), got {window}")
+            raise ValueError(
+                f"the draft window must be a whole number of tokens >= 0 (0 = the whole context), got {window}"
+            )
         if confidence not in (0, 1, True, False):
-            raise ValueError(f"--draft-confidence is 1 (stop where the draft's confidence says so) or 0 (always k), got {confidence}")
+            raise ValueError(
+                f"--draft-confidence is 1 (stop where the draft's confidence says so) or 0 (always k), got {confidence}"
+            )
         if tree not in (0, 1, True, False):
             raise ValueError(f"--draft-tree is 1 (a token tree grown by confidence) or 0 (a chain), got {tree}")
         self.model, self.window = model, window
@@ -163,8 +183,12 @@ class DraftModelDrafter(Drafter):
         if not self.skip:
             return Segment(t, self.cache, last_only=True)  # type: ignore[arg-type]
         at = self._fed()
-        return Segment(t, self.cache, positions=torch.arange(at, at + len(tokens), device=self.model.device),  # type: ignore[arg-type]
-                       last_only=True)  # fmt: skip
+        return Segment(
+            t,
+            self.cache,
+            positions=torch.arange(at, at + len(tokens), device=self.model.device),  # type: ignore[arg-type]
+            last_only=True,
+        )
 
     def propose(self, k: int) -> Draft:
         return self.propose_batch([self], [k])[0]
@@ -239,14 +263,17 @@ class DraftModelDrafter(Drafter):
         live = [i for i, k in enumerate(ks) if k > 0]
         growth: dict[int, TreeGrowth] = {}
         if live:
-            outs, h, sub = draft_step(model, vocab, [group[i]._segment(group[i]._tokens[group[i]._fed() :]) for i in live])
+            outs, h, sub = draft_step(
+                model, vocab, [group[i]._segment(group[i]._tokens[group[i]._fed() :]) for i in live]
+            )
             for n, i in enumerate(live):
                 d = group[i]
                 d.forwards += 1
                 growth[i] = d._growth = d._new_tree(ks[i])
                 growth[i].add_pass(1)
-                growth[i].children(-1, *d._dist(outs[n].logits[0, -1], None if h is None else h[n],
-                                                None if sub is None else sub[n]))  # fmt: skip
+                growth[i].children(
+                    -1, *d._dist(outs[n].logits[0, -1], None if h is None else h[n], None if sub is None else sub[n])
+                )
         while True:
             feeds = {i: f for i, g in growth.items() if (f := g.to_feed())}
             if not feeds:
@@ -260,8 +287,9 @@ class DraftModelDrafter(Drafter):
                 hs = model.model.norm(out.residual[0]) if vocab is not None else None  # [w, D]
                 subs = vocab.logits(hs) if vocab is not None else None  # [w, N]
                 for r, j in enumerate(feed):
-                    g.children(j, *d._dist(out.logits[0, r], None if hs is None else hs[r],
-                                           None if subs is None else subs[r]))  # fmt: skip
+                    g.children(
+                        j, *d._dist(out.logits[0, r], None if hs is None else hs[r], None if subs is None else subs[r])
+                    )
         drafts = []
         for i, d in enumerate(group):
             g = growth.get(i)
@@ -281,11 +309,20 @@ class DraftModelDrafter(Drafter):
         step = self.cost_ms()
         own = self._costs().unscaled()
         target = pass_costs(session.target, MAX_NODES + 1).unscaled() if session.target is not None else own
-        return TreeGrowth(k, self.calibration, target, lambda rows: step * own.rows(rows) / own.rows(1),
-                          self._fed() - 1, self.cache.length, session.sampling.greedy, session.generator)  # fmt: skip
+        return TreeGrowth(
+            k,
+            self.calibration,
+            target,
+            lambda rows: step * own.rows(rows) / own.rows(1),
+            self._fed() - 1,
+            self.cache.length,
+            session.sampling.greedy,
+            session.generator,
+        )
 
-    def _dist(self, row: torch.Tensor, h: torch.Tensor | None,
-              sub: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    def _dist(
+        self, row: torch.Tensor, h: torch.Tensor | None, sub: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One fed row's distribution as a tree grows from it: (probabilities [M] over the
         draft's scored tokens, their ids [M] (None: the whole vocabulary), q [V] for sampling)."""
         sampling = self.session.sampling  # type: ignore[union-attr]
@@ -352,7 +389,11 @@ class DraftModelDrafter(Drafter):
             return None
         shared = self.model.state.prefilled
         pending = self._tokens[self._fed() : -1]
-        if shared is not None and shared[:2] == (tuple(pending), self.window) and self.cache.capacity >= shared[2].length:
+        if (
+            shared is not None
+            and shared[:2] == (tuple(pending), self.window)
+            and self.cache.capacity >= shared[2].length
+        ):
             return shared
         return None
 
@@ -376,9 +417,13 @@ class DraftModelDrafter(Drafter):
             skip = self._window_of(len(pending)) if fresh else 0
             if skip:  # the first SINK tokens and the last `window`, at their own positions
                 rows = pending[:SINK] + pending[SINK + skip :]
-                positions = torch.cat([torch.arange(SINK), torch.arange(SINK + skip, len(pending))]).to(self.model.device)
-                self.model.forward_batch([Segment(torch.tensor(rows, device=self.model.device), self.cache, positions,
-                                                  last_only=True)], head=False)  # fmt: skip
+                positions = torch.cat([torch.arange(SINK), torch.arange(SINK + skip, len(pending))]).to(
+                    self.model.device
+                )
+                self.model.forward_batch(
+                    [Segment(torch.tensor(rows, device=self.model.device), self.cache, positions, last_only=True)],
+                    head=False,
+                )
                 self.skip = skip
             else:
                 self.model.forward_batch([self._segment(pending)], head=False)

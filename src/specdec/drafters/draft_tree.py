@@ -126,15 +126,25 @@ class TreeGrowth:
 
     def to_feed(self) -> list[int]:
         """The leaves to feed in the next draft pass (none: the tree is done)."""
-        leaves = sorted((j for j, n in enumerate(self.nodes) if n.slot is None and n.depth < self.depth_max
-                         and len(self.nodes) < MAX_NODES), key=lambda j: -self.nodes[j].chance)[:MAX_EXPAND]  # fmt: skip
+        leaves = sorted(
+            (
+                j
+                for j, n in enumerate(self.nodes)
+                if n.slot is None and n.depth < self.depth_max and len(self.nodes) < MAX_NODES
+            ),
+            key=lambda j: -self.nodes[j].chance,
+        )[:MAX_EXPAND]
         best, best_w, gain = 0.0, 0, 0.0
         now = self.cost()
         for w, j in enumerate(leaves, start=1):
             n = self.nodes[j]
             gain += n.chance * self.calibration.next_after(n.conf)  # its best child, predicted
-            more = now + self.draft_pass_ms(w) + self.target_ms.rows(1 + len(self.nodes) + w) - \
-                self.target_ms.rows(1 + len(self.nodes))  # fmt: skip
+            more = (
+                now
+                + self.draft_pass_ms(w)
+                + self.target_ms.rows(1 + len(self.nodes) + w)
+                - self.target_ms.rows(1 + len(self.nodes))
+            )
             rate = (self.expected + gain) / more
             if rate > best:
                 best, best_w = rate, w
@@ -159,8 +169,9 @@ class TreeGrowth:
                 p = self.nodes[p].parent
         self.fed += feed
         tokens = torch.tensor([self.nodes[j].token for j in feed], dtype=torch.long, device=device)
-        positions = torch.tensor([self.base_position + self.nodes[j].depth for j in feed], dtype=torch.long,
-                                 device=device)  # fmt: skip
+        positions = torch.tensor(
+            [self.base_position + self.nodes[j].depth for j in feed], dtype=torch.long, device=device
+        )
         return Segment(tokens, cache, positions, tree_mask=mask.to(device))
 
     def draft(self, vocab_size: int, device: torch.device) -> Draft:

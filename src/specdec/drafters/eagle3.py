@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..training.eagle3 import Eagle3Head
 from ..model.transformer import Transformer
 from ..sampling import probs as sampling_probs
+from ..training.eagle3 import Eagle3Head
 from . import heads
 from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 from .heads import HeadRunner
@@ -117,7 +117,11 @@ class _Runner(HeadRunner):
             q, g, mask = q[-1:], g[-1:], mask[-1:]
         S = mask.shape[1]
         attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k_cache[None, :, :S], v_cache[None, :, :S], attn_mask=mask[None, None], enable_gqa=True
+            q.transpose(0, 1)[None],
+            k_cache[None, :, :S],
+            v_cache[None, :, :S],
+            attn_mask=mask[None, None],
+            enable_gqa=True,
         )[0].transpose(0, 1)  # [R, nh, D]
         h, logits = self.head.finish(g, attn, linears=self.linears)
         return h, logits  # type: ignore[return-value]
@@ -133,8 +137,11 @@ class _Runner(HeadRunner):
     options=(
         Option("head", "directory of a trained EAGLE-3 head (default: the one shipped for the target)", type=str),
         Option("topk", "greedy trees: children per expanded node, nodes expanded per depth", flag="--tree-topk"),
-        Option("total", "greedy trees: draft tokens sent to the target per step (unset: the cost model's choice)",
-               flag="--tree-tokens"),
+        Option(
+            "total",
+            "greedy trees: draft tokens sent to the target per step (unset: the cost model's choice)",
+            flag="--tree-tokens",
+        ),
         Option("sample_children", "sampling: children drawn per expanded node", flag="--tree-children"),
         Option("sample_frontier", "sampling: nodes expanded per depth", flag="--tree-frontier"),
     ),
@@ -142,9 +149,16 @@ class _Runner(HeadRunner):
 class Eagle3Drafter(Drafter):
     """`k` (the generation config's) is the tree depth."""
 
-    def __init__(self, target: Transformer, head: str | Path | Eagle3Head | None = None, topk: int = 8,
-                 total: int | None = None, sample_children: int = 2, sample_frontier: int = 2,
-                 max_total: int = 31) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: Transformer,
+        head: str | Path | Eagle3Head | None = None,
+        topk: int = 8,
+        total: int | None = None,
+        sample_children: int = 2,
+        sample_frontier: int = 2,
+        max_total: int = 31,
+    ) -> None:
         super().__init__()
         self.head, self.run = heads.load("eagle3", target, head, Eagle3Head.load, _Runner)
         if min(topk, total or 1, sample_children, sample_frontier, max_total) < 1:
@@ -196,10 +210,14 @@ class Eagle3Drafter(Drafter):
         """Tokens another drafter proposed (or a plain step) committed: the head reads the
         target's features of their rows at its next proposal, as it does after its own."""
         if feedback is None or any(i not in feedback.layers for i in self.head.cfg.feature_layers):
-            raise ValueError("eagle3 follows committed tokens only with the target's features of their rows "
-                             "(the feedback of the pass that committed them)")  # fmt: skip
+            raise ValueError(
+                "eagle3 follows committed tokens only with the target's features of their rows "
+                "(the feedback of the pass that committed them)"
+            )
         if len(feedback.accepted_rows) != len(tokens):
-            raise ValueError(f"{len(tokens)} tokens committed, but the pass accepted {len(feedback.accepted_rows)} rows")
+            raise ValueError(
+                f"{len(tokens)} tokens committed, but the pass accepted {len(feedback.accepted_rows)} rows"
+            )
         self._follow(tokens, feedback)
 
     def _follow(self, committed: list[int], feedback: Feedback) -> None:
@@ -237,8 +255,9 @@ class Eagle3Drafter(Drafter):
         toks = torch.tensor(self.ctx[lo + 1 : hi + 1])
         g_in = self.run.project(feats[lo:hi])
         mask = torch.ones(hi - lo, hi, dtype=torch.bool).tril(lo)
-        g, logits = self.run.step(self.head.embed(toks), g_in, pos, self.k_cache, self.v_cache, pos, mask,
-                                  last_only=True)  # fmt: skip
+        g, logits = self.run.step(
+            self.head.embed(toks), g_in, pos, self.k_cache, self.v_cache, pos, mask, last_only=True
+        )
         self.forwards += 1
         self.n_done = hi
         return g[-1], logits[-1]  # type: ignore[index]
@@ -334,8 +353,11 @@ class Eagle3Drafter(Drafter):
             (greedy: the top n, all rows in one call) or in draw order (sampling)."""
             if greedy:
                 val, idx = torch.log_softmax(logits.float(), -1).topk(n, -1)  # [R, n]
-                return [add(p, i, v, None) for p, vs, ids in zip(parents, val.tolist(), idx.tolist(), strict=True)
-                        for v, i in zip(vs, ids, strict=True)]  # fmt: skip
+                return [
+                    add(p, i, v, None)
+                    for p, vs, ids in zip(parents, val.tolist(), idx.tolist(), strict=True)
+                    for v, i in zip(vs, ids, strict=True)
+                ]
             new = []
             for p, row in zip(parents, logits, strict=True):
                 q = self._q(row[None])[0]

@@ -50,11 +50,19 @@ CALIBRATION_REPEATS = 3  # timed repeats per measurement (median)
     "early-exit",
     needs="target",
     help="the target's own first L layers draft (self-speculation); L calibrated unless --exit-layer",
-    options=(Option("layer", "early-exit: draft with the target's first L layers (unset: calibrated, and reported)",
-                    "--exit-layer"),
-             Option("force", "early-exit: draft even where the calibration predicts a slowdown (default: plain "
-                             "decoding then)", "--force")),
-)  # fmt: skip
+    options=(
+        Option(
+            "layer",
+            "early-exit: draft with the target's first L layers (unset: calibrated, and reported)",
+            "--exit-layer",
+        ),
+        Option(
+            "force",
+            "early-exit: draft even where the calibration predicts a slowdown (default: plain decoding then)",
+            "--force",
+        ),
+    ),
+)
 class EarlyExitDrafter(Drafter):
     """Drafts with blocks [0, layer) of `target`, sharing its KV cache. `layer=None`:
     calibrated on the first proposal (for its k) and kept for later sequences of the target."""
@@ -63,8 +71,13 @@ class EarlyExitDrafter(Drafter):
     # the engine's step guard would misjudge its steps, whose verification skips layers [0, L)
     own_schedule = True
 
-    def __init__(self, target: Transformer, layer: int | None = None, candidates: tuple[int, ...] | None = None,
-                 force: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: Transformer,
+        layer: int | None = None,
+        candidates: tuple[int, ...] | None = None,
+        force: bool = False,
+    ) -> None:
         super().__init__()
         self.force = force
         n = target.args.n_layers
@@ -89,8 +102,10 @@ class EarlyExitDrafter(Drafter):
     def describe(cls, info: dict[str, Any], brief: bool = False) -> list[str]:
         if "layer" not in info:
             return super().describe(info, brief)
-        text = (f"early exit after layer {info['layer']} of {info['n_layers']} "
-                f"({'calibrated' if info.get('calibrated') else 'set'})")  # fmt: skip
+        text = (
+            f"early exit after layer {info['layer']} of {info['n_layers']} "
+            f"({'calibrated' if info.get('calibrated') else 'set'})"
+        )
         if info.get("calibrated") and not brief:
             text += f", predicted speedup {info['candidates'][info['layer']]['predicted_speedup']:.2f}x"
         return [text, *super().describe(info, brief)]
@@ -120,8 +135,9 @@ class EarlyExitDrafter(Drafter):
             self.layer = self.info["layer"]
             predicted = self.info["candidates"][self.layer]["predicted_speedup"]
             if predicted < 1.0 and not self.force:
-                self.info["fallback"] = (f"plain decoding: early exit predicted {predicted:.2f}x of plain at best "
-                                         "(--force drafts anyway)")  # fmt: skip
+                self.info["fallback"] = (
+                    f"plain decoding: early exit predicted {predicted:.2f}x of plain at best (--force drafts anyway)"
+                )
         return self.layer
 
     @property
@@ -233,9 +249,11 @@ class EarlyExitDrafter(Drafter):
         def measure(L: int) -> tuple[float, float, float]:
             """A draft step through [0, L) with the head, the same without it, and the
             verification of k + 1 rows through [L, N)."""
-            return (timed(lambda: model(one, scratch, blocks=(0, L))),
-                    timed(lambda: model(one, scratch, blocks=(0, L), head=False)),
-                    timed(lambda: model(rows, scratch, blocks=(L, N), hidden_in=h)))  # fmt: skip
+            return (
+                timed(lambda: model(one, scratch, blocks=(0, L))),
+                timed(lambda: model(one, scratch, blocks=(0, L), head=False)),
+                timed(lambda: model(rows, scratch, blocks=(L, N), hidden_in=h)),
+            )
 
         # every block costs the same (same shapes), so each of the three times is linear in L:
         # timing the lowest and the highest candidate gives the rest (a sixth of the passes of
@@ -256,12 +274,22 @@ class EarlyExitDrafter(Drafter):
             a = min(alphas[L], 0.999)
             expected = expected_tokens(a, k)
             step = k * t_draft + t_early + t_late
-            table[L] = {"alpha": round(alphas[L], 3), "draft_ms": round(1e3 * t_draft, 2),
-                        "verify_ms": round(1e3 * (t_early + t_late), 2),
-                        "predicted_speedup": round(expected * t_plain / step, 3)}  # fmt: skip
+            table[L] = {
+                "alpha": round(alphas[L], 3),
+                "draft_ms": round(1e3 * t_draft, 2),
+                "verify_ms": round(1e3 * (t_early + t_late), 2),
+                "predicted_speedup": round(expected * t_plain / step, 3),
+            }
         best = max(table, key=lambda L: table[L]["predicted_speedup"])
-        self.info = {"layer": best, "n_layers": N, "calibrated": True, "k": k,
-                     "plain_ms": round(1e3 * t_plain, 2), "timed_layers": ends, "candidates": table}  # fmt: skip
+        self.info = {
+            "layer": best,
+            "n_layers": N,
+            "calibrated": True,
+            "k": k,
+            "plain_ms": round(1e3 * t_plain, 2),
+            "timed_layers": ends,
+            "candidates": table,
+        }
         return best
 
 
@@ -292,4 +320,6 @@ def _store_calibration(model: Transformer, key: tuple, info: dict[str, Any]) -> 
 
     k = _disk_key(model, key)
     if k is not None:
-        store_measurement("early_exit.json", k, {**info, "candidates": {str(L): r for L, r in info["candidates"].items()}})
+        store_measurement(
+            "early_exit.json", k, {**info, "candidates": {str(L): r for L, r in info["candidates"].items()}}
+        )

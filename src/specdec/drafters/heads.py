@@ -60,8 +60,13 @@ H = TypeVar("H")
 R = TypeVar("R")
 
 
-def load(kind: str, target: Transformer, head: str | Path | H | None, read: Callable[[Path], H],
-         runner: Callable[[H, Transformer], R]) -> tuple[H, R]:  # fmt: skip
+def load(
+    kind: str,
+    target: Transformer,
+    head: str | Path | H | None,
+    read: Callable[[Path], H],
+    runner: Callable[[H, Transformer], R],
+) -> tuple[H, R]:
     """`head` (a directory, a head object, or None: the one shipped for the target) with its
     target's embedding attached, and its runner for `target`: built once per head and target
     (one load, one quantization, one timing) and kept in the target's state."""
@@ -71,9 +76,10 @@ def load(kind: str, target: Transformer, head: str | Path | H | None, read: Call
             from .base import DRAFTERS
 
             auto = any(s.head == kind and s.auto_head for s in DRAFTERS.values())
-            raise ValueError(f"no {kind} head ships for this target; train one (`specdec train {kind} --target NAME "
-                             "--out DIR`) and pass it with --head DIR" + (" (with --drafter auto: --auto-head DIR)"
-                             if auto else ""))  # fmt: skip
+            raise ValueError(
+                f"no {kind} head ships for this target; train one (`specdec train {kind} --target NAME "
+                "--out DIR`) and pass it with --head DIR" + (" (with --drafter auto: --auto-head DIR)" if auto else "")
+            )
         key = (kind, str(where.resolve()))
     else:
         where, key = None, (kind, f"object {id(head)}")  # (the state holds the object: its id stays its own)

@@ -36,10 +36,12 @@ POOL_PER_KEY = 16  # n-grams remembered per first token (most recent first)
 @register(
     "lookahead",
     help="lookahead decoding: Jacobi window + n-gram pool, verified as a token tree",
-    options=(Option("window", "lookahead: window size W (Jacobi columns)"),
-             Option("ngram", "lookahead: n-gram size N (the window has N-1 levels)"),
-             Option("guesses", "lookahead: most pool n-grams verified per step (G)")),
-)  # fmt: skip
+    options=(
+        Option("window", "lookahead: window size W (Jacobi columns)"),
+        Option("ngram", "lookahead: n-gram size N (the window has N-1 levels)"),
+        Option("guesses", "lookahead: most pool n-grams verified per step (G)"),
+    ),
+)
 class LookaheadDrafter(Drafter):
     def __init__(self, window: int = 1, ngram: int = 3, guesses: int = 2, pool_from_context: bool = True) -> None:
         """`window` W, `ngram` N, `guesses` G as in the paper; a pass scores 1 + W(N-1) + up to
@@ -67,7 +69,9 @@ class LookaheadDrafter(Drafter):
 
     def begin(self, session: DraftSession) -> None:
         self._device = session.generator.device
-        self._max_pos = session.target.args.max_seq_len if session.target is not None else session.capacity + self.W + self.N
+        self._max_pos = (
+            session.target.args.max_seq_len if session.target is not None else session.capacity + self.W + self.N
+        )
         ctx = list(session.context)
         self._tokens, self._pool, self._proposal, self._rows = [], {}, [], []
         self._extend(ctx)

@@ -33,11 +33,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..training.medusa import MedusaHeads, greedy_tree
 from ..model.transformer import Transformer
 from ..sampling import probs as sampling_probs
-from .base import Draft, Drafter, DraftSession, Feedback, Option, register
+from ..training.medusa import MedusaHeads, greedy_tree
 from . import heads
+from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 from .heads import HeadRunner
 
 ASSUMED_ACCURACY = 0.6  # heads without a measured table: head d's rank j taken as 0.6^d * 0.5^j
@@ -49,8 +49,11 @@ class _Runner(HeadRunner):
 
     def __init__(self, heads: MedusaHeads, target: Transformer) -> None:
         params = dict(heads.named_parameters())
-        linears = {name: (p, params.get(name[: -len("weight")] + "bias"))
-                   for name, p in params.items() if name.endswith(".weight")}  # fmt: skip
+        linears = {
+            name: (p, params.get(name[: -len("weight")] + "bias"))
+            for name, p in params.items()
+            if name.endswith(".weight")
+        }
         super().__init__(target, {**linears, "lm": (heads.lm_weight, None)})
         self.heads = heads
         self.kind = heads.cfg.kind
@@ -85,12 +88,16 @@ class _Runner(HeadRunner):
 
 
 OPTIONS = (
-    Option("head", "directory of trained heads (`specdec train medusa|hydra`; default: those shipped for the "
-                   "target)", type=str),
-    Option("total", "tree: draft tokens sent to the target per step (unset: the cost model's choice)",
-           flag="--tree-tokens"),
+    Option(
+        "head",
+        "directory of trained heads (`specdec train medusa|hydra`; default: those shipped for the target)",
+        type=str,
+    ),
+    Option(
+        "total", "tree: draft tokens sent to the target per step (unset: the cost model's choice)", flag="--tree-tokens"
+    ),
     Option("topk", "tree: choices per head it may use", flag="--tree-topk"),
-)  # fmt: skip
+)
 
 
 class _HeadsDrafter(Drafter):
@@ -98,8 +105,14 @@ class _HeadsDrafter(Drafter):
 
     kind = "medusa"
 
-    def __init__(self, target: Transformer, head: str | Path | MedusaHeads | None = None, total: int | None = None,
-                 topk: int = 8, max_total: int = 31) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: Transformer,
+        head: str | Path | MedusaHeads | None = None,
+        total: int | None = None,
+        topk: int = 8,
+        max_total: int = 31,
+    ) -> None:
         super().__init__()
         self.heads, self.run = heads.load(self.kind, target, head, MedusaHeads.load, _Runner)
         if self.heads.cfg.kind != self.kind:
@@ -119,9 +132,13 @@ class _HeadsDrafter(Drafter):
         self.costs: Any = None  # ...unscaled, as a `repro` request reads it
         self.repro, self._step_ms, self._estimate = False, 0.0, 0.0
         self._sizes: list[int] = []
-        self.info = {"heads": self.kind, "num_heads": K, "draft_vocab": self.heads.cfg.draft_vocab_size,
-                     "accuracy": "measured" if self.heads.record.get("validation_topk_accuracy") else "assumed",
-                     "total": total or "cost model"}  # fmt: skip
+        self.info = {
+            "heads": self.kind,
+            "num_heads": K,
+            "draft_vocab": self.heads.cfg.draft_vocab_size,
+            "accuracy": "measured" if self.heads.record.get("validation_topk_accuracy") else "assumed",
+            "total": total or "cost model",
+        }
 
     # -- lifecycle ------------------------------------------------------------------------
     def _h(self, residual: torch.Tensor) -> torch.Tensor:
@@ -151,8 +168,10 @@ class _HeadsDrafter(Drafter):
         """Tokens another drafter (or a plain step) committed: the heads read the target's last
         hidden state of the pass that committed them."""
         if feedback is None or self.feature_layers[0] not in feedback.layers:
-            raise ValueError(f"{self.kind} follows committed tokens only with the target's last-layer features of "
-                             "their rows (the feedback of the pass that committed them)")  # fmt: skip
+            raise ValueError(
+                f"{self.kind} follows committed tokens only with the target's last-layer features of "
+                "their rows (the feedback of the pass that committed them)"
+            )
         self._follow(feedback)
 
     def _follow(self, feedback: Feedback) -> None:
@@ -278,13 +297,25 @@ class _HeadsDrafter(Drafter):
         return Draft(tokens, probs, None if chain else parents_idx)
 
 
-@register("medusa", needs="target", options=OPTIONS, head="medusa", switchable=True,
-          help="Medusa heads on the target's last hidden state (trained with `specdec train medusa`), sparse trees")
+@register(
+    "medusa",
+    needs="target",
+    options=OPTIONS,
+    head="medusa",
+    switchable=True,
+    help="Medusa heads on the target's last hidden state (trained with `specdec train medusa`), sparse trees",
+)
 class MedusaDrafter(_HeadsDrafter):
     kind = "medusa"
 
 
-@register("hydra", needs="target", options=OPTIONS, head="hydra", switchable=True,
-          help="Hydra heads: Medusa heads that read the tokens guessed before them (`specdec train hydra`)")
+@register(
+    "hydra",
+    needs="target",
+    options=OPTIONS,
+    head="hydra",
+    switchable=True,
+    help="Hydra heads: Medusa heads that read the tokens guessed before them (`specdec train hydra`)",
+)
 class HydraDrafter(_HeadsDrafter):
     kind = "hydra"

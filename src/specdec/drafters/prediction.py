@@ -49,9 +49,10 @@ PREDICTION_READERS = ("prediction", "auto")
     switchable=True,
     default_k=16,
     help="draft from the client's predicted output (OpenAI's `prediction`; --prediction-file), realigned after edits",
-    options=(Option("max_ngram", "prediction: longest run of output tokens matched when realigning",
-                    "--prediction-ngram"),),
-)  # fmt: skip
+    options=(
+        Option("max_ngram", "prediction: longest run of output tokens matched when realigning", "--prediction-ngram"),
+    ),
+)
 class PredictionDrafter(Drafter):
     """Proposes the prediction's tokens after its pointer (see the module doc). Without a
     prediction in the session (`DraftSession.prediction`) it proposes nothing."""

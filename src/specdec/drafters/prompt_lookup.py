@@ -13,9 +13,8 @@ O(max_ngram) whatever the prompt length (no rescans).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from collections import defaultdict
+from collections.abc import Hashable
 
 import torch
 
@@ -26,9 +25,11 @@ from .base import Draft, Drafter, DraftSession, Feedback, Option, register
     "prompt-lookup",
     switchable=True,
     help="copy what followed an earlier occurrence of the last n tokens (no second model)",
-    options=(Option("max_ngram", "prompt-lookup: longest n-gram to match", "--ngram-max"),
-             Option("min_ngram", "prompt-lookup: shortest n-gram to match", "--ngram-min")),
-)  # fmt: skip
+    options=(
+        Option("max_ngram", "prompt-lookup: longest n-gram to match", "--ngram-max"),
+        Option("min_ngram", "prompt-lookup: shortest n-gram to match", "--ngram-min"),
+    ),
+)
 class PromptLookupDrafter(Drafter):
     """Proposes the continuation of the most recent earlier occurrence of the longest
     matching suffix (n from `max_ngram` down to `min_ngram`); no proposal when nothing matches."""
@@ -41,9 +42,7 @@ class PromptLookupDrafter(Drafter):
         than after a longer match (measured: docs/results.md)."""
         super().__init__()
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(
-                f"prompt lookup needs 1 <= min_ngram <= max_ngram (got min {min_ngram}, max {max_ngram})"
-            )
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram (got min {min_ngram}, max {max_ngram})")
         if single_token_match_limit < 1:
             raise ValueError(f"single_token_match_limit must be >= 1, got {single_token_match_limit}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -176,8 +176,9 @@ class SuffixTree:
     probs: list[float]
 
 
-def build_tree(cands: Sequence[_Candidate], depth: int, cap: int, min_prob: float,
-               alpha: Sequence[float]) -> SuffixTree:  # fmt: skip
+def build_tree(
+    cands: Sequence[_Candidate], depth: int, cap: int, min_prob: float, alpha: Sequence[float]
+) -> SuffixTree:
     """The continuations of `cands` merged into a trie, taken best first (see the module doc):
     at most `cap` nodes, none deeper than `depth` or with a count share below `min_prob`. A
     node's chance is its share (the product of count / parent's count down from the root)
@@ -232,31 +233,54 @@ def situation(match: int) -> int:
     switchable=True,
     default_k=16,
     help="suffix decoding: a token tree from what followed the longest matching suffix in the prompt, the output "
-         "and earlier requests' outputs (no second model)",
-    options=(Option("factor", "suffix: at most factor x match length draft tokens", "--suffix-factor"),
-             Option("min_prob", "suffix: leave out continuations that fewer than this share of the matches took",
-                    "--suffix-min-prob"),
-             Option("max_nodes", "suffix: most draft tokens per step (the cost model chooses fewer where rows are "
-                                 "dear)", "--suffix-max-nodes"),
-             Option("max_tokens", "suffix: tokens of earlier outputs kept for drafting (per pool; 0: this "
-                                  "request's text only)", "--suffix-max-tokens"),
-             Option("total", "tree: draft tokens sent to the target per step (unset: the cost model's choice)",
-                    flag="--tree-tokens")),
-)  # fmt: skip
+    "and earlier requests' outputs (no second model)",
+    options=(
+        Option("factor", "suffix: at most factor x match length draft tokens", "--suffix-factor"),
+        Option(
+            "min_prob",
+            "suffix: leave out continuations that fewer than this share of the matches took",
+            "--suffix-min-prob",
+        ),
+        Option(
+            "max_nodes",
+            "suffix: most draft tokens per step (the cost model chooses fewer where rows are dear)",
+            "--suffix-max-nodes",
+        ),
+        Option(
+            "max_tokens",
+            "suffix: tokens of earlier outputs kept for drafting (per pool; 0: this request's text only)",
+            "--suffix-max-tokens",
+        ),
+        Option(
+            "total",
+            "tree: draft tokens sent to the target per step (unset: the cost model's choice)",
+            flag="--tree-tokens",
+        ),
+    ),
+)
 class SuffixDrafter(Drafter):
     """See the module doc. `total`: send the best-first tree of up to this many nodes every
     step (None: the cost model sizes it; tests and `specdec certify` fix it)."""
 
     own_schedule = True  # it sizes its trees by the cost model itself, plain steps included
 
-    def __init__(self, factor: float = 4.0, min_prob: float = 0.1, max_nodes: int = 24,
-                 max_tokens: int = DEFAULT_STORE_TOKENS, max_match: int = 32, total: int | None = None,
-                 margin: float = 1.03) -> None:  # fmt: skip
+    def __init__(
+        self,
+        factor: float = 4.0,
+        min_prob: float = 0.1,
+        max_nodes: int = 24,
+        max_tokens: int = DEFAULT_STORE_TOKENS,
+        max_match: int = 32,
+        total: int | None = None,
+        margin: float = 1.03,
+    ) -> None:
         super().__init__()
         if not factor > 0 or not 0 <= min_prob <= 1 or max_nodes < 1 or max_tokens < 0 or max_match < 2:
-            raise ValueError(f"suffix needs factor > 0, 0 <= min_prob <= 1, max_nodes >= 1 and max_tokens >= 0 "
-                             f"(got factor={factor}, min_prob={min_prob}, max_nodes={max_nodes}, "
-                             f"max_tokens={max_tokens})")  # fmt: skip
+            raise ValueError(
+                f"suffix needs factor > 0, 0 <= min_prob <= 1, max_nodes >= 1 and max_tokens >= 0 "
+                f"(got factor={factor}, min_prob={min_prob}, max_nodes={max_nodes}, "
+                f"max_tokens={max_tokens})"
+            )
         if total is not None and total < 1:
             raise ValueError(f"suffix: --tree-tokens must be >= 1 (unset: sized by the cost model), got {total}")
         self.factor, self.min_prob, self.max_nodes = factor, min_prob, total or max_nodes
@@ -274,7 +298,10 @@ class SuffixDrafter(Drafter):
         self._depth = 0
         self._sizes: list[int] = []
         self._cached: tuple[int, list[_Candidate]] = (-1, [])
-        self._planned: tuple[tuple[int, int], tuple[int, SuffixTree, float]] = ((-1, -1), (0, SuffixTree([], [], []), -1.0))
+        self._planned: tuple[tuple[int, int], tuple[int, SuffixTree, float]] = (
+            (-1, -1),
+            (0, SuffixTree([], [], []), -1.0),
+        )
         self._device = torch.device("cpu")
 
     def _rows(self) -> int:
@@ -308,8 +335,12 @@ class SuffixDrafter(Drafter):
         if self._store is not None:
             self._store.add(self._doc.tokens[self._prompt_len :])
             if self._sizes:
-                self.info = {"suffix": {"tree_tokens_mean": round(sum(self._sizes) / len(self._sizes), 2),
-                                        "store_tokens": self._store.tokens}}  # fmt: skip
+                self.info = {
+                    "suffix": {
+                        "tree_tokens_mean": round(sum(self._sizes) / len(self._sizes), 2),
+                        "store_tokens": self._store.tokens,
+                    }
+                }
 
     def _acc(self, sit: int) -> Acceptance:
         if sit not in self._acceptance:

@@ -37,9 +37,12 @@ SHIPPED = Path(__file__).resolve().parent.parent / "vocab"
 # Tokens a draft model scores by default (its most frequent, plus its sequence's own): chosen by
 # measurement, see docs/results.md. 0 = the whole vocabulary.
 DEFAULT_VOCAB = 65536
-VOCAB_OPTION = Option("vocab", "score only the N most frequent tokens and the sequence's own (a "
-                               "cheaper LM head; exact whatever N, only acceptance changes; 0 = the whole vocabulary)",
-                      "--draft-vocab")  # fmt: skip
+VOCAB_OPTION = Option(
+    "vocab",
+    "score only the N most frequent tokens and the sequence's own (a "
+    "cheaper LM head; exact whatever N, only acceptance changes; 0 = the whole vocabulary)",
+    "--draft-vocab",
+)
 KEEP = 65536  # ids kept per list (the largest N one can ask for)
 
 
@@ -86,8 +89,12 @@ def _read(path: Path) -> Frequencies:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="np") as f:
-        return Frequencies(f.get_tensor("ids").astype(np.int64), f.get_tensor("counts").astype(np.int64),
-                           dict(f.metadata() or {}), path)  # fmt: skip
+        return Frequencies(
+            f.get_tensor("ids").astype(np.int64),
+            f.get_tensor("counts").astype(np.int64),
+            dict(f.metadata() or {}),
+            path,
+        )
 
 
 def _meta_key(path: Path) -> str | None:
@@ -132,16 +139,17 @@ def write(path: Path, counts: np.ndarray, *, key: str, always: Iterable[int] = (
     ids = ids[(counts[ids] > 0) | np.isin(ids, first)]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file({"ids": ids.astype(np.int32), "counts": np.minimum(counts[ids], 2**31 - 1).astype(np.int32)}, str(tmp),
-              metadata={"tokenizer": key, "vocab_size": str(len(counts)), "tokens_counted": str(int(counts.sum())),
-                        **meta})  # fmt: skip
+    save_file(
+        {"ids": ids.astype(np.int32), "counts": np.minimum(counts[ids], 2**31 - 1).astype(np.int32)},
+        str(tmp),
+        metadata={"tokenizer": key, "vocab_size": str(len(counts)), "tokens_counted": str(int(counts.sum())), **meta},
+    )
     tmp.chmod(0o644)
     tmp.replace(path)
     return path
 
 
-def build(model: str, out: Path | None = None, *, data: str = "sharegpt", limit: int | None = None,
-          log=print) -> Path:  # fmt: skip
+def build(model: str, out: Path | None = None, *, data: str = "sharegpt", limit: int | None = None, log=print) -> Path:
     """Count the tokens of `data`'s conversations (chat template applied) with `model`'s
     tokenizer and write the list (default: the user's cache, named after the model)."""
     from ..data import conversations
@@ -280,8 +288,6 @@ def head_rows(model: Transformer, ids: torch.Tensor):  # noqa: ANN201 - a Linear
     if isinstance(kern, Int8Kernel):
         return Int8Kernel(weight, bias)
     raise ValueError(f"cannot cut a draft vocabulary from a {type(kern).__name__} head")
-
-
 
 
 def draft_vocab(model: Transformer, n: int) -> DraftVocab | None:

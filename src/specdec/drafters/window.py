@@ -13,6 +13,9 @@ from .base import Option
 # docs/results.md).
 SINK = 4
 DEFAULT_WINDOW = 0
-WINDOW_OPTION = Option("window", "the draft reads a long prompt through its first 4 and last N tokens "
-                                 "(a cheaper prefill; exact whatever N, only acceptance changes; 0 = all of it)",
-                       "--draft-window")  # fmt: skip
+WINDOW_OPTION = Option(
+    "window",
+    "the draft reads a long prompt through its first 4 and last N tokens "
+    "(a cheaper prefill; exact whatever N, only acceptance changes; 0 = all of it)",
+    "--draft-window",
+)

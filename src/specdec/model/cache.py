@@ -47,7 +47,9 @@ class KVCache:
         `start`, the first `start` slots are held already (copied before: a prompt read in
         chunks) and only the rest is copied."""
         if n > self.capacity or n > other.length:
-            raise ValueError(f"cannot copy {n} slots from a cache of length {other.length} into capacity {self.capacity}")
+            raise ValueError(
+                f"cannot copy {n} slots from a cache of length {other.length} into capacity {self.capacity}"
+            )
         if not 0 <= start <= min(n, self.length):
             raise ValueError(f"cannot copy from slot {start} into a cache of length {self.length}")
         self.k[:, :, :, start:n] = other.k[:, :, :, start:n]

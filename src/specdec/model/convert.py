@@ -64,8 +64,14 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
 
 
-def convert_gguf(gguf_file: Path, out_dir: Path, *, expected_architecture: str | None = None,
-                 floats: bool = False, pin: tuple[str, str] | None = None) -> Path:  # fmt: skip
+def convert_gguf(
+    gguf_file: Path,
+    out_dir: Path,
+    *,
+    expected_architecture: str | None = None,
+    floats: bool = False,
+    pin: tuple[str, str] | None = None,
+) -> Path:
     """Write `out_dir` for `gguf_file`: config, tokenizer, norms and biases (and, with
     `floats`, every weight in float32). Written to a temporary directory beside it and renamed,
     so `out_dir` is whole or absent."""
@@ -73,8 +79,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, expected_architecture: str |
     from transformers import AutoConfig, AutoTokenizer
 
     from .config import ModelArgs
-    from .gguf_file import open_gguf, small_state
-    from .gguf_file import UnsupportedArchitectureError, gguf_architecture
+    from .gguf_file import UnsupportedArchitectureError, gguf_architecture, open_gguf, small_state
 
     arch = gguf_architecture(gguf_file)
     if expected_architecture is not None and arch != expected_architecture:
@@ -93,8 +98,11 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, expected_architecture: str |
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         args = ModelArgs.from_dir(tmp)
-        save_file(small_state(open_gguf(gguf_file), base_keys(args), args), str(tmp / BASE_WEIGHTS),
-                  metadata={"format": "pt", "source_gguf": gguf_file.name})  # fmt: skip
+        save_file(
+            small_state(open_gguf(gguf_file), base_keys(args), args),
+            str(tmp / BASE_WEIGHTS),
+            metadata={"format": "pt", "source_gguf": gguf_file.name},
+        )
         meta = {"source": gguf_file.name, "source_path": str(gguf_file.resolve()), "architecture": arch}
         if pin is not None:  # a registered model: its name and pinned sha256 (see `sparse`)
             meta["name"], meta["sha256"] = pin
@@ -162,13 +170,17 @@ def float_weights(model_dir: Path, log: Callable[[str], None] | None = None) -> 
         return model_dir
     gguf = gguf_source(model_dir)
     if gguf is None:
-        raise FileNotFoundError(f"{model_dir} has no {FLOAT_WEIGHTS} and no GGUF file to make it from; install the "
-                                "model again (`specdec models install NAME --float`)")  # fmt: skip
+        raise FileNotFoundError(
+            f"{model_dir} has no {FLOAT_WEIGHTS} and no GGUF file to make it from; install the "
+            "model again (`specdec models install NAME --float`)"
+        )
     with FileLock(lock_path(model_dir.name)):
         if not has_float_weights(model_dir):
             size = gguf.stat().st_size
-            (log or _stderr)(f"{model_dir.name[:12]}: de-quantizing {gguf.name} to float32 weights for the float "
-                             f"modes (once; about {size * 6 // 2**30 + 1} GB, a minute or two)")  # fmt: skip
+            (log or _stderr)(
+                f"{model_dir.name[:12]}: de-quantizing {gguf.name} to float32 weights for the float "
+                f"modes (once; about {size * 6 // 2**30 + 1} GB, a minute or two)"
+            )
             _write_float_weights(gguf, model_dir)
     return model_dir
 
@@ -182,15 +194,22 @@ def _write_float_weights(gguf_file: Path, model_dir: Path) -> None:
     folder, name = str(gguf_file.parent), gguf_file.name
     # transformers reads every tensor from the file: its punched blocks are written back first
     # (and checked against the pinned sha256), and punched again once read.
-    with sparse.full(gguf_file), _quiet_transformers(), _parsed_once(gguf_file):  # transformers shows its own progress bar
+    with (
+        sparse.full(gguf_file),
+        _quiet_transformers(),
+        _parsed_once(gguf_file),
+    ):  # transformers shows its own progress bar
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
     tmp = model_dir / f"{FLOAT_WEIGHTS}.{os.getpid()}.tmp"
     try:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
-                  metadata={"format": "pt", "source_gguf": gguf_file.name})  # fmt: skip
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            str(tmp),
+            metadata={"format": "pt", "source_gguf": gguf_file.name},
+        )
         tmp.replace(model_dir / FLOAT_WEIGHTS)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -35,10 +35,19 @@ _N = 7  # q, k, v, o, gate, up, down (csrc/layer.c's order)
 class _LayerStruct(ctypes.Structure):
     """csrc/layer.c's specdec_layer_w."""
 
-    _fields_ = [("kind", ctypes.c_int * _N), ("w", ctypes.c_void_p * _N), ("bias", ctypes.c_void_p * _N),
-                ("norm_attn", ctypes.c_void_p), ("norm_mlp", ctypes.c_void_p), ("eps", ctypes.c_float),
-                ("D", ctypes.c_int), ("H", ctypes.c_int), ("Hkv", ctypes.c_int), ("Dh", ctypes.c_int),
-                ("I", ctypes.c_int)]  # fmt: skip
+    _fields_ = [
+        ("kind", ctypes.c_int * _N),
+        ("w", ctypes.c_void_p * _N),
+        ("bias", ctypes.c_void_p * _N),
+        ("norm_attn", ctypes.c_void_p),
+        ("norm_mlp", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("D", ctypes.c_int),
+        ("H", ctypes.c_int),
+        ("Hkv", ctypes.c_int),
+        ("Dh", ctypes.c_int),
+        ("I", ctypes.c_int),
+    ]
 
 
 def _kernels(block: Block) -> list[object]:
@@ -51,11 +60,18 @@ def supported(block: Block, args: ModelArgs) -> bool:
     SiLU MLP, no q/k norms) over q4k kernels of one build, float32, sizes its vector code takes."""
     kernels = _kernels(block)
     return (
-        all(isinstance(k, KQuantKernel) for k in kernels) and len({k.lib._name for k in kernels}) == 1  # type: ignore[union-attr]
-        and not args.sandwich_norm and not args.qk_norm and not args.norm_offset and args.activation != "gelu_tanh"
+        all(isinstance(k, KQuantKernel) for k in kernels)
+        and len({k.lib._name for k in kernels}) == 1  # type: ignore[union-attr]
+        and not args.sandwich_norm
+        and not args.qk_norm
+        and not args.norm_offset
+        and args.activation != "gelu_tanh"
         and block.input_layernorm.weight.dtype == torch.float32
-        and args.dim % 8 == 0 and args.intermediate_size % 8 == 0 and args.head_dim % 8 == 0 and args.head_dim <= 512
-    )  # fmt: skip
+        and args.dim % 8 == 0
+        and args.intermediate_size % 8 == 0
+        and args.head_dim % 8 == 0
+        and args.head_dim <= 512
+    )
 
 
 class NativeLayer:
@@ -69,13 +85,23 @@ class NativeLayer:
             (ctypes.c_int * _N)(*[k.kind for k in kernels]),
             (ctypes.c_void_p * _N)(*[k.weight.data_ptr() for k in kernels]),
             (ctypes.c_void_p * _N)(*[None if k.bias is None else k.bias.data_ptr() for k in kernels]),
-            block.input_layernorm.weight.data_ptr(), block.post_attention_layernorm.weight.data_ptr(),
-            args.norm_eps, args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size,
-        )  # fmt: skip
+            block.input_layernorm.weight.data_ptr(),
+            block.post_attention_layernorm.weight.data_ptr(),
+            args.norm_eps,
+            args.dim,
+            args.n_heads,
+            args.n_kv_heads,
+            args.head_dim,
+            args.intermediate_size,
+        )
         self._ref = ctypes.byref(self.struct)
         # the tensors the struct points into, held so their memory lives as long as it does
-        self._held = [block.input_layernorm.weight, block.post_attention_layernorm.weight,
-                      *(k.weight for k in kernels), *(k.bias for k in kernels if k.bias is not None)]  # fmt: skip
+        self._held = [
+            block.input_layernorm.weight,
+            block.post_attention_layernorm.weight,
+            *(k.weight for k in kernels),
+            *(k.bias for k in kernels if k.bias is not None),
+        ]
 
     def __call__(
         self,
@@ -95,13 +121,33 @@ class NativeLayer:
         work = scratch.buffer(self.lib.specdec_layer_scratch(self._ref, N, max_end, threads))
         buf = work.data_ptr()
         if native is not None:
-            rc = self.lib.specdec_layer(self._ref, x.data_ptr(), out.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
-                                        ctypes.byref(native.struct), layer, buf, threads)  # fmt: skip
+            rc = self.lib.specdec_layer(
+                self._ref,
+                x.data_ptr(),
+                out.data_ptr(),
+                N,
+                cos.data_ptr(),
+                sin.data_ptr(),
+                ctypes.byref(native.struct),
+                layer,
+                buf,
+                threads,
+            )
         else:
             q = torch.empty(1, N, self.H, self.Dh)
             k, v = torch.empty(1, N, self.Hkv, self.Dh), torch.empty(1, N, self.Hkv, self.Dh)
-            rc = self.lib.specdec_layer_qkv(self._ref, x.data_ptr(), N, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                                            k.data_ptr(), v.data_ptr(), buf, threads)  # fmt: skip
+            rc = self.lib.specdec_layer_qkv(
+                self._ref,
+                x.data_ptr(),
+                N,
+                cos.data_ptr(),
+                sin.data_ptr(),
+                q.data_ptr(),
+                k.data_ptr(),
+                v.data_ptr(),
+                buf,
+                threads,
+            )
             if rc == 0:
                 o = attend(q, k, v).contiguous()  # [1, N, H, Dh]
                 rc = self.lib.specdec_layer_out(self._ref, x.data_ptr(), o.data_ptr(), out.data_ptr(), N, buf, threads)
@@ -145,8 +191,20 @@ class NativeStack:
         first = self.layers[lo]
         work = scratch.buffer(self.lib.specdec_layer_scratch(first._ref, N, native.struct.max_end, threads))
         ptrs = ctypes.addressof(self._ptrs) + lo * ctypes.sizeof(ctypes.c_void_p)
-        rc = self.lib.specdec_layers(ptrs, hi - lo, lo, x.data_ptr(), out.data_ptr(), tmp.data_ptr(), N, cos.data_ptr(),
-                                     sin.data_ptr(), ctypes.byref(native.struct), work.data_ptr(), threads)  # fmt: skip
+        rc = self.lib.specdec_layers(
+            ptrs,
+            hi - lo,
+            lo,
+            x.data_ptr(),
+            out.data_ptr(),
+            tmp.data_ptr(),
+            N,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            ctypes.byref(native.struct),
+            work.data_ptr(),
+            threads,
+        )
         if rc != 0:
             raise RuntimeError(f"the native layers refused blocks {lo}..{hi - 1} (code {rc}); please report this")
         return out

@@ -115,8 +115,13 @@ def _tensor(reader: GGUFReader, name: str):  # noqa: ANN202 - gguf's ReaderTenso
 
 
 # GGML's legacy 32-weight types: type -> bytes per block (csrc/kquant.c de-quantizes them)
-_LEGACY = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q5_0: 22,
-           GGMLQuantizationType.Q5_1: 24, GGMLQuantizationType.Q8_0: 34}  # fmt: skip
+_LEGACY = {
+    GGMLQuantizationType.Q4_0: 18,
+    GGMLQuantizationType.Q4_1: 20,
+    GGMLQuantizationType.Q5_0: 22,
+    GGMLQuantizationType.Q5_1: 24,
+    GGMLQuantizationType.Q8_0: 34,
+}
 
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -134,8 +139,12 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         raw = np.ascontiguousarray(data, np.uint8)
         if lib is not None and raw.ndim >= 1 and raw.shape[-1] % size == 0:
             out = np.empty((*raw.shape[:-1], raw.shape[-1] // size * 32), np.float32)
-            if lib.specdec_dequantize_legacy(int(qtype), raw.ctypes.data, raw.size // size, out.ctypes.data,
-                                             torch.get_num_threads()) == 0:  # fmt: skip
+            if (
+                lib.specdec_dequantize_legacy(
+                    int(qtype), raw.ctypes.data, raw.size // size, out.ctypes.data, torch.get_num_threads()
+                )
+                == 0
+            ):
                 return out
     return np.array(gguf_dequantize(data, qtype), dtype=np.float32)  # a copy: F32 tensors come back memory-mapped
 
@@ -154,8 +163,12 @@ def float_tensor(reader: GGUFReader, name: str, args) -> np.ndarray:  # noqa: AN
 
 def small_state(reader: GGUFReader, keys: list[str], args) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """The tensors a decoder keeps in float in every mode (norms, biases), by state-dict key."""
-    return {k: torch.from_numpy(np.ascontiguousarray(float_tensor(reader, tensor_name(k, args.model_type, args.n_layers), args)))
-            for k in keys}  # fmt: skip
+    return {
+        k: torch.from_numpy(
+            np.ascontiguousarray(float_tensor(reader, tensor_name(k, args.model_type, args.n_layers), args))
+        )
+        for k in keys
+    }
 
 
 class GGUFEmbedding(torch.nn.Module):
@@ -230,8 +243,9 @@ def gguf_architecture(path: Path) -> str:
     except Exception as exc:  # the gguf reader raises plain ValueError/struct errors on junk
         short = gguf_truncation(path)
         if short is not None:
-            raise UnsupportedArchitectureError(f"{path} is {short} (a download or copy cut short; fetch it "
-                                               "again)") from None  # fmt: skip
+            raise UnsupportedArchitectureError(
+                f"{path} is {short} (a download or copy cut short; fetch it again)"
+            ) from None
         raise UnsupportedArchitectureError(f"{path} is not a readable GGUF file: {exc}") from exc
     field = reader.fields.get("general.architecture")
     if field is None:
@@ -239,5 +253,6 @@ def gguf_architecture(path: Path) -> str:
     try:
         return bytes(field.parts[field.data[0]]).decode()
     except (UnicodeDecodeError, IndexError) as exc:
-        raise UnsupportedArchitectureError(f"{path} is not a readable GGUF file: its architecture field is "
-                                           f"damaged ({exc})") from None  # fmt: skip
+        raise UnsupportedArchitectureError(
+            f"{path} is not a readable GGUF file: its architecture field is damaged ({exc})"
+        ) from None

@@ -129,8 +129,19 @@ class Int8Kernel:
         xu = (x2 / x_scale).add_(128.5).to(torch.uint8)  # [M, K]
         if self.packed is not None:
             acc = torch.ops.onednn.qlinear_pointwise(
-                xu, 1.0, 0, self.packed, self.unit_scale, self.zero_point, self.neg_offset,
-                1.0, 0, torch.float32, "none", [], "",
+                xu,
+                1.0,
+                0,
+                self.packed,
+                self.unit_scale,
+                self.zero_point,
+                self.neg_offset,
+                1.0,
+                0,
+                torch.float32,
+                "none",
+                [],
+                "",
             )  # [M, N] = float(Σ u·w) - 128·Σw
         else:
             xq = (xu.to(torch.int16) - 128).to(torch.int8)
@@ -142,8 +153,14 @@ class Int8Kernel:
 
 
 def apply_mode(
-    model: torch.nn.Module, mode: Mode, *, gguf: Path | None = None, packed: Path | None = None, source: str = "",
-    from_gguf: bool = False, bits: int | None = None,
+    model: torch.nn.Module,
+    mode: Mode,
+    *,
+    gguf: Path | None = None,
+    packed: Path | None = None,
+    source: str = "",
+    from_gguf: bool = False,
+    bits: int | None = None,
 ) -> None:
     """Install `mode`'s kernel in every `Linear` (weights are already in `mode.storage`).
 
@@ -173,8 +190,13 @@ def apply_mode(
 
 
 def _kquant_kernels(
-    model: torch.nn.Module, linears: dict[str, Linear], gguf: Path | None, packed: Path | None, source: str,
-    from_gguf: bool = False, bits: int | None = None,
+    model: torch.nn.Module,
+    linears: dict[str, Linear],
+    gguf: Path | None,
+    packed: Path | None,
+    source: str,
+    from_gguf: bool = False,
+    bits: int | None = None,
 ) -> dict[str, LinearKernel]:
     """q4k kernels: the GGUF's Q4_K/Q6_K blocks where it has them (checked against the float
     weights), the rest quantized here to `kquant.REQUANTIZE` (at least as precise as the GGUF's
@@ -194,7 +216,11 @@ def _kquant_kernels(
     if packed is not None and packed.exists():
         with safe_open(str(packed), framework="pt") as f:
             kinds = f.metadata() or {}
-            if set(f.keys()) == set(linears) and set(linears) <= set(kinds) and kinds.get(PACKED_BITS_KEY, "") == str(bits or ""):
+            if (
+                set(f.keys()) == set(linears)
+                and set(linears) <= set(kinds)
+                and kinds.get(PACKED_BITS_KEY, "") == str(bits or "")
+            ):
                 return {name: kernel(name, int(kinds[name]), f.get_tensor(name)) for name in linears}
     args = model.args
 
@@ -203,9 +229,13 @@ def _kquant_kernels(
         b = None
         if gguf is not None:  # this layer's blocks, read in the worker thread like the rest of its packing
             b = kquant.gguf_blocks(
-                gguf, {name: m.out_features}, tied=args.tie_embeddings, model_type=args.model_type,
-                n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-            ).get(name)  # fmt: skip
+                gguf,
+                {name: m.out_features},
+                tied=args.tie_embeddings,
+                model_type=args.model_type,
+                n_heads=args.n_heads,
+                n_kv_heads=args.n_kv_heads,
+            ).get(name)
         if b is not None and not from_gguf and not kquant.matches(b, m.weight):
             warnings.warn(f"{gguf}: {name} does not match the converted weights; quantizing it again", stacklevel=3)
             b = None
@@ -247,7 +277,10 @@ def _kquant_kernels(
     if packed is not None:
         packed.parent.mkdir(parents=True, exist_ok=True)
         tmp = packed.with_suffix(f".{os.getpid()}.tmp")
-        meta = {name: str(k.kind) for name, k in kernels.items()} | {PACKED_SOURCE_KEY: source, PACKED_BITS_KEY: str(bits or "")}
+        meta = {name: str(k.kind) for name, k in kernels.items()} | {
+            PACKED_SOURCE_KEY: source,
+            PACKED_BITS_KEY: str(bits or ""),
+        }
         save_file(tiles, str(tmp), metadata=meta)
         os.replace(tmp, packed)  # atomic: a concurrent load never reads half a file
     return kernels

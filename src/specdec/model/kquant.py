@@ -45,14 +45,40 @@ REQUANTIZE = Q6K
 TILE = 16  # outputs per kernel tile
 # The kernel's repacked tiles (16 outputs x 256 inputs), field for field as in csrc/kquant.c.
 TILE_DTYPES = {
-    Q4K: np.dtype([("d", "<f4", TILE), ("dmin", "<f4", TILE), ("sc", "u1", (8, TILE)), ("mn", "u1", (4, TILE, 2)),
-                   ("qs", "u1", (8, 4, 4 * TILE))]),
-    Q6K: np.dtype([("d", "<f4", TILE), ("sc", "i1", (16, TILE)),
-                   ("sub", [("ql", "u1", (2, 4 * TILE)), ("qh", "u1", 4 * TILE)], 16)]),
-    Q3: np.dtype([("d", "<f4", TILE), ("dmin", "<f4", TILE), ("sc", "u1", (8, TILE)), ("mn", "u1", (4, TILE, 2)),
-                  ("g", [("qs", "u1", (2, 4 * TILE)), ("qh", "u1", 4 * TILE)], 8)]),
-    Q2: np.dtype([("d", "<f4", TILE), ("dmin", "<f4", TILE), ("sc", "u1", (8, TILE)), ("mn", "u1", (4, TILE, 2)),
-                  ("qs", "u1", (8, 2, 4 * TILE))]),
+    Q4K: np.dtype(
+        [
+            ("d", "<f4", TILE),
+            ("dmin", "<f4", TILE),
+            ("sc", "u1", (8, TILE)),
+            ("mn", "u1", (4, TILE, 2)),
+            ("qs", "u1", (8, 4, 4 * TILE)),
+        ]
+    ),
+    Q6K: np.dtype(
+        [
+            ("d", "<f4", TILE),
+            ("sc", "i1", (16, TILE)),
+            ("sub", [("ql", "u1", (2, 4 * TILE)), ("qh", "u1", 4 * TILE)], 16),
+        ]
+    ),
+    Q3: np.dtype(
+        [
+            ("d", "<f4", TILE),
+            ("dmin", "<f4", TILE),
+            ("sc", "u1", (8, TILE)),
+            ("mn", "u1", (4, TILE, 2)),
+            ("g", [("qs", "u1", (2, 4 * TILE)), ("qh", "u1", 4 * TILE)], 8),
+        ]
+    ),
+    Q2: np.dtype(
+        [
+            ("d", "<f4", TILE),
+            ("dmin", "<f4", TILE),
+            ("sc", "u1", (8, TILE)),
+            ("mn", "u1", (4, TILE, 2)),
+            ("qs", "u1", (8, 2, 4 * TILE)),
+        ]
+    ),
 }
 
 _SOURCE = Path(__file__).with_name("csrc") / "kquant.c"
@@ -230,8 +256,12 @@ def quantize_reference(weight: np.ndarray, kind: int) -> Blocks:
         out = np.empty((n, nb), Q6K_DTYPE)
         out["d"], out["sc"] = d, sc.astype(np.int8)
         lo, hi = q & 0xF, q >> 4
-        out["ql"] = np.concatenate([lo[:, :, :, 0] | (lo[:, :, :, 2] << 4), lo[:, :, :, 1] | (lo[:, :, :, 3] << 4)], -1).reshape(n, nb, 128)
-        out["qh"] = (hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)).reshape(n, nb, 64)
+        out["ql"] = np.concatenate(
+            [lo[:, :, :, 0] | (lo[:, :, :, 2] << 4), lo[:, :, :, 1] | (lo[:, :, :, 3] << 4)], -1
+        ).reshape(n, nb, 128)
+        out["qh"] = (hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)).reshape(
+            n, nb, 64
+        )
         return Blocks(Q6K, out)
     g = w.reshape(n, nb, 8, 32)
     lo = np.minimum(g.min(-1), 0.0)  # the format subtracts a non-negative min
@@ -290,13 +320,17 @@ def tiles_reference(blocks: Blocks) -> np.ndarray:
         q = d["q"].reshape(t, TILE, nb, 8, 2, 4, 4)  # [T, o, nb, group, w, i, e]: chunk 4w + i
         q = q.transpose(0, 2, 3, 4, 1, 6, 5)  # [T, nb, group, w, o, e, i]
         low = q & 3
-        packed = (low[..., 0] | (low[..., 1] << 2) | (low[..., 2] << 4) | (low[..., 3] << 6)).reshape(t, nb, 8, 2, 4 * TILE)
+        packed = (low[..., 0] | (low[..., 1] << 2) | (low[..., 2] << 4) | (low[..., 3] << 6)).reshape(
+            t, nb, 8, 2, 4 * TILE
+        )
         if blocks.kind == Q2:
             out["qs"] = packed
         else:
             out["g"]["qs"] = packed
             hb = (q >> 2).reshape(t, nb, 8, 2, 4 * TILE, 4)  # chunk 4w + i's third bit -> bit 4w + i
-            out["g"]["qh"] = sum((hb[:, :, :, w, :, i].astype(np.uint8) << (4 * w + i)) for w in range(2) for i in range(4))
+            out["g"]["qh"] = sum(
+                (hb[:, :, :, w, :, i].astype(np.uint8) << (4 * w + i)) for w in range(2) for i in range(4)
+            )
     elif blocks.kind == Q4K:
         out["dmin"] = per_output(d["dmin"])
         out["sc"] = per_output(d["sc"])  # [T, nb, group, output]
@@ -309,7 +343,9 @@ def tiles_reference(blocks: Blocks) -> np.ndarray:
         q = _codes_q6k(d).reshape(t, TILE, nb, 16, 4, 4)  # [T, o, nb, sub-block, chunk, e]
         q = q.transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 16, 4, 4 * TILE)  # [T, nb, s, chunk, o*4 + e]
         lo, hi = q & 0xF, q >> 4
-        out["sub"]["ql"] = np.stack([lo[:, :, :, 0] | (lo[:, :, :, 1] << 4), lo[:, :, :, 2] | (lo[:, :, :, 3] << 4)], axis=3)
+        out["sub"]["ql"] = np.stack(
+            [lo[:, :, :, 0] | (lo[:, :, :, 1] << 4), lo[:, :, :, 2] | (lo[:, :, :, 3] << 4)], axis=3
+        )
         out["sub"]["qh"] = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
     return out
 
@@ -343,8 +379,12 @@ def untiles(tiles: np.ndarray, kind: int, n: int) -> Blocks:
         q = q.reshape(t, nb, 16, 4, TILE, 4).transpose(0, 4, 1, 2, 3, 5)  # [T, o, nb, s, chunk, e]
         c = q.reshape(t * TILE, nb, 2, 4, 32)[:n]  # [half, group, l]: see _codes_q6k
         lo4, hi4 = c & 0xF, c >> 4
-        out["ql"] = np.concatenate([lo4[:, :, :, 0] | (lo4[:, :, :, 2] << 4), lo4[:, :, :, 1] | (lo4[:, :, :, 3] << 4)], -1).reshape(n, nb, 128)
-        out["qh"] = (hi4[:, :, :, 0] | (hi4[:, :, :, 1] << 2) | (hi4[:, :, :, 2] << 4) | (hi4[:, :, :, 3] << 6)).reshape(n, nb, 64)
+        out["ql"] = np.concatenate(
+            [lo4[:, :, :, 0] | (lo4[:, :, :, 2] << 4), lo4[:, :, :, 1] | (lo4[:, :, :, 3] << 4)], -1
+        ).reshape(n, nb, 128)
+        out["qh"] = (
+            hi4[:, :, :, 0] | (hi4[:, :, :, 1] << 2) | (hi4[:, :, :, 2] << 4) | (hi4[:, :, :, 3] << 6)
+        ).reshape(n, nb, 64)
     return Blocks(kind, out)
 
 
@@ -383,8 +423,15 @@ def tile_format() -> str:
 class KQuantKernel:
     """y = x @ W^T (+ bias) over K-quant blocks; see the module docstring."""
 
-    def __init__(self, kind: int, packed: torch.Tensor, out_features: int, in_features: int,
-                 bias: torch.Tensor | None, lib: ctypes.CDLL | None = None) -> None:
+    def __init__(
+        self,
+        kind: int,
+        packed: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+        lib: ctypes.CDLL | None = None,
+    ) -> None:
         """`packed`: uint8 [ceil(N/16), nb * tile bytes], the output of `tiles`. `lib`: a
         particular build of the kernel (default: the one `native.dispatch` picks)."""
         self.lib = lib if lib is not None else library()
@@ -394,15 +441,21 @@ class KQuantKernel:
             raise NativeUnavailableError("the compiled q4k kernel's tile layout does not match specdec's")
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
         nb = -(-in_features // QK)
-        if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-out_features // TILE), nb * TILE_DTYPES[kind].itemsize):
-            raise ValueError(f"packed q4k weights of shape {tuple(packed.shape)} do not fit a {in_features}->{out_features} layer")
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (
+            -(-out_features // TILE),
+            nb * TILE_DTYPES[kind].itemsize,
+        ):
+            raise ValueError(
+                f"packed q4k weights of shape {tuple(packed.shape)} do not fit a {in_features}->{out_features} layer"
+            )
         self.weight = packed.contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()  # [N]
         self._calls: dict[tuple[int, ...], _GroupCall] = {}  # see `group`
 
     @classmethod
-    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None,
-                    lib: ctypes.CDLL | None = None) -> KQuantKernel:  # fmt: skip
+    def from_blocks(
+        cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None, lib: ctypes.CDLL | None = None
+    ) -> KQuantKernel:
         """`in_features`: the layer's input size when the blocks are zero-padded past it; `lib`:
         a particular build of the kernel (default: the one `native.dispatch` picks)."""
         n, padded = blocks.shape
@@ -451,9 +504,17 @@ class _GroupCall:
         if m == 0:
             return ys
         rc = self.lib.specdec_kquant_linears(
-            len(ys), self.kinds, self.weights, self.biases, self.outs, self.in_features,
-            x2.data_ptr(), m, self.out_ptrs(*(y.data_ptr() for y in ys)), torch.get_num_threads(),
-        )  # fmt: skip
+            len(ys),
+            self.kinds,
+            self.weights,
+            self.biases,
+            self.outs,
+            self.in_features,
+            x2.data_ptr(),
+            m,
+            self.out_ptrs(*(y.data_ptr() for y in ys)),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise MemoryError("the q4k kernel could not allocate its activation buffers")
         return ys if x.dtype == torch.float32 else [y.to(x.dtype) for y in ys]
@@ -483,10 +544,14 @@ def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
 # -- weights from a GGUF file -------------------------------------------------------------
 
 _GGUF_LINEARS = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
-}  # fmt: skip
+}
 
 
 def gguf_tensor_name(module: str, tied: bool) -> str | None:
@@ -506,8 +571,9 @@ def _llama_rows(n: int, heads: int) -> np.ndarray:
     return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)
 
 
-def gguf_blocks(path: Path, modules: dict[str, int], *, tied: bool, model_type: str,
-                n_heads: int, n_kv_heads: int) -> dict[str, Blocks]:
+def gguf_blocks(
+    path: Path, modules: dict[str, int], *, tied: bool, model_type: str, n_heads: int, n_kv_heads: int
+) -> dict[str, Blocks]:
     """K-quant blocks for the linear layers (module name -> output rows) whose GGUF tensors are
     stored as Q4_K or Q6_K; other layers are left out (the caller quantizes them)."""
     from gguf import GGMLQuantizationType

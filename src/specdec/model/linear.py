@@ -44,6 +44,10 @@ def linear_group(layers: tuple[Linear, ...], x: torch.Tensor) -> list[torch.Tens
     kernels = [layer.kernel for layer in layers]
     kind = type(kernels[0])
     group = getattr(kind, "group", None)
-    if group is not None and all(type(k) is kind for k in kernels) and len({layer.in_features for layer in layers}) == 1:
+    if (
+        group is not None
+        and all(type(k) is kind for k in kernels)
+        and len({layer.in_features for layer in layers}) == 1
+    ):
         return group(tuple(kernels), x)
     return [layer(x) for layer in layers]

@@ -44,8 +44,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
             why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"
             raise ValueError(f"device {str(device)!r}: {why}; available here: {', '.join(available_devices())}")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA devices; "
-                             f"available here: {', '.join(available_devices())}")  # fmt: skip
+            raise ValueError(
+                f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA devices; "
+                f"available here: {', '.join(available_devices())}"
+            )
     elif dev.type == "mps" and "mps" not in available_devices():
         raise ValueError(f"device 'mps' is not available here; available here: {', '.join(available_devices())}")
     elif dev.type not in ("cpu", "cuda", "mps"):
@@ -53,8 +55,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None,
-                     bits: int | None = None) -> Transformer:  # fmt: skip
+def load_transformer(
+    path: str | Path, *, dtype: str = "fp32", device: str | torch.device | None = None, bits: int | None = None
+) -> Transformer:
     """`dtype` names a precision/kernel mode (see `specdec.model.kernels.MODES`), or "auto"
     for the fastest exact mode on the device. The default, fp32, is the reference precision.
 
@@ -71,8 +74,10 @@ def load_transformer(path: str | Path, *, dtype: str = "fp32", device: str | tor
     dev = resolve_device(device)
     mode = get_mode(dtype, dev)
     if bits is not None and bits not in DRAFT_BITS:
-        raise ValueError(f"draft bits {bits} are not a packing specdec has; choose {', '.join(map(str, DRAFT_BITS))}, "
-                         "or leave them unset for the model file's own")  # fmt: skip
+        raise ValueError(
+            f"draft bits {bits} are not a packing specdec has; choose {', '.join(map(str, DRAFT_BITS))}, "
+            "or leave them unset for the model file's own"
+        )
     if bits is not None and mode.name != "q4k":
         raise ValueError(f"draft bits are a packing of the q4k mode; the {mode.name} mode has none (drop the bits)")
     gguf = gguf_source(path)
@@ -136,8 +141,9 @@ def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path, bits: int
     apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()), from_gguf=True, bits=bits)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
-        raise ValueError(f"{path}: {BASE_WEIGHTS} and {gguf.name} leave {left[:3]} without weights; install the model "
-                         "again")  # fmt: skip
+        raise ValueError(
+            f"{path}: {BASE_WEIGHTS} and {gguf.name} leave {left[:3]} without weights; install the model again"
+        )
     _prune_packed(keep=packed)
     if fresh:
         _sparsify(path, gguf, packed, args)
@@ -154,8 +160,15 @@ def _sparsify(path: Path, gguf: Path, packed: Path, args: ModelArgs) -> int:
 
     meta = converted_meta(path)
     pin = (meta["name"], meta["sha256"]) if "name" in meta and "sha256" in meta else None
-    return sparse.sparsify(gguf, packed, pin=pin, tied=args.tie_embeddings, model_type=args.model_type,
-                           n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)  # fmt: skip
+    return sparse.sparsify(
+        gguf,
+        packed,
+        pin=pin,
+        tied=args.tie_embeddings,
+        model_type=args.model_type,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+    )
 
 
 def packed_path(path: Path, files: list[Path], gguf: Path | None, bits: int | None = None) -> Path:
@@ -168,7 +181,9 @@ def packed_path(path: Path, files: list[Path], gguf: Path | None, bits: int | No
     from ..paths import cache_root
     from . import kquant
 
-    h = hashlib.sha256(f"{kquant.layout_version()}:{kquant.REQUANTIZE}".encode() + (f":bits{bits}".encode() if bits else b""))
+    h = hashlib.sha256(
+        f"{kquant.layout_version()}:{kquant.REQUANTIZE}".encode() + (f":bits{bits}".encode() if bits else b"")
+    )
     for f in [gguf] if gguf else files:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -241,5 +256,5 @@ def prepare_q4k(path: str | Path, draft_bits: int | None = None) -> bool:
 def _strip_prefix(key: str) -> str:
     for prefix in ("model.language_model.", "language_model.model."):
         if key.startswith(prefix):
-            return "model." + key[len(prefix):]
+            return "model." + key[len(prefix) :]
     return key

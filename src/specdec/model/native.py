@@ -102,8 +102,11 @@ def dispatch() -> tuple[str, str]:
 
 def _forced(name: str, flags: set[str]) -> tuple[str, str]:
     """The build SPECDEC_KERNELS names, where this CPU can run it."""
-    needs = {AVX2: {"avx2", "fma", "f16c"}, AVX512: {"avx2", "fma", "f16c"} | _AVX512_NEEDS,
-             AMX: {"avx2", "fma", "f16c", "amx_tile", "amx_int8"} | _AVX512_NEEDS}  # fmt: skip
+    needs = {
+        AVX2: {"avx2", "fma", "f16c"},
+        AVX512: {"avx2", "fma", "f16c"} | _AVX512_NEEDS,
+        AMX: {"avx2", "fma", "f16c", "amx_tile", "amx_int8"} | _AVX512_NEEDS,
+    }
     if name not in needs:
         raise NativeUnavailableError(f"SPECDEC_KERNELS={name!r} is not a kernel build; use one of {', '.join(needs)}")
     lacking = needs[name] - flags
@@ -177,7 +180,9 @@ def _build(variant: str) -> tuple[list[str], Any]:
     """The compile command (without sources and output) and the hash of everything it reads."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        raise NativeUnavailableError("specdec's CPU kernels are compiled at first use and need gcc; install it or use --dtype int8")
+        raise NativeUnavailableError(
+            "specdec's CPU kernels are compiled at first use and need gcc; install it or use --dtype int8"
+        )
     cmd = [cc, *_BASE_FLAGS, *_VARIANT_FLAGS[variant]]
     sources = [_CSRC / name for name in (*_SOURCES, "specdec.h")]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
@@ -195,7 +200,9 @@ def _library(variant: str) -> ctypes.CDLL:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            proc = subprocess.run([*cmd, "-o", str(tmp_out), *map(str, sources)], capture_output=True, text=True, check=False)
+            proc = subprocess.run(
+                [*cmd, "-o", str(tmp_out), *map(str, sources)], capture_output=True, text=True, check=False
+            )
             if proc.returncode != 0:
                 raise NativeUnavailableError(
                     f"compiling specdec's CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr.strip()[-2000:]}\n"
@@ -243,11 +250,19 @@ def _library(variant: str) -> ctypes.CDLL:
 class AttnStruct(ctypes.Structure):
     """csrc/specdec.h's specdec_attn: a forward's packed rows and their caches."""
 
-    _fields_ = [("seg", ctypes.POINTER(ctypes.c_int)), ("t", ctypes.POINTER(ctypes.c_int)),
-                ("start", ctypes.POINTER(ctypes.c_int)), ("T", ctypes.POINTER(ctypes.c_int)),
-                ("cap", ctypes.POINTER(ctypes.c_int)), ("k", ctypes.POINTER(ctypes.c_void_p)),
-                ("v", ctypes.POINTER(ctypes.c_void_p)), ("stride", ctypes.POINTER(ctypes.c_int64)),
-                ("mask", ctypes.POINTER(ctypes.c_void_p)), ("scale", ctypes.c_float), ("max_end", ctypes.c_int)]  # fmt: skip
+    _fields_ = [
+        ("seg", ctypes.POINTER(ctypes.c_int)),
+        ("t", ctypes.POINTER(ctypes.c_int)),
+        ("start", ctypes.POINTER(ctypes.c_int)),
+        ("T", ctypes.POINTER(ctypes.c_int)),
+        ("cap", ctypes.POINTER(ctypes.c_int)),
+        ("k", ctypes.POINTER(ctypes.c_void_p)),
+        ("v", ctypes.POINTER(ctypes.c_void_p)),
+        ("stride", ctypes.POINTER(ctypes.c_int64)),
+        ("mask", ctypes.POINTER(ctypes.c_void_p)),
+        ("scale", ctypes.c_float),
+        ("max_end", ctypes.c_int),
+    ]
 
 
 class SegmentAttention:
@@ -268,7 +283,9 @@ class SegmentAttention:
     ) -> None:
         for k, v in caches:
             if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.shape[-1] % 8:
-                raise ValueError("native attention needs contiguous float32 caches and a head size that is a multiple of 8")
+                raise ValueError(
+                    "native attention needs contiguous float32 caches and a head size that is a multiple of 8"
+                )
         # plain ctypes arrays: built once per forward, a few microseconds (this runs every step)
         c_int, c_ptr = ctypes.c_int, ctypes.c_void_p
         n = len(lengths)
@@ -278,13 +295,18 @@ class SegmentAttention:
         self._arrays = (
             (c_int * self.n_rows)(*[s for s, T in enumerate(lengths) for _ in range(T)]),
             (c_int * self.n_rows)(*[t for T in lengths for t in range(T)]),
-            (c_int * n)(*starts), (c_int * n)(*lengths), (c_int * n)(*[k.shape[3] for k, _ in caches]),
-            (c_ptr * n)(*[k.data_ptr() for k, _ in caches]), (c_ptr * n)(*[v.data_ptr() for _, v in caches]),
+            (c_int * n)(*starts),
+            (c_int * n)(*lengths),
+            (c_int * n)(*[k.shape[3] for k, _ in caches]),
+            (c_ptr * n)(*[k.data_ptr() for k, _ in caches]),
+            (c_ptr * n)(*[v.data_ptr() for _, v in caches]),
             (ctypes.c_int64 * n)(*[k.stride(0) for k, _ in caches]),
             (c_ptr * n)(*[None if m is None else m.data_ptr() for m in self.masks]),
-        )  # fmt: skip
+        )
         max_end = max(s + T for s, T in zip(starts, lengths, strict=True))
-        self.struct = AttnStruct(*[ctypes.cast(a, ctypes.POINTER(a._type_)) for a in self._arrays], float(scale), max_end)
+        self.struct = AttnStruct(
+            *[ctypes.cast(a, ctypes.POINTER(a._type_)) for a in self._arrays], float(scale), max_end
+        )
 
     def __call__(
         self,
@@ -295,14 +317,26 @@ class SegmentAttention:
     ) -> torch.Tensor:  # [N, H, D]
         N, H, D = q.shape
         if H % self.n_kv_heads or H // self.n_kv_heads > ATTN_MAX_REP:
-            raise ValueError(f"native attention takes 1..{ATTN_MAX_REP} query heads per key/value head, not {H}/{self.n_kv_heads}")
+            raise ValueError(
+                f"native attention takes 1..{ATTN_MAX_REP} query heads per key/value head, not {H}/{self.n_kv_heads}"
+            )
         q = q.contiguous()
         if k_new is not None and v_new is not None:
             k_new, v_new = k_new.contiguous(), v_new.contiguous()
         out = torch.empty_like(q)
         kv = (k_new.data_ptr(), v_new.data_ptr()) if k_new is not None and v_new is not None else (None, None)
-        rc = library().specdec_attend(ctypes.byref(self.struct), layer, q.data_ptr(), *kv, N, H, self.n_kv_heads, D,
-                                      out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        rc = library().specdec_attend(
+            ctypes.byref(self.struct),
+            layer,
+            q.data_ptr(),
+            *kv,
+            N,
+            H,
+            self.n_kv_heads,
+            D,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise MemoryError("native attention could not allocate its score buffers")
         return out

@@ -124,8 +124,10 @@ def tensor_data(gguf: Path, name: str, data: np.ndarray) -> np.ndarray:
 
 def _lost(gguf: Path, why: str) -> str:
     name = (state(gguf) or {}).get("name", "NAME")
-    return (f"{gguf.name}: its weight blocks were kept only in the q4k packed file, and {why}; install it "
-            f"again (downloads it): specdec models install {name}")  # fmt: skip
+    return (
+        f"{gguf.name}: its weight blocks were kept only in the q4k packed file, and {why}; install it "
+        f"again (downloads it): specdec models install {name}"
+    )
 
 
 def held_packings() -> set[Path]:
@@ -223,8 +225,9 @@ def _punch_with_note(gguf: Path, info: dict) -> bool:
     return True
 
 
-def sparsify(gguf: Path, packed: Path, *, pin: tuple[str, str] | None, tied: bool, model_type: str, n_heads: int,
-             n_kv_heads: int) -> int:  # fmt: skip
+def sparsify(
+    gguf: Path, packed: Path, *, pin: tuple[str, str] | None, tied: bool, model_type: str, n_heads: int, n_kv_heads: int
+) -> int:
     """Punch out of a cached GGUF the tensors `packed` holds losslessly (checked byte for byte).
     `pin`: the registered model's (name, pinned sha256), which the file is checked against when
     it is made whole again; None (a file of one's own) leaves it alone. Returns the bytes freed
@@ -245,13 +248,22 @@ def sparsify(gguf: Path, packed: Path, *, pin: tuple[str, str] | None, tied: boo
         with safe_open(str(packed), framework="pt") as f:
             modules = set(f.keys())
         tensors = {t.name: t for t in open_gguf(gguf).tensors}
-        info = {"name": pin[0], "sha256": pin[1], "packed": str(packed.resolve()), "format": kquant.tile_format(), "tensors": {}}
+        info = {
+            "name": pin[0],
+            "sha256": pin[1],
+            "packed": str(packed.resolve()),
+            "format": kquant.tile_format(),
+            "tensors": {},
+        }
         candidates = {}
         for module in sorted(modules):
             name = kquant.gguf_tensor_name(module, tied)
             t = tensors.get(name or "")
-            if (t is None or name == "token_embd.weight"  # the q4k mode reads embedding rows from the GGUF
-                    or t.tensor_type not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)):
+            if (
+                t is None
+                or name == "token_embd.weight"  # the q4k mode reads embedding rows from the GGUF
+                or t.tensor_type not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+            ):
                 continue
             heads = 0
             if model_type == "llama" and module.endswith(("q_proj", "k_proj")):

@@ -93,8 +93,9 @@ class RMSNorm(nn.Module):
             # row however many rows come with it
             x = x.contiguous()
             out = torch.empty_like(x)
-            self.native.specdec_rmsnorm_rows(x.data_ptr(), self.weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                                             self.eps, out.data_ptr())  # fmt: skip
+            self.native.specdec_rmsnorm_rows(
+                x.data_ptr(), self.weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, out.data_ptr()
+            )
             return out
         if x.dtype == torch.float32 and not self.offset:
             # torch's rms_norm runs these same operations (bitwise equal, tested against
@@ -268,10 +269,13 @@ class Transformer(nn.Module):
     def _native_attention(self) -> bool:
         """Row-by-row attention runs in specdec's native kernel where it can (CPU, float32)."""
         return (
-            self.row_invariant_attention and self.device.type == "cpu" and self.dtype == torch.float32
-            and self.args.head_dim % 8 == 0 and self.args.n_heads // self.args.n_kv_heads <= native.ATTN_MAX_REP
+            self.row_invariant_attention
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.args.head_dim % 8 == 0
+            and self.args.n_heads // self.args.n_kv_heads <= native.ATTN_MAX_REP
             and native.available()
-        )  # fmt: skip
+        )
 
     @property
     def device(self) -> torch.device:
@@ -283,9 +287,7 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         a = self.args
-        return KVCache(
-            a.n_layers, batch, a.n_kv_heads, capacity, a.head_dim, dtype=self.dtype, device=self.device
-        )
+        return KVCache(a.n_layers, batch, a.n_kv_heads, capacity, a.head_dim, dtype=self.dtype, device=self.device)
 
     # -- forward --------------------------------------------------------------------------
     def _masks(
@@ -330,13 +332,19 @@ class Transformer(nn.Module):
         if not 0 <= seg.lo < hi <= a.n_layers:
             raise ValueError(f"blocks must satisfy 0 <= lo < hi <= {a.n_layers} (got {(seg.lo, hi)})")
         if (seg.lo > 0) != (seg.hidden_in is not None):
-            raise ValueError("hidden_in (the residual entering block lo) is required exactly when blocks starts above 0")
+            raise ValueError(
+                "hidden_in (the residual entering block lo) is required exactly when blocks starts above 0"
+            )
         if seg.hidden_in is not None and seg.hidden_in.shape != (T, a.dim):
             raise ValueError(f"hidden_in has shape {tuple(seg.hidden_in.shape)}, expected {(T, a.dim)}")
         tree = seg.tree_mask
-        if tree is not None and (tree.dim() != 2 or tree.shape[0] != T or not T <= tree.shape[1] <= seg.cache.length + T):
-            raise ValueError(f"tree_mask must be [T, S] with T = {T} new rows and T <= S <= the cached rows + T, got "
-                             f"{tuple(tree.shape)}")  # fmt: skip
+        if tree is not None and (
+            tree.dim() != 2 or tree.shape[0] != T or not T <= tree.shape[1] <= seg.cache.length + T
+        ):
+            raise ValueError(
+                f"tree_mask must be [T, S] with T = {T} new rows and T <= S <= the cached rows + T, got "
+                f"{tuple(tree.shape)}"
+            )
         if tree is not None and torch.triu(tree[:, tree.shape[1] - T :], 1).any():
             raise ValueError("tree_mask must list tokens in topological order: a token may attend only to earlier ones")
         start = seg.cache.reserve(T)
@@ -354,12 +362,15 @@ class Transformer(nn.Module):
             return plan  # one framework call (prefill, or modes that are not batch-invariant anyway)
         if self._native_attention:
             # the kernel already limits row i to keys 0..start+i; only windows and trees need a mask
-            plan.native = {kind: None if m is None or (not kind and tree is None) else m[0, 0]
-                           for kind, m in plan.masks.items()}  # fmt: skip
+            plan.native = {
+                kind: None if m is None or (not kind and tree is None) else m[0, 0] for kind, m in plan.masks.items()
+            }
         elif tree is None and T > 1:
             # one framework call per row, with the key range and mask of a one-token step
-            plan.rows = {kind: [None if m is None else m[:, :, i : i + 1, : start + i + 1] for i in range(T)]
-                         for kind, m in plan.masks.items()}  # fmt: skip
+            plan.rows = {
+                kind: [None if m is None else m[:, :, i : i + 1, : start + i + 1] for i in range(T)]
+                for kind, m in plan.masks.items()
+            }
         return plan
 
     @torch.inference_mode()
@@ -412,7 +423,9 @@ class Transformer(nn.Module):
             block = self.model.layers[i]
             rope = ropes.get(block.sliding, ropes[False])
             if block.native is not None:
-                x = block.native(x, rope, i, attend.all_native(block.sliding), attend.layer(i, block.sliding), self._scratch)
+                x = block.native(
+                    x, rope, i, attend.all_native(block.sliding), attend.layer(i, block.sliding), self._scratch
+                )
             else:
                 x = block(x, rope, attend.layer(i, block.sliding))
             if i in output_layers:
@@ -424,8 +437,9 @@ class Transformer(nn.Module):
         first, row0 = {}, 0
         for n in order:
             first[n], row0 = row0, row0 + plans[n].T
-        spans = {n: (first[n] + plans[n].T - 1 if segments[n].last_only else first[n], first[n] + plans[n].T)
-                 for n in order}  # fmt: skip
+        spans = {
+            n: (first[n] + plans[n].T - 1 if segments[n].last_only else first[n], first[n] + plans[n].T) for n in order
+        }
         x_out = x
         if any(seg.last_only for seg in segments):
             x_out = x.index_select(1, torch.cat([torch.arange(*spans[n]) for n in order]).to(x.device))
@@ -438,12 +452,14 @@ class Transformer(nn.Module):
         outs = []
         for n, p in enumerate(plans):
             lo, up = spans[n]
-            outs.append(ForwardOutput(
-                logits=logits[:, lo:up] if logits is not None else x_out.new_empty(1, up - lo, 0),
-                hidden=h[:, lo:up] if (h is not None and return_hidden) else None,
-                layers={i: t[:, first[n] : first[n] + p.T] for i, t in layers.items() if i >= p.seg.lo},
-                residual=x_out[:, lo:up],
-            ))  # fmt: skip
+            outs.append(
+                ForwardOutput(
+                    logits=logits[:, lo:up] if logits is not None else x_out.new_empty(1, up - lo, 0),
+                    hidden=h[:, lo:up] if (h is not None and return_hidden) else None,
+                    layers={i: t[:, first[n] : first[n] + p.T] for i, t in layers.items() if i >= p.seg.lo},
+                    residual=x_out[:, lo:up],
+                )
+            )
         return outs
 
     def forward(
@@ -462,11 +478,19 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """One sequence: `forward_batch` with one segment."""
         if tokens.dim() != 2 or tokens.shape[0] != 1:
-            raise ValueError(f"forward takes one sequence, tokens [1, T] (got {tuple(tokens.shape)}); "
-                             "use forward_batch for several")  # fmt: skip
+            raise ValueError(
+                f"forward takes one sequence, tokens [1, T] (got {tuple(tokens.shape)}); use forward_batch for several"
+            )
         lo, hi = blocks if blocks is not None else (0, self.args.n_layers)
-        seg = Segment(tokens[0], cache, None if positions is None else positions[0], tree_mask,
-                      None if hidden_in is None else hidden_in[0], lo, last_only)  # fmt: skip
+        seg = Segment(
+            tokens[0],
+            cache,
+            None if positions is None else positions[0],
+            tree_mask,
+            None if hidden_in is None else hidden_in[0],
+            lo,
+            last_only,
+        )
         return self.forward_batch([seg], hi=hi, head=head, return_hidden=return_hidden, output_layers=output_layers)[0]
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -497,10 +521,12 @@ class _PackedAttention:
             kinds = {kind for n in nat for kind in plans[n].native}  # type: ignore[union-attr]
             for kind in kinds:
                 self.native[kind] = native.SegmentAttention(
-                    [(plans[n].seg.cache.k, plans[n].seg.cache.v) for n in nat], [plans[n].start for n in nat],
-                    [plans[n].T for n in nat], [plans[n].native.get(kind) for n in nat],  # type: ignore[union-attr]
+                    [(plans[n].seg.cache.k, plans[n].seg.cache.v) for n in nat],
+                    [plans[n].start for n in nat],
+                    [plans[n].T for n in nat],
+                    [plans[n].native.get(kind) for n in nat],  # type: ignore[union-attr]
                     self.a.attn_scale if self.a.attn_scale is not None else self.a.head_dim**-0.5,
-                )  # fmt: skip
+                )
 
     def all_native(self, sliding: bool) -> native.SegmentAttention | None:
         """The native attention of every row, when no row attends through the framework."""
@@ -523,18 +549,31 @@ class _PackedAttention:
             qs = q[:, r0:r1].transpose(1, 2)  # [1, H, T, Dh]
             if p.rows is None:
                 mask = p.masks.get(sliding, p.masks[False])
-                o = F.scaled_dot_product_attention(qs, k_cache[:, :, : p.end], v_cache[:, :, : p.end], attn_mask=mask,
-                                                   scale=a.attn_scale, enable_gqa=a.n_rep > 1)  # fmt: skip
+                o = F.scaled_dot_product_attention(
+                    qs,
+                    k_cache[:, :, : p.end],
+                    v_cache[:, :, : p.end],
+                    attn_mask=mask,
+                    scale=a.attn_scale,
+                    enable_gqa=a.n_rep > 1,
+                )
             else:
                 # Each row attends exactly as a one-token decoding step at its position would:
                 # same key range, same mask, same kernel shape -> bitwise the same result.
                 masks = p.rows.get(sliding, p.rows[False])
-                o = torch.cat([
-                    F.scaled_dot_product_attention(
-                        qs[:, :, t : t + 1], k_cache[:, :, : p.start + t + 1], v_cache[:, :, : p.start + t + 1],
-                        attn_mask=masks[t], scale=a.attn_scale, enable_gqa=a.n_rep > 1,
-                    )
-                    for t in range(p.T)
-                ], dim=2)  # fmt: skip
+                o = torch.cat(
+                    [
+                        F.scaled_dot_product_attention(
+                            qs[:, :, t : t + 1],
+                            k_cache[:, :, : p.start + t + 1],
+                            v_cache[:, :, : p.start + t + 1],
+                            attn_mask=masks[t],
+                            scale=a.attn_scale,
+                            enable_gqa=a.n_rep > 1,
+                        )
+                        for t in range(p.T)
+                    ],
+                    dim=2,
+                )
             out[:, r0:r1] = o.transpose(1, 2)
         return out

@@ -32,7 +32,6 @@ from .schemas import FINISH, NONE, APIError, ChatRequest, CompletionRequest, _Co
 from .tools import ToolCallParser, forced_start, parse_all, template_renders_tools
 from .worker import Job, ServeSettings, Worker
 
-
 log = logging.getLogger("specdec.serve")
 
 
@@ -49,8 +48,12 @@ class Service:
 
     def check_model(self, name: str) -> None:
         if name != self.settings.model_name:
-            raise APIError(404, f"the model {name!r} does not exist here; this server serves "
-                                f"{self.settings.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist here; this server serves {self.settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     @staticmethod
     def encode(tokenizer_call: Any, param: str) -> list[int]:
@@ -79,9 +82,12 @@ class Service:
             text = body.prediction.text()
             prediction = self.target.tokenizer.encode_text(text) if text else None
             if spec is not None and method not in PREDICTION_READERS:
-                raise APIError(400, f"speculative.method {method!r} does not draft from a prediction; use "
-                                    f"{' or '.join(repr(m) for m in PREDICTION_READERS)}, or drop one of the two",
-                               param="prediction")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"speculative.method {method!r} does not draft from a prediction; use "
+                    f"{' or '.join(repr(m) for m in PREDICTION_READERS)}, or drop one of the two",
+                    param="prediction",
+                )
             if spec is None and method not in PREDICTION_READERS:
                 # (a client's prediction is honoured whatever the server's default: drafted from alone)
                 method, options = "prediction", {}
@@ -90,12 +96,19 @@ class Service:
         k = spec.k if spec is not None and spec.k is not None else settings.k
         if k is None:  # (resolved once per method: the tuning file is not read again per request)
             if method not in self._k:
-                self._k[method] = resolve_k(None, target=self.target.name, method=None if method == NONE else method,
-                                            draft=self.draft.name if self.draft is not None else None,
-                                            mode=self.target.model.mode)[0]  # fmt: skip
+                self._k[method] = resolve_k(
+                    None,
+                    target=self.target.name,
+                    method=None if method == NONE else method,
+                    draft=self.draft.name if self.draft is not None else None,
+                    mode=self.target.model.mode,
+                )[0]
             k = self._k[method]
-        n = max_tokens if max_tokens is not None else max(1, min(settings.default_max_tokens,
-                                                                  self.context - len(prompt_ids)))  # fmt: skip
+        n = (
+            max_tokens
+            if max_tokens is not None
+            else max(1, min(settings.default_max_tokens, self.context - len(prompt_ids)))
+        )
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
             cfg = GenerationConfig(max_new_tokens=n, k=k, stop=stops)
@@ -111,6 +124,7 @@ class Service:
         drafter = None
         if method != NONE:
             helper = self.draft if uses_draft_model(method) else None
+
             def built() -> Any:  # (on the engine thread: a head is loaded from disk the first time it is asked
                 # for, and what the drafter times once per machine is timed before its request's clock starts)
                 d = build_drafter(self.target, helper, method, **options)
@@ -123,8 +137,18 @@ class Service:
                 raise APIError(400, f"speculative: {exc}", param="speculative") from exc
             if drafter is not None:
                 drafter.pool = pool
-        return Job(prompt_ids, cfg, sampling, method, drafter, asyncio.get_running_loop(), asyncio.Queue(), pool=pool,
-                   prediction=prediction, logprobs=body.top_logprobs_asked())  # fmt: skip
+        return Job(
+            prompt_ids,
+            cfg,
+            sampling,
+            method,
+            drafter,
+            asyncio.get_running_loop(),
+            asyncio.Queue(),
+            pool=pool,
+            prediction=prediction,
+            logprobs=body.top_logprobs_asked(),
+        )
 
     async def respond(self, request: Request, job: Job, body: _Common, kind: str) -> Response:
         """Run `job` and answer: a stream of server-sent events, or one JSON object."""
@@ -133,8 +157,11 @@ class Service:
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.stream(job, rid, created, kind, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+            return StreamingResponse(
+                self.stream(job, rid, created, kind, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         texts: list[str] = []
         lps: list[TokenLogprob] = []
         events = asyncio.ensure_future(self._drain(job, texts, lps))
@@ -158,14 +185,29 @@ class Service:
                 if calls:
                     message["tool_calls"] = [c.to_dict() for c in calls]
                     finish = "tool_calls" if finish == "stop" else finish
-            choice = {"index": 0, "message": message, "finish_reason": finish,
-                      "logprobs": chat_logprobs(tok, lps) if job.logprobs is not None else None}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": chat_logprobs(tok, lps) if job.logprobs is not None else None,
+            }
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish,
-                      "logprobs": completion_logprobs(tok, lps, 0) if job.logprobs is not None else None}  # fmt: skip
-        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                             "created": created, "model": self.settings.model_name, "choices": [choice],
-                             "usage": usage(job, result)})  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": completion_logprobs(tok, lps, 0) if job.logprobs is not None else None,
+            }
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": created,
+                "model": self.settings.model_name,
+                "choices": [choice],
+                "usage": usage(job, result),
+            }
+        )
 
     async def _drain(self, job: Job, texts: list[str], lps: list[TokenLogprob]) -> GenerationResult:
         while True:
@@ -195,26 +237,53 @@ class Service:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created,
-                                          "model": self.settings.model_name, "choices": choices, **extra}) + "\n\n"  # fmt: skip
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": self.settings.model_name,
+                        "choices": choices,
+                        **extra,
+                    }
+                )
+                + "\n\n"
+            )
 
         tok = self.target.tokenizer
-        parser = ToolCallParser(job.tools, job.start, job.most_calls) if kind == "chat" and job.tools is not None else None
+        parser = (
+            ToolCallParser(job.tools, job.start, job.most_calls) if kind == "chat" and job.tools is not None else None
+        )
         calls = 0  # tool calls streamed so far
         offset = 0  # (completions' text_offset)
 
-        def choice(text: str | None, finish: str | None, role: bool = False, lps: list[TokenLogprob] | None = None,
-                   call: Any = None) -> dict[str, Any]:  # fmt: skip
+        def choice(
+            text: str | None,
+            finish: str | None,
+            role: bool = False,
+            lps: list[TokenLogprob] | None = None,
+            call: Any = None,
+        ) -> dict[str, Any]:
             if kind == "chat":
                 delta: dict[str, Any] = {} if text is None else {"content": text}
                 if role:
                     delta["role"] = "assistant"
                 if call is not None:
                     delta["tool_calls"] = [call]
-                return {"index": 0, "delta": delta, "finish_reason": finish,
-                        "logprobs": chat_logprobs(tok, lps) if lps is not None else None}  # fmt: skip
-            return {"index": 0, "text": text or "", "finish_reason": finish,
-                    "logprobs": completion_logprobs(tok, lps, offset) if lps is not None else None}  # fmt: skip
+                return {
+                    "index": 0,
+                    "delta": delta,
+                    "finish_reason": finish,
+                    "logprobs": chat_logprobs(tok, lps) if lps is not None else None,
+                }
+            return {
+                "index": 0,
+                "text": text or "",
+                "finish_reason": finish,
+                "logprobs": completion_logprobs(tok, lps, offset) if lps is not None else None,
+            }
 
         def said(events: list[tuple[str, Any]], lps: list[TokenLogprob] | None) -> list[str]:
             """Chunks for what the tool-call parser lets through: text, and each call as OpenAI
@@ -226,10 +295,16 @@ class Service:
                     if value or lps is not None:
                         out.append(chunk([choice(value, None, lps=lps)]))
                 else:
-                    head = {"index": calls, "id": value.id, "type": "function",
-                            "function": {"name": value.name, "arguments": ""}}  # fmt: skip
+                    head = {
+                        "index": calls,
+                        "id": value.id,
+                        "type": "function",
+                        "function": {"name": value.name, "arguments": ""},
+                    }
                     out.append(chunk([choice(None, None, lps=lps, call=head)]))
-                    out.append(chunk([choice(None, None, call={"index": calls, "function": {"arguments": value.arguments}})]))
+                    out.append(
+                        chunk([choice(None, None, call={"index": calls, "function": {"arguments": value.arguments}})])
+                    )
                     calls += 1
                 lps = None
             return out
@@ -272,16 +347,27 @@ class Service:
 def usage(job: Job, result: GenerationResult) -> dict[str, Any]:
     m = result.metrics
     predicted = m.drafter_info.get("prediction") or {}
-    u: dict[str, Any] = {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.new_tokens,
-                         "total_tokens": m.prompt_tokens + m.new_tokens,
-                         "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
-                         # the prediction's tokens the target verified and kept, and those it did not
-                         "completion_tokens_details": {"reasoning_tokens": 0,
-                                                       "accepted_prediction_tokens": predicted.get("accepted_tokens", 0),
-                                                       "rejected_prediction_tokens": predicted.get("rejected_tokens", 0)}}  # fmt: skip
-    u["speculative"] = {"method": job.method, "k": job.config.k if job.method != NONE else None,
-                        "draft_tokens": m.proposed, "accepted_tokens": m.accepted, "target_passes": m.steps,
-                        "acceptance_rate": m.acceptance_rate, "tokens_per_pass": m.mean_accepted_tokens}  # fmt: skip
+    u: dict[str, Any] = {
+        "prompt_tokens": m.prompt_tokens,
+        "completion_tokens": m.new_tokens,
+        "total_tokens": m.prompt_tokens + m.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
+        # the prediction's tokens the target verified and kept, and those it did not
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": predicted.get("accepted_tokens", 0),
+            "rejected_prediction_tokens": predicted.get("rejected_tokens", 0),
+        },
+    }
+    u["speculative"] = {
+        "method": job.method,
+        "k": job.config.k if job.method != NONE else None,
+        "draft_tokens": m.proposed,
+        "accepted_tokens": m.accepted,
+        "target_passes": m.steps,
+        "acceptance_rate": m.acceptance_rate,
+        "tokens_per_pass": m.mean_accepted_tokens,
+    }
     return u
 
 
@@ -295,8 +381,18 @@ def _text(tok: Tokenizer, token: int) -> str:
 
 def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
     """Chat completions' `logprobs`: per token its text, logprob, bytes and alternatives."""
-    return {"content": [{"token": _text(tok, lp.token), "logprob": lp.logprob, "bytes": list(tok.token_bytes(lp.token)),
-                         "top_logprobs": _alternatives(tok, lp)} for lp in lps], "refusal": None}  # fmt: skip
+    return {
+        "content": [
+            {
+                "token": _text(tok, lp.token),
+                "logprob": lp.logprob,
+                "bytes": list(tok.token_bytes(lp.token)),
+                "top_logprobs": _alternatives(tok, lp),
+            }
+            for lp in lps
+        ],
+        "refusal": None,
+    }
 
 
 def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -305,9 +401,12 @@ def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) ->
     for lp in lps:
         offsets.append(offset)
         offset += len(_text(tok, lp.token))
-    return {"tokens": [_text(tok, lp.token) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{_text(tok, t): v for t, v in lp.top} for lp in lps] if any(lp.top for lp in lps) else None,
-            "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": [_text(tok, lp.token) for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{_text(tok, t): v for t, v in lp.top} for lp in lps] if any(lp.top for lp in lps) else None,
+        "text_offset": offsets,
+    }
 
 
 async def _disconnected(request: Request) -> None:
@@ -330,8 +429,12 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         raise APIError(400, f"{svc.settings.model_name} has no chat template; use /v1/completions", param="messages")
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tools_on() else None
     if tools and not template_renders_tools(tokenizer.hf.chat_template):
-        raise APIError(400, f"the chat template of {svc.settings.model_name} does not render tools; send the "
-                            "request without tools (or with tool_choice 'none')", param="tools")  # fmt: skip
+        raise APIError(
+            400,
+            f"the chat template of {svc.settings.model_name} does not render tools; send the "
+            "request without tools (or with tool_choice 'none')",
+            param="tools",
+        )
     ids = svc.encode(lambda: tokenizer.encode_chat(messages, tools=tools), "messages")
     choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
     start = forced_start(choice, [t["function"]["name"] for t in tools]) if tools else ""
@@ -361,15 +464,30 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 async def list_models(request: Request) -> dict[str, Any]:
     svc = _service(request)
-    return {"object": "list", "data": [{"id": svc.settings.model_name, "object": "model", "created": 0,
-                                        "owned_by": "specdec", "max_model_len": svc.context}]}  # fmt: skip
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": svc.settings.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "specdec",
+                "max_model_len": svc.context,
+            }
+        ],
+    }
 
 
 async def health(request: Request) -> dict[str, Any]:
     worker = _service(request).worker
     if not worker.alive():
         raise APIError(503, "the engine thread is not running", type="server_error")
-    return {"status": "ok", "model": worker.settings.model_name, "batch": len(worker.jobs), "queue": len(worker.waiting)}
+    return {
+        "status": "ok",
+        "model": worker.settings.model_name,
+        "batch": len(worker.jobs),
+        "queue": len(worker.waiting),
+    }
 
 
 async def prometheus(request: Request) -> Response:
@@ -395,8 +513,9 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 # -- the app -------------------------------------------------------------------------------
-def create_app(target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings,
-               engine_thread: bool = True) -> FastAPI:  # fmt: skip
+def create_app(
+    target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings, engine_thread: bool = True
+) -> FastAPI:
     """The ASGI app. `engine_thread`: its worker runs in a thread of its own from startup to
     shutdown; otherwise the caller runs `app.state.worker.run()` (as `serve` does, on the main
     thread) and shutdown stops it."""
@@ -442,7 +561,9 @@ def serve(target: LoadedModel, draft: LoadedModel | None, settings: ServeSetting
         sock.bind((host, port))
         sock.listen(2048)  # from here a client's connection waits in the queue, never refused
     except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host") from exc
+        raise ValueError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host"
+        ) from exc
     app = create_app(target, draft, settings, engine_thread=False)
     log.info("preparing %s (pass times, the default drafter) before listening", settings.model_name)
     app.state.worker.prepare(warm=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-
 from .metrics import ServerMetrics
 from .schemas import APIError
 
@@ -33,11 +32,17 @@ class Gate:
 
         if self.accepted and counted:
             if headers.get(b"authorization", b"") not in self.accepted:
-                await refuse(APIError(401, "missing or wrong API key (send the header 'Authorization: Bearer KEY')",
-                                      code="invalid_api_key"))  # fmt: skip
+                await refuse(
+                    APIError(
+                        401,
+                        "missing or wrong API key (send the header 'Authorization: Bearer KEY')",
+                        code="invalid_api_key",
+                    )
+                )
                 return
-        too_big = APIError(413, f"the request body is over this server's limit of {self.limit} bytes",
-                           code="body_too_large")  # fmt: skip
+        too_big = APIError(
+            413, f"the request body is over this server's limit of {self.limit} bytes", code="body_too_large"
+        )
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
             await refuse(too_big)

@@ -11,7 +11,6 @@ from ..config import MAX_K
 from ..drafters import DRAFTERS
 from ..engine import MAX_TOP_LOGPROBS
 
-
 NONE = "none"  # the `speculative.method` that asks for plain decoding
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -32,8 +31,15 @@ def parts_text(content: str | list[dict[str, Any]], param: str) -> str:
 class APIError(Exception):
     """An error the client caused or should know about, in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -154,8 +160,10 @@ class ChatMessage(BaseModel):
     @classmethod
     def _not_null(cls, v: Any, info: ValidationInfo) -> Any:
         if v is None and not info.data.get("tool_calls"):
-            raise ValueError("a message's content is text or a list of text parts, not null (null only in an "
-                             "assistant message with tool_calls)")  # fmt: skip
+            raise ValueError(
+                "a message's content is text or a list of text parts, not null (null only in an "
+                "assistant message with tool_calls)"
+            )
         return v
 
     def text(self) -> str:
@@ -212,9 +220,12 @@ class ChatRequest(_Common):
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
             raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or ()}:
-            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                           param="tool_choice")  # fmt: skip
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+            t.function.name for t in self.tools or ()
+        }:
+            raise APIError(
+                400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
+            )
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

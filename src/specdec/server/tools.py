@@ -59,8 +59,9 @@ def history_message(m: dict[str, Any]) -> dict[str, Any]:
                 args = json.loads(args) if isinstance(args, str) else args
             except json.JSONDecodeError:
                 pass  # (kept as the text the client sent)
-            calls.append({"type": "function", "id": c.get("id"),
-                          "function": {"name": c["function"]["name"], "arguments": args}})  # fmt: skip
+            calls.append(
+                {"type": "function", "id": c.get("id"), "function": {"name": c["function"]["name"], "arguments": args}}
+            )
         out["tool_calls"] = calls
     if m.get("tool_call_id"):
         out["tool_call_id"] = m["tool_call_id"]
@@ -213,8 +214,9 @@ class ToolCallParser:
         return ToolCall("call_" + uuid.uuid4().hex[:24], obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse_all(text: str, names: frozenset[str], start: str = "",
-              most: int | None = None) -> tuple[str | None, list[ToolCall]]:  # fmt: skip
+def parse_all(
+    text: str, names: frozenset[str], start: str = "", most: int | None = None
+) -> tuple[str | None, list[ToolCall]]:
     """The whole output at once: (content, or None where there is none; the tool calls)."""
     parser = ToolCallParser(names, start, most)
     events = parser.feed(text) + parser.finish()

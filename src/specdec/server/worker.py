@@ -20,7 +20,6 @@ from ..engine import Engine
 from .metrics import ServerMetrics
 from .schemas import NONE, APIError
 
-
 log = logging.getLogger("specdec.serve")
 
 
@@ -39,7 +38,9 @@ class ServeSettings:
     max_queue: int = 256  # waiting requests beyond the batch; more get 429
     default_max_tokens: int = 512
     api_keys: tuple[str, ...] = ()  # accepted keys, one per client (none: open)
-    suffix_shared: bool = False  # what the server keeps from requests (suffix memory, cached rows) is one pool for all keys
+    suffix_shared: bool = (
+        False  # what the server keeps from requests (suffix memory, cached rows) is one pool for all keys
+    )
     prefix_tokens: int = PREFIX_TOKENS  # finished requests' rows kept for later prompts (0: none)
     max_body_bytes: int = 1 << 20
     batch_guard: bool = True  # drafting off for steps whose batch leaves it no room
@@ -74,8 +75,9 @@ class Job:
 class Worker:
     """Owns the engine; runs steps while there is work, sleeps on its inbox otherwise."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings,
-                 metrics: ServerMetrics) -> None:  # fmt: skip
+    def __init__(
+        self, target: LoadedModel, draft: LoadedModel | None, settings: ServeSettings, metrics: ServerMetrics
+    ) -> None:
         self.target, self.draft, self.settings, self.metrics = target, draft, settings, metrics
         self.engine = Engine(target.model, target.tokenizer, prefix_tokens=settings.prefix_tokens)
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -214,8 +216,15 @@ class Worker:
             if job.cancelled:
                 continue
             try:
-                job.seq_id = self.engine.add(job.prompt_ids, job.config, job.sampling, job.drafter, pool=job.pool,
-                                             prediction=job.prediction, logprobs=job.logprobs)  # fmt: skip
+                job.seq_id = self.engine.add(
+                    job.prompt_ids,
+                    job.config,
+                    job.sampling,
+                    job.drafter,
+                    pool=job.pool,
+                    prediction=job.prediction,
+                    logprobs=job.logprobs,
+                )
             except (ValueError, TypeError) as exc:  # (checked in the handler already; kept as a safety net)
                 job.post("error", APIError(400, str(exc)))
                 continue
@@ -230,8 +239,13 @@ class Worker:
             return True
         # drafts per sequence, the plain ones counted as 0: the rows each has sent of late, or
         # before it has drafted, its k (a drafter that sizes its own trees: at most DEFAULT_K)
-        k = sum(rows if (rows := self.engine.draft_rows(j.seq_id)) is not None else  # type: ignore[arg-type]
-                min(j.config.k, DEFAULT_K) for j in drafting) / len(live)  # fmt: skip
+        k = sum(
+            rows
+            if (rows := self.engine.draft_rows(j.seq_id)) is not None
+            # type: ignore[arg-type]
+            else min(j.config.k, DEFAULT_K)
+            for j in drafting
+        ) / len(live)
         return batch_drafting_pays(self.costs, len(live), k, self.metrics.acceptance())
 
     def _step(self) -> None:

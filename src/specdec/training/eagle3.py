@@ -126,7 +126,13 @@ class Eagle3Head(DraftVocabulary, nn.Module):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        H, nh, nkv, D, I = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+        H, nh, nkv, D, I = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        )
         self.fc = nn.Linear(3 * H, H, bias=False)
         self.midlayer = nn.Module()
         m = self.midlayer
@@ -180,11 +186,16 @@ class Eagle3Head(DraftVocabulary, nn.Module):
         """The linear layers' weights by the names `Linears` uses."""
         m = self.midlayer
         return {
-            "fc": self.fc.weight, "q": m.self_attn.q_proj.weight, "k": m.self_attn.k_proj.weight,
-            "v": m.self_attn.v_proj.weight, "o": m.self_attn.o_proj.weight, "gate": m.mlp.gate_proj.weight,
-            "up": m.mlp.up_proj.weight, "down": m.mlp.down_proj.weight,
+            "fc": self.fc.weight,
+            "q": m.self_attn.q_proj.weight,
+            "k": m.self_attn.k_proj.weight,
+            "v": m.self_attn.v_proj.weight,
+            "o": m.self_attn.o_proj.weight,
+            "gate": m.mlp.gate_proj.weight,
+            "up": m.mlp.up_proj.weight,
+            "down": m.mlp.down_proj.weight,
             "lm": self.lm_head_weight if self.cfg.tie_lm_head else self.lm_head.weight,
-        }  # fmt: skip
+        }
 
     def linears(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """The default `Linears`: the head's own weights."""
@@ -200,7 +211,9 @@ class Eagle3Head(DraftVocabulary, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """emb, g [..., T, H], positions [..., T] -> q [..., T, nh, D], k, v [..., T, nkv, D] (rotated)."""
         c, m = self.cfg, self.midlayer
-        x = torch.cat((_rms(emb, m.input_layernorm.weight, c.rms_norm_eps), _rms(g, m.hidden_norm.weight, c.rms_norm_eps)), -1)
+        x = torch.cat(
+            (_rms(emb, m.input_layernorm.weight, c.rms_norm_eps), _rms(g, m.hidden_norm.weight, c.rms_norm_eps)), -1
+        )
         q, k, v = (linears or self.linears)(("q", "k", "v"), x)
         lead = x.shape[:-1]
         q = q.view(*lead, c.num_attention_heads, c.head_dim)
@@ -209,8 +222,9 @@ class Eagle3Head(DraftVocabulary, nn.Module):
         tables = rope_tables(positions, c.head_dim, c.rope_theta)
         return _rotate(q, tables), _rotate(k, tables), v
 
-    def finish(self, g: torch.Tensor, attn: torch.Tensor, *, logits: bool = True,
-               linears: Linears | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def finish(
+        self, g: torch.Tensor, attn: torch.Tensor, *, logits: bool = True, linears: Linears | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """g [..., T, H] (the residual), attn [..., T, nh, D] -> (next g [..., T, H], draft
         logits [..., T, N], or None without `logits`)."""
         c, m = self.cfg, self.midlayer
@@ -242,7 +256,6 @@ class Eagle3Head(DraftVocabulary, nn.Module):
 
         d = Path(directory)
         if not (d / CONFIG_NAME).exists() and (d / "config.json").exists():
-
             return load_eagle3(d)  # a checkpoint in the vLLM/SGLang layout
         if not (d / CONFIG_NAME).exists() or not (d / WEIGHTS_NAME).exists():
             raise FileNotFoundError(f"{d} is not an EAGLE-3 head directory ({CONFIG_NAME} and {WEIGHTS_NAME} expected)")
@@ -265,18 +278,26 @@ class _Norm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
 
-def config_for_target(target: Any, name: str, *, draft_vocab_size: int, intermediate_size: int | None = None) -> HeadConfig:
+def config_for_target(
+    target: Any, name: str, *, draft_vocab_size: int, intermediate_size: int | None = None
+) -> HeadConfig:
     """A head shaped for a target Transformer: its hidden size, heads and RoPE; the MLP width
     defaults to the target's."""
     a = target.args
     return HeadConfig(
-        target=name, target_vocab_size=a.vocab_size, hidden_size=a.dim, num_attention_heads=a.n_heads,
-        num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim,
+        target=name,
+        target_vocab_size=a.vocab_size,
+        hidden_size=a.dim,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
         intermediate_size=intermediate_size or a.intermediate_size,
         draft_vocab_size=min(draft_vocab_size, a.vocab_size),
-        feature_layers=HeadConfig.default_feature_layers(a.n_layers), rms_norm_eps=a.norm_eps,
-        rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len,
-    )  # fmt: skip
+        feature_layers=HeadConfig.default_feature_layers(a.n_layers),
+        rms_norm_eps=a.norm_eps,
+        rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_seq_len,
+    )
 
 
 # -- the engines' layout (`training.export`) ----------------------------------------------
@@ -289,21 +310,29 @@ def load_eagle3(directory: str | Path) -> Eagle3Head:
 
     d = Path(directory)
     cfg = json.loads((d / "config.json").read_text())
-    if ARCHITECTURE not in cfg.get("architectures", []) and "Eagle3LlamaForCausalLM" not in cfg.get("architectures", []):
+    if ARCHITECTURE not in cfg.get("architectures", []) and "Eagle3LlamaForCausalLM" not in cfg.get(
+        "architectures", []
+    ):
         raise ValueError(f"{d}/config.json is not an EAGLE-3 head (architectures {cfg.get('architectures')})")
     layer_ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids"
     )
     feature_layers = tuple((cfg.get("specdec") or {}).get("feature_layers") or [i - 1 for i in layer_ids])
     hc = HeadConfig(
-        target=(cfg.get("specdec") or {}).get("target", str(d)), target_vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+        target=(cfg.get("specdec") or {}).get("target", str(d)),
+        target_vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"],
         num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        intermediate_size=cfg["intermediate_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
-        feature_layers=feature_layers, rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg.get("rope_theta", 10000.0),
-        max_position_embeddings=cfg.get("max_position_embeddings", 8192), tie_lm_head=False,
-    )  # fmt: skip
+        intermediate_size=cfg["intermediate_size"],
+        draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+        feature_layers=feature_layers,
+        rms_norm_eps=cfg["rms_norm_eps"],
+        rope_theta=cfg.get("rope_theta", 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        tie_lm_head=False,
+    )
     head = Eagle3Head(hc)
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(d / "model.safetensors")).items()}
     state.pop("embed_tokens.weight", None)

@@ -44,11 +44,22 @@ from .medusa import MedusaConfig, MedusaHeads
 
 FORMATS = ("vllm", "sglang")
 EAGLE3_WEIGHT_NAMES = (
-    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
-    "midlayer.mlp.down_proj.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-)  # fmt: skip
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+)
 
 
 def _write(out: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
@@ -66,17 +77,29 @@ def eagle3_config(head: Eagle3Head, dtype: torch.dtype) -> dict[str, Any]:
     c = head.cfg
     layer_ids = [i + 1 for i in c.feature_layers]  # the engines capture a layer's input
     return {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
-        "hidden_size": c.hidden_size, "target_hidden_size": c.hidden_size,
-        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.target_vocab_size, "draft_vocab_size": c.draft_vocab_size, "tie_word_embeddings": False,
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "target_hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.target_vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_aux_hidden_state_layer_ids": layer_ids,
         "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layer_ids},
         "specdec": {"target": c.target, "feature_layers": list(c.feature_layers)},
-    }  # fmt: skip
+    }
 
 
 def export_eagle3(head: Eagle3Head, out: str | Path, fmt: str = "vllm", dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -98,10 +121,21 @@ def export_eagle3(head: Eagle3Head, out: str | Path, fmt: str = "vllm", dtype: t
 # -- Medusa --------------------------------------------------------------------------------
 def medusa_config(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, Any]:
     c = heads.cfg
-    return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": c.hidden_size,
-            "vocab_size": c.target_vocab_size, "num_heads": c.num_heads, "num_hidden_layers": 1, "max_paths": 64,
-            "topk": 10, "truncated_vocab_size": c.draft_vocab_size, "medusa_fc_bias": c.medusa_fc_bias,
-            "original_lm_head": True, "torch_dtype": str(dtype).removeprefix("torch."), "specdec_target": c.target}  # fmt: skip
+    return {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.target_vocab_size,
+        "num_heads": c.num_heads,
+        "num_hidden_layers": 1,
+        "max_paths": 64,
+        "topk": 10,
+        "truncated_vocab_size": c.draft_vocab_size,
+        "medusa_fc_bias": c.medusa_fc_bias,
+        "original_lm_head": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "specdec_target": c.target,
+    }
 
 
 def export_medusa(heads: MedusaHeads, out: str | Path, fmt: str = "vllm", dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -130,10 +164,17 @@ def load_medusa(directory: str | Path) -> MedusaHeads:
     d = Path(directory)
     cfg = json.loads((d / "config.json").read_text())
     t = load_file(str(d / "model.safetensors"))
-    heads = MedusaHeads(MedusaConfig(kind="medusa", target=cfg.get("specdec_target", str(d)),
-                                     target_vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-                                     num_heads=cfg["num_heads"], draft_vocab_size=cfg["truncated_vocab_size"],
-                                     medusa_fc_bias=cfg["medusa_fc_bias"]))  # fmt: skip
+    heads = MedusaHeads(
+        MedusaConfig(
+            kind="medusa",
+            target=cfg.get("specdec_target", str(d)),
+            target_vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_heads=cfg["num_heads"],
+            draft_vocab_size=cfg["truncated_vocab_size"],
+            medusa_fc_bias=cfg["medusa_fc_bias"],
+        )
+    )
     state = {k: v.float() for k, v in t.items() if k.startswith("blocks.")}
     heads.load_state_dict(state, strict=False)
     heads.set_vocab(t["token_map"].long())

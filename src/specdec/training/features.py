@@ -75,9 +75,7 @@ class Example:
 
 
 @torch.inference_mode()
-def target_features(
-    target: Any, ids: list[int], layers: tuple[int, int, int], top_k: int, chunk: int = 256
-) -> Example:
+def target_features(target: Any, ids: list[int], layers: tuple[int, int, int], top_k: int, chunk: int = 256) -> Example:
     """One conversation through the target (chunked prefill, its exact mode)."""
     tokens = torch.tensor(ids, dtype=torch.long)
     cache = target.new_cache(len(ids))
@@ -92,8 +90,15 @@ def target_features(
     return Example(tokens, torch.zeros(len(ids), dtype=torch.bool), torch.cat(feats), torch.cat(tids), torch.cat(tps))
 
 
-def teacher_examples(target_lm: Any, conversations: Iterable[Messages], *, layers: tuple[int, int, int],
-                     top_k: int, max_len: int, skip: Collection[int] = ()) -> Iterator[Example]:  # fmt: skip
+def teacher_examples(
+    target_lm: Any,
+    conversations: Iterable[Messages],
+    *,
+    layers: tuple[int, int, int],
+    top_k: int,
+    max_len: int,
+    skip: Collection[int] = (),
+) -> Iterator[Example]:
     """Teacher forcing: each conversation as written, one chunked prefill through the target
     (conversations whose index is in `skip` are left out: done already)."""
     tok = target_lm.tokenizer
@@ -110,9 +115,17 @@ def teacher_examples(target_lm: Any, conversations: Iterable[Messages], *, layer
 
 
 @torch.inference_mode()
-def self_distill_examples(target_lm: Any, conversations: Iterable[Messages], *, layers: tuple[int, int, int],
-                          top_k: int, max_len: int, max_new_tokens: int, batch: int,
-                          skip: Collection[int] = ()) -> Iterator[Example]:  # fmt: skip
+def self_distill_examples(
+    target_lm: Any,
+    conversations: Iterable[Messages],
+    *,
+    layers: tuple[int, int, int],
+    top_k: int,
+    max_len: int,
+    max_new_tokens: int,
+    batch: int,
+    skip: Collection[int] = (),
+) -> Iterator[Example]:
     """Self-distillation: each conversation's first user turn (chat template, generation
     prompt) answered by the target itself, greedily, `batch` sequences per target pass; the
     features and distributions are kept from the generating passes themselves, so no second
@@ -130,7 +143,11 @@ def self_distill_examples(target_lm: Any, conversations: Iterable[Messages], *, 
             if n in skip:
                 continue
             first = next(i for i, m in enumerate(messages) if m["role"] == "user")
-            ids = tok.encode_chat(messages[: first + 1]) if tok.has_chat_template else tok.encode(messages[first]["content"])
+            ids = (
+                tok.encode_chat(messages[: first + 1])
+                if tok.has_chat_template
+                else tok.encode(messages[first]["content"])
+            )
             if 4 <= len(ids) <= max_len // 2:
                 yield n, ids
 
@@ -145,13 +162,29 @@ def self_distill_examples(target_lm: Any, conversations: Iterable[Messages], *, 
                 break
             n, ids = item
             n_new = min(max_new_tokens, max_len - len(ids))
-            live.append({"source": n, "ids": ids, "prompt": len(ids), "n_new": n_new,
-                         "cache": model.new_cache(len(ids) + n_new), "feats": [], "tids": [], "tps": [],
-                         "new": None})  # fmt: skip
+            live.append(
+                {
+                    "source": n,
+                    "ids": ids,
+                    "prompt": len(ids),
+                    "n_new": n_new,
+                    "cache": model.new_cache(len(ids) + n_new),
+                    "feats": [],
+                    "tids": [],
+                    "tps": [],
+                    "new": None,
+                }
+            )
         if not live:
             return
-        segs = [Segment(torch.tensor(s["ids"] if s["new"] is None else s["ids"][-1:], dtype=torch.long), s["cache"],
-                        last_only=True) for s in live]  # fmt: skip
+        segs = [
+            Segment(
+                torch.tensor(s["ids"] if s["new"] is None else s["ids"][-1:], dtype=torch.long),
+                s["cache"],
+                last_only=True,
+            )
+            for s in live
+        ]
         outs = model.forward_batch(segs, output_layers=layers)
         done = []
         for s, out in zip(live, outs, strict=True):
@@ -172,7 +205,9 @@ def self_distill_examples(target_lm: Any, conversations: Iterable[Messages], *, 
             k = s["tids"][0].shape[1]
             # distributions exist for the prompt's last row and every generated row but the last
             tids = torch.cat([torch.zeros(P - 1, k, dtype=torch.long), *s["tids"], torch.zeros(1, k, dtype=torch.long)])
-            tps = torch.cat([torch.zeros(P - 1, k, dtype=torch.float16), *s["tps"], torch.zeros(1, k, dtype=torch.float16)])
+            tps = torch.cat(
+                [torch.zeros(P - 1, k, dtype=torch.float16), *s["tps"], torch.zeros(1, k, dtype=torch.float16)]
+            )
             mask = torch.zeros(L, dtype=torch.bool)
             mask[P:] = True
             assert feats.shape[0] == L and tids.shape[0] == L
@@ -210,28 +245,41 @@ def extract(
     t0, cpu_before = time.process_time(), state["cpu_seconds"]
 
     def summary() -> dict[str, Any]:
-        return {"conversations": n_conv, "tokens": total, "answer_tokens": answer_tokens,
-                "cpu_seconds": round(cpu_before + time.process_time() - t0, 1), "shards": shards,
-                "sources": sorted(done), **record}  # fmt: skip
+        return {
+            "conversations": n_conv,
+            "tokens": total,
+            "answer_tokens": answer_tokens,
+            "cpu_seconds": round(cpu_before + time.process_time() - t0, 1),
+            "shards": shards,
+            "sources": sorted(done),
+            **record,
+        }
 
     def flush() -> None:
         if not buf:
             return
         name = f"shard-{len(shards):05d}.safetensors"
         lengths = torch.tensor([e.tokens.numel() for e in buf])
-        save_file({
-            "tokens": torch.cat([e.tokens for e in buf]), "mask": torch.cat([e.mask for e in buf]),
-            "features": torch.cat([e.features for e in buf]), "top_ids": torch.cat([e.top_ids for e in buf]),
-            "top_p": torch.cat([e.top_p for e in buf]), "lengths": lengths,
-            "sources": torch.tensor([e.source for e in buf], dtype=torch.long),
-        }, str(out / name))  # fmt: skip
+        save_file(
+            {
+                "tokens": torch.cat([e.tokens for e in buf]),
+                "mask": torch.cat([e.mask for e in buf]),
+                "features": torch.cat([e.features for e in buf]),
+                "top_ids": torch.cat([e.top_ids for e in buf]),
+                "top_p": torch.cat([e.top_p for e in buf]),
+                "lengths": lengths,
+                "sources": torch.tensor([e.source for e in buf], dtype=torch.long),
+            },
+            str(out / name),
+        )
         shards.append({"file": name, "sequences": len(buf), "tokens": int(lengths.sum())})
         done.update(e.source for e in buf)
         buf.clear()
         write_json(out / PARTIAL, summary(), indent=2)
 
-    bar = tqdm(total=max_tokens, initial=min(total, max_tokens), unit="tok", desc="target features",
-               disable=not progress)  # fmt: skip
+    bar = tqdm(
+        total=max_tokens, initial=min(total, max_tokens), unit="tok", desc="target features", disable=not progress
+    )
     if total < max_tokens:
         for ex in make_examples(frozenset(done)):
             buf.append(ex)
@@ -256,8 +304,10 @@ def _resumable(out: Path, record: dict[str, Any], max_tokens: int) -> dict[str, 
     counts and conversations; nothing (and its files removed) where the record differs or a
     finished cache already holds `max_tokens`."""
     fresh = {"shards": [], "tokens": 0, "answer_tokens": 0, "conversations": 0, "cpu_seconds": 0.0, "sources": []}
-    same = lambda d: {k: d.get(k) for k in record if k != "tokens_wanted"} == {k: v for k, v in record.items()
-                                                                                if k != "tokens_wanted"}  # fmt: skip
+    same = lambda d: (
+        {k: d.get(k) for k in record if k != "tokens_wanted"}
+        == {k: v for k, v in record.items() if k != "tokens_wanted"}
+    )
     for name in (PARTIAL, MANIFEST):
         try:
             found = json.loads((out / name).read_text())
@@ -287,8 +337,16 @@ def load_examples(directory: str | Path) -> tuple[dict[str, Any], list[Example]]
         start = 0
         for end, source in zip(ends, sources, strict=True):
             sl = slice(start, end)
-            examples.append(Example(t["tokens"][sl].long(), t["mask"][sl], t["features"][sl], t["top_ids"][sl].long(),
-                                    t["top_p"][sl], source))  # fmt: skip
+            examples.append(
+                Example(
+                    t["tokens"][sl].long(),
+                    t["mask"][sl],
+                    t["features"][sl],
+                    t["top_ids"][sl].long(),
+                    t["top_p"][sl],
+                    source,
+                )
+            )
             start = end
     return manifest, examples
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .features import Example
 from .eagle3 import Eagle3Head
+from .features import Example
 
 DECAY = 0.8  # the reference implementation's weight of step j's loss: DECAY ** (j - 1)
 
@@ -114,8 +114,9 @@ def unroll(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, steps
     return outs
 
 
-def counted(lab: torch.Tensor, mask: torch.Tensor, L: int, fraction: float = 1.0,
-            generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+def counted(
+    lab: torch.Tensor, mask: torch.Tensor, L: int, fraction: float = 1.0, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Which predictions count (index into `lab`): label row lab[i] holds the target's
     distribution predicting token lab[i] + 1, counted where that token exists and is an
     answer's; with `fraction` < 1 a random subset drawn from `generator` (at least one)."""
@@ -127,8 +128,9 @@ def counted(lab: torch.Tensor, mask: torch.Tensor, L: int, fraction: float = 1.0
     return idx
 
 
-def soft_loss(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, t2d: torch.Tensor,
-              t2d_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def soft_loss(
+    logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, t2d: torch.Tensor, t2d_index: torch.Tensor
+) -> torch.Tensor:
     """Summed soft cross-entropy of draft-vocabulary logits [n, N] against the target's top-k
     (ids, probs [n, k]); ids outside the draft vocabulary (t2d) drop out. `t2d_index`: target
     id -> draft id (cumsum of t2d - 1)."""
@@ -136,9 +138,15 @@ def soft_loss(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, t2d:
     return -(probs * t2d[ids] * logp.gather(1, t2d_index[ids].clamp(min=0))).sum()
 
 
-def soft_targets_loss(head: torch.nn.Module, ex: Example, count: int, max_len: int,
-                      states: Callable[[int], tuple[torch.Tensor, Iterable[torch.Tensor]]], fraction: float = 1.0,
-                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
+def soft_targets_loss(
+    head: torch.nn.Module,
+    ex: Example,
+    count: int,
+    max_len: int,
+    states: Callable[[int], tuple[torch.Tensor, Iterable[torch.Tensor]]],
+    fraction: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """The loss every head type shares, on one sequence cut to `max_len` (L tokens): `states(L)`
     gives the anchors [A] and, per draft step or head j = 1..`count`, the head's output [A, H]
     there, which predicts the target's own distribution at anchor + j (its top-k mapped into the
@@ -168,25 +176,41 @@ def soft_targets_loss(head: torch.nn.Module, ex: Example, count: int, max_len: i
     return total, stats
 
 
-def sequence_loss(head: Eagle3Head, ex: Example, steps: int, max_len: int, fraction: float = 1.0,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
+def sequence_loss(
+    head: Eagle3Head,
+    ex: Example,
+    steps: int,
+    max_len: int,
+    fraction: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """EAGLE-3's loss on one sequence: draft step j of the unrolled head at anchor t predicts
     token t + 1 + j (`soft_targets_loss`)."""
-    return soft_targets_loss(head, ex, steps, max_len, lambda L: (torch.arange(L - 1), unroll(
-        head, ex.tokens[:L], ex.features[:L], steps)), fraction, generator)  # fmt: skip
+    return soft_targets_loss(
+        head,
+        ex,
+        steps,
+        max_len,
+        lambda L: (torch.arange(L - 1), unroll(head, ex.tokens[:L], ex.features[:L], steps)),
+        fraction,
+        generator,
+    )
 
 
 # a head's loss on one sequence: (head, example, share of predictions counted, generator) ->
 # (summed loss, per draft step or head: (top-1 agreements, predictions))
-LossFn = Callable[[torch.nn.Module, Example, float, "torch.Generator | None"], tuple[torch.Tensor, list[tuple[int, int]]]]
+LossFn = Callable[
+    [torch.nn.Module, Example, float, "torch.Generator | None"], tuple[torch.Tensor, list[tuple[int, int]]]
+]
 
 
 class _Loss(torch.nn.Module):
     """The head with the loss as its forward: what DistributedDataParallel wraps, so that
     gradient synchronisation follows every backward."""
 
-    def __init__(self, head: torch.nn.Module, cfg: TrainConfig, generator: torch.Generator,
-                 fn: LossFn | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, head: torch.nn.Module, cfg: TrainConfig, generator: torch.Generator, fn: LossFn | None = None
+    ) -> None:
         super().__init__()
         self.head, self.cfg, self.generator = head, cfg, generator
         self.fn = fn or (lambda h, ex, frac, gen: sequence_loss(h, ex, cfg.steps, cfg.max_len, frac, gen))
@@ -287,8 +311,13 @@ def train(
         opt.step()
         step += 1
         acc = [c / m if m else 0.0 for c, m in counts]
-        entry = {"step": step, "loss": sum(losses) / max(1, n_tok), "acc": acc, "tokens": n_tok,
-                 "minutes": (wall0 + time.time() - t_wall) / 60}  # fmt: skip
+        entry = {
+            "step": step,
+            "loss": sum(losses) / max(1, n_tok),
+            "acc": acc,
+            "tokens": n_tok,
+            "minutes": (wall0 + time.time() - t_wall) / 60,
+        }
         history.append(entry)
         bar.set_postfix(loss=f"{entry['loss']:.3f}", acc1=f"{acc[0]:.2f}", accN=f"{acc[-1]:.2f}")
         bar.update(1)
@@ -300,19 +329,25 @@ def train(
             torch.distributed.broadcast(flag, 0)
             stop = bool(flag.item())
         if rank == 0 and (stop or time.time() - t_ckpt >= cfg.checkpoint_minutes * 60):
-            _checkpoint(head, opt, step, history, cpu0 + time.process_time() - t_cpu, wall0 + time.time() - t_wall, ckpt)
+            _checkpoint(
+                head, opt, step, history, cpu0 + time.process_time() - t_cpu, wall0 + time.time() - t_wall, ckpt
+            )
             t_ckpt = time.time()
         if stop:
             break
     bar.close()
     head.eval()
     result = {
-        **(record or {}), "train": asdict(cfg), "optimizer_steps": step, "world_size": world,
+        **(record or {}),
+        "train": asdict(cfg),
+        "optimizer_steps": step,
+        "world_size": world,
         "compute_dtype": "bf16" if cfg.autocast_bf16() else "fp32",
         "cpu_seconds": round(cpu0 + time.process_time() - t_cpu, 1),
         "wall_minutes": round((wall0 + time.time() - t_wall) / 60, 2),
-        "sequences": len(examples), "history": history,
-    }  # fmt: skip
+        "sequences": len(examples),
+        "history": history,
+    }
     if rank == 0:
         head.save(out, extra={k: v for k, v in result.items() if k != "history"})
         (out / "history.json").write_text(__import__("json").dumps(history) + "\n")
@@ -325,8 +360,18 @@ def train(
 def _checkpoint(head, opt, step, history, cpu, wall, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                "cpu_seconds": cpu, "wall_seconds": wall, "rng": torch.get_rng_state()}, tmp)  # fmt: skip
+    torch.save(
+        {
+            "head": head.state_dict(),
+            "opt": opt.state_dict(),
+            "step": step,
+            "history": history,
+            "cpu_seconds": cpu,
+            "wall_seconds": wall,
+            "rng": torch.get_rng_state(),
+        },
+        tmp,
+    )
     os.replace(tmp, path)
 
 

@@ -191,8 +191,10 @@ class MedusaHeads(DraftVocabulary, nn.Module):
 
         d = Path(directory)
         if not (d / CONFIG_NAME).exists() or not (d / WEIGHTS_NAME).exists():
-            raise FileNotFoundError(f"{d} is not a Medusa/Hydra head directory ({CONFIG_NAME} and {WEIGHTS_NAME} "
-                                    "expected; train one with `specdec train medusa|hydra`)")  # fmt: skip
+            raise FileNotFoundError(
+                f"{d} is not a Medusa/Hydra head directory ({CONFIG_NAME} and {WEIGHTS_NAME} "
+                "expected; train one with `specdec train medusa|hydra`)"
+            )
         heads = cls(MedusaConfig.from_json(json.loads((d / CONFIG_NAME).read_text())))
         state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(d / WEIGHTS_NAME)).items()}
         missing, unexpected = heads.load_state_dict(state, strict=False)
@@ -202,12 +204,19 @@ class MedusaHeads(DraftVocabulary, nn.Module):
         return heads
 
 
-def config_for_target(target: Any, name: str, kind: str, *, num_heads: int, draft_vocab_size: int,
-                      hydra_inner: int = 512) -> MedusaConfig:  # fmt: skip
+def config_for_target(
+    target: Any, name: str, kind: str, *, num_heads: int, draft_vocab_size: int, hydra_inner: int = 512
+) -> MedusaConfig:
     a = target.args
-    return MedusaConfig(kind=kind, target=name, target_vocab_size=a.vocab_size, hidden_size=a.dim,
-                        num_heads=num_heads, draft_vocab_size=min(draft_vocab_size, a.vocab_size),
-                        hydra_inner=hydra_inner)  # fmt: skip
+    return MedusaConfig(
+        kind=kind,
+        target=name,
+        target_vocab_size=a.vocab_size,
+        hidden_size=a.dim,
+        num_heads=num_heads,
+        draft_vocab_size=min(draft_vocab_size, a.vocab_size),
+        hydra_inner=hydra_inner,
+    )
 
 
 def greedy_tree(accuracy: list[list[float]], size: int) -> tuple[list[tuple[int, ...]], list[float]]:
@@ -250,17 +259,25 @@ def head_states(heads: MedusaHeads, ex: fe.Example, norm: Any, L: int) -> tuple[
     return anchors, heads.states(h, y)
 
 
-def heads_loss(heads: MedusaHeads, ex: fe.Example, norm: Any, max_len: int, fraction: float = 1.0,
-               generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
+def heads_loss(
+    heads: MedusaHeads,
+    ex: fe.Example,
+    norm: Any,
+    max_len: int,
+    fraction: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Summed weighted loss of one sequence and, per head, (top-1 agreements, predictions): head d
     at anchor t predicts token t + 1 + d (`loop.soft_targets_loss`)."""
-    return soft_targets_loss(heads, ex, heads.cfg.num_heads, max_len, lambda L: head_states(heads, ex, norm, L),
-                             fraction, generator)  # fmt: skip
+    return soft_targets_loss(
+        heads, ex, heads.cfg.num_heads, max_len, lambda L: head_states(heads, ex, norm, L), fraction, generator
+    )
 
 
 @torch.no_grad()
-def topk_accuracy(heads: MedusaHeads, examples: list[fe.Example], norm: Any, max_len: int,
-                  topk: int = TOPK_EVAL) -> list[list[float]]:  # fmt: skip
+def topk_accuracy(
+    heads: MedusaHeads, examples: list[fe.Example], norm: Any, max_len: int, topk: int = TOPK_EVAL
+) -> list[list[float]]:
     """Per head d and rank j: how often the head's (j+1)-th choice is the target's top-1 token
     (answer positions, teacher-forced)."""
     K = heads.cfg.num_heads

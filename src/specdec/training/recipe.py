@@ -57,8 +57,16 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _manifest_key(r: Recipe, layers: tuple[int, ...], mode: str) -> dict[str, Any]:
-    key = {"target": r.target, "data": r.data, "data_mode": r.data_mode, "tokens_wanted": r.tokens,
-           "max_len": r.max_len, "feature_layers": list(layers), "top_k": r.top_k, "mode": mode}  # fmt: skip
+    key = {
+        "target": r.target,
+        "data": r.data,
+        "data_mode": r.data_mode,
+        "tokens_wanted": r.tokens,
+        "max_len": r.max_len,
+        "feature_layers": list(layers),
+        "top_k": r.top_k,
+        "mode": mode,
+    }
     if r.data_mode == "self":
         key["max_answer_tokens"] = r.regen_tokens  # greedy answers do not depend on the batch size
     return key
@@ -80,12 +88,19 @@ def build_features(r: Recipe, lm: Any, layers: tuple[int, int, int], *, progress
             convs = data.conversations(r.data, answered=r.data_mode == "teacher")
             mine_only = (c for i, c in enumerate(convs) if i % world == rank)
             if r.data_mode == "self":
-                return fe.self_distill_examples(lm, mine_only, layers=layers, top_k=r.top_k, max_len=r.max_len,
-                                                max_new_tokens=r.regen_tokens, batch=r.regen_batch, skip=done)  # fmt: skip
+                return fe.self_distill_examples(
+                    lm,
+                    mine_only,
+                    layers=layers,
+                    top_k=r.top_k,
+                    max_len=r.max_len,
+                    max_new_tokens=r.regen_tokens,
+                    batch=r.regen_batch,
+                    skip=done,
+                )
             return fe.teacher_examples(lm, mine_only, layers=layers, top_k=r.top_k, max_len=r.max_len, skip=done)
 
-        fe.extract(examples, mine, max_tokens=max(1, r.tokens // world), progress=progress and rank == 0,
-                   record=key)  # fmt: skip
+        fe.extract(examples, mine, max_tokens=max(1, r.tokens // world), progress=progress and rank == 0, record=key)
     if world > 1:
         torch.distributed.barrier()
     return dirs
@@ -119,8 +134,16 @@ def run(r: Recipe, tc: TrainConfig, *, command: str | None = None, progress: boo
     return result
 
 
-def run_heads(r: Recipe, tc: TrainConfig, kind: str, num_heads: int, *, hydra_inner: int = 512,
-              command: str | None = None, progress: bool = True) -> dict[str, Any]:  # fmt: skip
+def run_heads(
+    r: Recipe,
+    tc: TrainConfig,
+    kind: str,
+    num_heads: int,
+    *,
+    hydra_inner: int = 512,
+    command: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """`specdec train medusa|hydra`: features, vocabulary, training, per-head accuracies;
     returns the training record.
     The recipe is EAGLE-3's (`run`), with the target's last layer as the features."""
@@ -131,10 +154,12 @@ def run_heads(r: Recipe, tc: TrainConfig, kind: str, num_heads: int, *, hydra_in
 
     rank, world = _dist()
     lm = load(r.target)
-    examples, val, record = prepare(r, lm, (lm.model.args.n_layers - 1,), seed=tc.seed, command=command,
-                                    progress=progress)  # fmt: skip
-    cfg = config_for_target(lm.model, r.target, kind, num_heads=num_heads, draft_vocab_size=r.draft_vocab,
-                            hydra_inner=hydra_inner)  # fmt: skip
+    examples, val, record = prepare(
+        r, lm, (lm.model.args.n_layers - 1,), seed=tc.seed, command=command, progress=progress
+    )
+    cfg = config_for_target(
+        lm.model, r.target, kind, num_heads=num_heads, draft_vocab_size=r.draft_vocab, hydra_inner=hydra_inner
+    )
     heads = MedusaHeads(cfg)
     heads.init_weights(torch.Generator().manual_seed(tc.seed))
     heads.set_vocab(fe.draft_vocabulary(examples, cfg.draft_vocab_size, cfg.target_vocab_size))
@@ -157,8 +182,9 @@ def run_heads(r: Recipe, tc: TrainConfig, kind: str, num_heads: int, *, hydra_in
     return result
 
 
-def prepare(r: Recipe, lm: Any, layers: tuple[int, ...], *, seed: int, command: str | None = None,
-            progress: bool = True) -> tuple[list[fe.Example], list[fe.Example], dict[str, Any]]:  # fmt: skip
+def prepare(
+    r: Recipe, lm: Any, layers: tuple[int, ...], *, seed: int, command: str | None = None, progress: bool = True
+) -> tuple[list[fe.Example], list[fe.Example], dict[str, Any]]:
     """What every head's training starts from: this recipe's features of `layers` (extracted
     unless cached), split into training and held-out examples (the last 2%, at least one), and
     the training record's common part (command, data, feature counts and CPU time, seed, CPU)."""
@@ -174,13 +200,19 @@ def prepare(r: Recipe, lm: Any, layers: tuple[int, ...], *, seed: int, command: 
     n_val = max(1, len(examples) // 50)
     val, examples = examples[-n_val:], examples[:-n_val]
     record = {
-        "command": command or " ".join(sys.argv), "target_name": r.target, "data": _data_record(r.data),
-        "data_mode": r.data_mode, "feature_tokens": sum(m["tokens"] for m in manifests),
+        "command": command or " ".join(sys.argv),
+        "target_name": r.target,
+        "data": _data_record(r.data),
+        "data_mode": r.data_mode,
+        "feature_tokens": sum(m["tokens"] for m in manifests),
         "feature_conversations": sum(m["conversations"] for m in manifests),
         "feature_cpu_seconds": round(sum(m["cpu_seconds"] for m in manifests), 1),
-        "this_run_feature_cpu_seconds": round(feature_cpu, 1), "seed": seed, "torch": torch.__version__,
-        "cpu": _cpu(), "validation_sequences": len(val),
-    }  # fmt: skip
+        "this_run_feature_cpu_seconds": round(feature_cpu, 1),
+        "seed": seed,
+        "torch": torch.__version__,
+        "cpu": _cpu(),
+        "validation_sequences": len(val),
+    }
     return examples, val, record
 
 

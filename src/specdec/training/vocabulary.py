@@ -60,8 +60,8 @@ def target_output_rows(target: Any, model_dir: str | Path | None = None) -> torc
         with safe_open(str(f), "pt") as st:
             if "lm_head.weight" in st.keys():
                 return st.get_tensor("lm_head.weight").float()
-    from ..model.gguf_file import float_tensor, open_gguf
     from ..model.convert import gguf_source
+    from ..model.gguf_file import float_tensor, open_gguf
 
     gguf = gguf_source(Path(model_dir)) if model_dir else None
     if gguf is not None:  # installed without float weights: the output rows straight from the GGUF
@@ -75,9 +75,11 @@ def attach(head: Any, target: Transformer, model_dir: str | Path | None = None) 
     was trained for."""
     c = head.cfg
     if c.hidden_size != target.args.dim or c.target_vocab_size != target.args.vocab_size:
-        raise ValueError(f"this {head.kind} head was trained for {c.target!r} (hidden {c.hidden_size}, vocabulary "
-                         f"{c.target_vocab_size}); the target has hidden {target.args.dim}, vocabulary "
-                         f"{target.args.vocab_size}")  # fmt: skip
+        raise ValueError(
+            f"this {head.kind} head was trained for {c.target!r} (hidden {c.hidden_size}, vocabulary "
+            f"{c.target_vocab_size}); the target has hidden {target.args.dim}, vocabulary "
+            f"{target.args.vocab_size}"
+        )
     embed = target.model.embed_tokens.weight.detach().float()
     if target.args.embed_scale != 1.0:
         embed = embed * target.args.embed_scale
