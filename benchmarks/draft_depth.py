@@ -73,7 +73,7 @@ def main() -> int:
         for rep in range(a.repeats):
             common = {"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "seed": rep}
 
-            def plain():  # noqa: ANN202
+            def plain(ids=ids, common=common):  # noqa: ANN202
                 return run_request(target, request(target, ids, **common), prefix_tokens=PREFIX_TOKENS)
 
             first = plain()
@@ -125,7 +125,8 @@ def main() -> int:
             rows.append(row)
             print(
                 f"{p.id:20s} {v:10s} {row['speedup']:5.2f}x ({row['band'][0]:.2f}-{row['band'][1]:.2f})  "
-                f"{row['modelled']:7.2f}x {row['tau']:5.2f} {row['rows']:5.2f} {row['draft_ms']:6.1f} {row['pass_ms']:6.1f}  "
+                f"{row['modelled']:7.2f}x {row['tau']:5.2f} {row['rows']:5.2f} {row['draft_ms']:6.1f} "
+                f"{row['pass_ms']:6.1f}  "
                 f"{row['identical']}",
                 flush=True,
             )

@@ -56,11 +56,25 @@ PASSAGE = (
     "designed it, Margit Sand, also designed the railway station in the town of Ostby."
 )
 PROMPTS = {
-    "chat": "I have a job interview next week for a junior data analyst role. How should I prepare? Give me a short plan.",
-    "translation": "Translate into German: The museum will be closed on Monday for maintenance, but the garden stays open from nine in the morning until six in the evening.",
-    "math": "A shop sells pencils at 3 for 45 cents and erasers at 2 for 70 cents. How much do 12 pencils and 5 erasers cost? Think step by step.",
-    "code": "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals, with a docstring and a few asserts as tests.",
-    "edit-code": "Rename the function `summarize` to `total_by_name` everywhere in this code and return the full updated code:\n\n"
+    "chat": (
+        "I have a job interview next week for a junior data analyst role. How should I prepare? Give me a short plan."
+    ),
+    "translation": (
+        "Translate into German: The museum will be closed on Monday for maintenance, but the garden stays "
+        "open from nine in the morning until six in the evening."
+    ),
+    "math": (
+        "A shop sells pencils at 3 for 45 cents and erasers at 2 for 70 cents. How much do 12 pencils and 5 "
+        "erasers cost? Think step by step."
+    ),
+    "code": (
+        "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals, with a "
+        "docstring and a few asserts as tests."
+    ),
+    "edit-code": (
+        "Rename the function `summarize` to `total_by_name` everywhere in this code and return the full "
+        "updated code:\n\n"
+    )
     + CODE,
     "qa-passage": "Answer using only the passage, quoting the relevant sentence.\n\nPassage: "
     + PASSAGE
@@ -127,7 +141,8 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"{kind:11s} {method:13s} {k:2d} {row['speedup']:8.2f} {row['decode_speedup']:7.2f} "
-                    f"{row['acceptance_rate']:6.2f} {row['mean_accepted_tokens']:5.2f} {row['tokens_per_second']:10.2f} "
+                    f"{row['acceptance_rate']:6.2f} {row['mean_accepted_tokens']:5.2f} "
+                    f"{row['tokens_per_second']:10.2f} "
                     f"{row['plain_tokens_per_second']:11.2f} {row['identical']}",
                     flush=True,
                 )

@@ -72,7 +72,8 @@ def main() -> int:
     )
     for r in rows:
         print(
-            f"{r['label']:10s} {r['data_mode'] or '?':8s} {r['feature_tokens'] or 0:8d} {r['feature_cpu_minutes']:8.1f} "
+            f"{r['label']:10s} {r['data_mode'] or '?':8s} {r['feature_tokens'] or 0:8d} "
+            f"{r['feature_cpu_minutes']:8.1f} "
             f"{r['train_minutes'] or 0:9.1f} {r['optimizer_steps'] or 0:6d}  "
             + " / ".join(f"{a:.3f}" for a in r["heldout_top1_by_step"])
         )

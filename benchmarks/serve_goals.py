@@ -168,10 +168,10 @@ def main() -> int:
         for i, messages in enumerate(convs):
             print(f"prompt {i + 1}/{len(convs)}", file=sys.stderr)
             for name, fn in (
-                ("generate_method", lambda: _gen(target, messages, ns.max_tokens, k=ns.k, **spec_kw)),
-                ("serve_method", lambda: request(url, ns.target, messages, ns.max_tokens, spec)),
-                ("generate_plain", lambda: _gen(target, messages, ns.max_tokens)),
-                ("serve_plain", lambda: request(url, ns.target, messages, ns.max_tokens, plain)),
+                ("generate_method", lambda messages=messages: _gen(target, messages, ns.max_tokens, k=ns.k, **spec_kw)),
+                ("serve_method", lambda messages=messages: request(url, ns.target, messages, ns.max_tokens, spec)),
+                ("generate_plain", lambda messages=messages: _gen(target, messages, ns.max_tokens)),
+                ("serve_plain", lambda messages=messages: request(url, ns.target, messages, ns.max_tokens, plain)),
             ):
                 rows[name].append(fn())
             same += rows["serve_method"][-1]["text"] == rows["generate_method"][-1]["text"]
@@ -278,20 +278,21 @@ def table(r: dict[str, Any]) -> str:
         f"{r['target']}, {r['prompts']} prompts x {r['max_tokens']} tokens, greedy; {where}",
         f"{'':34s} {'tokens/s':>9s}",
         f"{'generate, plain':34s} {s['generate_plain']:9.2f}",
-        f"{'serve, plain, 1 stream':34s} {s['serve_plain']:9.2f}   x{r['serve_over_generate']['plain']:.3f} of generate",
+        f"{'serve, plain, 1 stream':34s} {s['serve_plain']:9.2f}   x{r['serve_over_generate']['plain']:.3f} of "
+        "generate",
         f"{'generate, ' + r['method']:34s} {s['generate_method']:9.2f}",
         f"{'serve, ' + r['method'] + ', 1 stream':34s} {s['serve_method']:9.2f}   "
         f"x{r['serve_over_generate']['method']:.3f} of generate (texts identical {r['single_stream_identical_texts']})",
-        f"{'serve, plain, %d at once' % c['plain']['concurrency']:34s} {c['plain']['tokens_per_s']:9.2f}   "
+        f"{'serve, plain, ' + str(c['plain']['concurrency']) + ' at once':34s} {c['plain']['tokens_per_s']:9.2f}   "
         f"x{r['concurrent_over_single_plain']['plain']:.2f} of one plain stream",
-        f"{'serve, ' + r['method'] + ', %d at once' % c['method']['concurrency']:34s} "
+        f"{'serve, ' + r['method'] + ', ' + str(c['method']['concurrency']) + ' at once':34s} "
         f"{c['method']['tokens_per_s']:9.2f}   x{r['concurrent_over_single_plain']['method']:.2f} of one plain stream",
     ]
     for label, v in (r.get("llama_cpp_python") or {}).items():
         if isinstance(v, dict):
             lines.append(f"{'llama-cpp-python, ' + label + ', 1 stream':34s} {v['single_stream_tokens_per_s']:9.2f}")
             lines.append(
-                f"{'llama-cpp-python, ' + label + ', %d at once' % v['concurrent']['concurrency']:34s} "
+                f"{'llama-cpp-python, ' + label + ', ' + str(v['concurrent']['concurrency']) + ' at once':34s} "
                 f"{v['concurrent']['tokens_per_s']:9.2f}"
             )
     return "\n".join(lines)

@@ -82,7 +82,8 @@ def main() -> None:
             print(
                 f"{p.category:16s} T={t:<4g} "
                 + "  ".join(
-                    f"{n} {row[n]['speedup']:.2f}x differs={row[n]['differs']!s:5s} agree={row[n]['agree_before_first_difference']:.2f}"
+                    f"{n} {row[n]['speedup']:.2f}x differs={row[n]['differs']!s:5s} "
+                    f"agree={row[n]['agree_before_first_difference']:.2f}"
                     for n in ("plain", "exact", "typical")
                 ),
                 flush=True,

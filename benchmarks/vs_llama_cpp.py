@@ -38,7 +38,7 @@ def _band(xs: list[float]) -> str:
 def _first_diff(a: list[int] | None, b: list[int] | None) -> int | None:
     if a is None or b is None:
         return None
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     return n if n is not None else (None if len(a) == len(b) else min(len(a), len(b)))
 
 
@@ -67,18 +67,18 @@ def main() -> int:
             lplain.complete(ids, 1), lspec.complete(ids, 1)  # (untimed: each server reads the prompt)
             common = dict(max_new_tokens=a.max_new_tokens, temperature=0.0)
 
-            def ours_plain():
+            def ours_plain(ids=ids, common=common):
                 return run_request(target, request(target, ids, **common), prefix_tokens=PREFIX_TOKENS)
 
-            def ours_spec():
+            def ours_spec(ids=ids, common=common):
                 req = request(target, ids, assistant_model=draft, k=a.k, **common)
                 return run_request(target, req, prefix_tokens=PREFIX_TOKENS)
 
             sides = {
                 "ours-plain": ours_plain,
                 "ours-spec": ours_spec,
-                "llama-plain": lambda: lplain.complete(ids, a.max_new_tokens),
-                "llama-spec": lambda: lspec.complete(ids, a.max_new_tokens),
+                "llama-plain": lambda ids=ids: lplain.complete(ids, a.max_new_tokens),
+                "llama-spec": lambda ids=ids: lspec.complete(ids, a.max_new_tokens),
             }
             got: dict[str, list] = {s: [] for s in sides}
             for rep in range(a.repeats):
@@ -114,13 +114,19 @@ def main() -> int:
             print(
                 f"{p.id:12s} ours plain {_band(tps['ours-plain'])} spec {_band(tps['ours-spec'])} "
                 f"x{statistics.median(ours_ratio):.2f} | llama plain {_band(tps['llama-plain'])} spec "
-                f"{_band(tps['llama-spec'])} x{statistics.median(llama_ratio):.2f} | acc {r['ours_acceptance'] or 0:.2f}/"
+                f"{_band(tps['llama-spec'])} x{statistics.median(llama_ratio):.2f} | acc "
+                f"{r['ours_acceptance'] or 0:.2f}/"
                 f"{r['llama_acceptance'] or 0:.2f} identical {r['ours_identical']}/{r['llama_identical']} "
                 f"llama-vs-ours first diff {r['llama_plain_vs_ours_plain_first_diff']}",
                 flush=True,
             )
-    med = lambda key: statistics.median(statistics.median(r[key]) for r in rows)
-    tmed = lambda s: statistics.median(statistics.median(r["tokens_per_second"][s]) for r in rows)
+
+    def med(key):
+        return statistics.median(statistics.median(r[key]) for r in rows)
+
+    def tmed(side):
+        return statistics.median(statistics.median(r["tokens_per_second"][side]) for r in rows)
+
     print(
         f"median over prompts: ours x{med('ours_speedup'):.2f} ({tmed('ours-spec'):.1f} tok/s), llama.cpp "
         f"x{med('llama_speedup'):.2f} ({tmed('llama-spec'):.1f} tok/s); plain {tmed('ours-plain'):.1f} / "

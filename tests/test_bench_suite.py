@@ -50,7 +50,8 @@ GOOD = json.dumps({"id": "a", "category": "mine", "turns": [{"role": "user", "co
         ('{"id": "b", "category": "c", "turns": []}', "turns must be a non-empty list"),
         ('{"id": "b", "category": "c", "turns": [{"role": "bot", "content": "x"}]}', "turn 0 must be"),
         (
-            '{"id": "b", "category": "c", "turns": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+            '{"id": "b", "category": "c", '
+            '"turns": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}',
             "the last turn must be the user's",
         ),
         (GOOD, "line 2: duplicate id 'a'"),

@@ -53,8 +53,8 @@ def test_prefix_lengths_are_tested_and_combined():
     """An error in the first token of two-token continuations is found at length 1, and the
     p-value is Bonferroni-corrected for the two lengths tested."""
     rng = np.random.default_rng(1)
-    a = Counter(zip(rng.choice(3, 3000, p=[0.5, 0.3, 0.2]).tolist(), rng.integers(0, 40, 3000).tolist()))
-    b = Counter(zip(rng.choice(3, 3000, p=[0.4, 0.3, 0.3]).tolist(), rng.integers(0, 40, 3000).tolist()))
+    a = Counter(zip(rng.choice(3, 3000, p=[0.5, 0.3, 0.2]).tolist(), rng.integers(0, 40, 3000).tolist(), strict=True))
+    b = Counter(zip(rng.choice(3, 3000, p=[0.4, 0.3, 0.3]).tolist(), rng.integers(0, 40, 3000).tolist(), strict=True))
     t = two_sample_test([a], [b], resamples=20)
     assert t.length == 1 and t.p_by_length[0] < 1e-6 and t.p_value == min(1.0, 2 * t.p_by_length[0])
     same = two_sample_test([a], [a], resamples=20)

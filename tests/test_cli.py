@@ -335,7 +335,7 @@ def test_bench_batch_as_written(tmp_path):
     out = json.loads(res.stdout)
     rows = {(r["batch"], r["method"]): r for r in out["summary"]}
     assert set(rows) == {(b, m) for b in (1, 2, 4, 8) for m in ("plain", "draft-model", "prompt-lookup")}
-    for (b, m), r in rows.items():
+    for (_batch, m), r in rows.items():
         assert r["tokens_per_second"] > 0
         assert r["speedup"] == 1.0 if m == "plain" else r["speedup"] > 0
         assert r["identical"] is (None if m == "plain" else True)  # every sequence equals plain decoding

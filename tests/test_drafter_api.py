@@ -34,7 +34,8 @@ def test_other_model_free_drafters_by_name(tiny, name):
 def test_unknown_or_model_drafter_names_are_refused(tiny):
     with pytest.raises(
         ValueError,
-        match="unknown drafter 'n-gram'; choose one of auto, draft-model, eagle3, early-exit, hydra, lookahead, medusa, prediction, prompt-lookup, suffix",
+        match="unknown drafter 'n-gram'; choose one of auto, draft-model, eagle3, early-exit, hydra, lookahead, "
+        "medusa, prediction, prompt-lookup, suffix",
     ):
         specdec.generate(tiny("qwen2"), "ab", drafter="n-gram", max_new_tokens=2, adaptive_k=False)
     with pytest.raises(ValueError, match="needs a draft model"):

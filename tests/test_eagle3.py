@@ -300,7 +300,7 @@ def test_tree_shapes(tiny):
         seen = []
         orig = d.propose
 
-        def spy(k, orig=orig):
+        def spy(k, orig=orig, seen=seen):
             draft = orig(k)
             seen.append(draft)
             return draft
@@ -620,7 +620,7 @@ def test_export_writes_the_engines_layout_and_loads_back(tiny, tmp_path):
     model = lm.model
     head = random_head(model, seed=3, scale=20.0)
     c = head.cfg
-    H, nh, nkv, D, I, N, V = (
+    H, nh, nkv, D, FF, N, V = (
         c.hidden_size,
         c.num_attention_heads,
         c.num_key_value_heads,
@@ -634,9 +634,9 @@ def test_export_writes_the_engines_layout_and_loads_back(tiny, tmp_path):
         "midlayer.self_attn.k_proj.weight": (nkv * D, 2 * H),
         "midlayer.self_attn.v_proj.weight": (nkv * D, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, nh * D),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
+        "midlayer.mlp.gate_proj.weight": (FF, H),
+        "midlayer.mlp.up_proj.weight": (FF, H),
+        "midlayer.mlp.down_proj.weight": (H, FF),
         "fc.weight": (H, 3 * H),
         "lm_head.weight": (N, H),
         "midlayer.input_layernorm.weight": (H,),

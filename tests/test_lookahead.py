@@ -81,7 +81,7 @@ def test_greedy_identity_tiny(tiny, arch, dtype):
     accepted = 0
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=40, ignore_eos=True)
-        for cfg, k in zip(CONFIGS, (2, 3, 1)):
+        for cfg, k in zip(CONFIGS, (2, 3, 1), strict=True):
             out = specdec.generate(
                 target,
                 prompt,
@@ -122,7 +122,7 @@ def test_greedy_identity_smollm2(smollm2_exact):
     accepted = 0
     for prompt in prompts:
         plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=48)
-        for cfg, k in zip(CONFIGS, (2, 3, 1)):
+        for cfg, k in zip(CONFIGS, (2, 3, 1), strict=True):
             out = specdec.generate(
                 smollm2_exact, prompt, drafter=LookaheadDrafter(**cfg), k=k, max_new_tokens=48, adaptive_k=False
             )

@@ -240,7 +240,7 @@ def _same_parse(path) -> None:
     for name, f in theirs.fields.items():
         g = ours.fields[name]
         assert g.types == f.types and g.data == f.data and len(g.parts) == len(f.parts), name
-        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(g.parts, f.parts)), name
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(g.parts, f.parts, strict=True)), name
     assert [(t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in ours.tensors] == [
         (t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in theirs.tensors
     ]

@@ -44,8 +44,8 @@ def _closure(extra: str) -> set[str]:
         except metadata.PackageNotFoundError:
             continue
         for r in map(Requirement, reqs):
-            env = {"extra": e for e in req.extras} if req.extras else {"extra": ""}
-            if r.marker is None or r.marker.evaluate(env):
+            # (a requirement asked with several extras brings what any of them brings)
+            if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in sorted(req.extras) or [""]):
                 todo.append(r)
     return seen
 

@@ -80,7 +80,7 @@ def collect(bandwidth: bool = True) -> dict[str, Any]:
     except native.NativeUnavailableError as exc:
         kernels = {"build": None, "why": str(exc)}
     models = {}
-    for name, spec in registry.MODELS.items():
+    for name in registry.MODELS:
         if store.is_installed(name):
             models[name] = {f"{kind}_mib": round(n / 2**20) for kind, n in store.model_files(name).items()}
     return {

@@ -262,13 +262,14 @@ def table(result: dict[str, Any]) -> str:
             f"{mode:8s}"
             + "".join(f"{r['ms'][str(k)]:10.1f}" for k in ks)
             + (f"{ratio:8.2f}" if ratio else f"{'':8s}")
-            + f"  {'yes' if r['batch_invariant'] else 'no (max diff %.1e)' % r['max_abs_diff']}"
+            + f"  {'yes' if r['batch_invariant'] else 'no (max diff ' + format(r['max_abs_diff'], '.1e') + ')'}"
         )
         if r.get("ratio_band"):
             lines.append(
                 f"{'':8s}over k={ks[0]}: "
                 + ", ".join(
-                    f"k={k} {r['ratio_to_k1'][str(k)]:.2f} ({r['ratio_band'][str(k)][0]:.2f}-{r['ratio_band'][str(k)][1]:.2f})"
+                    f"k={k} {r['ratio_to_k1'][str(k)]:.2f} "
+                    f"({r['ratio_band'][str(k)][0]:.2f}-{r['ratio_band'][str(k)][1]:.2f})"
                     for k in ks[1:]
                 )
             )

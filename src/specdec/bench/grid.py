@@ -168,7 +168,10 @@ def _record(
     ref = statistics.fmean(_per_token(x.metrics) for x in plains)
     ref_decode = statistics.fmean(_per_token(x.metrics, decode=True) for x in plains)
     mine, mine_decode = _per_token(m), _per_token(m, decode=True)
-    passes = lambda mm: {str(r): len(ms) for r, ms in sorted(mm.pass_ms.items())}
+
+    def passes(mm: Any) -> dict[str, int]:
+        return {str(r): len(ms) for r, ms in sorted(mm.pass_ms.items())}
+
     return {
         "prompt_id": prompt.id,
         "category": prompt.category,
@@ -225,7 +228,10 @@ def model_speedups(records: list[dict[str, Any]], costs: Costs) -> None:
         if not r.get("passes") or r["method"].startswith("peer:"):
             continue
         scale = r["plain_pass_ms"] / costs.rows(1) if r.get("plain_pass_ms") else 1.0
-        price = lambda passes: scale * sum(n * costs.rows(int(rows)) for rows, n in passes.items())  # noqa: B023
+
+        def price(passes: dict[str, int], scale: float = scale) -> float:
+            return scale * sum(n * costs.rows(int(rows)) for rows, n in passes.items())
+
         prefill = 1e3 * r["prefill_seconds"]
         mine = prefill + price(r["passes"]) + 1e3 * r["draft_seconds"]
         plain = prefill + price(r["plain_passes"])
@@ -437,7 +443,10 @@ def run_grid(
                         max_new_tokens=settings.max_new_tokens, temperature=temp, seed=seed, context_overflow="truncate"
                     )
 
-                    def run(method: str | None) -> GenerationResult:
+                    # (bound as defaults: the closure must see this iteration's values)
+                    def run(
+                        method: str | None, prompt=prompt, temp=temp, ids=ids, common=common, rep=rep
+                    ) -> GenerationResult:
                         bar.set_postfix_str(f"{prompt.id} T={temp} {method or 'plain'}")
                         if method is None or method == NOISE:
                             out = run_request(target, request(target, ids, **common), prefix_tokens=PREFIX_TOKENS)

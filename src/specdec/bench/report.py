@@ -41,7 +41,8 @@ def table(result: GridResult) -> str:
         mark = "~" if r.get("no_difference") else " "
         lines.append(
             f"{r['method']:13s} {r['temperature']:4.1f} {r['category']:15s} {r['runs']:4d} "
-            f"{mark}{_fmt(r['speedup'], '.2f', 'x'):>8s} {_band(r):>10s} {_fmt(r.get('modelled_speedup'), '.2f', 'x'):>8s} "
+            f"{mark}{_fmt(r['speedup'], '.2f', 'x'):>8s} {_band(r):>10s} "
+            f"{_fmt(r.get('modelled_speedup'), '.2f', 'x'):>8s} "
             f"{_fmt(r['acceptance_rate']):>6s} {_fmt(r['mean_accepted_tokens']):>5s} "
             f"{_fmt(r['tokens_per_second'], '.1f'):>7s} {_fmt(r['plain_tokens_per_second'], '.1f'):>7s} "
             f"{_same([r])}"

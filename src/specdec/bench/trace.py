@@ -3,21 +3,21 @@ against plain decoding.
 
 An agent trace (JSONL, one request per line: `conversation`, `turn`, `messages`, `max_tokens`;
 optionally `tools` and `tool_choice`, sent as they are, and `prediction`, the text the client
-expects back) holds sessions in which every request resends the growing conversation, as a
-coding agent does; the bundled one (`bench/prompts/agent_trace.jsonl`, built by
-`benchmarks/agent_trace.py` from HumanEval tasks with the target itself, with tool calls) is the
-default, and `--trace edit` replays the bundled edit trace (`bench/prompts/edit_trace.jsonl`,
-`benchmarks/edit_trace.py`: change a small file, reply with the whole file). A line's
-`prediction` is sent only to the methods that draft from it: `prediction`, and any method
-named with `+prediction` (`auto+prediction`); the others replay the same requests without it. Each method gets a server of its own
-in this process (the app `specdec serve` runs, on a free localhost port, prepared before it
-listens), started with no memory of earlier requests, so what suffix decoding learns from one
-method's replay never drafts for another's. Within a conversation the turns go one after
-another; `concurrency` conversations run at once. Greedy (temperature 0): every method's
-answers are checked equal to plain decoding's. Plain decoding runs first and again last (its
-second run against its first is the noise control). Reported per method: completion tokens/s
-over the replay's wall time and its ratio to plain's, request latency and time to first token
-(p50, p90), acceptance, and the memory suffix decoding holds after the replay.
+expects back) holds sessions in which every request resends the growing conversation, as a coding
+agent does; the bundled one (`bench/prompts/agent_trace.jsonl`, built by `benchmarks/agent_trace.py`
+from HumanEval tasks with the target itself, with tool calls) is the default, and `--trace edit`
+replays the bundled edit trace (`bench/prompts/edit_trace.jsonl`, `benchmarks/edit_trace.py`: change
+a small file, reply with the whole file). A line's `prediction` is sent only to the methods that
+draft from it: `prediction`, and any method named with `+prediction` (`auto+prediction`); the others
+replay the same requests without it. Each method gets a server of its own in this process (the app
+`specdec serve` runs, on a free localhost port, prepared before it listens), started with no memory
+of earlier requests, so what suffix decoding learns from one method's replay never drafts for
+another's. Within a conversation the turns go one after another; `concurrency` conversations run at
+once. Greedy (temperature 0): every method's answers are checked equal to plain decoding's. Plain
+decoding runs first and again last (its second run against its first is the noise control). Reported
+per method: completion tokens/s over the replay's wall time and its ratio to plain's, request
+latency and time to first token (p50, p90), acceptance, and the memory suffix decoding holds after
+the replay.
 """
 
 from __future__ import annotations

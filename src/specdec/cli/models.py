@@ -91,7 +91,8 @@ def _size(n: int) -> str:
 
 def _cmd_list(ns: argparse.Namespace) -> int:
     print(
-        f"{'model':20s} {'status':13s} {'total':>9s} {'gguf':>10s} {'q4k':>9s} {'float32':>9s} {'other':>8s}  description"
+        f"{'model':20s} {'status':13s} {'total':>9s} {'gguf':>10s} {'q4k':>9s} {'float32':>9s} {'other':>8s}  "
+        "description"
     )
     total, sparse = 0, []
     for name, spec in registry.MODELS.items():

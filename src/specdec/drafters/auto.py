@@ -236,7 +236,7 @@ class AutoDrafter(Drafter):
         # a prediction followed for a while is accepted nearly whole: its chains may go as deep
         # as the step allows (the others' stay within K_MAX, where their acceptance ends)
         self.k_max = PREDICTION_K_MAX if session.prediction and PREDICTION in self.subs else K_MAX
-        for name, sub in self.subs.items():
+        for sub in self.subs.values():
             sub.pool = self.pool
             # each drafter its own generator, seeded from the session's: reproducible, independent
             seed = int(torch.randint(0, 2**62, (1,), generator=session.generator))

@@ -1,14 +1,14 @@
 """How deep a draft model drafts, from its own confidence (DISCO, Mamou et al. 2024; SpecDec++,
 Huang et al. 2024; Hugging Face's `assistant_confidence_threshold`).
 
-A draft token the draft gave probability c is accepted by the target (given its predecessors
-were) with a chance a(c), learned from verified steps per bin of c (`Calibration`, prior
-a(c) = c). After j drafts whose chances are a_1..a_j, the step is expected to commit
-E_j = 1 + P_1 + ... + P_j tokens (P_i = a_1 ... a_i: all of the first i accepted) in
-C_j = j * draft_ms + pass(1 + j) ms. One more draft adds P_j * a_next tokens (a_next:
-`Calibration.next_after`) for draft_ms and one more row of the target's pass (`keep_drafting`): the draft goes on while that raises the
-step's tokens per millisecond. The pass table (`specdec.costs.pass_costs`) prices the rows, so
-where a few rows cost what one does the draft runs deeper for the same confidence.
+A draft token the draft gave probability c is accepted by the target (given its predecessors were)
+with a chance a(c), learned from verified steps per bin of c (`Calibration`, prior a(c) = c). After
+j drafts whose chances are a_1..a_j, the step is expected to commit E_j = 1 + P_1 + ... + P_j tokens
+(P_i = a_1 ... a_i: all of the first i accepted) in C_j = j * draft_ms + pass(1 + j) ms. One more
+draft adds P_j * a_next tokens (a_next: `Calibration.next_after`) for draft_ms and one more row of
+the target's pass (`keep_drafting`): the draft goes on while that raises the step's tokens per
+millisecond. The pass table (`specdec.costs.pass_costs`) prices the rows, so where a few rows cost
+what one does the draft runs deeper for the same confidence.
 
 Exactness: whether a draft position exists depends only on the draft's own probabilities of
 the tokens before it — on the committed prefix when verification reaches that position —

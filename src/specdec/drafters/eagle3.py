@@ -372,7 +372,7 @@ class Eagle3Drafter(Drafter):
         frontier = children([-1], logits_root[None], width)
         g_of: dict[int, torch.Tensor] = {-1: g_root}
         slot_of: dict[int, int] = {}
-        for d in range(2, k + 1):
+        for _depth in range(2, k + 1):
             n_expand = 1 if chain else self.topk if greedy else self.sample_frontier
             expand = sorted(frontier, key=lambda j: -score[j])[:n_expand]
             if not expand or not (chain or self._deeper_pays(score, [score[j] for j in expand])):

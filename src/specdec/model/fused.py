@@ -2,8 +2,8 @@
 
 In the q4k mode a one-token pass is a few dozen matrix-kernel calls, and around each the
 framework ran norms, rotary, residual adds, casts and slicing: over a thousand small
-operations per pass, each with its own dispatch and thread start. Here each Llama/Qwen2-style layer is one call that runs norm,
-projections, rotary, attention, residual and MLP in one parallel region of the native
+operations per pass, each with its own dispatch and thread start. Here each Llama/Qwen2-style
+layer is one call that runs norm, projections, rotary, attention, residual and MLP in one parallel region of the native
 library. Every step is per row, so results stay batch-invariant and equal across the kernel
 builds; rows whose attention the framework runs (long prefill, mixed batches) go through the
 same native steps before and after it (`specdec_layer_qkv`, `specdec_layer_out`), so a row's

@@ -12,7 +12,7 @@ what one-token plain decoding computes, and with it guarantees greedy identity.
 | bf16 | bf16    | bf16 GEMM  | no |
 | fp16 | fp16    | fp16 GEMM (for CUDA) | no |
 | int8 | int8, one scale per output channel | int8, one scale per row | yes: exact int32 accumulation |
-| q4k  | GGUF Q4_K/Q6_K blocks (4.75/6.6 bits) | int8, one scale per row and 256 inputs | yes: exact integer sums per block, blocks added in a fixed order |
+| q4k  | GGUF Q4_K/Q6_K (4.75/6.6 bits) | int8, a scale per row and 256 inputs | yes: exact block sums, fixed order |
 
 int8 is W8A8 with *per-row* activation scales: ``y = (x_q @ W_q^T) * s_x * s_w``. The integer
 product is exact whatever the blocking, and every float operation after it is elementwise,
@@ -271,7 +271,7 @@ def _kquant_kernels(
         if managed and bits is None:
             sparse.restore(gguf)
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            packed_layers = dict(zip(linears, pool.map(pack, linears)))
+            packed_layers = dict(zip(linears, pool.map(pack, linears), strict=True))
     tiles = {name: t for name, (_, t) in packed_layers.items()}
     kernels: dict[str, LinearKernel] = {name: kernel(name, kind, t) for name, (kind, t) in packed_layers.items()}
     if packed is not None:

@@ -6,10 +6,11 @@ numbers llama.cpp runs on, at ~4.75/6.6 bits per weight instead of int8's 8. Ten
 other GGUF types (Q5_0, Q8_0, Q4_1, float...) are quantized here to Q6_K, which is at least as
 precise as those types.
 
-The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX-512 VNNI build), compiled
-once per machine with the rest of specdec's native kernels (see `native`). Activations are quantized per row and per 256-block to int8; inside a block all sums
-are exact integers, and blocks are added to a per-row float accumulator in a fixed order, so
-the kernel is batch-invariant: one row's result does not depend on the other rows in the call.
+The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX-512 VNNI build), compiled once per
+machine with the rest of specdec's native kernels (see `native`). Activations are quantized per row
+and per 256-block to int8; inside a block all sums are exact integers, and blocks are added to a
+per-row float accumulator in a fixed order, so the kernel is batch-invariant: one row's result does
+not depend on the other rows in the call.
 """
 
 from __future__ import annotations

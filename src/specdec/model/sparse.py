@@ -281,7 +281,7 @@ def sparsify(
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:  # numpy releases the GIL
-            same = dict(zip(candidates, pool.map(comes_back, candidates)))
+            same = dict(zip(candidates, pool.map(comes_back, candidates), strict=True))
         info["tensors"] = {name: entry for name, entry in candidates.items() if same[name]}
         if not info["tensors"]:
             return 0
@@ -306,7 +306,7 @@ def restore(gguf: Path) -> bool:
         _check_format(gguf, info)
         names = list(info["tensors"])
         with _same_mtime(gguf), open(gguf, "r+b") as f:
-            for name, (offset, length) in zip(names, _regions(gguf, names)):
+            for name, (offset, length) in zip(names, _regions(gguf, names), strict=True):
                 try:
                     raw = _blocks_from_packed(Path(info["packed"]), info["tensors"][name])
                 except BlocksLostError as exc:

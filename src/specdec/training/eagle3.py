@@ -126,7 +126,7 @@ class Eagle3Head(DraftVocabulary, nn.Module):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        H, nh, nkv, D, I = (
+        H, nh, nkv, D, FF = (
             cfg.hidden_size,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -145,9 +145,9 @@ class Eagle3Head(DraftVocabulary, nn.Module):
         m.self_attn.v_proj = nn.Linear(2 * H, nkv * D, bias=False)
         m.self_attn.o_proj = nn.Linear(nh * D, H, bias=False)
         m.mlp = nn.Module()
-        m.mlp.gate_proj = nn.Linear(H, I, bias=False)
-        m.mlp.up_proj = nn.Linear(H, I, bias=False)
-        m.mlp.down_proj = nn.Linear(I, H, bias=False)
+        m.mlp.gate_proj = nn.Linear(H, FF, bias=False)
+        m.mlp.up_proj = nn.Linear(H, FF, bias=False)
+        m.mlp.down_proj = nn.Linear(FF, H, bias=False)
         self.norm = _Norm(H)
         # draft LM head [N, H]; a buffer when tied (filled from the target, never trained or saved)
         if cfg.tie_lm_head:

@@ -19,7 +19,8 @@ engines capture default to (2, n/2, n-3) of the target's layer *inputs*, which a
 of our (1, n/2-1, n-4); the config records ours as `eagle_aux_hidden_state_layer_ids` in the
 engines' indexing too. `Eagle3Head.load` reads an exported directory back.
 
-**Medusa** (`specdec export medusa`): Medusa heads in the checkpoint layout vLLM's Medusa loader reads (`specdec export medusa`).
+**Medusa** (`specdec export medusa`): Medusa heads in the checkpoint layout vLLM's Medusa loader
+reads.
 
 vLLM (`vllm/model_executor/models/medusa.py`, config `vllm/transformers_utils/configs/medusa.py`)
 builds `blocks.{d}.layers.{l}` (Linear hidden -> hidden, bias when `medusa_fc_bias`; x + SiLU(

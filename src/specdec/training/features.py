@@ -304,10 +304,12 @@ def _resumable(out: Path, record: dict[str, Any], max_tokens: int) -> dict[str, 
     counts and conversations; nothing (and its files removed) where the record differs or a
     finished cache already holds `max_tokens`."""
     fresh = {"shards": [], "tokens": 0, "answer_tokens": 0, "conversations": 0, "cpu_seconds": 0.0, "sources": []}
-    same = lambda d: (
-        {k: d.get(k) for k in record if k != "tokens_wanted"}
-        == {k: v for k, v in record.items() if k != "tokens_wanted"}
-    )
+
+    def same(d: dict[str, Any]) -> bool:
+        return {k: d.get(k) for k in record if k != "tokens_wanted"} == {
+            k: v for k, v in record.items() if k != "tokens_wanted"
+        }
+
     for name in (PARTIAL, MANIFEST):
         try:
             found = json.loads((out / name).read_text())
