@@ -13,7 +13,7 @@ from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing
 import specdec
 from specdec.adaptive import MAX_PROBE_WAIT, KController
 from specdec.config import SamplingParams
-from specdec.costs import Costs
+from specdec.costs import PASS_TABLES, Costs
 from specdec.drafters import Drafter, DraftModelDrafter
 
 
@@ -227,7 +227,7 @@ def test_pass_costs_follow_the_measured_passes(tiny, monkeypatch):
     target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
     table = Costs({r: 1e3 for r in range(1, 10)})  # a table far slower than this tiny model runs
     monkeypatch.setattr(costs, "pass_costs", lambda t, max_rows: table)
-    monkeypatch.setattr(target.model.state, "pass_costs", table)  # (what the engine's passes update)
+    monkeypatch.setitem(PASS_TABLES, target.model, table)  # (what the engine's passes update)
     out = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=20, ignore_eos=True)
     assert table.scale < 0.5 and out.metrics.drafter_info["adaptive_k"]["pass_scale"] == round(table.scale, 3)
 

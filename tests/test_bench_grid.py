@@ -12,6 +12,7 @@ from specdec.bench import report
 from specdec.bench.grid import CLOCK_ROWS, NOISE, GridSettings, model_speedups, run_grid, summarise
 from specdec.bench.grid import DEFAULT_METHODS as METHODS
 from specdec.costs import Costs
+from specdec.drafters.suffix import STORES
 
 PROMPTS = [
     {"id": "c1", "category": "chat", "turns": [{"role": "user", "content": "hello there, how are you?"}]},
@@ -368,7 +369,7 @@ def test_each_method_remembers_only_its_own_earlier_outputs(tiny, prompt_file, m
     def spy(t, req, *a, **kw):  # (the timed runs; the warm-up runs go through `generate`)
         drafter = req.drafter
         if drafter is not None and drafter.name in ("auto", "suffix"):
-            store = t.model.state.suffix.get(drafter.pool)
+            store = STORES.get(t.model, {}).get(drafter.pool)
             seen.append((drafter.name, drafter.pool, store.tokens if store is not None else 0))
         return real(t, req, *a, **kw)
 

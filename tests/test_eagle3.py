@@ -791,10 +791,10 @@ def test_pass_costs_are_timed_once_per_machine(tiny, tmp_path, monkeypatch):
     calls = []
     real = costs._time_rows
     monkeypatch.setattr(costs, "_time_rows", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
-    monkeypatch.setattr(model.state, "pass_costs", None)  # nothing timed in this process yet
+    monkeypatch.delitem(costs.PASS_TABLES, model, raising=False)  # nothing timed in this process yet
     first = costs.pass_costs(model, 9)
     assert costs.pass_costs(model, 9) is first  # kept in this process
-    model.state.pass_costs = None  # "a new process": read back from disk
+    costs.PASS_TABLES.pop(model, None)  # "a new process": read back from disk
     again = costs.pass_costs(model, 9)
     assert len(calls) == 1 and again.target_ms == pytest.approx(first.target_ms, abs=1e-3)
     assert sorted(first.target_ms) == list(range(1, 10)) and (tmp_path / costs.PASS_COSTS_FILE).exists()

@@ -11,7 +11,7 @@ from helpers import ALPHA, PROMPTS, chi2_pvalue
 
 import specdec
 from specdec.config import SamplingParams
-from specdec.drafters import DraftSession, EarlyExitDrafter
+from specdec.drafters import DraftSession, EarlyExitDrafter, early_exit
 from specdec.testing import make_tiny_model
 
 
@@ -119,7 +119,7 @@ def _predict(monkeypatch, speedup: float, target=None) -> None:
     from specdec.drafters import early_exit
 
     if target is not None:
-        monkeypatch.setattr(target.model.state, "calibrations", {})
+        monkeypatch.delitem(early_exit.CALIBRATIONS, target.model, raising=False)
     monkeypatch.setattr(EarlyExitDrafter, "calibrate", calibrate)
     monkeypatch.setattr(early_exit, "_stored_calibration", lambda model, key: None)
 
@@ -219,12 +219,12 @@ def test_a_calibration_is_kept_for_later_processes(four_layers, monkeypatch, tmp
     reuses it instead of calibrating again."""
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     target = four_layers("llama", "fp32")
-    monkeypatch.setattr(target.model.state, "calibrations", {})
+    monkeypatch.delitem(early_exit.CALIBRATIONS, target.model, raising=False)
     first = specdec.generate(
         target, PROMPTS[0], drafter=EarlyExitDrafter(target.model), k=2, max_new_tokens=6, adaptive_k=False
     )
     assert (tmp_path / "early_exit.json").exists()
-    target.model.state.calibrations.clear()  # "a new process"
+    early_exit.CALIBRATIONS.pop(target.model, None)  # "a new process"
 
     def no_calibration(self, context, k):
         raise AssertionError("calibrated again")

@@ -12,6 +12,7 @@ from helpers import ALPHA, PROMPT_IDS, PROMPTS, chi2_pvalue
 import specdec
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import Draft, Drafter, DraftModelDrafter, DraftSession, Feedback
+from specdec.drafters.draft_model import PREFILLED
 from specdec.model import ContextOverflowError, load_transformer
 from specdec.stops import StopChecker
 
@@ -507,11 +508,11 @@ def test_a_draft_that_caught_up_keeps_the_prompts_prefill_for_the_next_sequence(
         return d
 
     begun(lazy=False)
-    prompt = model.state.prefilled
+    prompt = PREFILLED.get(model)
     assert prompt is not None and len(prompt[0]) == len(context) - 1
     late = begun(lazy=True)
     late.catch_up([5, 6, 7])
     late.sync()
-    assert model.state.prefilled is prompt
+    assert PREFILLED.get(model) is prompt
     again = begun(lazy=True)
     assert again.switch_ms() == 0.0  # (it copies the prompt's prefill)

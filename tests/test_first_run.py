@@ -18,10 +18,10 @@ def _events(monkeypatch, target, draft, tmp_path):
     clock starts: the engine takes its sequence) and 'end' (the run is over), on models that
     have measured nothing yet."""
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    monkeypatch.setattr(target.model.state, "pass_costs", None)
-    monkeypatch.setattr(target.model.state, "draft_steps", {})
-    monkeypatch.setattr(draft.model.state, "pass_costs", None)
-    monkeypatch.setattr(draft.model.state, "draft_steps", {})
+    monkeypatch.delitem(costs.PASS_TABLES, target.model, raising=False)
+    monkeypatch.delitem(costs.DRAFT_STEPS, target.model, raising=False)
+    monkeypatch.delitem(costs.PASS_TABLES, draft.model, raising=False)
+    monkeypatch.delitem(costs.DRAFT_STEPS, draft.model, raising=False)
     events: list[str] = []
     store, run, add = costs.store_measurement, api.run_request, Engine.add
     monkeypatch.setattr(costs, "store_measurement", lambda *a: events.append("timed") or store(*a))
@@ -90,11 +90,11 @@ def test_a_wider_stored_table_serves_a_narrower_request(tiny, monkeypatch, tmp_p
     calls: list[int] = []
     real = costs._time_rows
     monkeypatch.setattr(costs, "_time_rows", lambda *a, **kw: calls.append(max(a[1])) or real(*a, **kw))
-    monkeypatch.setattr(model.state, "pass_costs", None)
+    monkeypatch.delitem(costs.PASS_TABLES, model, raising=False)
     wide = costs.pass_costs(model, 20)
-    model.state.pass_costs = None  # "a new process"
+    costs.PASS_TABLES.pop(model, None)  # "a new process"
     narrow = costs.pass_costs(model, 9)
     assert calls == [20] and narrow.target_ms == pytest.approx(wide.target_ms, abs=1e-3)
-    model.state.pass_costs = None
+    costs.PASS_TABLES.pop(model, None)
     costs.pass_costs(model, 40)  # control: a wider range than stored is timed
     assert calls == [20, 40]

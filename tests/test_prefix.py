@@ -11,7 +11,7 @@ from conftest import EXACT_MODES
 
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import DraftModelDrafter, SuffixDrafter
-from specdec.engine import Engine
+from specdec.engine import PREFIXES, Engine
 from specdec.model.cache import KVCache
 from specdec.model.prefix import MIN_TOKENS, PrefixStore
 
@@ -105,7 +105,7 @@ def test_wrong_rows_change_the_output(tiny):
         return _turns(engine, prompt, cfg, SamplingParams, lambda: None)[1].token_ids
 
     good = second_turn(Engine(target.model, target.tokenizer, prefix_tokens=4096))
-    target.model.state.prefixes = None  # (a store of its own: the model's holds the good rows)
+    PREFIXES.pop(target.model, None)  # (a store of its own: the model's holds the good rows)
     engine = Engine(target.model, target.tokenizer, prefix_tokens=4096)
     real_put = engine.prefixes.put
 

@@ -16,7 +16,7 @@ from helpers import PROMPTS, random_head, random_heads
 import specdec
 from specdec import costs
 from specdec.adaptive import StepGuard
-from specdec.costs import Costs
+from specdec.costs import PASS_TABLES, Costs
 from specdec.drafters import (
     AutoDrafter,
     DraftModelDrafter,
@@ -66,7 +66,7 @@ def _run(target, drafter, monkeypatch, step_s: float) -> list[int]:
 def _disturb(target, drafter) -> None:
     """What other requests leave behind: a slow moment in the shared pass table, and greedy
     trees that accepted far more than EAGLE-3 predicted."""
-    table = target.state.pass_costs
+    table = PASS_TABLES.get(target)
     if table is not None:
         table.observe(1, 50 * table.target(1), weight=1.0)
     run = getattr(drafter, "run", None)

@@ -14,18 +14,13 @@ import specdec
 from specdec import costs
 from specdec.config import SamplingParams
 from specdec.drafters import DraftSession, SuffixDrafter
-from specdec.drafters.suffix import SuffixStore, _candidates, _Doc, build_tree, situation
+from specdec.drafters.suffix import STORES, SuffixStore, _candidates, _Doc, build_tree, situation
 
 FLAT = [1.0] * 64  # alpha: every depth certain (the tree's order is then its shares')
 
 
 class _Target:
-    """What the drafter reads of a target: its state (stores, acceptance memory)."""
-
-    def __init__(self) -> None:
-        from specdec.model.state import ModelState
-
-        self.state = ModelState()
+    """A stand-in target: what the drafter keeps for one (stores, acceptance memory) is keyed by it."""
 
 
 def started(
@@ -121,7 +116,7 @@ def test_earlier_outputs_draft_only_within_their_pool():
     a.accepted(fb([], 4))
     a.accepted(fb([], 5))
     a.end()  # its output joins pool a's store
-    assert set(target.state.suffix) == {"a"} and list(target.state.suffix["a"].docs[0].tokens) == [2, 3, 4, 5]
+    assert set(STORES[target]) == {"a"} and list(STORES[target]["a"].docs[0].tokens) == [2, 3, 4, 5]
     assert started([9, 3, 4], target, pool="a").propose(4).tokens.tolist() == [5]
     assert started([9, 3, 4], target, pool="b").propose(4).tokens.numel() == 0  # another client's: never
     assert started([9, 3, 4], target, pool="a", max_tokens=0).propose(4).tokens.numel() == 0  # its own text only
@@ -191,7 +186,7 @@ def test_greedy_identity_smollm2(smollm2_exact):
 def _sampled(target, sampling, runs: int):
     """Joint law of 4 tokens with trees from the prompt and from earlier runs' outputs (the
     store is read although the runs are seeded: what is tested is the rule, given any tree)."""
-    target.state.suffix.clear()
+    STORES.pop(target, None)
     return dict(
         drafter=SuffixDrafter(total=4, min_prob=0.0),
         sampling=sampling,
@@ -213,7 +208,7 @@ def test_sampling_matches_target_distribution(small_vocab, exact_joint, sample_j
     monkeypatch.setattr(costs, "reproducible", lambda s: False)
     kw = _sampled(target, sampling, 3000)
     counts = sample_joint(target, kw.pop("drafter"), kw.pop("sampling"), **kw)
-    assert max(len(s.docs) for s in target.state.suffix.values()) > 100  # earlier outputs were there to draft from
+    assert max(len(s.docs) for s in STORES.get(target, {}).values()) > 100  # earlier outputs were there to draft from
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, PROMPT_IDS * 2)) > ALPHA
 
 

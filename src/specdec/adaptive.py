@@ -40,6 +40,8 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from .costs import Costs, expected_tokens
+from .runtime import forget as _forget
+from .runtime import per_model
 
 PRIOR_WEIGHT = 1.0  # pseudo-proposals behind the prior alpha_j = PRIOR_ALPHA ** j
 PRIOR_ALPHA = 0.6
@@ -122,6 +124,7 @@ class StepRecord:
 
 
 MEMORY_GAMMA = 0.99  # discount per new observation in the memory kept across requests (~100 proposals)
+ACCEPTANCE = per_model(memory=True)  # per target: (drafter, situation) -> acceptance over greedy requests
 
 
 def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], Acceptance] | None:
@@ -132,16 +135,13 @@ def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], A
     learn that again. Exact as before: what the memory holds comes from verified steps only.
     None for sampled requests: a seeded request must give the same answer every time, and the
     draft lengths it chooses decide which random numbers its verification draws."""
-    return target.state.acceptance if greedy else None
+    return ACCEPTANCE.of(target, dict) if greedy else None
 
 
 def forget(target: Any) -> None:
     """Drop what `target`'s requests left behind (`acceptance_memory`, suffix decoding's stores
     of outputs, cached rows): a benchmark's untimed warm-up runs must not inform its timed ones."""
-    target.state.acceptance.clear()
-    target.state.confidence.clear()
-    target.state.suffix.clear()
-    target.state.prefixes = None
+    _forget(target)
 
 
 def remembered(methods: list[str]) -> frozenset[str]:

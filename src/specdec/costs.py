@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .model.transformer import Transformer
+from .runtime import per_model
 
 K_MAX = 8  # largest k the benchmark's recommendations consider
 # the widest pass table anyone asks for (a server's batch guard: 64 rows); timed once at
@@ -207,6 +208,7 @@ def store_measurement(name: str, key: str, value: Any) -> None:
 # the median one-row pass, monotone in rows (`_time_rows`); earlier versions' tables (the
 # fastest round, v2; medians, v1) are not read
 PASS_COSTS_FILE = "pass_costs-v3.json"
+PASS_TABLES = per_model(memory=False)  # the table this process decides by, per target
 
 
 def pass_costs(target: Transformer, max_rows: int) -> Costs:
@@ -215,7 +217,7 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     proposals by it pays the timing (a few seconds) once per machine, not once per process.
     Re-timed where the key or the row range is new."""
     max_rows = max(1, min(max_rows, target.args.max_seq_len - 1))  # (a pass and its context fit the model's)
-    known = target.state.pass_costs
+    known = PASS_TABLES.get(target)
     if known is not None and max(known.target_ms) >= max_rows:
         return known
     key = machine_key(target)
@@ -230,7 +232,7 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
         costs = Costs({r: round(ms, 3) for r, ms in _time_rows(target, rows, context=128, repeats=7).items()})
         if key is not None:  # (a model without a directory is kept in this process only)
             store_measurement(PASS_COSTS_FILE, key, {str(r): ms for r, ms in costs.target_ms.items()})
-    target.state.pass_costs = costs
+    PASS_TABLES[target] = costs
     return costs
 
 
@@ -247,6 +249,7 @@ def _covers(entry: Any, rows: list[int]) -> bool:
 
 
 DRAFT_STEP_FILE = "draft_step-v1.json"
+DRAFT_STEPS = per_model(memory=False)  # drafting steps run on a model: ms by what they depend on
 
 
 def draft_step_ms(model: Transformer, key: str, step: Callable[[], None], reset: Callable[[], None]) -> float:
@@ -254,7 +257,7 @@ def draft_step_ms(model: Transformer, key: str, step: Callable[[], None], reset:
     the pass table (the median of a few rounds, after a warm-up) once per machine and kept in
     the specdec cache (`DRAFT_STEP_FILE`) under `machine_key(model)` and `key` (what else the
     step depends on: a draft vocabulary's size)."""
-    known = model.state.draft_steps
+    known: dict[str, float] = DRAFT_STEPS.of(model, dict)
     if key in known:
         return known[key]
     mk = machine_key(model)
@@ -290,6 +293,6 @@ def head_call_ms(target: Transformer, what: str, weights: Iterable[torch.Tensor]
 def observe_pass(target: Transformer, rows: int, ms: float) -> None:
     """The engine's measured pass time for `rows` decode rows of `target`: followed by the cost
     table this process uses for it (`pass_costs`), if any."""
-    costs = target.state.pass_costs
+    costs = PASS_TABLES.get(target)
     if costs is not None:
         costs.observe(rows, ms)

@@ -37,8 +37,9 @@ from .config import GenerationConfig, SamplingParams
 from .drafters.base import Draft, Drafter, DraftSession, Feedback
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
-from .model.prefix import prefix_store
+from .model.prefix import PrefixStore
 from .model.transformer import ForwardOutput, Segment, Transformer
+from .runtime import per_model
 from .sampling import make_generator, pick, probs
 from .stops import StopChecker
 from .tokenizer import Tokenizer
@@ -195,6 +196,17 @@ class _Sequence:
         elif k > 0 and self.controller is not None:
             k = min(k, self.controller.choose())
         return k
+
+
+PREFIXES = per_model(memory=True)  # each model's store of finished sequences' rows (`model.prefix`)
+
+
+def prefix_store(model: Transformer, max_tokens: int = 0) -> PrefixStore:
+    """The model's store of finished sequences' rows, made on first use; its bound is the largest
+    asked for."""
+    store = PREFIXES.of(model, lambda: PrefixStore(max_tokens))
+    store.max_tokens = max(store.max_tokens, max_tokens)
+    return store
 
 
 class Engine:

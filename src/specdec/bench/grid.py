@@ -39,7 +39,7 @@ from ..config import DEFAULT_K, method_default_k
 from ..costs import K_MAX, Costs, PassClock, pass_costs
 from ..drafters import DRAFTERS, heads, make_drafter, uses_draft_model
 from ..drafters.base import draft_model_method, needs_draft_model
-from ..engine import GenerationResult
+from ..engine import PREFIXES, GenerationResult
 from ..version import __version__
 from .costmodel import Acceptance, Recommendation, recommend
 from .suite import Prompt, load_prompts, select
@@ -490,7 +490,7 @@ def run_grid(
                     clock.round()  # the pass table, measured between the blocks it prices
     result.costs = Costs(clock.table())
     result.priced = Costs(clock.table(pooled=False))
-    target.model.state.prefixes = None  # (the prompts' rows: not kept past the suite)
+    PREFIXES.pop(target.model, None)  # (the prompts' rows: not kept past the suite)
     model_speedups(result.records, result.priced)
     drafting = draft_model_method()
     draft_ms = (

@@ -170,6 +170,8 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
     from ..adaptive import forget
     from ..api import load, load_draft
     from ..drafters.base import uses_draft_model
+    from ..drafters.suffix import STORES
+    from ..engine import PREFIXES
     from ..server import ServeSettings, create_app
     from .grid import machine
 
@@ -205,13 +207,14 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
             server.close()
         if method == PLAIN:
             plain_texts = {key: st.text for key, st in stats.items()}
-        if target.model.state.prefixes is not None:
-            px = target.model.state.prefixes
+        px = PREFIXES.get(target.model)
+        if px is not None:
             prefixes[method] = {"tokens": px.tokens, "reused_tokens": px.reused, "hits": px.hits}
-        if target.model.state.suffix:
+        stores = STORES.get(target.model, {})
+        if stores:
             memory[method] = {
-                "tokens": sum(st.tokens for st in target.model.state.suffix.values()),
-                "bytes": sum(st.bytes() for st in target.model.state.suffix.values()),
+                "tokens": sum(st.tokens for st in stores.values()),
+                "bytes": sum(st.bytes() for st in stores.values()),
             }
         runs[method] = _summary(wall, stats, plain_texts)
     base = runs[PLAIN]["tokens_per_second"]

@@ -9,6 +9,7 @@ import torch
 
 from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
+from ..runtime import per_model
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, register
 from .confidence import CONFIDENCE_OPTION, TREE_OPTION, Calibration, Depth, keep_drafting
@@ -22,6 +23,13 @@ if TYPE_CHECKING:
 # The draft model keeps the last prompt it prefilled (`state.prefilled`: with its window, that
 # cache and the tokens the window left out), so a batch of sequences with one prompt, as
 # `specdec certify` or a server's n > 1 sends, prefills the draft model once.
+
+
+# per draft model: its last prefill (tokens, window, cache, skip), copied by the next request
+# with the same prompt instead of computed again
+PREFILLED = per_model(memory=False)
+# per target: how each draft's confidence predicted acceptance over recent greedy requests
+CONFIDENCE = per_model(memory=True)
 
 
 def draft_step(
@@ -387,7 +395,7 @@ class DraftModelDrafter(Drafter):
         `sync` copies instead of computing."""
         if self.cache is None or self.cache.length != 0:
             return None
-        shared = self.model.state.prefilled
+        shared = PREFILLED.get(self.model)
         pending = self._tokens[self._fed() : -1]
         if (
             shared is not None
@@ -432,7 +440,7 @@ class DraftModelDrafter(Drafter):
                 # first is this sequence's alone, and must not displace the prompt's)
                 snapshot = self.model.new_cache(self.cache.length)
                 snapshot.copy_prefix(self.cache, self.cache.length)
-                self.model.state.prefilled = (tuple(pending), self.window, snapshot, self.skip)
+                PREFILLED[self.model] = (tuple(pending), self.window, snapshot, self.skip)
 
     def accepted(self, feedback: Feedback) -> None:
         assert self.cache is not None
@@ -467,4 +475,4 @@ def _calibration(session: DraftSession, key: Hashable) -> Calibration:
     target = session.target
     if target is None or not session.sampling.greedy:
         return Calibration()
-    return target.state.confidence.setdefault(key, Calibration())
+    return CONFIDENCE.of(target, dict).setdefault(key, Calibration())

@@ -36,11 +36,13 @@ import torch
 from ..costs import expected_tokens
 from ..model.cache import KVCache
 from ..model.transformer import Segment, Transformer
+from ..runtime import per_model
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 
 CALIBRATION_TOKENS = 32  # prompt tail used to measure agreement
 CALIBRATION_REPEATS = 3  # timed repeats per measurement (median)
+CALIBRATIONS = per_model(memory=False)  # per target: calibrations by (k, greedy, candidates)
 
 # Calibrations done in this process are kept by the target (`state.calibrations`, by k and
 # greedy/sampled): one drafter object serves one sequence, the calibration every sequence.
@@ -123,14 +125,15 @@ class EarlyExitDrafter(Drafter):
             raise RuntimeError("EarlyExitDrafter.propose() called before begin()")
         if self.layer is None:
             key = (max(k, 1), self.session.sampling.greedy, self.candidates)
-            known = self.model.state.calibrations.get(key)
+            per: dict[tuple, dict[str, Any]] = CALIBRATIONS.of(self.model, dict)
+            known = per.get(key)
             if known is None:
                 known = _stored_calibration(self.model, key)
             if known is None:
                 self.calibrate(self._context_tail, max(k, 1))
                 _store_calibration(self.model, key, self.info)
                 known = dict(self.info)
-            self.model.state.calibrations[key] = known
+            per[key] = known
             self.info = dict(known)
             self.layer = self.info["layer"]
             predicted = self.info["candidates"][self.layer]["predicted_speedup"]

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..model.transformer import Transformer
+from ..runtime import per_model
 from ..training.vocabulary import attach
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads that ship with specdec, one directory each
@@ -56,6 +57,8 @@ def shipped(kind: str, *, name: str | None = None, target: Transformer | None = 
     return next((d for k, n, d in _index() if k == kind and n == name), None) if name else None
 
 
+HEADS = per_model(memory=False)  # per target: heads loaded for it and their runners, by (kind, source)
+
 H = TypeVar("H")
 R = TypeVar("R")
 
@@ -83,12 +86,13 @@ def load(
         key = (kind, str(where.resolve()))
     else:
         where, key = None, (kind, f"object {id(head)}")  # (the state holds the object: its id stays its own)
-    known = target.state.heads.get(key)
+    per: dict[tuple[str, str], tuple[Any, Any]] = HEADS.of(target, dict)
+    known = per.get(key)
     if known is None:
         obj = read(where) if where is not None else head
         if obj.embed_weight.numel() == 0:  # type: ignore[attr-defined]
             attach(obj, target)
-        known = target.state.heads[key] = (obj, runner(obj, target))  # type: ignore[arg-type]
+        known = per[key] = (obj, runner(obj, target))  # type: ignore[arg-type]
     return known  # type: ignore[return-value]
 
 

@@ -47,6 +47,7 @@ import torch
 
 from ..adaptive import MEMORY_GAMMA, Acceptance, acceptance_memory
 from ..model.transformer import Transformer
+from ..runtime import per_model
 from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 
 DEFAULT_STORE_TOKENS = 1 << 18  # tokens the shared store keeps per pool by default (~25 MB)
@@ -156,12 +157,16 @@ class SuffixStore:
         return total
 
 
+STORES = per_model(memory=True)  # per target: earlier requests' outputs by pool (a server's API key; "" in a process)
+
+
 def shared_store(target: Transformer, pool: str, max_tokens: int) -> SuffixStore:
     """The target's shared store for `pool` (made on first use; its bound follows the latest
     request's `max_tokens`)."""
-    store = target.state.suffix.get(pool)
+    stores: dict[str, SuffixStore] = STORES.of(target, dict)
+    store = stores.get(pool)
     if store is None:
-        store = target.state.suffix[pool] = SuffixStore(max_tokens)
+        store = stores[pool] = SuffixStore(max_tokens)
     store.max_tokens = max_tokens
     return store
 

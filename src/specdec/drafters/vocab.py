@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from .. import store
 from ..model.transformer import Transformer
 from ..registry import DATASETS
+from ..runtime import per_model
 from .base import Option
 
 SHIPPED = Path(__file__).resolve().parent.parent / "vocab"
@@ -290,12 +291,15 @@ def head_rows(model: Transformer, ids: torch.Tensor):  # noqa: ANN201 - a Linear
     raise ValueError(f"cannot cut a draft vocabulary from a {type(kern).__name__} head")
 
 
+VOCABS = per_model(memory=False)  # per draft model: its vocabularies by size (None: the whole one)
+
+
 def draft_vocab(model: Transformer, n: int) -> DraftVocab | None:
     """The model's N most frequent tokens as a `DraftVocab`; None when N is 0 or covers the whole
     vocabulary, or when no frequency list is known for this tokenizer (then the full head runs)."""
     if n < 0:
         raise ValueError(f"a draft vocabulary of {n} tokens; give N > 0, or 0 for the whole vocabulary")
-    per = model.state.vocabs  # (built once per model: a request builds a drafter each time)
+    per: dict[int, DraftVocab | None] = VOCABS.of(model, dict)  # (once per model, not per request)
     if n not in per:
         per[n] = None
         if 0 < n < model.args.vocab_size and model.source_dir is not None:

@@ -24,7 +24,7 @@ import numpy as np
 from .cache import KVCache
 
 if TYPE_CHECKING:
-    from .transformer import Transformer
+    pass
 
 # Shorter prefixes are not worth an entry (a few rows of prefill cost next to nothing).
 MIN_TOKENS = 16
@@ -100,13 +100,3 @@ class PrefixStore:
             held -= len(old.tokens)
         self._entries[(pool, self._next)] = _Entry(new, cache.clone_prefix(n))
         self._next += 1
-
-
-def prefix_store(model: Transformer, max_tokens: int) -> PrefixStore:
-    """The model's store (`model.state.prefixes`), made on first use; its bound is the largest
-    asked for."""
-    store = model.state.prefixes
-    if store is None:
-        store = model.state.prefixes = PrefixStore(max_tokens)
-    store.max_tokens = max(store.max_tokens, max_tokens)
-    return store

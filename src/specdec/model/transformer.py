@@ -27,7 +27,6 @@ from .cache import ContextOverflowError, KVCache
 from .config import ModelArgs
 from .kernels import MODES
 from .linear import Linear, linear_group
-from .state import ModelState
 
 # Longer runs of new tokens (prompt prefill) attend in one batched framework call where the
 # native kernel is not available: its rows are not bitwise what one-token decoding computes,
@@ -221,7 +220,6 @@ class Transformer(nn.Module):
         self._scratch = fused.Scratch()  # the native layers' working memory (see `fused`)
         self._native_stack: fused.NativeStack | None = None  # every block in native calls, several at a time
         self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
-        self.state = ModelState()  # what this process learns about the model (see `state`)
         self.bits: int | None = None  # q4k: a cheaper packing than the file's (see load_transformer), set by the loader
         self.source_dir: Path | None = None  # the model directory it was loaded from (set by the loader)
 
