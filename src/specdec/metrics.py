@@ -27,9 +27,8 @@ class Metrics:
     proposed: int = 0  # draft tokens offered for verification
     accepted: int = 0  # draft tokens accepted
     step_tokens: int = 0  # tokens committed by speculative steps (accepted + 1 each)
-    scored_rows: int = (
-        0  # rows the target scored in verification passes (last token, drafts, tree branches, extra rows)
-    )
+    # rows the target scored in verification passes (last token, drafts, tree branches, extra rows)
+    scored_rows: int = 0
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     drafter_info: dict[str, Any] = field(default_factory=dict)  # what the drafter chose (e.g. early-exit's layer)

@@ -101,9 +101,8 @@ class DraftSession:
     sampling: SamplingParams
     generator: torch.Generator  # the drafter's own, seeded
     target: Any = None  # the target Transformer (drafters that share its weights check it)
-    target_cache: Any = (
-        None  # the sequence's KVCache in the target (self-speculation writes its early blocks' KV there)
-    )
+    # the sequence's KVCache in the target (self-speculation writes its early blocks' KV there)
+    target_cache: Any = None
     # the prompt's residual after each of the drafter's `feature_layers` (the prefill computed
     # them; the first generated token's come with the first Feedback), [T_prompt, D]
     layers: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -38,9 +38,8 @@ class ServeSettings:
     max_queue: int = 256  # waiting requests beyond the batch; more get 429
     default_max_tokens: int = 512
     api_keys: tuple[str, ...] = ()  # accepted keys, one per client (none: open)
-    suffix_shared: bool = (
-        False  # what the server keeps from requests (suffix memory, cached rows) is one pool for all keys
-    )
+    # what the server keeps from requests (suffix memory, cached rows) is one pool for all keys
+    suffix_shared: bool = False
     prefix_tokens: int = PREFIX_TOKENS  # finished requests' rows kept for later prompts (0: none)
     max_body_bytes: int = 1 << 20
     batch_guard: bool = True  # drafting off for steps whose batch leaves it no room
