@@ -144,14 +144,6 @@ def forget(target: Any) -> None:
     _forget(target)
 
 
-def remembered(methods: list[str]) -> frozenset[str]:
-    """The drafters among `methods` whose acceptance `acceptance_memory` keeps across requests:
-    the model-free ones (what they propose depends on the target's text alone)."""
-    from .drafters.base import DRAFTERS
-
-    return frozenset(m for m in methods if m in DRAFTERS and DRAFTERS[m].needs == "")
-
-
 class _Prober:
     """After `wait` plain steps in a row, one probe; each probe that finds nothing doubles the
     wait (up to MAX_PROBE_WAIT), a step chosen on its merits resets it."""

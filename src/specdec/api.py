@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from . import store
-from .config import GenerationConfig, SamplingParams, resolve_k
-from .drafters.base import Drafter, draft_model_method, make_drafter, uses_draft_model
+from .config import GenerationConfig, SamplingParams
+from .drafters.base import Drafter, draft_model_method, make_drafter, resolve_k, uses_draft_model
 from .drafters.prediction import PREDICTION_READERS
 from .engine import Delta, Engine, GenerationResult
 from .model.load import load_transformer

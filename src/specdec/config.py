@@ -120,30 +120,6 @@ class GenerationConfig:
             )
 
 
-def resolve_k(k: int | None, *, target: str, method: str | None, draft: str | None, mode: str) -> tuple[int, str]:
-    """(k, where it came from): "given", "tuned" (stored by `specdec bench --tune` for this
-    target, method, draft and mode) or "default" (the method's own, `DrafterSpec.default_k`,
-    else DEFAULT_K)."""
-    if k is not None:
-        return k, "given"
-    if method is not None:
-        from .tuning import lookup
-
-        tuned = lookup(target, method, draft, mode)
-        if tuned is not None:
-            return tuned, "tuned"
-    return method_default_k(method), "default"
-
-
-def method_default_k(method: str | None) -> int:
-    """The k a method runs with when none is given or tuned: its own (`DrafterSpec.default_k`:
-    a tree drafter's deepest draft), else DEFAULT_K."""
-    from .drafters.base import DRAFTERS
-
-    spec = DRAFTERS.get(method) if method is not None else None
-    return spec.default_k if spec is not None and spec.default_k is not None else DEFAULT_K
-
-
 T = TypeVar("T")
 
 

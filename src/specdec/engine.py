@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from .adaptive import KController, StepGuard, acceptance_memory, remembered
+from .adaptive import KController, StepGuard, acceptance_memory
 from .config import GenerationConfig, SamplingParams
-from .drafters.base import Draft, Drafter, DraftSession, Feedback
+from .drafters.base import Draft, Drafter, DraftSession, Feedback, remembered
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
 from .model.prefix import PrefixStore

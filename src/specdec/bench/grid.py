@@ -35,10 +35,10 @@ import torch
 
 from .. import registry
 from ..api import LoadedModel, build_drafter, encode_prompt, generate, load, load_draft, request, run_request
-from ..config import DEFAULT_K, method_default_k
+from ..config import DEFAULT_K
 from ..costs import K_MAX, Costs, PassClock, pass_costs
 from ..drafters import DRAFTERS, heads, make_drafter, uses_draft_model
-from ..drafters.base import draft_model_method, needs_draft_model
+from ..drafters.base import draft_model_method, method_default_k, needs_draft_model
 from ..engine import PREFIXES, GenerationResult
 from ..version import __version__
 from .costmodel import Acceptance, Recommendation, recommend

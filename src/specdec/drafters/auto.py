@@ -51,12 +51,12 @@ from typing import Any
 
 import torch
 
-from ..adaptive import KEEP_MEASURED, MethodChooser, acceptance_memory, outlook_of, remembered
+from ..adaptive import KEEP_MEASURED, MethodChooser, acceptance_memory, outlook_of
 from ..costs import K_MAX
 from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
-from .base import DRAFTERS, Draft, Drafter, DraftSession, Feedback, Option, make_drafter, register
+from .base import DRAFTERS, Draft, Drafter, DraftSession, Feedback, Option, make_drafter, register, remembered
 from .confidence import CONFIDENCE_OPTION
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION
 from .window import DEFAULT_WINDOW, WINDOW_OPTION

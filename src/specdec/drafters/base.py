@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
-from ..config import SamplingParams
+from ..config import DEFAULT_K, SamplingParams
 
 if TYPE_CHECKING:
     from ..adaptive import StepRecord
@@ -398,3 +398,31 @@ def make_drafter(name: str, *, target: Any = None, draft: Any = None, **options:
 def point_mass(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """q for a deterministic draft: one-hot rows. tokens [K] -> [K, V]."""
     return torch.nn.functional.one_hot(tokens, vocab_size).float()
+
+
+def resolve_k(k: int | None, *, target: str, method: str | None, draft: str | None, mode: str) -> tuple[int, str]:
+    """(k, where it came from): "given", "tuned" (stored by `specdec bench --tune` for this
+    target, method, draft and mode) or "default" (the method's own, `DrafterSpec.default_k`,
+    else DEFAULT_K)."""
+    if k is not None:
+        return k, "given"
+    if method is not None:
+        from ..tuning import lookup
+
+        tuned = lookup(target, method, draft, mode)
+        if tuned is not None:
+            return tuned, "tuned"
+    return method_default_k(method), "default"
+
+
+def method_default_k(method: str | None) -> int:
+    """The k a method runs with when none is given or tuned: its own (`DrafterSpec.default_k`:
+    a tree drafter's deepest draft), else DEFAULT_K."""
+    spec = DRAFTERS.get(method) if method is not None else None
+    return spec.default_k if spec is not None and spec.default_k is not None else DEFAULT_K
+
+
+def remembered(methods: list[str]) -> frozenset[str]:
+    """The drafters among `methods` whose acceptance `adaptive.acceptance_memory` keeps across requests:
+    the model-free ones (what they propose depends on the target's text alone)."""
+    return frozenset(m for m in methods if m in DRAFTERS and DRAFTERS[m].needs == "")

@@ -21,13 +21,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from .kquant import KQuantKernel
 from .native import SegmentAttention
 
 if TYPE_CHECKING:
     from .config import ModelArgs
-    from .transformer import Block
 
 _N = 7  # q, k, v, o, gate, up, down (csrc/layer.c's order)
 
@@ -50,12 +50,12 @@ class _LayerStruct(ctypes.Structure):
     ]
 
 
-def _kernels(block: Block) -> list[object]:
+def _kernels(block: nn.Module) -> list[object]:
     a, m = block.self_attn, block.mlp
     return [lin.kernel for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)]
 
 
-def supported(block: Block, args: ModelArgs) -> bool:
+def supported(block: nn.Module, args: ModelArgs) -> bool:
     """Whether csrc/layer.c computes this block: a pre-norm Llama/Qwen2 layer (plain RMSNorm,
     SiLU MLP, no q/k norms) over q4k kernels of one build, float32, sizes its vector code takes."""
     kernels = _kernels(block)
@@ -77,7 +77,7 @@ def supported(block: Block, args: ModelArgs) -> bool:
 class NativeLayer:
     """Runs `block` (a supported one) through csrc/layer.c."""
 
-    def __init__(self, block: Block, args: ModelArgs) -> None:
+    def __init__(self, block: nn.Module, args: ModelArgs) -> None:
         kernels: list[KQuantKernel] = _kernels(block)  # type: ignore[assignment]
         self.block, self.lib = block, kernels[0].lib
         self.H, self.Hkv, self.Dh, self.D = args.n_heads, args.n_kv_heads, args.head_dim, args.dim

@@ -21,8 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from ..api import LoadedModel, build_drafter, encode_prompt, prepare
-from ..config import GenerationConfig, SamplingParams, resolve_k
-from ..drafters.base import needs_draft_model, uses_draft_model
+from ..config import GenerationConfig, SamplingParams
+from ..drafters.base import needs_draft_model, resolve_k, uses_draft_model
 from ..drafters.prediction import PREDICTION_READERS
 from ..engine import ContextOverflowError, Delta, GenerationResult, TokenLogprob, plan_length
 from ..tokenizer import Tokenizer

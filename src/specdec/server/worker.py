@@ -33,7 +33,7 @@ class ServeSettings:
     model_name: str  # the id clients send as "model"
     method: str | None = None  # the default drafting method (None: plain decoding)
     options: dict[str, Any] = field(default_factory=dict)  # the default method's options
-    k: int | None = None  # None: the method's own default (`config.resolve_k`)
+    k: int | None = None  # None: the method's own default (`drafters.base.resolve_k`)
     max_batch: int = 8
     max_queue: int = 256  # waiting requests beyond the batch; more get 429
     default_max_tokens: int = 512
