@@ -71,6 +71,19 @@ def test_a_bare_json_answer_naming_a_tool_is_a_call(text):
     ]
 
 
+def test_a_code_answer_streams_as_it_comes_while_a_json_one_is_held():
+    """An agent's answer in a ```python fence cannot be a bare call: it goes out as it is made,
+    not all at the end (as it did while any fenced answer was held)."""
+    parser = ToolCallParser(NAMES)
+    assert parser.feed("``") == [] and parser.feed("`py") != []  # (one can tell by the fence's language)
+    assert "".join(v for _, v in parser.feed("thon\ndef f():\n")) == "thon\ndef f():\n"
+    held = ToolCallParser(NAMES)
+    assert held.feed("```js") == [] and held.feed("on\n") == [] and held.feed('{"name": "search", ') == []
+    assert held.feed('"arguments": {}}\n```') == [] and [c.name for _, c in held.finish()] == ["search"]
+    fenced = ToolCallParser(NAMES)  # a fence of JSON that is not an object or list: text, at once
+    assert fenced.feed("```json\n") == [] and fenced.feed("42\n```") != []
+
+
 def test_an_unclosed_block_at_the_end_is_a_call_when_its_json_is_whole():
     assert parse_all(CALL.removesuffix("</tool_call>"), NAMES)[1][0].name == "get_weather"
     text = '<tool_call>\n{"name": "get_weather", "argu'
@@ -103,6 +116,9 @@ def test_forced_starts_are_parsed_with_the_output():
             "a < b and <tool_call> never closed",
             '{"not": "a call"}',
             CALL + " then " + CALL.replace("Paris", "Rome"),
+            "```python\ndef f():\n    return 1\n```",
+            '```\n{"name": "search", "arguments": {}}\n```',
+            "``python or not",
         ]
     ),
     st.sampled_from([None, 1]),

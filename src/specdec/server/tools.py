@@ -104,8 +104,8 @@ class ToolCallParser:
         if self._mode != "stream":
             self._held += text
             lead = self._held.lstrip()
-            if self._mode is None and lead:
-                self._mode = "hold" if lead[0] in "{[`" else "stream"
+            if lead:  # held only while the output may still be a bare call (a code answer goes out)
+                self._mode = "hold" if _may_be_bare(lead) else "stream"
             if self._mode != "stream":
                 return []
             text, self._held = self._held, ""
@@ -223,6 +223,22 @@ def parse_all(
     content = "".join(v for kind, v in events if kind == "content")
     calls = [v for kind, v in events if kind == "call"]
     return (content if content.strip() or not calls else None), calls
+
+
+def _may_be_bare(lead: str) -> bool:
+    """Whether an output beginning with `lead` (no leading space) may still be a bare call: JSON
+    from its first character, or in a code fence marked json or not marked at all (what
+    `ToolCallParser._bare` reads). A fence of another language (```python) or one whose first
+    line is not JSON settles it: text, streamed as it comes."""
+    if lead[0] in "{[":
+        return True
+    if not lead.startswith("```"):
+        return "```".startswith(lead)  # (one or two backticks: not known yet)
+    first, newline, rest = lead[3:].partition("\n")
+    if not newline:  # (still in the fence's first line)
+        return "json".startswith(first.strip().lower())
+    body = rest.lstrip()
+    return first.strip().lower() in ("", "json") and (not body or body[0] in "{[")
 
 
 def _partial_suffix(text: str, tag: str) -> int:
