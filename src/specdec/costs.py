@@ -17,7 +17,9 @@ import torch
 from .model.transformer import Transformer
 from .runtime import per_model
 
-K_MAX = 8  # largest k the benchmark's recommendations consider
+# the longest chain the cost model prices: the chooser sizes chains and the benchmark recommends
+# k within it (`config.MAX_K` is the most any step may draft)
+PRICED_K = 8
 # the widest pass table anyone asks for (a server's batch guard: 64 rows); timed once at
 # `specdec models install` (and by `api.prepare`), it serves every narrower request
 TABLE_ROWS = 64
@@ -222,10 +224,10 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
         return known
     key = machine_key(target)
     entry = stored(PASS_COSTS_FILE, key) if key is not None else None
-    # every row count a chain of up to K_MAX drafts can bring (the pass time is not linear in
+    # every row count a chain of up to PRICED_K drafts can bring (the pass time is not linear in
     # the rows: the q4k kernel's cost jumps between some counts), then sparser
-    rows = sorted(r for r in {*range(1, K_MAX + 2), 12, 16, 24, 32, max_rows} if r <= max_rows)
-    if _covers(entry, rows):  # (a wider table serves a narrower request: it is interpolated past K_MAX + 1)
+    rows = sorted(r for r in {*range(1, PRICED_K + 2), 12, 16, 24, 32, max_rows} if r <= max_rows)
+    if _covers(entry, rows):  # (a wider table serves a narrower request: it is interpolated past PRICED_K + 1)
         costs = Costs({int(r): float(ms) for r, ms in entry.items()})
     else:
         # (rounded as stored: this process decides on the same numbers as later ones that read them)
@@ -237,7 +239,7 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
 
 
 def _covers(entry: Any, rows: list[int]) -> bool:
-    """Whether a stored table holds every row count up to K_MAX + 1 that `rows` asks for and
+    """Whether a stored table holds every row count up to PRICED_K + 1 that `rows` asks for and
     reaches at least as far as `rows` does."""
     if not isinstance(entry, dict) or not entry:
         return False
@@ -245,7 +247,7 @@ def _covers(entry: Any, rows: list[int]) -> bool:
         have = {int(r) for r in entry}
     except ValueError:
         return False
-    return {r for r in rows if r <= K_MAX + 1} <= have and max(have) >= max(rows)
+    return {r for r in rows if r <= PRICED_K + 1} <= have and max(have) >= max(rows)
 
 
 DRAFT_STEP_FILE = "draft_step-v1.json"

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..costs import K_MAX, Costs
+from ..costs import PRICED_K, Costs
 from ..drafters.base import needs_draft_model
 
 
@@ -103,7 +103,7 @@ def recommend(
     method: str, temperature: float, category: str, records: list[dict[str, Any]], costs: Costs, k_used: int
 ) -> Recommendation:
     acc = Acceptance.pool(records)
-    by_k = {k: predict(method, k, acc, costs) for k in range(1, K_MAX + 1)}
+    by_k = {k: predict(method, k, acc, costs) for k in range(1, PRICED_K + 1)}
     best = max(by_k, key=lambda k: by_k[k])
     speeds = [r["speedup"] for r in records if r.get("speedup") is not None]
     return Recommendation(

@@ -36,7 +36,7 @@ import torch
 from .. import registry
 from ..api import LoadedModel, build_drafter, encode_prompt, generate, load, load_draft, request, run_request
 from ..config import DEFAULT_K
-from ..costs import K_MAX, Costs, PassClock, pass_costs
+from ..costs import PRICED_K, Costs, PassClock, pass_costs
 from ..drafters import DRAFTERS, heads, make_drafter, uses_draft_model
 from ..drafters.base import draft_model_method, method_default_k, needs_draft_model
 from ..engine import PREFIXES, GenerationResult
@@ -506,9 +506,9 @@ def run_grid(
     return result
 
 
-# the row counts the interleaved pass table times (`PassClock`): every chain up to K_MAX, then
+# the row counts the interleaved pass table times (`PassClock`): every chain up to PRICED_K, then
 # sparser up to the largest trees; past the last, `Costs.rows` extends the slope
-CLOCK_ROWS = [*range(1, K_MAX + 2), 12, 16, 24, 32, 48, 64]
+CLOCK_ROWS = [*range(1, PRICED_K + 2), 12, 16, 24, 32, 48, 64]
 # the prompts' rows a suite keeps (`model.prefix`): each prompt is read once, untimed (`_prime`),
 # and every timed run of it copies those rows, so what is timed is generation alone
 PREFIX_TOKENS = 8192

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from ..adaptive import KEEP_MEASURED, MethodChooser, acceptance_memory, outlook_of
-from ..costs import K_MAX
+from ..costs import PRICED_K
 from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
@@ -70,7 +70,7 @@ def switchable() -> list[str]:
 @register(
     "auto",
     needs="any",
-    default_k=16,  # the deepest a step may go: chains stop at the chooser's K_MAX, suffix trees here
+    default_k=16,  # the deepest a step may go: chains stop at the chooser's PRICED_K, suffix trees here
     help="choose the drafter (prompt lookup, suffix; the draft model with --draft; an EAGLE-3 head if asked for) and k "
     "each step, or a plain step, by predicted tokens per second",
     options=(
@@ -192,7 +192,7 @@ class AutoDrafter(Drafter):
         self.wants_hidden = any(s.wants_hidden for s in self.subs.values())
         self.feature_layers = tuple(sorted({i for s in self.subs.values() for i in s.feature_layers}))
         self.chooser: MethodChooser | None = None
-        self.k_max = K_MAX  # the longest chain the chooser prices (deeper with a prediction: `begin`)
+        self.k_max = PRICED_K  # the longest chain the chooser prices (deeper with a prediction: `begin`)
         self._plan: tuple[str, Hashable, int] | None = None  # this step's (method, situation, k)
         self._budget = 0  # this step's k from the engine: the deepest a proposal may go
         self._proposal: list[int] = []  # this step's draft nodes
@@ -210,7 +210,7 @@ class AutoDrafter(Drafter):
     def prepare(self) -> None:
         from ..costs import pass_costs  # (looked up at call time: tests replace it)
 
-        pass_costs(self.target, PREDICTION_K_MAX + 1)
+        pass_costs(self.target, PREDICTION_PRICED_K + 1)
         for sub in self.subs.values():
             sub.prepare()
 
@@ -234,8 +234,8 @@ class AutoDrafter(Drafter):
             sub = self.subs[PREDICTION] = make_drafter(PREDICTION)
             sub.lazy_begin = sub.chain_only = True
         # a prediction followed for a while is accepted nearly whole: its chains may go as deep
-        # as the step allows (the others' stay within K_MAX, where their acceptance ends)
-        self.k_max = PREDICTION_K_MAX if session.prediction and PREDICTION in self.subs else K_MAX
+        # as the step allows (the others' stay within PRICED_K, where their acceptance ends)
+        self.k_max = PREDICTION_PRICED_K if session.prediction and PREDICTION in self.subs else PRICED_K
         for sub in self.subs.values():
             sub.pool = self.pool
             # each drafter its own generator, seeded from the session's: reproducible, independent
@@ -288,7 +288,7 @@ class AutoDrafter(Drafter):
             name: o
             for name, sub in self.subs.items()
             if not (self.merge and name == SUFFIX)
-            and (o := outlook_of(sub, k if name == PREDICTION else min(k, K_MAX))) is not None
+            and (o := outlook_of(sub, k if name == PREDICTION else min(k, PRICED_K))) is not None
         }
         method, kk = self.chooser.choose(outlook, remaining=remaining)
         self._plan = (method, outlook[method][0] if method in outlook else None, kk)
@@ -483,7 +483,7 @@ class AutoDrafter(Drafter):
 
 SUFFIX = "suffix"
 PREDICTION = "prediction"
-PREDICTION_K_MAX = 31  # the deepest chain a prediction may propose in one step (a pass of 32 rows)
+PREDICTION_PRICED_K = 31  # the deepest chain a prediction may propose in one step (a pass of 32 rows)
 
 
 @dataclass

@@ -55,7 +55,7 @@ CANDIDATES = 64  # most recent occurrences examined per index (local and shared)
 TREE_CANDIDATES = 32  # longest-matching candidates merged into one tree
 THRESHOLDS = 3  # distinct match lengths tried as t per step
 GAMMA = 0.9  # discount of a request's own acceptance per proposal, as auto's chooser has it
-K_MAX_ROWS = 32  # the pass table's rows it reads at least (a table the target has anyway)
+MIN_TABLE_ROWS = 32  # the pass table's rows it reads at least (a table the target has anyway)
 _NONE = array("l")  # (no occurrence; never appended to)
 
 
@@ -310,7 +310,7 @@ class SuffixDrafter(Drafter):
         self._device = torch.device("cpu")
 
     def _rows(self) -> int:
-        return max(K_MAX_ROWS, self.max_nodes + 1)
+        return max(MIN_TABLE_ROWS, self.max_nodes + 1)
 
     def begin(self, session: DraftSession) -> None:
         from ..costs import pass_costs, reproducible
