@@ -267,7 +267,7 @@ class Engine:
         if cfg.adaptive_k and drafter is not None and not drafter.own_schedule:
             from .costs import pass_costs, reproducible
 
-            if drafter.adaptive_k:
+            if drafter.k_by_engine:
                 controller = KController(
                     drafter,
                     cfg.k,

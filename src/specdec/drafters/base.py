@@ -146,9 +146,10 @@ class Drafter:
     scratch_rows: int = 0  # most cache slots a pass needs beyond k + 1 (tree branches, extra rows)
     wants_hidden: bool = False  # Feedback.hidden: the target's final-normed hidden states
     feature_layers: tuple[int, ...] = ()  # Feedback.layers: the residual after these target layers
-    # a chain drafter whose k the engine may choose each step (`adaptive_k`); drafters that size
-    # their own proposals (trees, calibrated per k, extra rows) keep the k they are given
-    adaptive_k: bool = False
+    # a chain drafter whose k the engine may choose each step (under `GenerationConfig.adaptive_k`);
+    # drafters that size their own proposals (trees, calibrated per k, extra rows) keep the k
+    # they are given
+    k_by_engine: bool = False
     # a chain drafter that stops short of the k it is given where one more token would not pay
     # (a draft model judging by its confidence): whoever chooses k hands it the deepest one
     sizes_itself: bool = False

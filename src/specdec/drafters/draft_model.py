@@ -106,7 +106,7 @@ class DraftModelDrafter(Drafter):
     rows priced by the target's pass table). The chosen k then bounds the depth, and the
     engine's controller (`adaptive.KController`) decides only whether to draft at all."""
 
-    adaptive_k = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
+    k_by_engine = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
 
     def __init__(
         self,

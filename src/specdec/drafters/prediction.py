@@ -57,7 +57,7 @@ class PredictionDrafter(Drafter):
     """Proposes the prediction's tokens after its pointer (see the module doc). Without a
     prediction in the session (`DraftSession.prediction`) it proposes nothing."""
 
-    adaptive_k = True  # the engine's KController sizes each step's chain from measured acceptance
+    k_by_engine = True  # the engine's KController sizes each step's chain from measured acceptance
 
     def __init__(self, max_ngram: int = 8) -> None:
         super().__init__()

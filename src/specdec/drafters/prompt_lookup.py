@@ -34,7 +34,7 @@ class PromptLookupDrafter(Drafter):
     """Proposes the continuation of the most recent earlier occurrence of the longest
     matching suffix (n from `max_ngram` down to `min_ngram`); no proposal when nothing matches."""
 
-    adaptive_k = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
+    k_by_engine = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, single_token_match_limit: int = 2) -> None:
         """`single_token_match_limit`: at most this many tokens are proposed when only the last
