@@ -5,7 +5,6 @@ wrong acceptance rules the statistical tests use as negative controls."""
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections import Counter
 
 import pytest
@@ -14,13 +13,12 @@ from helpers import PROMPT_IDS, V_SMALL
 
 import specdec
 from specdec import engine
-from specdec.adaptive import forget
 from specdec.certify import broken_rules
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.model import load_transformer
 from specdec.model.kernels import MODES
 from specdec.model.native import available as native_available
-from specdec.model.transformer import Transformer
+from specdec.runtime import forget_all
 from specdec.sampling import probs
 from specdec.testing import make_tiny_model
 
@@ -30,26 +28,12 @@ EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
-# every model this session loads (the fixtures share them between tests)
-_MODELS: weakref.WeakSet[Transformer] = weakref.WeakSet()
-_init = Transformer.__init__
-
-
-def _tracked_init(self: Transformer, *args, **kwargs) -> None:
-    _init(self, *args, **kwargs)
-    _MODELS.add(self)
-
-
-Transformer.__init__ = _tracked_init  # type: ignore[method-assign]
-
-
 @pytest.fixture(autouse=True)
 def _fresh_acceptance_memory():
     """Each test starts as a new process would: nothing remembered from other tests' requests
-    (acceptance, suffix stores, cached rows: `specdec.adaptive.forget`), so no test depends on
+    (acceptance, suffix stores, cached rows: `specdec.runtime.forget_all`), so no test depends on
     the order."""
-    for model in list(_MODELS):
-        forget(model)
+    forget_all()
     yield
 
 

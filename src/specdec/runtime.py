@@ -44,6 +44,12 @@ def per_model(*, memory: bool) -> PerModel[Any]:
     return cache
 
 
+def forget_all() -> None:
+    """`forget` for every model at once (a test starts as a new process would)."""
+    for cache in _MEMORY:
+        cache.clear()
+
+
 def forget(model: Any) -> None:
     """Drop what `model`'s requests left behind (acceptance memory, suffix decoding's stores of
     outputs, cached rows, the draft's confidence calibration)."""

@@ -1,0 +1,72 @@
+"""What a process learns about a model lives outside the model (`specdec.runtime`): kept per
+model weakly, memory dropped by `forget`, artifacts kept; and the model layer imports nothing
+above it."""
+
+from __future__ import annotations
+
+import ast
+import gc
+from pathlib import Path
+
+from specdec import runtime
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "src" / "specdec" / "model"
+
+
+class _Model:
+    """A stand-in model: anything weakly referenceable keys the caches."""
+
+
+def test_entries_go_with_their_model():
+    cache = runtime.per_model(memory=False)
+    m = _Model()
+    made = cache.of(m, list)
+    assert cache.of(m, list) is made and len(cache) == 1  # made once
+    del m
+    gc.collect()
+    assert len(cache) == 0
+
+
+def test_forget_drops_memory_and_keeps_artifacts():
+    memory, artifact = runtime.per_model(memory=True), runtime.per_model(memory=False)
+    a, b = _Model(), _Model()
+    for m in (a, b):
+        memory.of(m, dict)["seen"] = 1
+        artifact.of(m, dict)["table"] = 2
+    runtime.forget(a)
+    assert a not in memory and b in memory and a in artifact and b in artifact
+    runtime.forget_all()
+    assert len(memory) == 0 and len(artifact) == 2
+
+
+def _upward(source: str, package_depth: int = 1) -> list[str]:
+    """Imports in a module of specdec/model/ that reach the package outside model/ (except
+    `paths`, the cache root every layer reads), type-only ones included."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level > package_depth:
+            target = (node.module or "").split(".")[0] or node.names[0].name
+            if target != "paths":
+                out.append(f"{'.' * node.level}{node.module or ''}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            out += [
+                n for n in names if n.startswith("specdec") and not n.startswith(("specdec.model", "specdec.paths"))
+            ]
+    return out
+
+
+def test_the_model_layer_imports_nothing_above_it():
+    files = sorted(MODEL_DIR.rglob("*.py"))
+    assert len(files) > 10
+    found = {str(p.relative_to(MODEL_DIR)): up for p in files if (up := _upward(p.read_text()))}
+    assert not found, found
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """Negative control: a type-only import of an upper layer is found."""
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..costs import Costs\n"
+    assert _upward(source) == ["..costs"]
+    assert _upward("from ..paths import cache_root\nfrom .cache import KVCache\n") == []
+    assert _upward("import specdec.adaptive\n") == ["specdec.adaptive"]
