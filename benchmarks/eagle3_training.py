@@ -20,10 +20,10 @@ from pathlib import Path
 
 import specdec
 from specdec import store
+from specdec.networks.eagle3 import Eagle3Head
+from specdec.networks.vocabulary import attach as attach_target
 from specdec.training import features as fe
-from specdec.training.eagle3 import Eagle3Head
 from specdec.training.loop import evaluate, moving_average
-from specdec.training.vocabulary import attach as attach_target
 
 
 def main() -> int:

@@ -8,9 +8,9 @@ from scipy.stats import chisquare
 
 from specdec.costs import Costs
 from specdec.drafters import Draft, DraftModelDrafter, Feedback
+from specdec.networks.eagle3 import Eagle3Head, HeadConfig, config_for_target
+from specdec.networks.vocabulary import attach as attach_target
 from specdec.sampling import probs
-from specdec.training.eagle3 import Eagle3Head, HeadConfig, config_for_target
-from specdec.training.vocabulary import attach as attach_target
 
 ALPHA = 1e-3  # significance level of every statistical test; all runs are seeded
 
@@ -144,9 +144,9 @@ def random_heads(
 ):
     """Seeded heads for `model`: Medusa's initialisation (each head starts as the target's own
     LM head) plus `noise` on every weight; draft vocabulary every other token, or `vocab_ids`."""
-    from specdec.training.medusa import MedusaHeads
-    from specdec.training.medusa import config_for_target as heads_config
-    from specdec.training.vocabulary import attach as attach_heads
+    from specdec.networks.medusa import MedusaHeads
+    from specdec.networks.medusa import config_for_target as heads_config
+    from specdec.networks.vocabulary import attach as attach_heads
 
     V = model.args.vocab_size
     n = len(vocab_ids) if vocab_ids is not None else draft_vocab or V // 2

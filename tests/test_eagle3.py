@@ -20,10 +20,10 @@ from specdec import engine
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import Eagle3Drafter, make_drafter
 from specdec.drafters.eagle3 import _Runner
+from specdec.networks.eagle3 import Eagle3Head, HeadConfig, config_for_target
+from specdec.networks.vocabulary import attach as attach_target
 from specdec.training import features as fe
-from specdec.training.eagle3 import Eagle3Head, HeadConfig, config_for_target
 from specdec.training.loop import TrainConfig, evaluate, sequence_loss, train, unroll
-from specdec.training.vocabulary import attach as attach_target
 
 
 def _examples(model, n: int, length: int, seed: int) -> list[fe.Example]:

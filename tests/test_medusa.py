@@ -16,10 +16,11 @@ from specdec import engine
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.costs import Costs
 from specdec.drafters import DraftSession, HydraDrafter, MedusaDrafter, make_drafter
+from specdec.networks.medusa import MedusaHeads, greedy_tree
+from specdec.networks.vocabulary import attach as attach_target
 from specdec.training import features as fe
 from specdec.training.loop import TrainConfig, train
-from specdec.training.medusa import MedusaHeads, greedy_tree, head_states, heads_loss, topk_accuracy
-from specdec.training.vocabulary import attach as attach_target
+from specdec.training.medusa import head_states, heads_loss, topk_accuracy
 
 KINDS = ["medusa", "hydra"]
 DRAFTER = {"medusa": MedusaDrafter, "hydra": HydraDrafter}

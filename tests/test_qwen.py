@@ -41,7 +41,7 @@ def test_shipped_eagle3_head_is_small_documented_and_exact(pair):
     beside it, used by default by --drafter eagle3, greedy output identical to plain decoding
     (cost-model trees and fixed trees), and some of its drafts accepted."""
     from specdec.drafters.heads import shipped
-    from specdec.training.eagle3 import CONFIG_NAME, WEIGHTS_NAME, Eagle3Head
+    from specdec.networks.eagle3 import CONFIG_NAME, WEIGHTS_NAME, Eagle3Head
 
     where = shipped("eagle3", name="qwen2.5-coder-1.5b")
     assert where is not None

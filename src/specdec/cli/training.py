@@ -252,9 +252,9 @@ def export_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_export_medusa(ns: argparse.Namespace) -> int:
     from ..model import load_transformer
+    from ..networks.medusa import MedusaHeads
+    from ..networks.vocabulary import attach
     from ..training.export import export_medusa as export
-    from ..training.medusa import MedusaHeads
-    from ..training.vocabulary import attach
 
     heads = MedusaHeads.load(ns.head)
     path = store.resolve(ns.target or heads.cfg.target)
@@ -266,9 +266,9 @@ def _cmd_export_medusa(ns: argparse.Namespace) -> int:
 
 def _cmd_export_eagle3(ns: argparse.Namespace) -> int:
     from ..model import load_transformer
-    from ..training.eagle3 import Eagle3Head
+    from ..networks.eagle3 import Eagle3Head
+    from ..networks.vocabulary import attach
     from ..training.export import export_eagle3 as export
-    from ..training.vocabulary import attach
 
     head = Eagle3Head.load(ns.head)
     if head.cfg.tie_lm_head:

@@ -1,6 +1,6 @@
 """EAGLE-3 drafting: a one-layer head over the target's own features, dynamic token trees.
 
-Each proposal (see `specdec.training.eagle3` for the head itself):
+Each proposal (see `specdec.networks.eagle3` for the head itself):
 
 1. the head catches up on the committed positions whose target features arrived since the
    last proposal (the prompt's at `begin`, then the accepted rows of each verification pass):
@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from ..model.transformer import Transformer
+from ..networks.eagle3 import Eagle3Head
 from ..sampling import probs as sampling_probs
-from ..training.eagle3 import Eagle3Head
 from . import heads
 from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 from .heads import HeadRunner

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import torch
 
 from ..model.transformer import Transformer
+from ..networks.vocabulary import attach
 from ..runtime import per_model
-from ..training.vocabulary import attach
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads that ship with specdec, one directory each
 CONFIGS = {"specdec_eagle3.json": "eagle3", "specdec_medusa.json": None}  # config file -> kind (None: in the file)

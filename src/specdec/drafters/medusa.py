@@ -2,9 +2,9 @@
 
 After each verification pass the drafter holds h_t, the target's final-normed hidden state at
 the last committed position whose features are known, and y_1, the target's own next token
-(committed, not yet scored). Head d guesses token t + 1 + d (see `specdec.training.medusa`).
+(committed, not yet scored). Head d guesses token t + 1 + d (see `specdec.networks.medusa`).
 
-The tree (Medusa's construction, `specdec.training.medusa.greedy_tree`): a node is a path of
+The tree (Medusa's construction, `specdec.networks.medusa.greedy_tree`): a node is a path of
 choice ranks (j_1, ..., j_d) — at depth d, head d's (j_d + 1)-th choice — expected to be
 accepted with the product of those ranks' measured accuracies (the head directory's
 validation table). The best M nodes go to the target as one tree, M chosen by the cost model
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from ..model.transformer import Transformer
+from ..networks.medusa import MedusaHeads, greedy_tree
 from ..sampling import probs as sampling_probs
-from ..training.medusa import MedusaHeads, greedy_tree
 from . import heads
 from .base import Draft, Drafter, DraftSession, Feedback, Option, register
 from .heads import HeadRunner

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from .eagle3 import ARCHITECTURE, Eagle3Head
-from .medusa import MedusaConfig, MedusaHeads
+from ..networks.eagle3 import ARCHITECTURE, Eagle3Head
+from ..networks.medusa import MedusaConfig, MedusaHeads
 
 FORMATS = ("vllm", "sglang")
 EAGLE3_WEIGHT_NAMES = (

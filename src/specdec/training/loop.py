@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .eagle3 import Eagle3Head
+from ..networks.eagle3 import Eagle3Head
 from .features import Example
 
 DECAY = 0.8  # the reference implementation's weight of step j's loss: DECAY ** (j - 1)

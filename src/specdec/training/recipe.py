@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from ..networks.eagle3 import Eagle3Head, HeadConfig, config_for_target
+from ..networks.vocabulary import attach
 from . import features as fe
-from .eagle3 import Eagle3Head, HeadConfig, config_for_target
 from .loop import TrainConfig, evaluate, train
-from .vocabulary import attach
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,9 @@ def run_heads(
     The recipe is EAGLE-3's (`run`), with the target's last layer as the features."""
     from .. import store
     from ..api import load
+    from ..networks.medusa import MedusaHeads, config_for_target
     from .loop import _dist
-    from .medusa import MedusaHeads, config_for_target, heads_loss, topk_accuracy
+    from .medusa import heads_loss, topk_accuracy
 
     rank, world = _dist()
     lm = load(r.target)
