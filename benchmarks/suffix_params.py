@@ -19,10 +19,10 @@ import statistics
 from pathlib import Path
 
 import specdec
-from specdec.adaptive import forget
 from specdec.bench.grid import prompt_ids
 from specdec.bench.suite import load_prompts
 from specdec.drafters import SuffixDrafter
+from specdec.runtime import forget
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import gc
+import weakref
 from pathlib import Path
 
 from specdec import runtime
@@ -25,6 +26,25 @@ def test_entries_go_with_their_model():
     del m
     gc.collect()
     assert len(cache) == 0
+
+
+def test_an_entry_that_holds_its_model_does_not_keep_it_alive():
+    """A draft vocabulary or a head's runner refers to its model: the entry must still go with
+    the model (a WeakKeyDictionary would keep such a key alive for the process's life)."""
+    cache = runtime.per_model(memory=False)
+    m = _Model()
+    cache.of(m, dict)["model"] = m
+    probe = weakref.ref(m)
+    del m
+    gc.collect()
+    assert probe() is None and len(cache) == 0
+    leaky: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # control: the pitfall is real
+    k = _Model()
+    leaky[k] = {"model": k}
+    probe = weakref.ref(k)
+    del k
+    gc.collect()
+    assert probe() is not None and len(leaky) == 1
 
 
 def test_forget_drops_memory_and_keeps_artifacts():

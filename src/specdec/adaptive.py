@@ -40,7 +40,6 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from .costs import Costs, expected_tokens
-from .runtime import forget as _forget
 from .runtime import per_model
 
 PRIOR_WEIGHT = 1.0  # pseudo-proposals behind the prior alpha_j = PRIOR_ALPHA ** j
@@ -136,12 +135,6 @@ def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], A
     None for sampled requests: a seeded request must give the same answer every time, and the
     draft lengths it chooses decide which random numbers its verification draws."""
     return ACCEPTANCE.of(target, dict) if greedy else None
-
-
-def forget(target: Any) -> None:
-    """Drop what `target`'s requests left behind (`acceptance_memory`, suffix decoding's stores
-    of outputs, cached rows): a benchmark's untimed warm-up runs must not inform its timed ones."""
-    _forget(target)
 
 
 class _Prober:

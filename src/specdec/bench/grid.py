@@ -539,7 +539,7 @@ def _warm_up(
     once per process or machine (early exit's calibration, a head's loading and quantizing,
     the kernels' first calls for its row counts) goes to `result.first_use` instead of into
     the first category's speedup. What the warm-up taught the acceptance memory is dropped."""
-    from ..adaptive import forget
+    from ..runtime import forget
 
     ids = min((prompt_ids(target, p) for p in prompts), key=len)
     for method in settings.methods:

@@ -167,11 +167,11 @@ async def _replay(
 
 
 def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
-    from ..adaptive import forget
     from ..api import load, load_draft
     from ..drafters.base import uses_draft_model
     from ..drafters.suffix import STORES
     from ..engine import PREFIXES
+    from ..runtime import forget
     from ..server import ServeSettings, create_app
     from .grid import machine
 

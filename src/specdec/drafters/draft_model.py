@@ -470,7 +470,7 @@ class DraftModelDrafter(Drafter):
 def _calibration(session: DraftSession, key: Hashable) -> Calibration:
     """The calibration a sequence drafts by: for greedy requests, the one the target's earlier
     greedy requests with this draft built (kept on the target, like `adaptive.acceptance_memory`,
-    and dropped with it by `adaptive.forget`); a fresh one for sampled requests (a seeded
+    and dropped with it by `runtime.forget`); a fresh one for sampled requests (a seeded
     request's depths must not depend on what ran before it)."""
     target = session.target
     if target is None or not session.sampling.greedy:
