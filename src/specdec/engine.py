@@ -201,7 +201,7 @@ class _Sequence:
 PREFIXES = per_model(memory=True)  # each model's store of finished sequences' rows (`model.prefix`)
 
 
-def prefix_store(model: Transformer, max_tokens: int = 0) -> PrefixStore:
+def prefix_store(model: Transformer, max_tokens: int) -> PrefixStore:
     """The model's store of finished sequences' rows, made on first use; its bound is the largest
     asked for."""
     store = PREFIXES.of(model, lambda: PrefixStore(max_tokens))

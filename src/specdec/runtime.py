@@ -19,7 +19,7 @@ V = TypeVar("V")
 
 
 class PerModel(MutableMapping[Any, V]):
-    """One owner's entries, by model; `memory`: dropped by `forget`.
+    """One owner's entries, by model.
 
     Each entry is kept in the model object's own `__dict__` (under a slot of this owner's),
     not in a WeakKeyDictionary: several entries hold their model (a draft vocabulary, a head's
@@ -29,8 +29,7 @@ class PerModel(MutableMapping[Any, V]):
 
     _count = itertools.count()
 
-    def __init__(self, memory: bool) -> None:
-        self.memory = memory
+    def __init__(self) -> None:
         self._slot = f"_specdec_runtime_{next(self._count)}"
         self._holders: weakref.WeakSet[Any] = weakref.WeakSet()  # models holding an entry
 
@@ -51,7 +50,7 @@ class PerModel(MutableMapping[Any, V]):
         self._holders.discard(model)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter([m for m in list(self._holders) if self._slot in vars(m)])
+        return iter(list(self._holders))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -71,7 +70,7 @@ _MEMORY: list[PerModel[Any]] = []  # (the owners whose entries `forget` drops; f
 def per_model(*, memory: bool) -> PerModel[Any]:
     """A new owner's cache; `memory`: what earlier requests taught (dropped by `forget`), else an
     artifact of the model on this machine (kept while the model lives)."""
-    cache: PerModel[Any] = PerModel(memory)
+    cache: PerModel[Any] = PerModel()
     if memory:
         _MEMORY.append(cache)
     return cache
