@@ -168,6 +168,13 @@ def test_server_default_method_and_seeded_sampling(client):
     a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.usage.model_extra["speculative"]["method"] == "prompt-lookup"
+    # ignore_eos (vLLM's extra field): an answer that ends by itself runs on to max_tokens
+    kw = {"model": "smollm2-135m", "messages": [{"role": "user", "content": PROMPTS[3]}], "temperature": 0}
+    ended = client.chat.completions.create(**kw, max_tokens=200)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 200
+    n = ended.usage.completion_tokens + 8
+    longer = client.chat.completions.create(**kw, max_tokens=n, extra_body={"ignore_eos": True})
+    assert longer.choices[0].finish_reason == "length" and longer.usage.completion_tokens == n
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2-135m"]
 
@@ -333,6 +340,8 @@ def test_graceful_shutdown_finishes_or_cancels_in_flight_requests(models):
             "stream": True,
             "messages": [{"role": "user", "content": PROMPTS[0]}],
             "speculative": {"method": "none"},
+            # the long one must outlast its grace period however fast the machine: it may not end early
+            "ignore_eos": max_tokens == 2000,
         }
 
         started = threading.Event()

@@ -111,7 +111,7 @@ class Service:
         )
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
-            cfg = GenerationConfig(max_new_tokens=n, k=k, stop=stops)
+            cfg = GenerationConfig(max_new_tokens=n, k=k, stop=stops, ignore_eos=body.ignore_eos)
             sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc

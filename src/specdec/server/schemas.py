@@ -90,6 +90,7 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)  # an extra field (vLLM's spelling); 0 = off
+    ignore_eos: bool = False  # an extra field (vLLM's): keep generating past end-of-sequence tokens
     seed: int | None = Field(default=None, ge=0, lt=2**63 - 1)
     stop: str | list[str] | None = None
     n: int = 1  # one choice per request
