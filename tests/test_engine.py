@@ -18,7 +18,7 @@ from specdec.stops import StopChecker
 
 
 @pytest.mark.parametrize("dtype", EXACT_MODES)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma3"])
 @pytest.mark.parametrize("draft_kind", ["close", "independent"])
 def test_greedy_identity_tiny(tiny, arch, draft_kind, dtype):
     """Asserted bitwise in the batch-invariant modes, where it is guaranteed."""

@@ -14,7 +14,7 @@ from specdec.model.transformer import Segment
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the q4k kernel cannot be built on this machine")
 
-FUSED_ARCHS = ["llama", "qwen2"]  # Gemma 3's layer (sandwich norms, q/k norms, GELU) keeps the framework path
+FUSED_ARCHS = ["llama", "llama3", "mistral", "qwen2", "phi3"]  # Gemma 3 and Qwen3 (q/k norms) keep the framework path
 
 
 def _model(tiny_dir, arch):

@@ -46,7 +46,7 @@ def test_unknown_mode_is_refused():
 
 
 @pytest.mark.parametrize("mode", INVARIANT_MODES, ids=lambda m: m.name)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma3"])
 def test_batch_invariant_modes_are_bitwise_invariant_tiny(tiny_dir, arch, mode):
     model = load_transformer(tiny_dir(arch), dtype=mode.name, device="cpu")
     for k in (1, 2, 4, 8, 16):

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 import specdec
 from specdec.model import KVCache, load_transformer
 
-ARCHS = ["llama", "qwen2", "gemma3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]  # every family (see model/families.py)
 
 
 def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specdec import registry, store
+from specdec.model import ModelArgs, native, sparse
 from specdec.model import kquant as kq
-from specdec.model import native, sparse
 from specdec.model.gguf_file import _tensor, open_gguf
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the q4k kernel cannot be built on this machine")
@@ -101,7 +101,12 @@ def cached_model(tmp_path, monkeypatch):
 def _sparsify(g, packed, pin=True):
     """As the loader calls it for a registered model: with its name and pinned sha256."""
     named = ("sparse-test", registry.MODELS["sparse-test"].sha256) if pin else None
-    return sparse.sparsify(g, packed, pin=named, tied=False, model_type="llama", n_heads=4, n_kv_heads=4)
+    return sparse.sparsify(g, packed, pin=named, args=_args("llama"))
+
+
+def _args(model_type: str) -> ModelArgs:
+    """The decoder the test file's tensors belong to (one layer, four heads, untied)."""
+    return ModelArgs(model_type, 256, COLS, 1, 4, 4, ROWS // 4, ROWS, 1e-6, 64, False, 10_000.0)
 
 
 def test_sparsify_keeps_blocks_once_and_restores_the_exact_file(cached_model):
@@ -153,7 +158,7 @@ def test_blocks_that_do_not_come_back_are_not_punched(cached_model):
     """Control for the byte-for-byte check: a packed file whose tiles differ from the GGUF's
     blocks (here: q rows left in GGUF order, as a packer for another architecture would)."""
     g, packed, sha, _ = cached_model
-    sparse.sparsify(g, packed, pin=("sparse-test", sha), tied=False, model_type="qwen2", n_heads=4, n_kv_heads=4)
+    sparse.sparsify(g, packed, pin=("sparse-test", sha), args=_args("qwen2"))
     info = sparse.state(g)
     assert info is None or "blk.0.attn_q.weight" not in info["tensors"]
     sparse.restore(g)

@@ -30,6 +30,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .model.families import GGUF_ARCHITECTURES
 from .model.gguf_file import UnsupportedArchitectureError, gguf_architecture, gguf_truncation
 from .paths import cache_root, lock_path, sha256_file, write_json
 from .registry import MODELS, ModelSpec, PackagedFile, WheelPart, get_spec
@@ -44,7 +45,7 @@ __all__ = [
     "write_json",
 ]  # (where they live: paths and the GGUF reader)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES = GGUF_ARCHITECTURES  # (the model families' table)
 
 
 class ModelNotInstalledError(RuntimeError):

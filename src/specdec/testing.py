@@ -51,7 +51,9 @@ def tiny_config(
     max_pos: int = 512,
     sliding_window: int = 8,
 ):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+    """transformers' config of a tiny random model: `arch` is a family's model_type (or "gemma3",
+    or "llama3": Llama with Llama 3's rotary scaling); see `specdec.model.families`."""
+    from .model.families import tiny_config as family_config
 
     common = dict(
         vocab_size=vocab_size,
@@ -62,24 +64,10 @@ def tiny_config(
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_pos,
         **_special_ids(vocab_size),
-        initializer_range=0.05 if arch == "gemma3" else 0.2,  # Gemma scales embeddings by sqrt(dim)
+        initializer_range=0.2,
+        sliding_window=sliding_window,
     )
-    if arch == "llama":
-        return LlamaConfig(
-            **common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
-        )
-    if arch == "qwen2":
-        return Qwen2Config(**common, tie_word_embeddings=True)
-    if arch == "gemma3":
-        # layer 0 sliding, layer 1 full: both kinds of attention are exercised
-        return Gemma3TextConfig(
-            **common,
-            head_dim=hidden // heads,
-            sliding_window=sliding_window,
-            layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
-            query_pre_attn_scalar=16,
-        )
-    raise ValueError(f"unknown tiny architecture {arch!r}")
+    return family_config(arch, common)
 
 
 def make_tiny_model(

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
+from .families import FAMILIES, UnsupportedModelError, family, rope_parameters
 
-
-class UnsupportedModelError(ValueError):
-    pass
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelArgs", "UnsupportedModelError"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +40,9 @@ class ModelArgs:
     layer_sliding: tuple[bool, ...] = ()  # per layer: uses the sliding window
     rope_theta_local: float | None = None  # sliding layers (Gemma 3)
     final_logit_softcap: float | None = None
+    # Llama 3's frequency-dependent rotary scaling: (factor, low_freq_factor, high_freq_factor,
+    # original context length)
+    rope_llama3: tuple[float, float, float, float] | None = None
 
     @property
     def n_rep(self) -> int:
@@ -50,19 +52,12 @@ class ModelArgs:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelArgs:
         if "text_config" in cfg and cfg.get("model_type") == "gemma3":
             cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
-        mtype = cfg.get("model_type")
-        if mtype not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type {mtype!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        for key in ("rope_scaling",):
-            if cfg.get(key):
-                raise UnsupportedModelError(f"{key}={cfg[key]!r} is not supported yet")
-        rope = cfg.get("rope_parameters") or {}
+        fam = family(cfg.get("model_type"))
+        rope = rope_parameters(cfg)
         n_heads = cfg["num_attention_heads"]
         dim = cfg["hidden_size"]
         common: dict[str, Any] = dict(
-            model_type=mtype,
+            model_type=fam.model_type,
             vocab_size=cfg["vocab_size"],
             dim=dim,
             n_layers=cfg["num_hidden_layers"],
@@ -74,55 +69,8 @@ class ModelArgs:
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
-        if mtype in ("llama", "qwen2"):
-            _check_rope_default(rope)
-            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-            if mtype == "qwen2" and cfg.get("use_sliding_window"):
-                raise UnsupportedModelError("Qwen2 with use_sliding_window=true is not supported")
-            bias = bool(cfg.get("attention_bias", False))
-            return cls(
-                **common,
-                rope_theta=float(theta),
-                qkv_bias=True if mtype == "qwen2" else bias,
-                o_bias=False if mtype == "qwen2" else bias,
-            )
-        # gemma3_text
-        full = rope.get("full_attention", {}) if "full_attention" in rope else rope
-        local = rope.get("sliding_attention", {})
-        _check_rope_default(full)
-        _check_rope_default(local)
-        n_layers = common["n_layers"]
-        layer_types = cfg.get("layer_types") or [
-            "sliding_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) else "full_attention"
-            for i in range(n_layers)
-        ]
-        if cfg.get("attn_logit_softcapping"):
-            raise UnsupportedModelError("attention logit soft-capping is not supported yet")
-        if cfg.get("use_bidirectional_attention"):
-            raise UnsupportedModelError("Gemma 3 with bidirectional attention is not a decoder")
-        return cls(
-            **common,
-            rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
-            rope_theta_local=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
-            qkv_bias=bool(cfg.get("attention_bias", False)),
-            o_bias=bool(cfg.get("attention_bias", False)),
-            activation="gelu_tanh",
-            norm_offset=True,
-            qk_norm=True,
-            sandwich_norm=True,
-            embed_scale=dim**0.5,
-            attn_scale=float(cfg.get("query_pre_attn_scalar", common["head_dim"])) ** -0.5,
-            sliding_window=cfg.get("sliding_window"),
-            layer_sliding=tuple(t == "sliding_attention" for t in layer_types),
-            final_logit_softcap=cfg.get("final_logit_softcapping"),
-        )
+        return cls(**common, **fam.switches(cfg, rope, common))
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelArgs:
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
-
-
-def _check_rope_default(rope: dict[str, Any]) -> None:
-    kind = rope.get("rope_type", "default")
-    if kind != "default":
-        raise UnsupportedModelError(f"rope_type {kind!r} is not supported yet (only 'default')")

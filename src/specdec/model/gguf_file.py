@@ -21,8 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, get_tensor_nam
 from gguf.constants import MODEL_ARCH_NAMES
 from gguf.quants import dequantize as gguf_dequantize
 
-# model_type (config.json) -> GGUF architecture
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+from .families import family, gguf_linear
 
 
 class GGUFFile(GGUFReader):
@@ -90,7 +89,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
 
 
 def _name_map(model_type: str, n_layers: int):  # noqa: ANN202
-    arch = GGUF_ARCH[model_type]
+    arch = family(model_type).gguf_arch
     return get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), n_layers)
 
 
@@ -153,12 +152,28 @@ def float_tensor(reader: GGUFReader, name: str, args) -> np.ndarray:  # noqa: AN
     """One tensor de-quantized to float32 and transformed as transformers' GGUF loader does."""
     t = _tensor(reader, name)
     w = dequantize(t.data, t.tensor_type)
-    if args.model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
+    fam = family(args.model_type)
+    if fam.gguf_qk_interleaved and (".attn_q." in name or ".attn_k." in name):
         heads = args.n_heads if ".attn_q." in name else args.n_kv_heads
         w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-    if args.model_type == "gemma3_text" and "norm.weight" in name:
+    if fam.gguf_norm_plus_one and "norm.weight" in name:
         w = w - 1  # transformers stores Gemma's (1 + w) norms as w
     return w
+
+
+def linear_weight(path: str | os.PathLike[str], module: str, args) -> np.ndarray:  # noqa: ANN001 - ModelArgs
+    """One of our linear layers' weights [out, in] in float32, from the GGUF (its rows of a
+    stacked tensor where the family stacks them)."""
+    where = gguf_linear(module, args)
+    if where is None:
+        raise KeyError(f"{module} is not a linear layer of a {args.model_type} decoder")
+    w = float_tensor(open_gguf(path), where.tensor, args)
+    if where.first_row is None:
+        return w
+    from .families import stacked_rows
+
+    first, rows = stacked_rows(family(args.model_type), ".".join(module.split(".")[3:]), args)
+    return np.ascontiguousarray(w[first : first + rows])
 
 
 def small_state(reader: GGUFReader, keys: list[str], args) -> dict[str, torch.Tensor]:  # noqa: ANN001

@@ -228,14 +228,7 @@ def _kquant_kernels(
         m = linears[name]
         b = None
         if gguf is not None:  # this layer's blocks, read in the worker thread like the rest of its packing
-            b = kquant.gguf_blocks(
-                gguf,
-                {name: m.out_features},
-                tied=args.tie_embeddings,
-                model_type=args.model_type,
-                n_heads=args.n_heads,
-                n_kv_heads=args.n_kv_heads,
-            ).get(name)
+            b = kquant.gguf_blocks(gguf, {name: m.out_features}, args).get(name)
         if b is not None and not from_gguf and not kquant.matches(b, m.weight):
             warnings.warn(f"{gguf}: {name} does not match the converted weights; quantizing it again", stacklevel=3)
             b = None
@@ -247,9 +240,9 @@ def _kquant_kernels(
             b = None
         elif b is None:
             if from_gguf:
-                from .gguf_file import float_tensor, open_gguf
+                from .gguf_file import linear_weight
 
-                weight = float_tensor(open_gguf(gguf), kquant.gguf_tensor_name(name, args.tie_embeddings), args)
+                weight = linear_weight(gguf, name, args)
             else:
                 weight = m.weight.detach().float().numpy()
         if b is None:

@@ -544,27 +544,6 @@ def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
 
 # -- weights from a GGUF file -------------------------------------------------------------
 
-_GGUF_LINEARS = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def gguf_tensor_name(module: str, tied: bool) -> str | None:
-    """The GGUF tensor behind a linear layer, by its Hugging Face module name."""
-    if module == "lm_head":
-        return "token_embd.weight" if tied else "output.weight"
-    parts = module.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
-    if len(parts) == 5 and parts[:2] == ["model", "layers"]:
-        kind = _GGUF_LINEARS.get(".".join(parts[3:]))
-        return None if kind is None else f"blk.{parts[2]}.{kind}.weight"
-    return None
-
 
 def _llama_rows(n: int, heads: int) -> np.ndarray:
     """The row order transformers gives llama's q/k weights when it reads a GGUF (it undoes
@@ -572,27 +551,32 @@ def _llama_rows(n: int, heads: int) -> np.ndarray:
     return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)
 
 
-def gguf_blocks(
-    path: Path, modules: dict[str, int], *, tied: bool, model_type: str, n_heads: int, n_kv_heads: int
-) -> dict[str, Blocks]:
+def gguf_blocks(path: Path, modules: dict[str, int], args) -> dict[str, Blocks]:  # noqa: ANN001 - ModelArgs
     """K-quant blocks for the linear layers (module name -> output rows) whose GGUF tensors are
-    stored as Q4_K or Q6_K; other layers are left out (the caller quantizes them)."""
+    stored as Q4_K or Q6_K; other layers are left out (the caller quantizes them). Where the
+    family stacks layers in one tensor (Phi-3's qkv), a layer's blocks are its rows of it."""
     from gguf import GGMLQuantizationType
 
     from . import sparse
+    from .families import gguf_linear
     from .gguf_file import open_gguf
 
     readers = {GGMLQuantizationType.Q4_K: from_gguf_q4_k, GGMLQuantizationType.Q6_K: from_gguf_q6_k}
     tensors = {t.name: t for t in open_gguf(path).tensors}
     out: dict[str, Blocks] = {}
     for module, n in modules.items():
-        t = tensors.get(gguf_tensor_name(module, tied) or "")
-        if t is None or t.tensor_type not in readers or len(t.shape) != 2 or int(t.shape[1]) != n:
+        where = gguf_linear(module, args)
+        t = tensors.get(where.tensor) if where is not None else None
+        if t is None or t.tensor_type not in readers or len(t.shape) != 2:
             continue
-        blocks = readers[t.tensor_type](sparse.tensor_data(Path(path), t.name, t.data), n, int(t.shape[0]))
-        if model_type == "llama" and module.endswith(("q_proj", "k_proj")):
-            heads = n_heads if module.endswith("q_proj") else n_kv_heads
-            blocks = blocks.permute_rows(_llama_rows(n, heads))
+        first, rows = where.first_row or 0, int(t.shape[1])
+        if first + n > rows or (where.first_row is None and rows != n):
+            continue
+        blocks = readers[t.tensor_type](sparse.tensor_data(Path(path), t.name, t.data), rows, int(t.shape[0]))
+        if where.first_row is not None:
+            blocks = Blocks(blocks.kind, np.ascontiguousarray(blocks.data[first : first + n]))
+        if where.interleaved_heads:
+            blocks = blocks.permute_rows(_llama_rows(n, where.interleaved_heads))
         out[module] = blocks
     return out
 

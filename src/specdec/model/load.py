@@ -12,6 +12,7 @@ import torch
 
 from .config import ModelArgs
 from .convert import BASE_WEIGHTS, converted_meta, float_weights, gguf_source, has_float_weights
+from .families import family, unstack
 from .kernels import DRAFT_BITS, apply_mode, get_mode
 from .transformer import Transformer
 
@@ -95,7 +96,7 @@ def load_transformer(
     for f in files:
         state.update(load_file(str(f)))
     # Some exports prefix the text model (multimodal Gemma 3); keep only what a decoder needs.
-    state = {_strip_prefix(k): v for k, v in state.items()}
+    state = unstack(family(args.model_type), {_strip_prefix(k): v for k, v in state.items()}, args)
     if args.tie_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
@@ -160,15 +161,7 @@ def _sparsify(path: Path, gguf: Path, packed: Path, args: ModelArgs) -> int:
 
     meta = converted_meta(path)
     pin = (meta["name"], meta["sha256"]) if "name" in meta and "sha256" in meta else None
-    return sparse.sparsify(
-        gguf,
-        packed,
-        pin=pin,
-        tied=args.tie_embeddings,
-        model_type=args.model_type,
-        n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads,
-    )
+    return sparse.sparsify(gguf, packed, pin=pin, args=args)
 
 
 def packed_path(path: Path, files: list[Path], gguf: Path | None, bits: int | None = None) -> Path:

@@ -225,9 +225,7 @@ def _punch_with_note(gguf: Path, info: dict) -> bool:
     return True
 
 
-def sparsify(
-    gguf: Path, packed: Path, *, pin: tuple[str, str] | None, tied: bool, model_type: str, n_heads: int, n_kv_heads: int
-) -> int:
+def sparsify(gguf: Path, packed: Path, *, pin: tuple[str, str] | None, args) -> int:
     """Punch out of a cached GGUF the tensors `packed` holds losslessly (checked byte for byte).
     `pin`: the registered model's (name, pinned sha256), which the file is checked against when
     it is made whole again; None (a file of one's own) leaves it alone. Returns the bytes freed
@@ -235,6 +233,7 @@ def sparsify(
     from gguf import GGMLQuantizationType
 
     from . import kquant
+    from .families import gguf_linear
     from .gguf_file import open_gguf
 
     gguf = Path(gguf)
@@ -257,18 +256,16 @@ def sparsify(
         }
         candidates = {}
         for module in sorted(modules):
-            name = kquant.gguf_tensor_name(module, tied)
-            t = tensors.get(name or "")
+            where = gguf_linear(module, args)
+            t = tensors.get(where.tensor) if where is not None else None
             if (
                 t is None
-                or name == "token_embd.weight"  # the q4k mode reads embedding rows from the GGUF
+                or where.tensor == "token_embd.weight"  # the q4k mode reads embedding rows from the GGUF
+                or where.first_row is not None  # a stacked tensor (several layers' rows) stays whole
                 or t.tensor_type not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
             ):
                 continue
-            heads = 0
-            if model_type == "llama" and module.endswith(("q_proj", "k_proj")):
-                heads = n_heads if module.endswith("q_proj") else n_kv_heads
-            candidates[name] = {"module": module, "rows": int(t.shape[1]), "heads": heads}
+            candidates[where.tensor] = {"module": module, "rows": int(t.shape[1]), "heads": where.interleaved_heads}
 
         def comes_back(name: str) -> bool:
             entry = candidates[name]

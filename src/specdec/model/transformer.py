@@ -1,4 +1,5 @@
-"""A compact native decoder for Llama, Qwen2 and Gemma 3 text, driven by `ModelArgs`.
+"""A compact native decoder for the families of `families` (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 3 text), driven by `ModelArgs`.
 
 Module names follow the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj`` ...)
 so safetensors load without a name map. One forward call scores any number of new tokens
@@ -14,6 +15,7 @@ call, so a sequence decodes bitwise the same alone or in any batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,9 +112,18 @@ class RMSNorm(nn.Module):
 class Rotary:
     """Rotate-half RoPE tables, indexed by position id."""
 
-    def __init__(self, head_dim: int, theta: float, max_pos: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_pos: int,
+        device: torch.device,
+        llama3: tuple[float, float, float, float] | None = None,
+    ) -> None:
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
         inv_freq = 1.0 / (theta**exponent)  # [D/2]
+        if llama3 is not None:
+            inv_freq = _llama3_frequencies(inv_freq, *llama3)
         angles = torch.arange(max_pos, device=device).float()[:, None] * inv_freq[None, :]  # [P, D/2]
         self.cos, self.sin = angles.cos(), angles.sin()
 
@@ -121,6 +132,18 @@ class Rotary:
         cos = self.cos[positions].unsqueeze(2).to(dtype)  # [B, T, 1, D/2]
         sin = self.sin[positions].unsqueeze(2).to(dtype)
         return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # [B, T, 1, D]
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, factor: float, low: float, high: float, context: float) -> torch.Tensor:
+    """Llama 3's rotary scaling: long wavelengths slowed by `factor`, short ones kept, the band
+    between interpolated (the same operations as transformers', so the same bits)."""
+    low_wavelen, high_wavelen = context / low, context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -219,6 +242,7 @@ class Transformer(nn.Module):
         self._rotary: dict[bool, Rotary] = {}
         self._scratch = fused.Scratch()  # the native layers' working memory (see `fused`)
         self._native_stack: fused.NativeStack | None = None  # every block in native calls, several at a time
+        self._stack_sliding = False  # the stacked blocks' attention kind
         self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
         self.bits: int | None = None  # q4k: a cheaper packing than the file's (see load_transformer), set by the loader
         self.source_dir: Path | None = None  # the model directory it was loaded from (set by the loader)
@@ -230,7 +254,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         dev = self.device
         a = self.args
-        self._rotary = {False: Rotary(a.head_dim, a.rope_theta, a.max_seq_len, dev)}
+        self._rotary = {False: Rotary(a.head_dim, a.rope_theta, a.max_seq_len, dev, a.rope_llama3)}
         if a.rope_theta_local is not None:
             self._rotary[True] = Rotary(a.head_dim, a.rope_theta_local, a.max_seq_len, dev)
         return self
@@ -245,9 +269,15 @@ class Transformer(nn.Module):
             b.native = fused.NativeLayer(b, self.args) if on else None
         # the final norm in the same library (fused.supported excludes offset norms)
         self.model.norm.native = blocks[0].native.lib if on and blocks else None  # type: ignore[union-attr]
-        # several layers per call where they share one rotary table (no sliding-window layers)
-        same_rope = not any(b.sliding for b in blocks)
-        self._native_stack = fused.NativeStack.build([b.native for b in blocks]) if on and same_rope else None  # type: ignore[misc]
+        # several layers per call where they share one rotary table and one kind of attention
+        # (all full, or all sliding-window as in Mistral and Phi-3)
+        kinds = {b.sliding for b in blocks}
+        self._stack_sliding = bool(blocks) and blocks[0].sliding
+        self._native_stack = (
+            fused.NativeStack.build([b.native for b in blocks])  # type: ignore[misc]
+            if on and len(kinds) == 1
+            else None
+        )
         return on
 
     @property
@@ -414,9 +444,10 @@ class Transformer(nn.Module):
                 ropes = {kind: r.tables(positions, x.dtype) for kind, r in self._rotary.items()}
                 attend = _PackedAttention(self, active)
             assert x is not None and attend is not None
-            stack, whole = self._native_stack, attend.all_native(False)
+            stack, whole = self._native_stack, attend.all_native(self._stack_sliding)
             if stack is not None and whole is not None and len(order) == len(segments) and not output_layers:
-                x = stack(x, ropes[False], i, hi, whole, self._scratch)  # every remaining block in one call
+                rope = ropes.get(self._stack_sliding, ropes[False])
+                x = stack(x, rope, i, hi, whole, self._scratch)  # every remaining block in one call
                 break
             block = self.model.layers[i]
             rope = ropes.get(block.sliding, ropes[False])
