@@ -79,7 +79,7 @@ def convert_gguf(
     from transformers import AutoConfig, AutoTokenizer
 
     from .config import ModelArgs
-    from .gguf_file import UnsupportedArchitectureError, gguf_architecture, open_gguf, small_state
+    from .gguf_file import UnsupportedArchitectureError, config_fixes, gguf_architecture, open_gguf, small_state
 
     arch = gguf_architecture(gguf_file)
     if expected_architecture is not None and arch != expected_architecture:
@@ -95,6 +95,12 @@ def convert_gguf(
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # what we store is plain float32
+        try:
+            fixes = config_fixes(open_gguf(gguf_file), config.model_type, config.to_dict())
+        except UnsupportedArchitectureError as exc:
+            raise UnsupportedArchitectureError(f"{gguf_file.name}: {exc}") from None
+        for key, value in fixes.items():
+            setattr(config, key, value)
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         args = ModelArgs.from_dir(tmp)
@@ -187,7 +193,7 @@ def float_weights(model_dir: Path, log: Callable[[str], None] | None = None) -> 
 
 def _write_float_weights(gguf_file: Path, model_dir: Path) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from . import sparse
 
@@ -199,7 +205,9 @@ def _write_float_weights(gguf_file: Path, model_dir: Path) -> None:
         _quiet_transformers(),
         _parsed_once(gguf_file),
     ):  # transformers shows its own progress bar
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # (the config the directory holds: transformers' own reading of the GGUF leaves some out)
+        config = AutoConfig.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: stored once, as the embedding

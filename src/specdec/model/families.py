@@ -13,6 +13,7 @@ Adding a family is adding an entry here (and to the native layer only if its blo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,56 @@ def _rope_llama(rope: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
             )
         }
     raise UnsupportedModelError(f"rope_type {kind!r} is not supported yet (supported: 'default', 'llama3')")
+
+
+def llama3_factors(head_dim: int, theta: float, factor: float, low: float, high: float, context: float) -> list[float]:
+    """The per-frequency divisors Llama 3's rotary scaling applies, as llama.cpp's converter
+    writes them into a GGUF (`rope_freqs.weight`)."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def llama3_from_factors(
+    factors: list[float], head_dim: int, theta: float, context: float | None
+) -> dict[str, float] | None:
+    """Llama 3's scaling parameters that give a GGUF's `rope_freqs` (transformers reads the
+    parameters, llama.cpp the divisors): the released models' (low 1, high 4, the file's original
+    context or 8192), else solved from the smoothed band with low 1; None where nothing found
+    reproduces the divisors."""
+    factor = max(factors)
+    if factor <= 1.0:
+        return None
+    candidates = [(1.0, 4.0, float(context or 8192))]
+    band = [(2 * math.pi * theta ** (2 * j / head_dim), f) for j, f in enumerate(factors) if 1.0 < f < factor]
+    if len(band) >= 2:
+        # in the band, s = (C / wavelen - low) / (high - low) is linear in 1 / wavelen
+        (w1, f1), (w2, f2) = band[0], band[-1]
+        s1, s2 = ((1 / f - 1 / factor) / (1 - 1 / factor) for f in (f1, f2))
+        slope = (s1 - s2) / (1 / w1 - 1 / w2)
+        intercept = s1 - slope / w1
+        if intercept < 0:
+            width = -1.0 / intercept  # high - low, with low = 1
+            candidates.append((1.0, round(1.0 + width, 4), round(slope * width)))  # (the file holds float32)
+    for low, high, ctx in candidates:
+        want = llama3_factors(head_dim, theta, factor, low, high, ctx)
+        if all(abs(a - b) <= 1e-5 * b for a, b in zip(factors, want, strict=True)):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": int(ctx),
+            }
+    return None
 
 
 def _window(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:

@@ -271,3 +271,41 @@ def gguf_architecture(path: Path) -> str:
         raise UnsupportedArchitectureError(
             f"{path} is not a readable GGUF file: its architecture field is damaged ({exc})"
         ) from None
+
+
+def _field(reader: GGUFReader, key: str):  # noqa: ANN202 - a scalar or a string
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if field.types and field.types[0] == GGUFValueType.STRING else value.tolist()[0]
+
+
+def config_fixes(reader: GGUFReader, model_type: str, config: dict) -> dict:
+    """What transformers' GGUF reading leaves out of a config that llama.cpp reads from the same
+    file: the head size (`attention.key_length`, which Qwen3 sets apart from hidden / heads), a
+    sliding window (Phi-3), and Llama 3's rotary scaling (llama.cpp keeps it as the divisors in
+    `rope_freqs.weight`; transformers needs its parameters). Returns the config keys to set."""
+    from .families import llama3_from_factors
+
+    arch = family(model_type).gguf_arch
+    out: dict = {}
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    if head_dim is not None and head_dim != config.get("head_dim"):
+        out["head_dim"] = int(head_dim)
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window and not config.get("sliding_window"):
+        out["sliding_window"] = int(window)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        rope = dict(config.get("rope_parameters") or {})
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10_000.0)))
+        dim = out.get("head_dim") or config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        context = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        scaling = llama3_from_factors([float(f) for f in np.asarray(freqs.data)], dim, theta, context)
+        if scaling is None:
+            raise UnsupportedArchitectureError(
+                "its rope_freqs (per-frequency rotary divisors) are not Llama 3's scaling, the only one read"
+            )
+        out["rope_parameters"] = {**rope, "rope_theta": theta, **scaling}
+    return out
