@@ -9,7 +9,7 @@ builds; rows whose attention the framework runs (long prefill, mixed batches) go
 same native steps before and after it (`specdec_layer_qkv`, `specdec_layer_out`), so a row's
 bits do not depend on how its batch was made up.
 
-Layers it does not cover (Gemma 3's sandwich and offset norms, q/k norms, GELU) keep the
+Layers it does not cover (Gemma 3's sandwich and offset norms, q/k norms as in Qwen3, GELU) keep the
 framework path; a model uses one path for all its forwards.
 """
 
