@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import PROMPT_IDS, V_SMALL
+from helpers import PROMPT_IDS, V_SMALL, drop_entries_under
 
 import specdec
 from specdec import engine
@@ -26,6 +26,22 @@ from specdec.testing import make_tiny_model
 EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != "q4k" or native_available())]
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+# the specdec cache's measurement tables (see specdec.costs.store_measurement)
+MEASUREMENT_TABLES = ("pass_costs-v3.json", "draft_step-v1.json", "early_exit.json")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_measurements_of_temporary_models(tmp_path_factory):
+    """Tests time tiny models in temporary directories, and a measurement is kept per model
+    directory: without this, every run would leave its entries in the user's tables."""
+    yield
+    from specdec.store import cache_root
+
+    runs = str(tmp_path_factory.getbasetemp().parent)  # (pytest-of-<user>: this run's and earlier ones')
+    for name in MEASUREMENT_TABLES:
+        drop_entries_under(cache_root() / name, runs)
 
 
 @pytest.fixture(autouse=True)

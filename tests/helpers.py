@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from scipy.stats import chisquare
@@ -196,3 +198,22 @@ class WholeDraftQ(DraftModelDrafter):
             q = torch.stack([probs(logits[base - 1 + j], d.session.sampling) for j in range(len(draft.tokens))])
             out.append(Draft(draft.tokens, q))
         return out
+
+
+def drop_entries_under(table: Path, root: str) -> int:
+    """Remove from a measurement table (JSON, keyed by strings that name a model directory) the
+    entries of models under `root`; returns how many went."""
+    import json
+
+    from specdec.paths import write_json
+
+    try:
+        entries = json.loads(table.read_text())
+    except (OSError, json.JSONDecodeError):
+        return 0
+    if not isinstance(entries, dict):
+        return 0
+    kept = {k: v for k, v in entries.items() if root not in k}
+    if len(kept) < len(entries):
+        write_json(table, kept)
+    return len(entries) - len(kept)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import gc
+import json
 import weakref
 from pathlib import Path
 
@@ -90,3 +91,13 @@ def test_the_layer_check_sees_an_upward_import():
     assert _upward(source) == ["..costs"]
     assert _upward("from ..paths import cache_root\nfrom .cache import KVCache\n") == []
     assert _upward("import specdec.adaptive\n") == ["specdec.adaptive"]
+
+
+def test_the_suite_leaves_no_measurements_of_its_temporary_models(tmp_path):
+    from helpers import drop_entries_under
+
+    table = tmp_path / "pass_costs.json"
+    table.write_text(json.dumps({"/tmp/pytest-of-me/pytest-3/tiny0/llama|q4k|cpu": 1, "/home/me/m|q4k|cpu": 2}))
+    assert drop_entries_under(table, "/tmp/pytest-of-me") == 1
+    assert json.loads(table.read_text()) == {"/home/me/m|q4k|cpu": 2}  # a user's own model is kept
+    assert drop_entries_under(table, "/tmp/pytest-of-me") == 0 and drop_entries_under(tmp_path / "none", "/") == 0
