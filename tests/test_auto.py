@@ -249,8 +249,7 @@ def test_draft_model_sync_feeds_only_what_a_proposal_would_not(tiny):
 
     draft = tiny("llama", "close").model
     d = DraftModelDrafter(draft)
-    d.lazy_begin = True
-    d.begin(DraftSession(list(range(1, 12)), 64, SamplingParams(), make_generator(0, draft.device)))
+    d.begin(DraftSession(list(range(1, 12)), 64, SamplingParams(), make_generator(0, draft.device), lazy=True))
     assert d.forwards == 0 and d.switch_ms() > 0  # nothing prefilled yet: catching up costs
     d.sync()
     assert d.forwards == 1 and d.cache.length == 10 and d.switch_ms() == 0.0

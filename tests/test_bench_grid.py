@@ -369,8 +369,8 @@ def test_each_method_remembers_only_its_own_earlier_outputs(tiny, prompt_file, m
     def spy(t, req, *a, **kw):  # (the timed runs; the warm-up runs go through `generate`)
         drafter = req.drafter
         if drafter is not None and drafter.name in ("auto", "suffix"):
-            store = STORES.get(t.model, {}).get(drafter.pool)
-            seen.append((drafter.name, drafter.pool, store.tokens if store is not None else 0))
+            store = STORES.get(t.model, {}).get(req.drafter_pool)
+            seen.append((drafter.name, req.drafter_pool, store.tokens if store is not None else 0))
         return real(t, req, *a, **kw)
 
     monkeypatch.setattr(grid, "run_request", spy)

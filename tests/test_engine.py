@@ -503,8 +503,7 @@ def test_a_draft_that_caught_up_keeps_the_prompts_prefill_for_the_next_sequence(
 
     def begun(lazy: bool) -> DraftModelDrafter:
         d = DraftModelDrafter(model)
-        d.lazy_begin = lazy
-        d.begin(DraftSession(list(context), 64, SamplingParams(), make_generator(0, "cpu")))
+        d.begin(DraftSession(list(context), 64, SamplingParams(), make_generator(0, "cpu"), lazy=lazy))
         return d
 
     begun(lazy=False)

@@ -126,7 +126,6 @@ def test_drafting_reads_what_training_trained(tiny, kind):
     ex = fe.target_features(model, ids, (model.args.n_layers - 1,), 4)
     y1 = int(ex.top_ids[-1, 0])  # the target's own next token
     d = DRAFTER[kind](model, head=heads)
-    d.chain_only = True
     d.begin(
         DraftSession(
             ids + [y1],
@@ -136,6 +135,7 @@ def test_drafting_reads_what_training_trained(tiny, kind):
             model,
             None,
             {model.args.n_layers - 1: ex.features.float()},
+            chain_only=True,
         )
     )
     drafted = d.propose(3).tokens.tolist()

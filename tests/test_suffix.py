@@ -13,6 +13,7 @@ from helpers import ALPHA, PASS, PROMPT_IDS, PROMPTS, chi2_pvalue, fb
 import specdec
 from specdec import costs
 from specdec.config import SamplingParams
+from specdec.costs import Pricing
 from specdec.drafters import DraftSession, SuffixDrafter
 from specdec.drafters.suffix import STORES, SuffixStore, _candidates, _Doc, build_tree, situation
 
@@ -27,10 +28,14 @@ def started(
     tokens: list[int], target=None, pool: str = "", sampling: SamplingParams | None = None, **kw
 ) -> SuffixDrafter:
     d = SuffixDrafter(total=kw.pop("total", 8), **kw)
-    d.pool = pool
     d.begin(
         DraftSession(
-            list(tokens), 1000, sampling or SamplingParams(), torch.Generator().manual_seed(0), target or _Target()
+            list(tokens),
+            1000,
+            sampling or SamplingParams(),
+            torch.Generator().manual_seed(0),
+            target or _Target(),
+            pool=pool,
         )
     )
     return d
@@ -129,12 +134,12 @@ def test_earlier_outputs_draft_only_within_their_pool():
     ).tokens.tolist() == [5]
 
 
-def test_cost_model_sizes_the_tree(monkeypatch):
+def test_cost_model_sizes_the_tree():
     target = _Target()
-    monkeypatch.setattr(costs, "pass_costs", lambda t, rows: PASS)  # rows cost 30 + 6 (r - 1) ms
+    pricing = Pricing(target, tables=lambda t, rows: PASS)  # rows cost 30 + 6 (r - 1) ms
     text = [4, 1, 2, 3, 5, 6, 9, 8, 7, 1, 2]
     d = SuffixDrafter(max_nodes=8)
-    d.begin(DraftSession(list(text), 1000, SamplingParams(), torch.Generator().manual_seed(0), target))
+    d.begin(DraftSession(list(text), 1000, SamplingParams(), torch.Generator().manual_seed(0), target, pricing=pricing))
     # the prior (alpha 0.6, 0.36, ...) and 6 ms a row: two nodes pay (1.96 tokens / 42 ms > 1.6 / 36)
     assert d.propose(8).tokens.tolist() == [3, 5]
     for _ in range(30):  # copies that are always accepted: deeper trees pay

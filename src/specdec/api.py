@@ -162,6 +162,9 @@ class Request:
     k_source: str | None  # "given", "tuned" or "default"; None for plain decoding
     prediction: list[int] | None = None  # the output expected (predicted outputs), tokenized
     logprobs: int | None = None  # each token's logprob with this many alternatives (None: none)
+    # whose earlier outputs its drafter may draft from (`DraftSession.pool`; None: the pool of
+    # the process's cached rows, "")
+    drafter_pool: str | None = None
 
 
 def request(
@@ -246,7 +249,13 @@ def prediction_drafter(drafter: Drafter | str | None, assistant: bool) -> Drafte
 
 def _submit(engine: Engine, req: Request) -> int:
     return engine.add(
-        req.prompt_ids, req.config, req.sampling, req.drafter, prediction=req.prediction, logprobs=req.logprobs
+        req.prompt_ids,
+        req.config,
+        req.sampling,
+        req.drafter,
+        prediction=req.prediction,
+        logprobs=req.logprobs,
+        drafter_pool=req.drafter_pool,
     )
 
 

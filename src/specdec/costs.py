@@ -76,6 +76,35 @@ def reproducible(sampling: Any) -> bool:
     return not sampling.greedy and sampling.seed is not None
 
 
+@dataclass(frozen=True)
+class Pricing:
+    """What one sequence's choices (k, tree sizes, which drafter) are priced by: the target's
+    pass table on this machine, and whether the choices may follow the clock. A `reproducible`
+    sequence (a seeded sampled request) decides from stored numbers alone: `passes` gives it the
+    stored table unscaled, and drafters read `reproducible` to keep their own timings out. The
+    engine makes one per sequence and hands it to the drafter in its `DraftSession`; `tables`
+    replaces the measured tables (tests)."""
+
+    target: Any  # the target Transformer
+    reproducible: bool = False
+    tables: Callable[[Any, int], Costs] | None = None  # (target, rows) -> table; None: `pass_costs`
+
+    @classmethod
+    def of(cls, target: Any, sampling: Any, tables: Callable[[Any, int], Costs] | None = None) -> Pricing:
+        return cls(target, reproducible(sampling), tables)
+
+    def live(self, rows: int) -> Costs:
+        """This machine's table (at least `rows` rows), shared by the target's sequences and
+        followed online (`Costs.observe`)."""
+        return (self.tables or pass_costs)(self.target, rows)
+
+    def passes(self, rows: int) -> Costs:
+        """The table this sequence decides by: the live one, or for a reproducible sequence a
+        copy at the stored scale that no clock moves."""
+        table = self.live(rows)
+        return table.unscaled() if self.reproducible else table
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens one step commits with k drafts each accepted with probability alpha, independently
     (Leviathan et al.): 1 + alpha + ... + alpha^k, the target's own token included."""

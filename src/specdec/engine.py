@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 
 from .adaptive import KController, StepGuard, acceptance_memory
 from .config import GenerationConfig, SamplingParams
+from .costs import Costs, Pricing, observe_pass
 from .drafters.base import Draft, Drafter, DraftSession, Feedback, remembered
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
@@ -176,7 +178,9 @@ class _Sequence:
     # yet): what a batch of it costs, whatever k allowed (a tree drafter sizes its own)
     draft_rows: float | None = None
     draft_ms: float = 0.0  # this step's drafting time (ms)
+    pricing: Pricing | None = None  # what its choices are priced by (the engine's, per sequence)
     pool: str = ""  # whose earlier sequences' cached rows it may reuse (a server's API key)
+    drafter_pool: str = ""  # whose earlier outputs its drafter may draft from (`DraftSession.pool`)
     prediction: list[int] | None = None  # the output the client expects (`DraftSession.prediction`)
     top_logprobs: int | None = None  # None: no logprobs; else each token's, with this many alternatives
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -209,6 +213,27 @@ def prefix_store(model: Transformer, max_tokens: int) -> PrefixStore:
     return store
 
 
+def _leaders(seqs: list[_Sequence]) -> Callable[[_Sequence], _Sequence]:
+    """Sequences starting in this step with the same prompt share one prefill: the first (its
+    leader) computes it, the others copy its cache slots and its output. A row of a pass depends
+    on its own prefix only, so that is what their own prefill computes (bitwise in the
+    batch-invariant modes). Returns each sequence's leader (itself, where it leads or decodes)."""
+    first: dict[tuple[Any, ...], _Sequence] = {}
+    leader = {s.id: first.setdefault((s.prefilled, *s.prompt), s) for s in seqs if s.last is None}
+    return lambda s: leader.get(s.id, s)
+
+
+def _copy_shared_prefills(seqs: list[_Sequence], lead: Callable[[_Sequence], _Sequence]) -> None:
+    """Followers take their leader's prefilled rows (before any sequence finishes and frees its cache)."""
+    for s in seqs:
+        if lead(s) is not s:
+            leader = lead(s)
+            assert s.cache is not None and leader.cache is not None
+            # (it holds the leader's earlier chunks already: copied when they were read)
+            s.cache.copy_prefix(leader.cache, leader.prefilled, start=s.prefilled)
+            s.prefilled = leader.prefilled
+
+
 class Engine:
     """Steps any number of sequences together over one target model (see the module doc)."""
 
@@ -218,11 +243,15 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         rules: Rules | None = None,
         prefix_tokens: int = 0,
+        pass_tables: Callable[[Transformer, int], Costs] | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         # the sampling rules it verifies with: `verify.EXACT` (certify's control hands it broken ones)
         self.rules = rules if rules is not None else EXACT
+        # what its sequences' choices are priced by (`costs.Pricing`): this machine's measured
+        # pass tables, or the ones given (tests)
+        self.pass_tables = pass_tables
         # finished sequences' rows, up to `prefix_tokens`, copied by later prompts that begin the
         # same way (`model.prefix`): only where a copied row is bitwise what a prefill computes
         self.prefixes = prefix_store(target, prefix_tokens) if prefix_tokens > 0 and target.rows_bitwise else None
@@ -241,9 +270,12 @@ class Engine:
         *,
         prediction: list[int] | None = None,
         logprobs: int | None = None,
+        drafter_pool: str | None = None,
     ) -> int:
         """Queue a sequence (prefilled in the next step); returns its id. `pool`: whose earlier
-        sequences' cached rows it may start from (with the engine's `prefix_tokens`).
+        sequences' cached rows it may start from (with the engine's `prefix_tokens`), and whose
+        earlier outputs its drafter may draft from, unless `drafter_pool` names another (a
+        benchmark keeps each method's memory apart but shares cached rows).
         `prediction`: the output expected, as token ids (drafted from by a drafter that reads it:
         `prediction`, auto). `logprobs`: return each committed token's logprob with this many
         alternatives (0..MAX_TOP_LOGPROBS; None: none)."""
@@ -264,24 +296,22 @@ class Engine:
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else frozenset()
         scratch = drafter.scratch_rows if drafter is not None else 0
         controller: KController | StepGuard | None = None
+        pricing = Pricing.of(self.target, sampling, self.pass_tables)
         if cfg.adaptive_k and drafter is not None and not drafter.own_schedule:
-            from .costs import pass_costs, reproducible
-
             if drafter.k_by_engine:
                 controller = KController(
                     drafter,
                     cfg.k,
-                    pass_costs(self.target, cfg.k + 1),
+                    pricing.passes(cfg.k + 1),
                     memory=acceptance_memory(self.target, sampling.greedy),
                     remembered=remembered([drafter.name]),
-                    reproducible=reproducible(sampling),
+                    reproducible=pricing.reproducible,
                 )
-                drafter.lazy_begin = True  # its catch-up (a draft model's prefill) waits until it drafts
             else:
                 controller = StepGuard(
                     cfg.k,
-                    pass_costs(self.target, max(cfg.k + 1 + drafter.scratch_rows, 2)),
-                    estimate=drafter.estimated_ms if reproducible(sampling) else None,
+                    pricing.passes(max(cfg.k + 1 + drafter.scratch_rows, 2)),
+                    estimate=drafter.estimated_ms if pricing.reproducible else None,
                 )
         sid = self._next_id
         self._next_id += 1
@@ -302,7 +332,9 @@ class Engine:
             ),
             time.perf_counter(),
             controller=controller,
+            pricing=pricing,
             pool=pool,
+            drafter_pool=pool if drafter_pool is None else drafter_pool,
             prediction=list(prediction) if prediction else None,
             top_logprobs=logprobs,
         )
@@ -348,27 +380,44 @@ class Engine:
         seqs = list(self._live.values())
         if not seqs:
             return []
-        from .costs import reproducible  # (looked up at call time: tests replace it)
+        self._plan_ks(seqs, drafting)
+        drafts = self._propose([s for s in seqs if s.last is not None])
+        lead = _leaders(seqs)
+        run = [s for s in seqs if lead(s) is s]
+        outs, seconds, rows = self._pass(run, drafts, seqs)
+        _copy_shared_prefills(seqs, lead)
+        deltas = []
+        for s in seqs:
+            out = outs[lead(s).id]
+            if s.last is None:
+                delta = self._after_prefill(s, out, seconds)
+            else:
+                delta = self._after_decode(s, drafts.get(s.id), out, seconds, rows, drafting)
+            deltas.append(delta)
+            if delta.finished:
+                self._finish(s)
+        return deltas
 
+    def _plan_ks(self, seqs: list[_Sequence], drafting: bool) -> None:
+        """This step's k for each sequence, priced at what its rows add to the batch's pass."""
         load = {s.id: _load(s) for s in seqs}  # (rows, expected tokens) each brings to the pass
         total = (sum(r for r, _ in load.values()), sum(t for _, t in load.values()))
         for s in seqs:
             # a seeded sampled request's k must not depend on what else is in the batch
             others = (
                 (0, 0.0)
-                if len(seqs) == 1 or reproducible(s.sampling)
+                if len(seqs) == 1 or s.pricing.reproducible
                 else (total[0] - load[s.id][0], total[1] - load[s.id][1])
             )
             s.k_now = s.plan_k(others) if s.last is not None and drafting else 0
             s.draft_ms = 0.0
-        drafts = self._propose([s for s in seqs if s.last is not None])
-        # Sequences starting in this step with the same prompt share one prefill: the first
-        # computes it, the others copy its cache slots and its output. A row of a pass depends
-        # on its own prefix only, so that is what their own prefill computes (bitwise in the
-        # batch-invariant modes).
-        first: dict[tuple[Any, ...], _Sequence] = {}
-        leader = {s.id: first.setdefault((s.prefilled, *s.prompt), s) for s in seqs if s.last is None}
-        run = [s for s in seqs if leader.get(s.id, s) is s]
+
+    def _pass(
+        self, run: list[_Sequence], drafts: dict[int, Draft], seqs: list[_Sequence]
+    ) -> tuple[dict[int, ForwardOutput], float, int]:
+        """The target's one pass over the rows of `run` (prompt chunks, drafts): each one's
+        output by its id, the pass's seconds and rows. A pass of decode rows alone, through
+        every layer, is what the online cost estimate follows."""
         segments = [self._segment(s, drafts.get(s.id)) for s in run]
         with timer(self.target.device) as t:
             outs = self.target.forward_batch(
@@ -380,41 +429,31 @@ class Engine:
             )
         rows = sum(int(seg.tokens.shape[0]) for seg in segments)
         if all(s.last is not None for s in seqs) and all(seg.lo == 0 for seg in segments):
-            # decode rows only, every layer: the online cost estimate follows this pass
-            from .costs import observe_pass
-
             observe_pass(self.target, rows, 1e3 * t[0])
-        out_of = {s.id: out for s, out in zip(run, outs, strict=True)}
         for s in run:
             if s.last is None:
                 s.prefilled = s.cache.length  # type: ignore[union-attr]
-        for s in seqs:  # (before any sequence finishes and frees its cache)
-            if leader.get(s.id, s) is not s:
-                assert s.cache is not None and leader[s.id].cache is not None
-                # (it holds the leader's earlier chunks already: copied when they were read)
-                s.cache.copy_prefix(leader[s.id].cache, leader[s.id].prefilled, start=s.prefilled)
-                s.prefilled = leader[s.id].prefilled
-        deltas = []
-        for s in seqs:
-            draft = drafts.get(s.id)
-            out = out_of[leader.get(s.id, s).id]
-            if s.last is None:
-                s.metrics.prefill_time += t[0]
-                if s.prefilled < len(s.prompt):  # more of the prompt to read
-                    deltas.append(Delta(s.id, [], "", prefilled=s.prefilled))
-                    continue
-                deltas.append(self._first_token(s, out))
-            else:
-                s.metrics.target_forwards += 1
-                s.metrics.target_time += t[0]
-                s.metrics.record_pass(rows, 1e3 * t[0])
-                deltas.append(self._commit(s, draft or Draft.empty(), out))
-                if drafting and s.drafter is not None:
-                    n = float(draft.tokens.shape[0]) if draft is not None else 0.0
-                    s.draft_rows = n if s.draft_rows is None else 0.7 * s.draft_rows + 0.3 * n
-            if deltas[-1].finished:
-                self._finish(s)
-        return deltas
+        return {s.id: out for s, out in zip(run, outs, strict=True)}, t[0], rows
+
+    def _after_prefill(self, s: _Sequence, out: ForwardOutput, seconds: float) -> Delta:
+        """A sequence that read (a chunk of) its prompt in this pass: more to read, or its first token."""
+        s.metrics.prefill_time += seconds
+        if s.prefilled < len(s.prompt):  # more of the prompt to read
+            return Delta(s.id, [], "", prefilled=s.prefilled)
+        return self._first_token(s, out)
+
+    def _after_decode(
+        self, s: _Sequence, draft: Draft | None, out: ForwardOutput, seconds: float, rows: int, drafting: bool
+    ) -> Delta:
+        """A decoding sequence: its draft verified and committed, the pass counted."""
+        s.metrics.target_forwards += 1
+        s.metrics.target_time += seconds
+        s.metrics.record_pass(rows, 1e3 * seconds)
+        delta = self._commit(s, draft or Draft.empty(), out)
+        if drafting and s.drafter is not None:
+            n = float(draft.tokens.shape[0]) if draft is not None else 0.0
+            s.draft_rows = n if s.draft_rows is None else 0.7 * s.draft_rows + 0.3 * n
+        return delta
 
     def _propose(self, seqs: list[_Sequence]) -> dict[int, Draft]:
         """Every drafting sequence's proposal; drafters that share a batch key draft together."""
@@ -504,6 +543,11 @@ class Engine:
                         layers,
                         fixed_k=not s.cfg.adaptive_k,
                         prediction=s.prediction,
+                        # under the engine's k controller its catch-up (a draft model's prefill)
+                        # waits until it drafts
+                        lazy=isinstance(s.controller, KController),
+                        pool=s.drafter_pool,
+                        pricing=s.pricing,
                     )
                 )
             s.metrics.prefill_time += t[0]

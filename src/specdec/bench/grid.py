@@ -19,6 +19,7 @@ position and, for greedy runs, whether every output equalled plain decoding.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -463,7 +464,6 @@ def run_grid(
                             # outputs) comes from this method's runs on this repeat's earlier
                             # prompts, never from this prompt's answer by another method (auto's
                             # suffix member runs the same prompt too)
-                            drafter.pool = pool_of(method, rep)  # type: ignore[union-attr]
                             req = request(
                                 target,
                                 ids,
@@ -472,6 +472,7 @@ def run_grid(
                                 adaptive_k=settings.adaptive_k,
                                 **common,
                             )
+                            req = dataclasses.replace(req, drafter_pool=pool_of(method, rep))
                             out = run_request(target, req, prefix_tokens=PREFIX_TOKENS)
                         bar.update()
                         return out
@@ -662,5 +663,5 @@ def _run_peers(
 
 
 def pool_of(method: str, rep: int) -> str:
-    """The memory a method's runs of one repeat share (`Drafter.pool`)."""
+    """The memory a method's runs of one repeat share (`DraftSession.pool`)."""
     return f"{method}-repeat-{rep}"

@@ -180,13 +180,10 @@ class AutoDrafter(Drafter):
             )
             for n in names
         }
-        for sub in self.subs.values():
-            sub.lazy_begin = True  # caught up (a draft model prefilled) when first chosen, if ever
-            sub.chain_only = True  # the chooser sizes chains
+        # (each member is begun lazily, caught up when first chosen if ever, and on chains the
+        # chooser sizes: see `begin`)
         # suffix decoding's tree beside the chosen chain (and as its own proposal when chosen)
         self.merge = bool(merge) and SUFFIX in self.subs
-        if self.merge:
-            self.subs[SUFFIX].chain_only = False
         self.margin = margin
         self.scratch_rows = max(s.scratch_rows for s in self.subs.values())
         self.wants_hidden = any(s.wants_hidden for s in self.subs.values())
@@ -226,18 +223,14 @@ class AutoDrafter(Drafter):
         return out
 
     def begin(self, session: DraftSession) -> None:
-        from ..costs import pass_costs, reproducible  # (looked up at call time: tests replace it)
-
         self._plan, self._proposal, self._sync_ms, self._merged_sizes = None, [], 0.0, []
         self._length, self._capacity = len(session.context), session.capacity
         if session.prediction and PREDICTION not in self.subs:  # the client's text, followed with a pointer
-            sub = self.subs[PREDICTION] = make_drafter(PREDICTION)
-            sub.lazy_begin = sub.chain_only = True
+            self.subs[PREDICTION] = make_drafter(PREDICTION)
         # a prediction followed for a while is accepted nearly whole: its chains may go as deep
         # as the step allows (the others' stay within PRICED_K, where their acceptance ends)
         self.k_max = PREDICTION_PRICED_K if session.prediction and PREDICTION in self.subs else PRICED_K
-        for sub in self.subs.values():
-            sub.pool = self.pool
+        for name, sub in self.subs.items():
             # each drafter its own generator, seeded from the session's: reproducible, independent
             seed = int(torch.randint(0, 2**62, (1,), generator=session.generator))
             sub.begin(
@@ -251,17 +244,22 @@ class AutoDrafter(Drafter):
                     session.layers,
                     session.fixed_k,
                     session.prediction,
+                    lazy=True,  # caught up (a draft model prefilled) when first chosen, if ever
+                    # the chooser sizes chains; suffix decoding's tree is merged beside the chosen chain
+                    chain_only=not (self.merge and name == SUFFIX),
+                    pool=session.pool,
+                    pricing=session.pricing,
                 )
             )
         self.chooser = MethodChooser(
             self.methods,
             self.k_max,
-            pass_costs(self.target, self.k_max + 1),
+            session.pricing.passes(self.k_max + 1),
             margin=self.margin,
             draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()},
             memory=acceptance_memory(self.target, session.sampling.greedy),
             remembered=remembered(self.methods),
-            reproducible=reproducible(session.sampling),
+            reproducible=session.pricing.reproducible,
             self_sized=frozenset(n for n, sub in self.subs.items() if sub.sizes_itself),
             priors=lambda m, situation: self.subs[m].prior_alpha(situation),
             steps=lambda m: self.subs[m].step_record(),

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from ..config import DEFAULT_K, SamplingParams
+from ..costs import Pricing
 
 if TYPE_CHECKING:
     from ..adaptive import StepRecord
@@ -112,6 +113,24 @@ class DraftSession:
     # the output the client expects (OpenAI's predicted outputs), tokenized; drafters that
     # draft from it read it (`drafters.prediction`), the others ignore it
     prediction: list[int] | None = None
+    # True: `begin` leaves catching up on the context (a draft model's prefill) to `sync`, which
+    # whoever begins it so calls before each proposal (the engine under adaptive_k; auto)
+    lazy: bool = False
+    # True: propose a chain of exactly the k asked for (a tree drafter drafts its most likely
+    # chain): whoever begins it so sized k itself (auto, which switches between chain drafters)
+    chain_only: bool = False
+    # whose sequence this is: drafters that learn from earlier requests (suffix decoding's store
+    # of outputs) keep what they learn per pool and draft from their pool's alone. A server
+    # gives one per API key (one client's outputs never draft for another); "" in a process of
+    # one user
+    pool: str = ""
+    # what its choices are priced by (`costs.Pricing`: the pass table, reproducible or not);
+    # None: this machine's measured tables, reproducible as its sampling says
+    pricing: Pricing | None = None
+
+    def __post_init__(self) -> None:
+        if self.pricing is None:
+            self.pricing = Pricing.of(self.target, self.sampling)
 
 
 @dataclass
@@ -156,17 +175,7 @@ class Drafter:
     # the drafter decides itself when drafting pays (auto; early exit's calibration): the
     # engine's guard (`adaptive_k`) leaves it alone
     own_schedule: bool = False
-    # True: `begin` leaves catching up on the context (a draft model's prefill) to `sync`, which
-    # whoever sets it calls before each proposal (the engine under adaptive_k; auto)
-    lazy_begin: bool = False
-    # True: propose a chain of exactly the k asked for (a tree drafter drafts its most likely
-    # chain): whoever sets it sized k itself (auto, which switches between chain drafters)
-    chain_only: bool = False
-    # whose sequence this is: drafters that learn from earlier requests (suffix decoding's store
-    # of outputs) keep what they learn per pool and draft from their pool's alone. A server sets
-    # it per API key before the sequence starts (one client's outputs never draft for another);
-    # "" in a process of one user
-    pool: str = ""
+    chain_only: bool = False  # this sequence's `DraftSession.chain_only` (a drafter that reads it sets it at begin)
 
     def __init__(self) -> None:
         self.forwards = 0  # model forward calls made so far (0 for model-free drafters)

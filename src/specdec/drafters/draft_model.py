@@ -152,6 +152,7 @@ class DraftModelDrafter(Drafter):
                 f"generation needs ({session.capacity}); lower max_new_tokens or pick another draft"
             )
         self.session = session
+        self.chain_only = session.chain_only
         # (a tree's fed nodes sit past the committed rows until the pass decides)
         self.cache = self.model.new_cache(session.capacity + (MAX_NODES if self._grows_tree() else 0))
         self.skip = 0
@@ -163,7 +164,7 @@ class DraftModelDrafter(Drafter):
         # (chains and trees apart: a tree also learns from its second choices)
         key = (id(self.model), id(self.vocab), self._grows_tree())
         self.calibration = _calibration(session, key) if self.confidence or self.tree else Calibration()
-        if not self.lazy_begin:  # (lazily: a request that never drafts never pays the prefill)
+        if not session.lazy:  # (lazily: a request that never drafts never pays the prefill)
             self.sync()
 
     def end(self) -> None:

@@ -175,15 +175,15 @@ class Eagle3Drafter(Drafter):
 
     # -- lifecycle ------------------------------------------------------------------------
     def begin(self, session: DraftSession) -> None:
-        from ..costs import pass_costs, reproducible
-
         c = self.head.cfg
+        self.chain_only = session.chain_only
+        pricing = session.pricing
         if self.total is None and self.run.pass_ms is None:
-            self.run.pass_ms = pass_costs(self.target, self.max_total + 1)
-        # a seeded sampled request (`reproducible`): tree sizes from stored numbers alone — the
-        # pass table unscaled, head calls at their stored time, no calibration from other requests
-        self.repro = reproducible(session.sampling)
-        self.pass_ms = self.run.pass_ms.unscaled() if self.repro and self.run.pass_ms is not None else None
+            self.run.pass_ms = pricing.live(self.max_total + 1)
+        # a seeded sampled request (`Pricing.reproducible`): tree sizes from stored numbers alone —
+        # the pass table unscaled, head calls at their stored time, no calibration from other requests
+        self.repro = pricing.reproducible
+        self.pass_ms = pricing.passes(self.max_total + 1) if self.repro and self.run.pass_ms is not None else None
         self._calls0 = self.forwards
         self._estimate = 0.0
         self._step_ms = 0.0

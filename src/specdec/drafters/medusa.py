@@ -147,14 +147,14 @@ class _HeadsDrafter(Drafter):
             return self.target.model.norm(residual[None].to(self.target.dtype))[0].float()
 
     def begin(self, session: DraftSession) -> None:
-        from ..costs import pass_costs, reproducible
-
+        self.chain_only = session.chain_only
+        pricing = session.pricing
         if self.total is None and self.pass_ms is None:
-            self.pass_ms = pass_costs(self.target, self.max_total + 1)
-        # a seeded sampled request (`reproducible`): tree sizes from stored numbers alone (the
-        # pass table unscaled, head calls at their stored time)
-        self.repro = reproducible(session.sampling)
-        self.costs = self.pass_ms.unscaled() if self.repro and self.pass_ms is not None else None
+            self.pass_ms = pricing.live(self.max_total + 1)
+        # a seeded sampled request (`Pricing.reproducible`): tree sizes from stored numbers alone
+        # (the pass table unscaled, head calls at their stored time)
+        self.repro = pricing.reproducible
+        self.costs = pricing.passes(self.max_total + 1) if self.repro and self.pass_ms is not None else None
         self._step_ms = self._estimate = 0.0
         self.sampling, self.gen = session.sampling, session.generator
         self.h = self._h(session.layers[self.feature_layers[0]][-1])

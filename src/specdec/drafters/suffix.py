@@ -313,22 +313,19 @@ class SuffixDrafter(Drafter):
         return max(MIN_TABLE_ROWS, self.max_nodes + 1)
 
     def begin(self, session: DraftSession) -> None:
-        from ..costs import pass_costs, reproducible
-
         if session.target is None:
             raise ValueError("the suffix drafter needs the target model in its session")
         target = session.target
+        self.chain_only = session.chain_only
         self._device = session.generator.device
         self._doc = _Doc()
         self._doc.extend(session.context)
         self._prompt_len = len(session.context) - 1
-        self._store = shared_store(target, self.pool, self.max_tokens) if self.max_tokens else None
-        repro = reproducible(session.sampling)
+        self._store = shared_store(target, session.pool, self.max_tokens) if self.max_tokens else None
         # (a seeded sampled request's drafts, hence its random numbers, must not depend on what
         # ran before it)
-        self._shared = None if repro else self._store
-        costs = pass_costs(target, self._rows()) if self.total is None else None
-        self._costs = costs.unscaled() if costs is not None and repro else costs
+        self._shared = None if session.pricing.reproducible else self._store
+        self._costs = session.pricing.passes(self._rows()) if self.total is None else None
         self._memory = acceptance_memory(target, session.sampling.greedy)
         self._acceptance, self._proposal, self._sizes, self._cached = {}, [], [], (-1, [])
         self._planned = ((-1, -1), (0, SuffixTree([], [], []), -1.0))

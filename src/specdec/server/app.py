@@ -64,7 +64,7 @@ class Service:
 
     def pool(self, request: Request) -> str:
         """Whose request it is, for what the server keeps from earlier requests (the suffix
-        drafter's memory, `Drafter.pool`; cached rows, `Engine.add`'s pool): one pool per API
+        drafter's memory, `DraftSession.pool`; cached rows, `Engine.add`'s pool): one pool per API
         key (the Gate has checked it), one for all where the server has no key or pools them
         (--suffix-shared). The key itself is not kept: a digest names the pool."""
         if not self.settings.api_keys or self.settings.suffix_shared:
@@ -135,8 +135,6 @@ class Service:
                 drafter = await self.worker.call(built)
             except (ValueError, TypeError) as exc:
                 raise APIError(400, f"speculative: {exc}", param="speculative") from exc
-            if drafter is not None:
-                drafter.pool = pool
         return Job(
             prompt_ids,
             cfg,
