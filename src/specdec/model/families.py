@@ -37,11 +37,11 @@ class Family:
     gguf_norm_plus_one: bool = False  # the GGUF stores (1 + w) for norms the checkpoint stores as w
     # a checkpoint weight that is several of our linear layers stacked by rows, in order
     stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # stacked layers' GGUF tensors: (our layer's suffix) -> (GGUF tensor kind, index in its stack)
-    gguf_stacked: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # the GGUF tensor kind llama.cpp stores each stacked weight as (still stacked)
+    gguf_stacked: dict[str, str] = field(default_factory=dict)
 
 
-def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """The rotary parameters, in either spelling (transformers 5's rope_parameters, or
     rope_theta with rope_scaling as older config files write them)."""
     rope = dict(cfg.get("rope_parameters") or {})
@@ -256,19 +256,13 @@ FAMILIES: dict[str, Family] = {
                 "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
             },
-            gguf_stacked={
-                "self_attn.q_proj": ("attn_qkv", 0),
-                "self_attn.k_proj": ("attn_qkv", 1),
-                "self_attn.v_proj": ("attn_qkv", 2),
-                "mlp.gate_proj": ("ffn_up", 0),
-                "mlp.up_proj": ("ffn_up", 1),
-            },
+            gguf_stacked={"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
         ),
         Family("gemma3_text", "gemma3", _gemma3, "Gemma3TextConfig", _tiny_gemma3, gguf_norm_plus_one=True),
     )
 }
-# tiny test models that are a family with particular settings
-TINY_VARIANTS = {"gemma3": ("gemma3_text", {}), "llama3": ("llama", {"llama3": True})}
+# tiny test models named apart from their family: (family, its tiny arguments; None: the family's)
+TINY_VARIANTS = {"gemma3": ("gemma3_text", None), "llama3": ("llama", _tiny_llama3)}
 
 GGUF_ARCHITECTURES = tuple(sorted({f.gguf_arch for f in FAMILIES.values()}))
 
@@ -278,10 +272,6 @@ def family(model_type: str) -> Family:
     if f is None:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
     return f
-
-
-def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    return _rope(cfg)
 
 
 def stacked_rows(fam: Family, part: str, args: Any) -> tuple[int, int]:  # noqa: ANN401 - ModelArgs
@@ -306,11 +296,11 @@ def tiny_config(arch: str, common: dict[str, Any]):  # noqa: ANN201 - a transfor
     TINY_VARIANTS); `common` holds the sizes every family shares."""
     import transformers
 
-    model_type, variant = TINY_VARIANTS.get(arch, (arch, {}))
+    model_type, tiny = TINY_VARIANTS.get(arch, (arch, None))
     fam = FAMILIES.get(model_type)
     if fam is None:
         raise ValueError(f"unknown tiny architecture {arch!r}")
-    extra = _tiny_llama3(common) if variant.get("llama3") else fam.tiny(common)
+    extra = (tiny or fam.tiny)(common)
     kwargs = {k: v for k, v in common.items() if k != "sliding_window"} | extra
     return getattr(transformers, fam.hf_config)(**kwargs)
 
@@ -353,6 +343,7 @@ class GGUFLinear:
 
     tensor: str  # the GGUF tensor's name
     first_row: int | None  # a stacked tensor: the layer's first row in it; None: the whole tensor
+    rows: int | None = None  # ...and its row count there
     interleaved_heads: int = 0  # llama.cpp interleaved its rows for rotary, in this many heads (0: not)
 
 
@@ -366,13 +357,13 @@ def gguf_linear(module: str, args: Any) -> GGUFLinear | None:  # noqa: ANN401 - 
     if len(parts) != 5 or parts[:2] != ["model", "layers"]:
         return None
     suffix = ".".join(parts[3:])
-    if suffix in fam.gguf_stacked:
-        kind, _ = fam.gguf_stacked[suffix]
-        return GGUFLinear(f"blk.{parts[2]}.{kind}.weight", stacked_rows(fam, suffix, args)[0])
+    stack = next((s for s, stacked in fam.stacked.items() if suffix in stacked), None)
+    if stack is not None:
+        return GGUFLinear(f"blk.{parts[2]}.{fam.gguf_stacked[stack]}.weight", *stacked_rows(fam, suffix, args))
     kind = GGUF_LINEARS.get(suffix)
     if kind is None:
         return None
     heads = 0
     if fam.gguf_qk_interleaved and suffix in ("self_attn.q_proj", "self_attn.k_proj"):
         heads = args.n_heads if suffix == "self_attn.q_proj" else args.n_kv_heads
-    return GGUFLinear(f"blk.{parts[2]}.{kind}.weight", None, heads)
+    return GGUFLinear(f"blk.{parts[2]}.{kind}.weight", None, interleaved_heads=heads)

@@ -170,10 +170,7 @@ def linear_weight(path: str | os.PathLike[str], module: str, args) -> np.ndarray
     w = float_tensor(open_gguf(path), where.tensor, args)
     if where.first_row is None:
         return w
-    from .families import stacked_rows
-
-    first, rows = stacked_rows(family(args.model_type), ".".join(module.split(".")[3:]), args)
-    return np.ascontiguousarray(w[first : first + rows])
+    return np.ascontiguousarray(w[where.first_row : where.first_row + where.rows])
 
 
 def small_state(reader: GGUFReader, keys: list[str], args) -> dict[str, torch.Tensor]:  # noqa: ANN001
