@@ -14,10 +14,10 @@ import specdec
 from specdec.adaptive import MAX_PROBE_WAIT, KController
 from specdec.config import SamplingParams
 from specdec.costs import PASS_TABLES, Costs
-from specdec.drafters import Drafter, DraftModelDrafter
+from specdec.drafters import DraftModelDrafter, Switchable
 
 
-class _Chain(Drafter):
+class _Chain(Switchable):
     """What the controller asks of a chain drafter: it can always propose k, cost unknown."""
 
     name = "chain"

@@ -26,6 +26,7 @@ from .drafters import (
     Feedback,
     LookaheadDrafter,
     PromptLookupDrafter,
+    Switchable,
     make_drafter,
 )
 from .engine import Delta, Engine, GenerationResult
@@ -65,6 +66,7 @@ __all__ = [
     "Request",
     "SamplingParams",
     "Stream",
+    "Switchable",
     "TreeVerdict",
     "Verdict",
     "compare",

@@ -25,6 +25,7 @@ import torch
 from . import store
 from .config import GenerationConfig, SamplingParams
 from .drafters.base import Drafter, draft_model_method, make_drafter, resolve_k, uses_draft_model
+from .drafters.base import prepare as prepare_drafter
 from .drafters.prediction import PREDICTION_READERS
 from .engine import Delta, Engine, GenerationResult
 from .model.load import load_transformer
@@ -488,8 +489,7 @@ def prepare(target: LoadedModel, drafter: Drafter | None = None) -> None:
     from .costs import TABLE_ROWS, pass_costs
 
     pass_costs(target.model, TABLE_ROWS)
-    if drafter is not None:
-        drafter.prepare()
+    prepare_drafter(drafter)
 
 
 def _warm_up(*models: LoadedModel | None) -> None:

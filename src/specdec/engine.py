@@ -36,7 +36,7 @@ import torch
 from .adaptive import KController, StepGuard, acceptance_memory
 from .config import GenerationConfig, SamplingParams
 from .costs import Costs, Pricing, observe_pass
-from .drafters.base import Draft, Drafter, DraftSession, Feedback, remembered
+from .drafters.base import Draft, Drafter, DraftSession, Feedback, Switchable, estimate, remembered
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
 from .model.prefix import PrefixStore
@@ -183,6 +183,7 @@ class _Sequence:
     drafter_pool: str = ""  # whose earlier outputs its drafter may draft from (`DraftSession.pool`)
     prediction: list[int] | None = None  # the output the client expects (`DraftSession.prediction`)
     top_logprobs: int | None = None  # None: no logprobs; else each token's, with this many alternatives
+    final: Feedback | None = None  # the pass that finished it (what its drafter's `end` is told)
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def k(self) -> int:
@@ -298,7 +299,7 @@ class Engine:
         controller: KController | StepGuard | None = None
         pricing = Pricing.of(self.target, sampling, self.pass_tables)
         if cfg.adaptive_k and drafter is not None and not drafter.own_schedule:
-            if drafter.k_by_engine:
+            if isinstance(drafter, Switchable) and drafter.k_by_engine:
                 controller = KController(
                     drafter,
                     cfg.k,
@@ -311,7 +312,7 @@ class Engine:
                 controller = StepGuard(
                     cfg.k,
                     pricing.passes(max(cfg.k + 1 + drafter.scratch_rows, 2)),
-                    estimate=drafter.estimated_ms if pricing.reproducible else None,
+                    estimate=estimate(drafter) if pricing.reproducible else None,
                 )
         sid = self._next_id
         self._next_id += 1
@@ -464,7 +465,7 @@ class Engine:
                 groups.setdefault(key if key is not None else ("alone", s.id), []).append(s)
         drafts: dict[int, Draft] = {}
         for s in seqs:
-            if s.drafter is not None and s.k_now > 0 and isinstance(s.controller, KController):
+            if isinstance(s.drafter, Switchable) and s.k_now > 0 and isinstance(s.controller, KController):
                 with timer(self.target.device) as t:
                     s.drafter.sync()  # catching up is timed apart: the controller charged it separately
                 s.metrics.draft_time += t[0]
@@ -595,7 +596,7 @@ class Engine:
                 )
             )
         elif s.drafter is not None:
-            s.drafter.last_step(Feedback(path, nxt, logits[: K + 1]), min(len(path), len(committed)))
+            s.final = Feedback(path, nxt, logits[: K + 1], kept=min(len(path), len(committed)))
         return self._delta(s, committed)
 
     def _delta(self, s: _Sequence, tokens: list[int]) -> Delta:
@@ -605,7 +606,7 @@ class Engine:
     def _finish(self, s: _Sequence) -> None:
         m = s.metrics
         if s.drafter is not None:
-            s.drafter.end()  # (a drafter may complete its report there)
+            s.drafter.end(s.final)  # (a drafter may complete its report there)
             m.draft_forwards = s.drafter.forwards - s.forwards_before
             m.drafter_info = dict(s.drafter.info)
             if s.controller is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -13,7 +14,8 @@ from typing import Any
 
 from .. import registry
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments, from_namespace
-from ..drafters import DRAFTERS, Drafter
+from ..drafters import DRAFTERS
+from ..drafters.base import describe as describe_run
 from ..engine import Delta
 from ..model.kernels import AUTO, MODES
 from .common import (
@@ -157,7 +159,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     show = _shower(ns.stream, len(req.prompt_ids))
-    describe = type(drafter).describe if drafter is not None else Drafter.describe
+    describe = functools.partial(describe_run, drafter.name if drafter is not None else None)
     if ns.compare:
         made = iter([req])  # (the first run is the request built above)
         cmp = compare_requests(target, lambda: next(made, None) or build(), draft, on_delta=show, repeats=ns.repeats)

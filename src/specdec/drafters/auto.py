@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,7 +56,19 @@ from ..costs import PRICED_K
 from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
-from .base import DRAFTERS, Draft, Drafter, DraftSession, Feedback, Option, make_drafter, register, remembered
+from .base import (
+    DRAFTERS,
+    Draft,
+    Drafter,
+    DraftSession,
+    Feedback,
+    Option,
+    Switchable,
+    make_drafter,
+    one_batch,
+    register,
+    remembered,
+)
 from .confidence import CONFIDENCE_OPTION
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION
 from .window import DEFAULT_WINDOW, WINDOW_OPTION
@@ -67,8 +79,19 @@ def switchable() -> list[str]:
     return [n for n, spec in DRAFTERS.items() if spec.switchable]
 
 
+def _describe(info: dict[str, Any], brief: bool) -> list[str]:
+    if not info.get("auto") or brief:
+        return []
+    steps = info["auto"]["steps"]
+    return [
+        "auto steps: "
+        + "; ".join(f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items()) for name, ks in steps.items())
+    ]
+
+
 @register(
     "auto",
+    describe=_describe,
     needs="any",
     default_k=16,  # the deepest a step may go: chains stop at the chooser's PRICED_K, suffix trees here
     help="choose the drafter (prompt lookup, suffix; the draft model with --draft; an EAGLE-3 head if asked for) and k "
@@ -167,8 +190,8 @@ class AutoDrafter(Drafter):
             "window": window,
             "confidence": confidence,
         }  # auto's options its members may declare
-        self.subs: dict[str, Drafter] = {
-            n: make_drafter(
+        self.subs: dict[str, Switchable] = {
+            n: _member(
                 n,
                 target=target,
                 draft=draft if DRAFTERS[n].needs == "draft" else None,
@@ -199,34 +222,23 @@ class AutoDrafter(Drafter):
         self._draft_ms = 0.0
         self._sync_ms = 0.0
         self._length = self._capacity = 0  # committed tokens; the most the sequence can reach
-
-    @property
-    def methods(self) -> list[str]:
-        return list(self.subs)
-
-    def prepare(self) -> None:
+        # what a first proposal would pay once per process or machine, paid now (before a
+        # request's clock starts: as `api.prepare` does for a drafter alone)
         from ..costs import pass_costs  # (looked up at call time: tests replace it)
 
         pass_costs(self.target, PREDICTION_PRICED_K + 1)
         for sub in self.subs.values():
             sub.prepare()
 
-    @classmethod
-    def describe(cls, info: dict[str, Any], brief: bool = False) -> list[str]:
-        out = super().describe(info, brief)
-        if info.get("auto") and not brief:
-            steps = info["auto"]["steps"]
-            out.append(
-                "auto steps: "
-                + "; ".join(f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items()) for name, ks in steps.items())
-            )
-        return out
+    @property
+    def methods(self) -> list[str]:
+        return list(self.subs)
 
     def begin(self, session: DraftSession) -> None:
         self._plan, self._proposal, self._sync_ms, self._merged_sizes = None, [], 0.0, []
         self._length, self._capacity = len(session.context), session.capacity
         if session.prediction and PREDICTION not in self.subs:  # the client's text, followed with a pointer
-            self.subs[PREDICTION] = make_drafter(PREDICTION)
+            self.subs[PREDICTION] = _member(PREDICTION)
         # a prediction followed for a while is accepted nearly whole: its chains may go as deep
         # as the step allows (the others' stay within PRICED_K, where their acceptance ends)
         self.k_max = PREDICTION_PRICED_K if session.prediction and PREDICTION in self.subs else PRICED_K
@@ -265,9 +277,20 @@ class AutoDrafter(Drafter):
             steps=lambda m: self.subs[m].step_record(),
         )
 
-    def end(self) -> None:
-        for sub in self.subs.values():
-            sub.end()
+    def end(self, final: Feedback | None = None) -> None:
+        """The member that proposed the finishing step hears of it (the prediction's counts)."""
+        method = self._plan[0] if self._plan is not None else "plain"
+        last: dict[str, Feedback] = {}
+        if final is not None and final.kept is not None and method != "plain":
+            if self._merged is not None:
+                n = _along(final.path, self._merged.chain)
+                last[method] = replace(
+                    _part(final, list(range(n)), self._merged.chain[:n], final.next_token), kept=min(n, final.kept)
+                )
+            else:
+                last[method] = final
+        for name, sub in self.subs.items():
+            sub.end(last.get(name))
         self._report()
 
     def batch_key(self) -> Hashable:
@@ -327,7 +350,7 @@ class AutoDrafter(Drafter):
         """Each sequence's choice; then the chosen drafters propose, those that share a batch
         key together (one draft-model forward per draft step serves every sequence that chose it);
         then, with `merge`, suffix decoding's tree joins each chosen chain."""
-        group: list[AutoDrafter] = cls._one_batch(drafters)
+        group: list[AutoDrafter] = one_batch(cls, drafters)
         out = [Draft.empty(d.target.device) for d in group]
         by_key: dict[Hashable, list[int]] = {}
         for i, (d, k) in enumerate(zip(group, ks, strict=True)):
@@ -420,17 +443,6 @@ class AutoDrafter(Drafter):
                 n, best = j, rate
         return n
 
-    def last_step(self, feedback: Feedback, kept: int) -> None:
-        """The member that proposed the finishing step hears of it (the prediction's counts)."""
-        method = self._plan[0] if self._plan is not None else "plain"
-        if self._merged is not None:
-            n = _along(feedback.path, self._merged.chain)
-            self.subs[method].last_step(
-                _part(feedback, list(range(n)), self._merged.chain[:n], feedback.next_token), min(n, kept)
-            )
-        elif method != "plain":
-            self.subs[method].last_step(feedback, kept)
-
     def accepted(self, feedback: Feedback) -> None:
         assert self.chooser is not None
         method, situation, k = self._plan if self._plan is not None else ("plain", None, 0)
@@ -480,6 +492,14 @@ class AutoDrafter(Drafter):
 
 
 SUFFIX = "suffix"
+
+
+def _member(name: str, **kw: Any) -> Switchable:
+    sub = make_drafter(name, **kw)
+    assert isinstance(sub, Switchable)  # (the registry lists only those as auto's: `switchable`)
+    return sub
+
+
 PREDICTION = "prediction"
 PREDICTION_PRICED_K = 31  # the deepest chain a prediction may propose in one step (a pass of 32 rows)
 

@@ -8,13 +8,18 @@ with its default:
 * `accepted(feedback)`: what the target's pass decided (the accepted path, the target's own
   next token) and what it computed for this sequence (logits; hidden states and chosen layers
   on request), so the drafter can roll its own state back and learn from the target;
-* `end()`: the sequence is finished or cancelled; release what it holds.
+* `end(final)`: the sequence is finished (`final`: the pass that finished it) or cancelled;
+  release what it holds.
 
 One drafter object serves one sequence. Drafters that can draft for several sequences in one
 model call (a draft model) say so with `batch_key` and implement `propose_batch`; the engine
-groups them. Each drafter lives in its own module and registers itself with `register`,
-declaring its options once: the CLI, the API, `specdec bench` and benchmarks/ build drafters
-through `make_drafter`.
+groups them. That is all the engine asks of every drafter. A `Switchable` drafter also follows
+tokens it did not propose and prices its proposals before making them: auto switches between
+those, and the engine sizes one's k step by step.
+
+Each drafter lives in its own module and registers itself with `register`, declaring its
+options once: the CLI, the API, `specdec bench` and benchmarks/ build drafters through
+`make_drafter`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 
@@ -145,6 +150,8 @@ class Feedback:
     layers: dict[int, torch.Tensor] = field(
         default_factory=dict
     )  # residual after each `feature_layers` layer, [K+1, D]
+    kept: int | None = None  # the pass that finished the sequence (given to `end`): how many of
+    # `path`'s tokens the output took; None: the sequence goes on
 
     @property
     def num_accepted(self) -> int:
@@ -158,24 +165,19 @@ class Feedback:
 
 
 class Drafter:
-    """Base class of every drafter; subclasses override `begin` and `propose`, and the other
-    hooks where they need them."""
+    """What the engine asks of every drafter: the four verbs of its life (`begin`, `propose`,
+    `accepted`, `end`) and, for drafters that draft for several sequences in one model call,
+    `batch_key` and `propose_batch`. Subclasses override `begin` and `propose`, and the others
+    where they need them. What only a chooser asks (auto, and the engine sizing k step by
+    step) is `Switchable`'s."""
 
     name: ClassVar[str] = ""
     scratch_rows: int = 0  # most cache slots a pass needs beyond k + 1 (tree branches, extra rows)
     wants_hidden: bool = False  # Feedback.hidden: the target's final-normed hidden states
     feature_layers: tuple[int, ...] = ()  # Feedback.layers: the residual after these target layers
-    # a chain drafter whose k the engine may choose each step (under `GenerationConfig.adaptive_k`);
-    # drafters that size their own proposals (trees, calibrated per k, extra rows) keep the k
-    # they are given
-    k_by_engine: bool = False
-    # a chain drafter that stops short of the k it is given where one more token would not pay
-    # (a draft model judging by its confidence): whoever chooses k hands it the deepest one
-    sizes_itself: bool = False
-    # the drafter decides itself when drafting pays (auto; early exit's calibration): the
+    # the drafter decides itself when drafting pays (auto; suffix decoding's trees): the
     # engine's guard (`adaptive_k`) leaves it alone
     own_schedule: bool = False
-    chain_only: bool = False  # this sequence's `DraftSession.chain_only` (a drafter that reads it sets it at begin)
 
     def __init__(self) -> None:
         self.forwards = 0  # model forward calls made so far (0 for model-free drafters)
@@ -188,30 +190,59 @@ class Drafter:
         raise NotImplementedError
 
     def accepted(self, feedback: Feedback) -> None:
-        """The verification pass kept `feedback.path` of the last proposal, then `next_token`."""
+        """The verification pass kept `feedback.path` of the last proposal, then `next_token`;
+        the sequence goes on (the pass that finishes it comes to `end`)."""
 
-    def last_step(self, feedback: Feedback, kept: int) -> None:
-        """The pass that finished the sequence (an end token, a stop, the length) kept
-        `feedback.path` of the last proposal, of which the output took the first `kept` tokens
-        (fewer where a stop came inside it); nothing is proposed after it. Default: nothing (a
-        drafter that counts its accepted tokens completes the count here)."""
+    def end(self, final: Feedback | None = None) -> None:
+        """The sequence is finished or cancelled. `final`: the pass that finished it (an end
+        token, a stop, the length), of whose `path` the output took the first `final.kept`
+        tokens (fewer where a stop came inside it); None: cancelled, or finished by a step
+        without a proposal of this drafter. Nothing is proposed after it; a drafter that
+        counts its accepted tokens completes the count here."""
 
-    def end(self) -> None:
-        """The sequence is finished or cancelled."""
+    def batch_key(self) -> Hashable | None:
+        """Drafters with the same key (not None) draft together through `propose_batch`."""
+        return None
 
     @classmethod
-    def describe(cls, info: dict[str, Any], brief: bool = False) -> list[str]:
-        """Phrases for the line of figures a front end prints after a run, from a drafter's
-        `info` (what it chose for itself); `brief`: only what must be seen even beside a JSON
-        object that carries `info` whole. Default: that the request ran as plain decoding, and
-        what a prediction gave (the drafters that read one)."""
-        out = [info["fallback"]] if info.get("fallback") else []
-        if info.get("prediction") and not brief:
-            p = info["prediction"]
-            out.append(f"prediction tokens {p['accepted_tokens']} accepted, {p['rejected_tokens']} rejected")
-        return out
+    def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
+        """Proposals for several sequences at once (drafters of one `batch_key`)."""
+        return [d.propose(k) for d, k in zip(drafters, ks, strict=True)]
 
-    # -- hooks `--drafter auto` uses to switch between drafters (specdec.drafters.auto) ------
+
+D = TypeVar("D", bound=Drafter)
+
+
+class Switchable(Drafter):
+    """A drafter a chooser may switch to and size step by step: `--drafter auto` switches
+    between these, and the engine's `adaptive_k` sizes one alone (`adaptive.KController`).
+    It follows tokens it did not propose (`catch_up`, `sync`) and says what a proposal would
+    cost and bring before it is made (`cost_ms`, `outlook`, ...). Registering a subclass
+    makes it one of auto's members."""
+
+    # a chain drafter whose k the engine may choose each step (under `GenerationConfig.adaptive_k`);
+    # drafters that size their own proposals (trees, calibrated per k) keep the k they are given
+    k_by_engine: bool = False
+    # a chain drafter that stops short of the k it is given where one more token would not pay
+    # (a draft model judging by its confidence): whoever chooses k hands it the deepest one
+    sizes_itself: bool = False
+    chain_only: bool = False  # this sequence's `DraftSession.chain_only` (a tree drafter sets it at begin)
+
+    def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
+        """`tokens` were committed without a proposal of this drafter (another drafter's, or a
+        plain step) since its last `begin`/`accepted`: follow them. `feedback`: the pass that
+        committed them, whose `layers` carry the target's features of their rows (the
+        drafter's `feature_layers`, as with `accepted`)."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Do any work deferred by `catch_up` now (a draft model feeds the tokens it missed), so
+        that the next proposal's time measures drafting alone. Default: nothing to do."""
+
+    def switch_ms(self) -> float:
+        """Expected milliseconds that `sync` would take now."""
+        return 0.0
+
     def outlook(self, k: int) -> tuple[Hashable, int] | None:
         """What a proposal of up to k tokens would come from now: (situation, the most tokens
         it could have), or None when there is nothing to propose. Acceptance is tracked per
@@ -229,56 +260,59 @@ class Drafter:
         requests (`adaptive.StepRecord`; valid after `begin`); None: it keeps none."""
         return None
 
-    def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
-        """`tokens` were committed without a proposal of this drafter (another drafter's, or a
-        plain step) since its last `begin`/`accepted`: follow them. `feedback`: the pass that
-        committed them, whose `layers` carry the target's features of their rows (the
-        drafter's `feature_layers`, as with `accepted`). Drafters that `--drafter auto` can
-        switch between implement it."""
-        raise NotImplementedError(f"the {self.name} drafter cannot follow tokens that another drafter proposed")
-
     def cost_ms(self) -> float | None:
         """Expected milliseconds per drafted token before any is measured (None: unknown;
         auto then drafts once to measure it)."""
         return None
 
-    def prepare(self) -> None:
-        """Do now what this drafter's first proposal would otherwise pay once per process or
-        machine (timing its drafting step); a server calls it before it says it is ready.
-        Default: look up `cost_ms`."""
-        self.cost_ms()
-
     def estimated_ms(self, proposed: int) -> float:
         """The last proposal's time (`proposed` tokens) as estimated from stored numbers, not
-        the clock: what a seeded sampled request's guard counts (`costs.reproducible`), so that
-        its choices, and the random numbers they lead to, are the same every time. Default:
-        `cost_ms` per token (drafters whose `cost_ms` follows the clock override it)."""
+        the clock: what a seeded sampled request's guard counts (`costs.Pricing.reproducible`),
+        so that its choices, and the random numbers they lead to, are the same every time.
+        Default: `cost_ms` per token (drafters whose `cost_ms` follows the clock override it)."""
         return (self.cost_ms() or 0.0) * proposed
 
-    def switch_ms(self) -> float:
-        """Expected milliseconds that `sync` would take now."""
-        return 0.0
+    def prepare(self) -> None:
+        """Do now what this drafter's first proposal would otherwise pay once per process or
+        machine (timing its drafting step); a server calls it (`api.prepare`) before it says it
+        is ready. Default: look up `cost_ms`."""
+        self.cost_ms()
 
-    def sync(self) -> None:
-        """Do any work deferred by `catch_up` now (a draft model feeds the tokens it missed), so
-        that the next proposal's time measures drafting alone. Default: nothing to do."""
 
-    def batch_key(self) -> Hashable | None:
-        """Drafters with the same key (not None) draft together through `propose_batch`."""
-        return None
+def prepare(drafter: Drafter | None) -> None:
+    """`Switchable.prepare` where the drafter has it (auto prepares its members as it builds
+    them; the others time nothing of their own)."""
+    if isinstance(drafter, Switchable):
+        drafter.prepare()
 
-    @classmethod
-    def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
-        """Proposals for several sequences at once (drafters of one `batch_key`)."""
-        return [d.propose(k) for d, k in zip(drafters, ks, strict=True)]
 
-    @classmethod
-    def _one_batch(cls, drafters: Sequence[Drafter]) -> list:
-        """`drafters` as a list of this class, checked to share one batch key (what a
-        `propose_batch` override may assume)."""
-        if not drafters or any(not isinstance(d, cls) for d in drafters) or len({d.batch_key() for d in drafters}) > 1:
-            raise ValueError(f"{cls.__name__}.propose_batch takes {cls.__name__} objects of one batch key")
-        return list(drafters)
+def estimate(drafter: Drafter) -> Callable[[int], float]:
+    """A proposal's time as estimated from stored numbers (`Switchable.estimated_ms`); drafters
+    that price nothing of their own count as free."""
+    return drafter.estimated_ms if isinstance(drafter, Switchable) else lambda proposed: 0.0
+
+
+def one_batch(cls: type[D], drafters: Sequence[Drafter]) -> list[D]:
+    """`drafters` as a list of `cls`, checked to share one batch key (what a `propose_batch`
+    override may assume)."""
+    if not drafters or any(not isinstance(d, cls) for d in drafters) or len({d.batch_key() for d in drafters}) > 1:
+        raise ValueError(f"{cls.__name__}.propose_batch takes {cls.__name__} objects of one batch key")
+    return list(drafters)  # type: ignore[arg-type]
+
+
+def describe(method: str | None, info: dict[str, Any], brief: bool = False) -> list[str]:
+    """Phrases for the line of figures a front end prints after a run, from a drafter's `info`
+    (what it chose for itself); `brief`: only what must be seen even beside a JSON object that
+    carries `info` whole: that the request ran as plain decoding, the registered drafter's own
+    (`register(describe=...)`), and what a prediction gave."""
+    out = [info["fallback"]] if info.get("fallback") else []
+    spec = DRAFTERS.get(method) if method is not None else None
+    if spec is not None and spec.describe is not None:
+        out += spec.describe(info, brief)
+    if info.get("prediction") and not brief:
+        p = info["prediction"]
+        out.append(f"prediction tokens {p['accepted_tokens']} accepted, {p['rejected_tokens']} rejected")
+    return out
 
 
 # -- registry ----------------------------------------------------------------------------
@@ -309,10 +343,16 @@ class DrafterSpec:
     options: tuple[Option, ...]
     help: str
     head: str | None = None  # the kind of trained head it loads (`drafters.heads`); None: needs none
-    switchable: bool = False  # auto may switch to it step by step (it implements `catch_up`)
     auto_head: bool = False  # auto's --auto-head is this drafter's head (and asks auto to include it)
     default_k: int | None = None  # k when none is given or tuned (a tree drafter that sizes itself: its deepest
     # draft); None: config.DEFAULT_K
+    # its own phrases for the line a front end prints after a run, from its `info` (see `describe`)
+    describe: Callable[[dict[str, Any], bool], list[str]] | None = None
+
+    @property
+    def switchable(self) -> bool:
+        """Auto may switch to it step by step (a `Switchable`)."""
+        return issubclass(self.cls, Switchable)
 
     def defaults(self) -> dict[str, Any]:
         sig = inspect.signature(self.cls.__init__)
@@ -348,14 +388,14 @@ def register(
     needs: Needs = "",
     options: tuple[Option, ...] = (),
     head: str | None = None,
-    switchable: bool = False,
     auto_head: bool = False,
     default_k: int | None = None,
+    describe: Callable[[dict[str, Any], bool], list[str]] | None = None,
 ) -> Callable[[type], type]:
     """Add a drafter class to the registry under `name`: what it needs built (`needs`), its
-    options (defaults from its constructor), the trained head it loads (`head`), whether auto
-    may switch to it (`switchable`: it implements `catch_up`), its k when none is given
-    (`default_k`)."""
+    options (defaults from its constructor), the trained head it loads (`head`), its k when
+    none is given (`default_k`), its phrases after a run (`describe`). A `Switchable` class
+    is one auto may switch to."""
 
     def deco(cls: type) -> type:
         if name in DRAFTERS:
@@ -364,9 +404,9 @@ def register(
         for o in options:
             if o.name not in params or params[o.name].default is inspect.Parameter.empty:
                 raise TypeError(f"{cls.__name__} declares option {o.name!r} without a default in __init__")
-        if switchable and cls.catch_up is Drafter.catch_up:
-            raise TypeError(f"{cls.__name__} is registered as switchable but does not implement catch_up")
-        DRAFTERS[name] = DrafterSpec(name, cls, needs, options, help, head, switchable, auto_head, default_k)
+        if issubclass(cls, Switchable) and cls.catch_up is Switchable.catch_up:
+            raise TypeError(f"{cls.__name__} is Switchable but does not implement catch_up")
+        DRAFTERS[name] = DrafterSpec(name, cls, needs, options, help, head, auto_head, default_k, describe)
         cls.name = name
         return cls
 

@@ -11,7 +11,7 @@ from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
 from ..runtime import per_model
 from ..sampling import probs, sample
-from .base import Draft, Drafter, DraftSession, Feedback, register
+from .base import Draft, Drafter, DraftSession, Feedback, Switchable, one_batch, register
 from .confidence import CONFIDENCE_OPTION, TREE_OPTION, Calibration, Depth, keep_drafting
 from .draft_tree import MAX_NODES, TreeGrowth
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
@@ -79,12 +79,11 @@ def step_cost_ms(model: Transformer, vocab: DraftVocab | None, context: int = 12
 @register(
     "draft-model",
     needs="draft",
-    switchable=True,
     default_k=8,
     help="a smaller model of the same tokenizer drafts up to k tokens, as deep as its confidence pays (--draft MODEL)",
     options=(VOCAB_OPTION, WINDOW_OPTION, CONFIDENCE_OPTION, TREE_OPTION),
 )
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(Switchable):
     """Keeps its own KV cache of the committed tokens. A proposal feeds whatever committed
     tokens the cache lacks (1, or 2 after a fully accepted step) and then each new draft but
     the last. Drafters of one draft model propose together: each of the k draft steps is one
@@ -167,7 +166,7 @@ class DraftModelDrafter(Drafter):
         if not session.lazy:  # (lazily: a request that never drafts never pays the prefill)
             self.sync()
 
-    def end(self) -> None:
+    def end(self, final: Feedback | None = None) -> None:
         self.cache = None  # free the draft's KV cache
 
     def step_record(self) -> StepRecord | None:
@@ -204,7 +203,7 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
-        group: list[DraftModelDrafter] = cls._one_batch(drafters)  # one draft model
+        group: list[DraftModelDrafter] = one_batch(cls, drafters)  # one draft model
         model = group[0].model
         for d in group:
             if d.session is None or d.cache is None:

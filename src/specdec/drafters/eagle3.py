@@ -53,7 +53,7 @@ from ..model.transformer import Transformer
 from ..networks.eagle3 import Eagle3Head
 from ..sampling import probs as sampling_probs
 from . import heads
-from .base import Draft, Drafter, DraftSession, Feedback, Option, register
+from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 from .heads import HeadRunner
 
 
@@ -132,7 +132,6 @@ class _Runner(HeadRunner):
     help="EAGLE-3 head over the target's features (trained with `specdec train eagle3`), dynamic token trees",
     needs="target",
     head="eagle3",
-    switchable=True,
     auto_head=True,
     options=(
         Option("head", "directory of a trained EAGLE-3 head (default: the one shipped for the target)", type=str),
@@ -146,7 +145,7 @@ class _Runner(HeadRunner):
         Option("sample_frontier", "sampling: nodes expanded per depth", flag="--tree-frontier"),
     ),
 )
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(Switchable):
     """`k` (the generation config's) is the tree depth."""
 
     def __init__(
@@ -240,7 +239,7 @@ class Eagle3Drafter(Drafter):
     def estimated_ms(self, proposed: int) -> float:
         return self._estimate
 
-    def end(self) -> None:
+    def end(self, final: Feedback | None = None) -> None:
         self.k_cache = self.v_cache = torch.zeros(0)
         self.feats = []
 

@@ -38,7 +38,7 @@ from ..model.cache import KVCache
 from ..model.transformer import Segment, Transformer
 from ..runtime import per_model
 from ..sampling import probs, sample
-from .base import Draft, Drafter, DraftSession, Feedback, Option, register
+from .base import Draft, Drafter, DraftSession, Feedback, Option, one_batch, register
 
 CALIBRATION_TOKENS = 32  # prompt tail used to measure agreement
 CALIBRATION_REPEATS = 3  # timed repeats per measurement (median)
@@ -48,8 +48,19 @@ CALIBRATIONS = per_model(memory=False)  # per target: calibrations by (k, greedy
 # greedy/sampled): one drafter object serves one sequence, the calibration every sequence.
 
 
+def _describe(info: dict[str, Any], brief: bool) -> list[str]:
+    if "layer" not in info:
+        return []
+    how = "calibrated" if info.get("calibrated") else "set"
+    text = f"early exit after layer {info['layer']} of {info['n_layers']} ({how})"
+    if info.get("calibrated") and not brief:
+        text += f", predicted speedup {info['candidates'][info['layer']]['predicted_speedup']:.2f}x"
+    return [text]
+
+
 @register(
     "early-exit",
+    describe=_describe,
     needs="target",
     help="the target's own first L layers draft (self-speculation); L calibrated unless --exit-layer",
     options=(
@@ -100,18 +111,6 @@ class EarlyExitDrafter(Drafter):
         self._last = 0  # the last committed token (not yet in the cache)
         self._context_tail: list[int] = []  # end of the committed tokens, for the calibration
 
-    @classmethod
-    def describe(cls, info: dict[str, Any], brief: bool = False) -> list[str]:
-        if "layer" not in info:
-            return super().describe(info, brief)
-        text = (
-            f"early exit after layer {info['layer']} of {info['n_layers']} "
-            f"({'calibrated' if info.get('calibrated') else 'set'})"
-        )
-        if info.get("calibrated") and not brief:
-            text += f", predicted speedup {info['candidates'][info['layer']]['predicted_speedup']:.2f}x"
-        return [text, *super().describe(info, brief)]
-
     def begin(self, session: DraftSession) -> None:
         if session.target is not self.model or session.target_cache is None:
             raise ValueError("this early-exit drafter was built for a different target model; build it from the target")
@@ -158,7 +157,7 @@ class EarlyExitDrafter(Drafter):
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
         """Drafters of one target draft together: each draft step runs blocks [0, L) once for
         every sequence's row (drafters with different exit layers in separate groups)."""
-        group: list[EarlyExitDrafter] = cls._one_batch(drafters)  # one target
+        group: list[EarlyExitDrafter] = one_batch(cls, drafters)  # one target
         by_layer: dict[int, list[int]] = {}
         out: list[Draft | None] = [None] * len(group)
         for i, (d, k) in enumerate(zip(group, ks, strict=True)):

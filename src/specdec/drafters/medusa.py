@@ -37,7 +37,7 @@ from ..model.transformer import Transformer
 from ..networks.medusa import MedusaHeads, greedy_tree
 from ..sampling import probs as sampling_probs
 from . import heads
-from .base import Draft, Drafter, DraftSession, Feedback, Option, register
+from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 from .heads import HeadRunner
 
 ASSUMED_ACCURACY = 0.6  # heads without a measured table: head d's rank j taken as 0.6^d * 0.5^j
@@ -100,7 +100,7 @@ OPTIONS = (
 )
 
 
-class _HeadsDrafter(Drafter):
+class _HeadsDrafter(Switchable):
     """`k` (the generation config's) is the tree's depth, at most the number of heads."""
 
     kind = "medusa"
@@ -302,7 +302,6 @@ class _HeadsDrafter(Drafter):
     needs="target",
     options=OPTIONS,
     head="medusa",
-    switchable=True,
     help="Medusa heads on the target's last hidden state (trained with `specdec train medusa`), sparse trees",
 )
 class MedusaDrafter(_HeadsDrafter):
@@ -314,7 +313,6 @@ class MedusaDrafter(_HeadsDrafter):
     needs="target",
     options=OPTIONS,
     head="hydra",
-    switchable=True,
     help="Hydra heads: Medusa heads that read the tokens guessed before them (`specdec train hydra`)",
 )
 class HydraDrafter(_HeadsDrafter):

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .base import Draft, Drafter, DraftSession, Feedback, Option, register
+from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 
 # the matched run at which the pointer counts as following the output (its place is then the
 # one a realignment looks forward from), and the cap of the situation the chooser sees
@@ -46,14 +46,13 @@ PREDICTION_READERS = ("prediction", "auto")
 
 @register(
     "prediction",
-    switchable=True,
     default_k=16,
     help="draft from the client's predicted output (OpenAI's `prediction`; --prediction-file), realigned after edits",
     options=(
         Option("max_ngram", "prediction: longest run of output tokens matched when realigning", "--prediction-ngram"),
     ),
 )
-class PredictionDrafter(Drafter):
+class PredictionDrafter(Switchable):
     """Proposes the prediction's tokens after its pointer (see the module doc). Without a
     prediction in the session (`DraftSession.prediction`) it proposes nothing."""
 
@@ -138,9 +137,6 @@ class PredictionDrafter(Drafter):
         proposal = self._count(n, n)
         self._follow([*proposal[:n], feedback.next_token])
 
-    def last_step(self, feedback: Feedback, kept: int) -> None:
-        self._count(feedback.num_accepted, kept)
-
     def _count(self, n: int, kept: int) -> list[int]:
         """Count the last proposal's `n` accepted tokens (of which the output took `kept`) and
         the rest as rejected; return the proposal, now spent."""
@@ -155,7 +151,9 @@ class PredictionDrafter(Drafter):
     def cost_ms(self) -> float:
         return 0.0  # a list slice
 
-    def end(self) -> None:
+    def end(self, final: Feedback | None = None) -> None:
+        if final is not None and final.kept is not None:
+            self._count(final.num_accepted, final.kept)
         self.info = {"prediction": self.counts()}
 
     def counts(self) -> dict[str, Any]:

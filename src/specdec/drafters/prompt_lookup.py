@@ -18,19 +18,18 @@ from collections.abc import Hashable
 
 import torch
 
-from .base import Draft, Drafter, DraftSession, Feedback, Option, register
+from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 
 
 @register(
     "prompt-lookup",
-    switchable=True,
     help="copy what followed an earlier occurrence of the last n tokens (no second model)",
     options=(
         Option("max_ngram", "prompt-lookup: longest n-gram to match", "--ngram-max"),
         Option("min_ngram", "prompt-lookup: shortest n-gram to match", "--ngram-min"),
     ),
 )
-class PromptLookupDrafter(Drafter):
+class PromptLookupDrafter(Switchable):
     """Proposes the continuation of the most recent earlier occurrence of the longest
     matching suffix (n from `max_ngram` down to `min_ngram`); no proposal when nothing matches."""
 

@@ -48,7 +48,7 @@ import torch
 from ..adaptive import MEMORY_GAMMA, Acceptance, acceptance_memory
 from ..model.transformer import Transformer
 from ..runtime import per_model
-from .base import Draft, Drafter, DraftSession, Feedback, Option, register
+from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 
 DEFAULT_STORE_TOKENS = 1 << 18  # tokens the shared store keeps per pool by default (~25 MB)
 CANDIDATES = 64  # most recent occurrences examined per index (local and shared)
@@ -235,7 +235,6 @@ def situation(match: int) -> int:
 
 @register(
     "suffix",
-    switchable=True,
     default_k=16,
     help="suffix decoding: a token tree from what followed the longest matching suffix in the prompt, the output "
     "and earlier requests' outputs (no second model)",
@@ -263,7 +262,7 @@ def situation(match: int) -> int:
         ),
     ),
 )
-class SuffixDrafter(Drafter):
+class SuffixDrafter(Switchable):
     """See the module doc. `total`: send the best-first tree of up to this many nodes every
     step (None: the cost model sizes it; tests and `specdec certify` fix it)."""
 
@@ -333,7 +332,7 @@ class SuffixDrafter(Drafter):
     def prepare(self) -> None:
         """Nothing per process: the pass table is the target's (the server times it)."""
 
-    def end(self) -> None:
+    def end(self, final: Feedback | None = None) -> None:
         if self._store is not None:
             self._store.add(self._doc.tokens[self._prompt_len :])
             if self._sizes:
