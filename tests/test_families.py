@@ -15,7 +15,8 @@ import torch
 from specdec.model import load_transformer
 from specdec.model.config import ModelArgs
 from specdec.model.families import FAMILIES, GGUF_ARCHITECTURES, llama3_factors, llama3_from_factors
-from specdec.model.kquant import Q4K, dequantize, gguf_blocks
+from specdec.model.gguf_file import gguf_blocks
+from specdec.model.kquant import Q4K, dequantize
 from specdec.testing import make_tiny_model, write_tiny_gguf
 
 GGUF_FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3"]

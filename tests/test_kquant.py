@@ -8,8 +8,10 @@ import torch
 
 from specdec.model import kquant as kq
 from specdec.model import native
+from specdec.model.families import llama_rows
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the q4k kernel cannot be built on this machine")
+LIB = native.library_or_none()  # this machine's build (None: every test here skips)
 
 KINDS = [kq.Q4K, kq.Q6K, kq.Q3, kq.Q2]
 LEVELS = {kq.Q4K: 15, kq.Q6K: 31, kq.Q3: 7, kq.Q2: 3}
@@ -32,8 +34,8 @@ def reference(blocks: kq.Blocks, x: torch.Tensor, k: int) -> torch.Tensor:
 def test_kernel_matches_its_reference(kind, n, k):
     rng = np.random.default_rng(n * k + kind)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    blocks = kq.quantize(w, kind)
-    kernel = kq.KQuantKernel.from_blocks(blocks, None, in_features=k)
+    blocks = kq.quantize(w, kind, LIB)
+    kernel = kq.KQuantKernel.from_blocks(blocks, None, in_features=k, lib=LIB)
     x = torch.from_numpy(rng.standard_normal((6, k)).astype(np.float32))
     y = kernel(x).double()
     ref = reference(blocks, x, k)
@@ -50,10 +52,10 @@ def test_kernel_matches_its_reference(kind, n, k):
 def test_reference_check_catches_a_wrong_layout():
     """Negative control: the same check fails for tiles packed with the nibbles swapped."""
     rng = np.random.default_rng(0)
-    blocks = kq.quantize(rng.standard_normal((16, 512)).astype(np.float32), kq.Q4K)
-    tiles = kq.tiles(blocks)
+    blocks = kq.quantize(rng.standard_normal((16, 512)).astype(np.float32), kq.Q4K, LIB)
+    tiles = kq.tiles(blocks, LIB)
     tiles["qs"] = ((tiles["qs"] & 0xF) << 4) | (tiles["qs"] >> 4)
-    kernel = kq.KQuantKernel(kq.Q4K, torch.from_numpy(tiles.view(np.uint8)), 16, 512, None)
+    kernel = kq.KQuantKernel(kq.Q4K, torch.from_numpy(tiles.view(np.uint8)), 16, 512, None, lib=LIB)
     x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))
     ref = reference(blocks, x, 512)
     assert not torch.allclose(kernel(x).double(), ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
@@ -65,9 +67,9 @@ def test_kernel_is_bitwise_batch_invariant(kind):
     row-chunk sizes), with a bias, an output count off the tile size and a padded input."""
     rng = np.random.default_rng(kind)
     n, k = 37, 1100
-    blocks = kq.quantize(rng.standard_normal((n, k)).astype(np.float32), kind)
+    blocks = kq.quantize(rng.standard_normal((n, k)).astype(np.float32), kind, LIB)
     kernel = kq.KQuantKernel.from_blocks(
-        blocks, torch.from_numpy(rng.standard_normal(n).astype(np.float32)), in_features=k
+        blocks, torch.from_numpy(rng.standard_normal(n).astype(np.float32)), in_features=k, lib=LIB
     )
     x = torch.from_numpy(rng.standard_normal((20, k)).astype(np.float32) * 3)
     x[5] = 0.0  # an all-zero row (zero scales)
@@ -81,7 +83,7 @@ def test_kernel_is_bitwise_batch_invariant(kind):
 
 def test_packed_shape_is_checked():
     with pytest.raises(ValueError, match="do not fit"):
-        kq.KQuantKernel(kq.Q4K, torch.zeros(2, 10, dtype=torch.uint8), 16, 512, None)
+        kq.KQuantKernel(kq.Q4K, torch.zeros(2, 10, dtype=torch.uint8), 16, 512, None, lib=LIB)
 
 
 @pytest.mark.real
@@ -114,7 +116,7 @@ def test_gguf_blocks_are_the_files_numbers():
 
 def test_llama_row_order_undoes_the_rotary_interleave():
     # 2 heads of 4 rows: GGUF rows (h, i, t) -> HF rows (h, t, i)
-    assert kq._llama_rows(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert llama_rows(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
 
 
 def test_tiny_model_on_4bit_blocks_is_invariant_and_exact(tiny_dir, monkeypatch):
@@ -189,7 +191,7 @@ def test_builds_agree_at_the_largest_integer_sums(kind):
     x[2, ::2] = -1.0  # alternating signs: small sums, for contrast
     x[3, : k // 2] = -1.0
     ref = reference(blocks, x, k)
-    packed = torch.from_numpy(kq.tiles(blocks).view(np.uint8))
+    packed = torch.from_numpy(kq.tiles(blocks, LIB).view(np.uint8))
     outs = {}
     for name, lib in _builds_here().items():
         outs[name] = kq.KQuantKernel(kind, packed, n, k, None, lib=lib)(x)
@@ -205,23 +207,6 @@ def test_amx_path_is_bitwise_equal_to_avx512():
     assert amx.specdec_amx_enable(1) == 0, "the OS refused the tile state (arch_prctl)"
     assert kq.self_check(amx, native._library(native.AVX512)) is None
     assert native.dispatch()[0] == native.AMX
-
-
-def test_self_check_runs_before_dispatch_has_chosen(monkeypatch):
-    """The AMX self-check runs inside `dispatch` (to decide whether AMX is used), so it must
-    pack and quantize with the builds it is given, never ask `library()` for the chosen one:
-    on an AMX CPU that asked `dispatch` again and recursed until the install crashed."""
-    if not native._AVX512_NEEDS <= native._cpu_flags():
-        pytest.skip("this CPU lacks AVX-512 VNNI, the build the self-check compares against")
-
-    def chosen(variant=None):
-        if variant is None:
-            raise AssertionError("self_check asked dispatch for the chosen build")
-        return native._library(variant)
-
-    monkeypatch.setattr(kq, "library", chosen)
-    avx512 = native._library(native.AVX512)
-    assert kq.self_check(avx512, avx512) is None
 
 
 @pytest.mark.slow
@@ -265,8 +250,9 @@ def test_grouped_layers_equal_separate_calls():
     rng = np.random.default_rng(4)
     kernels = tuple(
         kq.KQuantKernel.from_blocks(
-            kq.quantize(rng.standard_normal((n, 512)).astype(np.float32), kind),
+            kq.quantize(rng.standard_normal((n, 512)).astype(np.float32), kind, LIB),
             torch.randn(n, generator=torch.Generator().manual_seed(n)),
+            lib=LIB,
         )
         for n, kind in ((48, kq.Q4K), (16, kq.Q6K), (20, kq.Q4K))
     )
@@ -429,7 +415,7 @@ def _awkward_weights(rng: np.random.Generator) -> list[np.ndarray]:
 def test_native_q6k_quantizer_gives_the_references_bytes():
     rng = np.random.default_rng(6)
     for w in _awkward_weights(rng):
-        assert kq.quantize(w, kq.Q6K).data.tobytes() == kq.quantize_reference(w, kq.Q6K).data.tobytes(), w.shape
+        assert kq.quantize(w, kq.Q6K, LIB).data.tobytes() == kq.quantize_reference(w, kq.Q6K).data.tobytes(), w.shape
 
 
 def test_the_tie_case_tells_rounding_modes_apart():
@@ -453,7 +439,7 @@ def test_native_tiles_are_the_references_layout(kind):
         for field in ("d", "dmin") if kind != kq.Q6K else ("d",):
             data[field] = rng.standard_normal((n, nb)).astype(np.float32)
         blocks = kq.Blocks(kind, data)
-        assert kq.tiles(blocks).tobytes() == kq.tiles_reference(blocks).tobytes(), (n, nb)
+        assert kq.tiles(blocks, LIB).tobytes() == kq.tiles_reference(blocks).tobytes(), (n, nb)
 
 
 def test_native_legacy_dequantizer_gives_ggufs_floats():

@@ -1,6 +1,6 @@
 """What a process learns about a model lives outside the model (`specdec.runtime`): kept per
-model weakly, memory dropped by `forget`, artifacts kept; and the model layer imports nothing
-above it."""
+model weakly, memory dropped by `forget`, artifacts kept; the model layer imports nothing
+above it, and no import in the package closes a circle."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from specdec import runtime
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "src" / "specdec" / "model"
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "src" / "specdec"
+MODEL_DIR = PACKAGE_DIR / "model"
 
 
 class _Model:
@@ -91,6 +92,80 @@ def test_the_layer_check_sees_an_upward_import():
     assert _upward(source) == ["..costs"]
     assert _upward("from ..paths import cache_root\nfrom .cache import KVCache\n") == []
     assert _upward("import specdec.adaptive\n") == ["specdec.adaptive"]
+
+
+def _imports(modules: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (every import: inside functions and type-only
+    ones included). `modules`: dotted name -> source; a package is named by its __init__."""
+    packages = {name for name in modules if any(other.startswith(name + ".") for other in modules)}
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, source in modules.items():
+        here = name.split(".") if name in packages else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                stem = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in modules:  # (a name inside a module: the module)
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    edges[name].add(t)
+    return edges
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_closes_a_circle():
+    modules = {}
+    for p in PACKAGE_DIR.rglob("*.py"):
+        parts = list(p.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p.read_text()
+    edges = _imports(modules)
+    assert len(edges) > 80 and sum(map(len, edges.values())) > 300
+    assert _circles(edges) == []
+
+
+def test_the_circle_check_sees_a_circle_through_a_function_level_import():
+    """Negative control: a circle closed by an import inside a function, through a package."""
+    modules = {
+        "p": "",
+        "p.a": "from . import b\n",
+        "p.b": "def f():\n    from .c import g\n",
+        "p.c": "import p.a\n",
+        "p.d": "from .a import x\n",
+    }
+    assert _circles(_imports(modules)) == [["p.a", "p.b", "p.c"]]
 
 
 def test_the_suite_leaves_no_measurements_of_its_temporary_models(tmp_path):

@@ -11,7 +11,9 @@ import torch
 from specdec import registry, store
 from specdec.model import ModelArgs, native, sparse
 from specdec.model import kquant as kq
-from specdec.model.gguf_file import _tensor, open_gguf
+from specdec.model.families import llama_rows
+from specdec.model.gguf_file import _tensor
+from specdec.model.gguf_reader import open_gguf
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the q4k kernel cannot be built on this machine")
 
@@ -25,7 +27,7 @@ def test_tiles_and_gguf_bytes_come_back_exactly(kind, n):
     blocks = kq.quantize_reference(w, kind)
     for field in ("d", "dmin") if kind == kq.Q4K else ("d",):  # GGUF blocks carry float16 scales
         blocks.data[field] = blocks.data[field].astype(np.float16).astype(np.float32)
-    for tiles in (kq.tiles(blocks), kq.tiles_reference(blocks)):
+    for tiles in (kq.tiles(blocks, native.library()), kq.tiles_reference(blocks)):
         back = kq.untiles(tiles.view(np.uint8), kind, n)
         assert back.data.tobytes() == blocks.data.tobytes()
     raw = kq.to_gguf(blocks)
@@ -79,7 +81,7 @@ def cached_model(tmp_path, monkeypatch):
     spec = registry.ModelSpec("sparse-test", "test", (), sha256=sha, filename=g.name, architecture="llama")
     monkeypatch.setitem(registry.MODELS, spec.name, spec)
     heads = 4
-    q_blocks = blocks["blk.0.attn_q.weight"].permute_rows(kq._llama_rows(ROWS, heads))  # as the packer stores q
+    q_blocks = blocks["blk.0.attn_q.weight"].permute_rows(llama_rows(ROWS, heads))  # as the packer stores q
     tiles = {
         "model.layers.0.self_attn.q_proj": (kq.Q4K, kq.tiles(q_blocks)),
         "model.layers.0.mlp.down_proj": (kq.Q6K, kq.tiles(blocks["blk.0.ffn_down.weight"])),

@@ -233,7 +233,7 @@ def _same_parse(path) -> None:
     import numpy as np
     from gguf import GGUFReader
 
-    from specdec.model.gguf_file import GGUFFile
+    from specdec.model.gguf_reader import GGUFFile
 
     ours, theirs = GGUFFile(path, "r"), GGUFReader(path, "r")
     assert list(ours.fields) == list(theirs.fields)

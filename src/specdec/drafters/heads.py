@@ -105,15 +105,16 @@ class HeadRunner:
     kind = ""
 
     def __init__(self, target: Transformer, linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-        from ..model.native import available
+        from ..model.native import library_or_none
 
         self.kernels: dict[str, Any] = {}
-        if available() and target.mode in ("q4k", "int8"):
+        lib = library_or_none()
+        if lib is not None and target.mode in ("q4k", "int8"):
             from ..model import kquant as kq
 
             for name, (weight, bias) in linears.items():
-                blocks = kq.quantize(weight.detach().float().numpy(), kq.Q6K if name == "lm" else kq.Q4K)
-                self.kernels[name] = kq.KQuantKernel.from_blocks(blocks, bias, in_features=weight.shape[1])
+                blocks = kq.quantize(weight.detach().float().numpy(), kq.Q6K if name == "lm" else kq.Q4K, lib)
+                self.kernels[name] = kq.KQuantKernel.from_blocks(blocks, bias, in_features=weight.shape[1], lib=lib)
         self.pass_ms: Any = None  # specdec.costs.Costs of the target, read at first use
         self.call_ms: float | None = None  # one head call, ms (a moving average)
         self._stored_ms: float | None = None

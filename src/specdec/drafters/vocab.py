@@ -278,7 +278,7 @@ def head_rows(model: Transformer, ids: torch.Tensor):  # noqa: ANN201 - a Linear
         tiles, where = np.unique(ids.numpy() // T, return_inverse=True)  # the tiles that hold them
         packed = kern.weight.numpy()[tiles]
         blocks = kquant.untiles(packed, kern.kind, len(tiles) * T).permute_rows(where * T + ids.numpy() % T)
-        return kquant.KQuantKernel.from_blocks(blocks, bias, kern.in_features, kern.lib)
+        return kquant.KQuantKernel.from_blocks(blocks, bias, kern.in_features, lib=kern.lib)
     if head.weight.numel() == 0:
         raise ValueError("this model's LM head keeps no weights to cut a draft vocabulary from")
     weight = head.weight.detach()[ids.to(head.weight.device)].contiguous()

@@ -37,7 +37,7 @@ def _parsed_once(gguf_file: Path) -> Iterator[None]:
     faster parse of this file instead (it imports `gguf.GGUFReader` when called)."""
     import gguf
 
-    from .gguf_file import open_gguf
+    from .gguf_reader import open_gguf
 
     real = gguf.GGUFReader
     mine = Path(gguf_file).resolve()
@@ -79,7 +79,8 @@ def convert_gguf(
     from transformers import AutoConfig, AutoTokenizer
 
     from .config import ModelArgs
-    from .gguf_file import UnsupportedArchitectureError, config_fixes, gguf_architecture, open_gguf, small_state
+    from .gguf_file import UnsupportedArchitectureError, config_fixes, gguf_architecture, small_state
+    from .gguf_reader import open_gguf
 
     arch = gguf_architecture(gguf_file)
     if expected_architecture is not None and arch != expected_architecture:

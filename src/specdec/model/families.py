@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 class UnsupportedModelError(ValueError):
     pass
@@ -367,3 +369,9 @@ def gguf_linear(module: str, args: Any) -> GGUFLinear | None:  # noqa: ANN401 - 
     if fam.gguf_qk_interleaved and suffix in ("self_attn.q_proj", "self_attn.k_proj"):
         heads = args.n_heads if suffix == "self_attn.q_proj" else args.n_kv_heads
     return GGUFLinear(f"blk.{parts[2]}.{kind}.weight", None, interleaved_heads=heads)
+
+
+def llama_rows(n: int, heads: int) -> np.ndarray:
+    """The row order transformers gives llama's q/k weights when it reads a GGUF (it undoes
+    llama.cpp's rotary interleaving): HF row (h, t, i) is GGUF row (h, i, t)."""
+    return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)

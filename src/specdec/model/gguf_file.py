@@ -10,9 +10,7 @@ from a converted float directory computes (tested).
 
 from __future__ import annotations
 
-import functools
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -21,71 +19,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, get_tensor_nam
 from gguf.constants import MODEL_ARCH_NAMES
 from gguf.quants import dequantize as gguf_dequantize
 
-from .families import family, gguf_linear
-
-
-class GGUFFile(GGUFReader):
-    """gguf's reader, made fast on files with large vocabularies: it reads the header through a
-    plain array instead of `np.memmap` slices, and walks an array field (the Qwen tokenizer's
-    150k tokens and 150k merges) in one loop instead of one recursive call per element. Fields
-    and tensors are the same objects the base class builds (tested part for part)."""
-
-    _plain: np.ndarray | None = None
-
-    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:  # noqa: ANN001
-        if self._plain is None:
-            self._plain = self.data.view(np.ndarray)
-        dt = np.dtype(dtype)
-        count = int(count)
-        arr = self._plain[offset : offset + dt.itemsize * count].view(dt)[:count]
-        order = self.byte_order if override_order is None else override_order
-        return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list]:
-        """An array of strings or of scalars in one pass, with the parts, indices and types
-        gguf's recursive walk produces; anything else (and swapped byte order) goes to it."""
-        head = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I" or min(len(head[0]), len(head[1])) < 1:
-            return super()._get_field_parts(orig_offs, raw_type)
-        item, n = int(head[0][0]), int(head[1][0])
-        scalar = self.gguf_scalar_to_np.get(item) if item in GGUFValueType._value2member_map_ else None
-        if item != GGUFValueType.STRING and scalar is None:
-            return super()._get_field_parts(orig_offs, raw_type)
-        plain = self._plain
-        assert plain is not None  # set by _get
-        offs = orig_offs + 12
-        parts: list[np.ndarray] = [*head]
-        if scalar is not None:
-            values = self._get(offs, scalar, n)
-            if len(values) < n:
-                raise ValueError(f"GGUF array at offset {orig_offs} runs past the end of the file")
-            parts += [values[i : i + 1] for i in range(n)]
-            offs += values.nbytes
-            idxs = list(range(2, 2 + n))
-        else:
-            size, unpack = len(plain), struct.Struct("<Q").unpack_from
-            for _ in range(n):  # each string: uint64 length, then its bytes
-                if offs + 8 > size:
-                    raise ValueError(f"GGUF array at offset {orig_offs} runs past the end of the file")
-                end = offs + 8 + unpack(plain, offs)[0]
-                if end > size:
-                    raise ValueError(f"GGUF string at offset {offs} runs past the end of the file")
-                parts += [plain[offs : offs + 8].view(np.uint64), plain[offs + 8 : end]]
-                offs = end
-            idxs = list(range(3, 3 + 2 * n, 2))
-        types = [GGUFValueType.ARRAY] + ([GGUFValueType(item)] if n else [])
-        return offs - orig_offs, parts, idxs, types
-
-
-@functools.lru_cache(maxsize=4)
-def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    return GGUFFile(path, "r")
-
-
-def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    """A parsed GGUF file, parsed once per process (per path, size and modification time)."""
-    st = os.stat(path)
-    return _open(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+from . import kquant, native
+from .families import family, gguf_linear, llama_rows
+from .gguf_reader import GGUFFile, open_gguf
+from .sparse import tensor_data
 
 
 def _name_map(model_type: str, n_layers: int):  # noqa: ANN202
@@ -107,8 +44,6 @@ def _tensor(reader: GGUFReader, name: str):  # noqa: ANN202 - gguf's ReaderTenso
     t = next((t for t in reader.tensors if t.name == name), None)
     if t is None:
         raise KeyError(f"{reader.data.filename}: no tensor {name}")
-    from .sparse import tensor_data
-
     data = tensor_data(Path(reader.data.filename), name, t.data)  # rebuilt from the q4k tiles if punched
     return t if data is t.data else t._replace(data=data)
 
@@ -129,12 +64,7 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     heads an install re-quantizes), the rest by gguf."""
     size = _LEGACY.get(qtype)
     if size is not None:
-        from .native import NativeUnavailableError, library
-
-        try:
-            lib = library()
-        except NativeUnavailableError:
-            lib = None
+        lib = native.library_or_none()
         raw = np.ascontiguousarray(data, np.uint8)
         if lib is not None and raw.ndim >= 1 and raw.shape[-1] % size == 0:
             out = np.empty((*raw.shape[:-1], raw.shape[-1] // size * 32), np.float32)
@@ -305,4 +235,28 @@ def config_fixes(reader: GGUFReader, model_type: str, config: dict) -> dict:
                 "its rope_freqs (per-frequency rotary divisors) are not Llama 3's scaling, the only one read"
             )
         out["rope_parameters"] = {**rope, "rope_theta": theta, **scaling}
+    return out
+
+
+def gguf_blocks(path: Path, modules: dict[str, int], args) -> dict[str, kquant.Blocks]:  # noqa: ANN001 - ModelArgs
+    """K-quant blocks for the linear layers (module name -> output rows) whose GGUF tensors are
+    stored as Q4_K or Q6_K; other layers are left out (the caller quantizes them). Where the
+    family stacks layers in one tensor (Phi-3's qkv), a layer's blocks are its rows of it."""
+    readers = {GGMLQuantizationType.Q4_K: kquant.from_gguf_q4_k, GGMLQuantizationType.Q6_K: kquant.from_gguf_q6_k}
+    tensors = {t.name: t for t in open_gguf(path).tensors}
+    out: dict[str, kquant.Blocks] = {}
+    for module, n in modules.items():
+        where = gguf_linear(module, args)
+        t = tensors.get(where.tensor) if where is not None else None
+        if t is None or t.tensor_type not in readers or len(t.shape) != 2:
+            continue
+        first, rows = where.first_row or 0, int(t.shape[1])
+        if first + n > rows or (where.first_row is None and rows != n):
+            continue
+        blocks = readers[t.tensor_type](tensor_data(Path(path), t.name, t.data), rows, int(t.shape[0]))
+        if where.first_row is not None:
+            blocks = kquant.Blocks(blocks.kind, np.ascontiguousarray(blocks.data[first : first + n]))
+        if where.interleaved_heads:
+            blocks = blocks.permute_rows(llama_rows(n, where.interleaved_heads))
+        out[module] = blocks
     return out

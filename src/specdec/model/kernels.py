@@ -205,13 +205,14 @@ def _kquant_kernels(
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from . import kquant
+    from . import kquant, native
+    from .gguf_file import gguf_blocks, linear_weight
 
-    kquant.library()  # fail early, with the reason, if the kernel cannot be built here
+    lib = native.library()  # fail early, with the reason, if the kernel cannot be built here
 
     def kernel(name: str, kind: int, tiles: torch.Tensor) -> LinearKernel:
         m = linears[name]
-        return kquant.KQuantKernel(kind, tiles, m.out_features, m.in_features, m.bias)
+        return kquant.KQuantKernel(kind, tiles, m.out_features, m.in_features, m.bias, lib=lib)
 
     if packed is not None and packed.exists():
         with safe_open(str(packed), framework="pt") as f:
@@ -228,7 +229,7 @@ def _kquant_kernels(
         m = linears[name]
         b = None
         if gguf is not None:  # this layer's blocks, read in the worker thread like the rest of its packing
-            b = kquant.gguf_blocks(gguf, {name: m.out_features}, args).get(name)
+            b = gguf_blocks(gguf, {name: m.out_features}, args).get(name)
         if b is not None and not from_gguf and not kquant.matches(b, m.weight):
             warnings.warn(f"{gguf}: {name} does not match the converted weights; quantizing it again", stacklevel=3)
             b = None
@@ -240,14 +241,12 @@ def _kquant_kernels(
             b = None
         elif b is None:
             if from_gguf:
-                from .gguf_file import linear_weight
-
                 weight = linear_weight(gguf, name, args)
             else:
                 weight = m.weight.detach().float().numpy()
         if b is None:
-            b = kquant.quantize(weight, want if want is not None else kquant.REQUANTIZE)
-        return b.kind, torch.from_numpy(kquant.tiles(b).view(np.uint8))
+            b = kquant.quantize(weight, want if want is not None else kquant.REQUANTIZE, lib)
+        return b.kind, torch.from_numpy(kquant.tiles(b, lib).view(np.uint8))
 
     # numpy does the work and releases the GIL: one thread per core repacks layers side by side
     # (the results do not depend on the order).

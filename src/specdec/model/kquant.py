@@ -6,11 +6,12 @@ numbers llama.cpp runs on, at ~4.75/6.6 bits per weight instead of int8's 8. Ten
 other GGUF types (Q5_0, Q8_0, Q4_1, float...) are quantized here to Q6_K, which is at least as
 precise as those types.
 
-The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX-512 VNNI build), compiled once per
-machine with the rest of specdec's native kernels (see `native`). Activations are quantized per row
-and per 256-block to int8; inside a block all sums are exact integers, and blocks are added to a
-per-row float accumulator in a fixed order, so the kernel is batch-invariant: one row's result does
-not depend on the other rows in the call.
+The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX-512 VNNI build), compiled once
+per machine with the rest of specdec's native kernels. This module runs the build it is
+given: `native.library()` is this machine's (`native` chooses it, running `self_check`).
+Activations are quantized per row and per 256-block to int8; inside a block all sums are exact
+integers, and blocks are added to a per-row float accumulator in a fixed order, so the kernel is
+batch-invariant: one row's result does not depend on the other rows in the call.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from .native import NativeUnavailableError, library
 
 QK = 256  # weights per super-block
 Q4K = 4
@@ -169,17 +168,12 @@ def dequantize(blocks: Blocks) -> np.ndarray:
 def quantize(weight: np.ndarray, kind: int, lib: ctypes.CDLL | None = None) -> Blocks:
     """Round float weights [N, K] to blocks: plain round-to-nearest with per-group ranges, for
     weights that do not come as K-quant blocks already. K is zero-padded to whole blocks.
-    Q6_K (what installs re-quantize to) runs in the native library where it is built: the
-    same bytes as `quantize_reference` (tested), much faster. `lib`: the build to use (as
-    in `tiles`)."""
+    Q6_K (what installs re-quantize to) runs in the native build `lib` where one is given
+    (`native.library_or_none()`): the same bytes as `quantize_reference` (tested), much
+    faster."""
     if kind in LOW_BITS:
         return quantize_low(weight, kind)
     if kind == Q6K:
-        if lib is None:
-            try:
-                lib = library()
-            except NativeUnavailableError:
-                lib = None
         if lib is not None:
             w = _padded(weight)
             out = np.empty((w.shape[0], w.shape[1] // QK), Q6K_DTYPE)
@@ -283,15 +277,10 @@ def quantize_reference(weight: np.ndarray, kind: int) -> Blocks:
 def tiles(blocks: Blocks, lib: ctypes.CDLL | None = None) -> np.ndarray:
     """Repack [N, nb] blocks into the kernel's [ceil(N/16), nb] tiles: each 64-byte code vector
     holds 4 consecutive inputs of 16 outputs (see csrc/kquant.c). Padded outputs have zero scales.
-    Runs in the native library where it is built (the same bytes as `tiles_reference`); `lib`
-    names the build to use (the AMX self-check runs before dispatch has chosen one)."""
-    if blocks.kind in LOW_BITS:  # (a draft packing is made once, from floats: numpy is fast enough)
+    Runs in the native build `lib` where one is given (the same bytes as `tiles_reference`),
+    else in numpy."""
+    if blocks.kind in LOW_BITS or lib is None:  # (a draft packing is made once, from floats: numpy is fast enough)
         return tiles_reference(blocks)
-    if lib is None:
-        try:
-            lib = library()
-        except NativeUnavailableError:
-            return tiles_reference(blocks)
     d = np.ascontiguousarray(blocks.data)
     n, nb = d.shape
     out = np.empty((-(-n // TILE), nb), TILE_DTYPES[blocks.kind])
@@ -431,15 +420,12 @@ class KQuantKernel:
         out_features: int,
         in_features: int,
         bias: torch.Tensor | None,
-        lib: ctypes.CDLL | None = None,
+        *,
+        lib: ctypes.CDLL,
     ) -> None:
-        """`packed`: uint8 [ceil(N/16), nb * tile bytes], the output of `tiles`. `lib`: a
-        particular build of the kernel (default: the one `native.dispatch` picks)."""
-        self.lib = lib if lib is not None else library()
-        if self.lib.specdec_tile_outputs() != TILE or any(
-            self.lib.specdec_tile_bytes(k) != dt.itemsize for k, dt in TILE_DTYPES.items()
-        ):
-            raise NativeUnavailableError("the compiled q4k kernel's tile layout does not match specdec's")
+        """`packed`: uint8 [ceil(N/16), nb * tile bytes], the output of `tiles`. `lib`: the
+        build of the kernel to run (`native.library()`: this machine's)."""
+        self.lib = lib
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
         nb = -(-in_features // QK)
         if packed.dtype != torch.uint8 or tuple(packed.shape) != (
@@ -455,15 +441,15 @@ class KQuantKernel:
 
     @classmethod
     def from_blocks(
-        cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None, lib: ctypes.CDLL | None = None
+        cls, blocks: Blocks, bias: torch.Tensor | None, in_features: int | None = None, *, lib: ctypes.CDLL
     ) -> KQuantKernel:
         """`in_features`: the layer's input size when the blocks are zero-padded past it; `lib`:
-        a particular build of the kernel (default: the one `native.dispatch` picks)."""
+        the build of the kernel to run (as in `KQuantKernel`)."""
         n, padded = blocks.shape
         k = padded if in_features is None else in_features
         if not padded - QK < k <= padded:
             raise ValueError(f"{padded // QK} blocks per row cannot hold {k} inputs")
-        return cls(blocks.kind, torch.from_numpy(tiles(blocks).view(np.uint8)), n, k, bias, lib)
+        return cls(blocks.kind, torch.from_numpy(tiles(blocks, lib).view(np.uint8)), n, k, bias, lib=lib)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.group((self,), x)[0]
@@ -543,42 +529,6 @@ def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
 
 
 # -- weights from a GGUF file -------------------------------------------------------------
-
-
-def _llama_rows(n: int, heads: int) -> np.ndarray:
-    """The row order transformers gives llama's q/k weights when it reads a GGUF (it undoes
-    llama.cpp's rotary interleaving): HF row (h, t, i) is GGUF row (h, i, t)."""
-    return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)
-
-
-def gguf_blocks(path: Path, modules: dict[str, int], args) -> dict[str, Blocks]:  # noqa: ANN001 - ModelArgs
-    """K-quant blocks for the linear layers (module name -> output rows) whose GGUF tensors are
-    stored as Q4_K or Q6_K; other layers are left out (the caller quantizes them). Where the
-    family stacks layers in one tensor (Phi-3's qkv), a layer's blocks are its rows of it."""
-    from gguf import GGMLQuantizationType
-
-    from . import sparse
-    from .families import gguf_linear
-    from .gguf_file import open_gguf
-
-    readers = {GGMLQuantizationType.Q4_K: from_gguf_q4_k, GGMLQuantizationType.Q6_K: from_gguf_q6_k}
-    tensors = {t.name: t for t in open_gguf(path).tensors}
-    out: dict[str, Blocks] = {}
-    for module, n in modules.items():
-        where = gguf_linear(module, args)
-        t = tensors.get(where.tensor) if where is not None else None
-        if t is None or t.tensor_type not in readers or len(t.shape) != 2:
-            continue
-        first, rows = where.first_row or 0, int(t.shape[1])
-        if first + n > rows or (where.first_row is None and rows != n):
-            continue
-        blocks = readers[t.tensor_type](sparse.tensor_data(Path(path), t.name, t.data), rows, int(t.shape[0]))
-        if where.first_row is not None:
-            blocks = Blocks(blocks.kind, np.ascontiguousarray(blocks.data[first : first + n]))
-        if where.interleaved_heads:
-            blocks = blocks.permute_rows(_llama_rows(n, where.interleaved_heads))
-        out[module] = blocks
-    return out
 
 
 def matches(blocks: Blocks, weight: torch.Tensor, rows: int = 4) -> bool:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from . import kquant
+
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("kquant.c", "attention.c", "layer.c", "roofline.c")
 # Query heads per key/value head the native attention handles (csrc/specdec.h,
@@ -127,8 +129,6 @@ def _amx_unusable() -> str | None:
         return f"the AMX build failed ({str(exc).splitlines()[0]})"
     if lib.specdec_amx_enable(1) != 0:
         return "the OS refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    from . import kquant  # the self-check runs the kernel itself
-
     mismatch = kquant.self_check(lib, _library(AVX512))
     if mismatch:
         lib.specdec_amx_enable(0)
@@ -154,6 +154,14 @@ def library(variant: str | None = None) -> ctypes.CDLL:
     """Compile (once per machine, variant and source version) and load the kernel library.
     Both variants compute bitwise the same results; AVX-512 is faster over several rows."""
     return _library(variant or best_variant())
+
+
+def library_or_none() -> ctypes.CDLL | None:
+    """`library()`, or None where no native kernels can run here (callers with a numpy path)."""
+    try:
+        return library()
+    except NativeUnavailableError:
+        return None
 
 
 @cache
@@ -244,6 +252,10 @@ def _library(variant: str) -> ctypes.CDLL:
     lib.specdec_stream_read.restype = ctypes.c_int64
     lib.specdec_dot_rate.argtypes = [ctypes.c_int64, c_int, c_int]
     lib.specdec_dot_rate.restype = ctypes.c_int64
+    if lib.specdec_tile_outputs() != kquant.TILE or any(
+        lib.specdec_tile_bytes(k) != dt.itemsize for k, dt in kquant.TILE_DTYPES.items()
+    ):
+        raise NativeUnavailableError("the compiled q4k kernel's tile layout does not match specdec's")
     return lib
 
 

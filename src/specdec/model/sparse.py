@@ -32,6 +32,10 @@ from pathlib import Path
 import numpy as np
 from filelock import FileLock
 
+from . import kquant
+from .families import gguf_linear, llama_rows
+from .gguf_reader import open_gguf
+
 SUFFIX = ".blocks.json"
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
@@ -90,8 +94,6 @@ def _blocks_from_packed(packed: Path, entry: dict) -> np.ndarray:
     """The GGUF bytes [rows, bytes per row] of one punched tensor, rebuilt from its tiles."""
     from safetensors import safe_open
 
-    from . import kquant
-
     if not packed.exists():
         raise BlocksLostError(f"{packed} is gone")
     with safe_open(str(packed), framework="pt") as f:
@@ -102,7 +104,7 @@ def _blocks_from_packed(packed: Path, entry: dict) -> np.ndarray:
     kind = int(kinds[entry["module"]])
     blocks = kquant.untiles(tiles, kind, entry["rows"])
     if entry.get("heads"):  # llama q/k rows were put in transformers' order when packed
-        order = kquant._llama_rows(entry["rows"], entry["heads"])
+        order = llama_rows(entry["rows"], entry["heads"])
         blocks = blocks.permute_rows(np.argsort(order))
     return kquant.to_gguf(blocks)
 
@@ -146,14 +148,12 @@ def held_packings() -> set[Path]:
 def recoverable(gguf: Path) -> bool:
     """Whether the GGUF is whole or its punched blocks can be rebuilt (their packed file is
     there, in this version's tile layout)."""
-    from . import kquant
 
     info = state(gguf)
     return info is None or (Path(info["packed"]).exists() and info.get("format") == kquant.tile_format())
 
 
 def _check_format(gguf: Path, info: dict) -> None:
-    from . import kquant
 
     if info.get("format") != kquant.tile_format():
         raise BlocksLostError(_lost(gguf, "that file's tile layout is not this version's"))
@@ -207,7 +207,6 @@ def _write_note(gguf: Path, info: dict) -> None:
 
 
 def _regions(gguf: Path, names: list[str]) -> list[tuple[int, int]]:
-    from .gguf_file import open_gguf
 
     tensors = {t.name: t for t in open_gguf(gguf).tensors}
     return [(int(tensors[n].data_offset), int(tensors[n].n_bytes)) for n in names]
@@ -231,10 +230,6 @@ def sparsify(gguf: Path, packed: Path, *, pin: tuple[str, str] | None, args) -> 
     it is made whole again; None (a file of one's own) leaves it alone. Returns the bytes freed
     (0 where nothing could be or was done)."""
     from gguf import GGMLQuantizationType
-
-    from . import kquant
-    from .families import gguf_linear
-    from .gguf_file import open_gguf
 
     gguf = Path(gguf)
     if pin is None or not _in_cache(gguf) or not packed.exists() or _fallocate() is None:

@@ -61,7 +61,8 @@ def target_output_rows(target: Any, model_dir: str | Path | None = None) -> torc
             if "lm_head.weight" in st.keys():
                 return st.get_tensor("lm_head.weight").float()
     from ..model.convert import gguf_source
-    from ..model.gguf_file import float_tensor, open_gguf
+    from ..model.gguf_file import float_tensor
+    from ..model.gguf_reader import open_gguf
 
     gguf = gguf_source(Path(model_dir)) if model_dir else None
     if gguf is not None:  # installed without float weights: the output rows straight from the GGUF
