@@ -19,7 +19,8 @@ one-row pass time on this machine), and the target's pass time per row count on 
 (`specdec.costs.pass_costs`). Plain steps probe the drafters in turn with one token now and
 then, so their estimates can recover.
 
-One tree per step (`merge`, on by default when suffix decoding is a member): suffix decoding
+One tree per step (`merge`, on by default when suffix decoding is a member; it reaches it as
+a `TreeMember`, not by name): suffix decoding
 does not compete as a chain but with its own tree, sized by its own cost model (`plan`: the
 expected tokens per millisecond of its best tree); it takes the step where that beats the
 chooser's choice. Where the chooser's chain drafter wins (the draft model, prompt lookup),
@@ -64,6 +65,7 @@ from .base import (
     Feedback,
     Option,
     Switchable,
+    TreeMember,
     make_drafter,
     one_batch,
     register,
@@ -206,7 +208,10 @@ class AutoDrafter(Drafter):
         # (each member is begun lazily, caught up when first chosen if ever, and on chains the
         # chooser sizes: see `begin`)
         # suffix decoding's tree beside the chosen chain (and as its own proposal when chosen)
-        self.merge = bool(merge) and SUFFIX in self.subs
+        # the member whose tree goes out beside the chosen chain (suffix decoding), if merging
+        trees = [n for n, sub in self.subs.items() if isinstance(sub, TreeMember)]
+        self.tree_name = trees[0] if merge and trees else None
+        self.merge = self.tree_name is not None
         self.margin = margin
         self.scratch_rows = max(s.scratch_rows for s in self.subs.values())
         self.wants_hidden = any(s.wants_hidden for s in self.subs.values())
@@ -258,7 +263,7 @@ class AutoDrafter(Drafter):
                     session.prediction,
                     lazy=True,  # caught up (a draft model prefilled) when first chosen, if ever
                     # the chooser sizes chains; suffix decoding's tree is merged beside the chosen chain
-                    chain_only=not (self.merge and name == SUFFIX),
+                    chain_only=name != self.tree_name,
                     pool=session.pool,
                     pricing=session.pricing,
                 )
@@ -308,14 +313,15 @@ class AutoDrafter(Drafter):
         outlook = {
             name: o
             for name, sub in self.subs.items()
-            if not (self.merge and name == SUFFIX)
+            if name != self.tree_name
             and (o := outlook_of(sub, k if name == PREDICTION else min(k, PRICED_K))) is not None
         }
         method, kk = self.chooser.choose(outlook, remaining=remaining)
         self._plan = (method, outlook[method][0] if method in outlook else None, kk)
         self._budget = k
-        if self.merge and k > 0:
-            sit, tree, rate = self.subs[SUFFIX].plan(k)  # type: ignore[attr-defined]
+        tree_member = self._tree_member()
+        if tree_member is not None and k > 0:
+            sit, tree, rate = tree_member.plan(k)
             # (the chosen drafter's rate as the chooser ranked it: a self-sized one's by its record)
             chosen = (
                 0.0
@@ -329,8 +335,8 @@ class AutoDrafter(Drafter):
                 self.chooser.chosen[(method, kk)] -= 1  # (its report counts what ran)
                 if not self.chooser.chosen[(method, kk)]:
                     del self.chooser.chosen[(method, kk)]
-                self._plan = (SUFFIX, sit, k)
-                self.chooser.chosen[(SUFFIX, max(_depths(tree.parents)))] += 1  # (its depth as k)
+                self._plan = (tree_member.name, sit, k)
+                self.chooser.chosen[(tree_member.name, max(_depths(tree.parents)))] += 1  # (its depth as k)
         self._proposal, self._depth, self._merged, self._draft_ms = [], 0, None, 0.0
 
     def _suffix_wins(self, tree_rate: float, chosen_rate: float, merged: bool = False) -> bool:
@@ -355,7 +361,7 @@ class AutoDrafter(Drafter):
         by_key: dict[Hashable, list[int]] = {}
         for i, (d, k) in enumerate(zip(group, ks, strict=True)):
             d._choose(k)
-            method = d._plan[0]  # type: ignore[index]
+            method = d._chosen()[0]
             if method == "plain":
                 continue
             sub = d.subs[method]
@@ -365,31 +371,43 @@ class AutoDrafter(Drafter):
             key = sub.batch_key()
             by_key.setdefault((method, key if key is not None else ("alone", i)), []).append(i)
         for idx in by_key.values():
-            subs = [group[i].subs[group[i]._plan[0]] for i in idx]  # type: ignore[index]
+            subs = [group[i].subs[group[i]._chosen()[0]] for i in idx]
             # (a chain as long as the chooser chose; suffix's own tree as deep as the step allows)
             asked = [
-                group[i]._budget if subs[n].name == SUFFIX and group[i].merge else group[i]._plan[2]  # type: ignore[index]
+                group[i]._budget if subs[n].name == group[i].tree_name else group[i]._chosen()[2]
                 for n, i in enumerate(idx)
             ]
             with timer(group[idx[0]].target.device) as t:
                 drafts = type(subs[0]).propose_batch(subs, asked)
             for i, draft in zip(idx, drafts, strict=True):
                 d = group[i]
-                if draft.extra is not None or (draft.parents is not None and d._plan[0] != SUFFIX):  # type: ignore[index]
-                    raise RuntimeError(f"auto switches between chain drafters; {d._plan[0]} proposed a tree")  # type: ignore[index]
+                if draft.extra is not None or (draft.parents is not None and d._chosen()[0] != d.tree_name):
+                    raise RuntimeError(f"auto switches between chain drafters; {d._chosen()[0]} proposed a tree")
                 d._draft_ms = 1e3 * t[0] / len(idx)
                 d._proposal, d._depth = draft.tokens.tolist(), draft.depth()
-                out[i] = d._with_suffix(draft) if d._merges(d._plan[0]) else draft  # type: ignore[index]
+                out[i] = d._with_suffix(draft) if d._merges(d._chosen()[0]) else draft
         for d in group:
             d.forwards = sum(sub.forwards for sub in d.subs.values())
         return out
+
+    def _chosen(self) -> tuple[str, Hashable, int]:
+        """This step's plan (method, situation, k), once `_choose` made it."""
+        assert self._plan is not None
+        return self._plan
+
+    def _tree_member(self) -> TreeMember | None:
+        """The member whose tree goes out beside the chosen chain (None: no merging)."""
+        sub = self.subs.get(self.tree_name) if self.tree_name is not None else None
+        return sub if isinstance(sub, TreeMember) else None
 
     def _merges(self, method: str) -> bool:
         """Whether suffix decoding's tree joins `method`'s chain: not for suffix itself, nor for
         a drafter that reads the target's features of committed rows (a head: it follows only
         a path of its own rows or a whole pass's feedback)."""
         sub = self.subs.get(method)
-        return self.merge and method != SUFFIX and sub is not None and not (sub.wants_hidden or sub.feature_layers)
+        return (
+            self.merge and method != self.tree_name and sub is not None and not (sub.wants_hidden or sub.feature_layers)
+        )
 
     def _with_suffix(self, chain: Draft) -> Draft:
         """The chosen chain and the best part of suffix decoding's tree, merged as a trie.
@@ -403,12 +421,13 @@ class AutoDrafter(Drafter):
         there. That reads the chain's tokens, so only for a chain without draws: in sampling,
         which deterministic attempts are made must not depend on what the draft model drew
         (`verify.tree_mixed_sample`); a drawn chain's tokens are never read here."""
-        suffix = self.subs[SUFFIX]
-        sit, tree = suffix.tree(self._budget)  # type: ignore[attr-defined]
+        suffix = self._tree_member()
+        assert suffix is not None  # (`_merges` is true only with one)
+        sit, tree = suffix.tree(self._budget)
         depths = _depths(tree.parents)
         shared = _on_chain(chain.tokens.tolist(), tree.tokens, tree.parents, depths) if chain.probs is None else None
         n = self._tree_nodes(tree.probs, depths, shared) if tree.tokens else 0
-        suffix.take(sit, tree, n)  # type: ignore[attr-defined]
+        suffix.take(sit, tree, n)
         if n == 0:
             return chain
         self._merged = merged = merge(chain.tokens.tolist(), chain.probs is not None, tree.tokens[:n], tree.parents[:n])
@@ -455,16 +474,18 @@ class AutoDrafter(Drafter):
             self.subs[method].catch_up(committed[n + 1 :], None)
             own = {j: o for o, j in enumerate(m.tree)}
             path_s = [own[j] for j in itertools.takewhile(lambda j: j in own, feedback.path)]
-            self.subs[SUFFIX].accepted(_part(feedback, path_s, [m.tree[o] for o in path_s], committed[len(path_s)]))
-            self.subs[SUFFIX].catch_up(committed[len(path_s) + 1 :], None)
-            told.add(SUFFIX)
+            tree_name = self.tree_name
+            assert tree_name is not None
+            self.subs[tree_name].accepted(_part(feedback, path_s, [m.tree[o] for o in path_s], committed[len(path_s)]))
+            self.subs[tree_name].catch_up(committed[len(path_s) + 1 :], None)
+            told.add(tree_name)
             self.chooser.update(method, situation, k, len(m.chain), n, self._draft_ms)
         elif method != "plain":
             self.subs[method].accepted(feedback)
-            if self._merges(method):  # (suffix's tree part was empty: nothing of it was sent)
-                self.subs[SUFFIX].catch_up(committed, feedback)
-                told.add(SUFFIX)
-            if not (self.merge and method == SUFFIX):  # (which prices its trees itself)
+            if self._merges(method) and self.tree_name is not None:  # (the tree's part was empty: none of it went)
+                self.subs[self.tree_name].catch_up(committed, feedback)
+                told.add(self.tree_name)
+            if method != self.tree_name:  # (which prices its trees itself)
                 self.chooser.update(method, situation, k, self._depth, feedback.num_accepted, self._draft_ms)
         self._length += len(committed)
         for name, sub in self.subs.items():
@@ -477,7 +498,7 @@ class AutoDrafter(Drafter):
         info: dict[str, Any] = {}
         prediction = self.subs.get(PREDICTION)
         if prediction is not None:  # what the client's prediction gave (its own proposals and merged steps)
-            info["prediction"] = prediction.counts()  # type: ignore[attr-defined]
+            info["prediction"] = prediction.info["prediction"]  # (what its `end` counted)
         if self.chooser is not None:
             report: dict[str, Any] = self.chooser.report()
             report["sync_ms"] = round(self._sync_ms, 3)
@@ -489,9 +510,6 @@ class AutoDrafter(Drafter):
                 }
             info["auto"] = report
         self.info = info
-
-
-SUFFIX = "suffix"
 
 
 def _member(name: str, **kw: Any) -> Switchable:

@@ -279,6 +279,37 @@ class Switchable(Drafter):
         self.cost_ms()
 
 
+@dataclass
+class ScoredTree:
+    """A token tree best first (parents before children), each node with its estimated chance
+    of being accepted: what a `TreeMember` offers."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: list[float]
+
+
+class TreeMember(Switchable):
+    """A member whose token tree auto verifies beside the chosen member's chain, in one pass
+    (suffix decoding: `AutoDrafter(merge=True)`). It sizes its tree by its own cost model
+    (`plan`), offers its whole best-first tree (`tree`), and hears which part went out
+    (`take`); the feedback of that part then comes to `accepted`, in the tree's indices."""
+
+    def plan(self, k: int) -> tuple[Hashable, ScoredTree, float]:
+        """(situation, the tree it would send now (empty: a plain step), its expected tokens per
+        ms): what it would propose alone, kept for the proposal that follows."""
+        raise NotImplementedError
+
+    def tree(self, k: int) -> tuple[Hashable, ScoredTree]:
+        """(situation, the best-first tree of depth <= k, each node with its chance): the part
+        auto may send beside a chain. Nothing is proposed until `take`."""
+        raise NotImplementedError
+
+    def take(self, situation: Hashable, tree: ScoredTree, n: int) -> None:
+        """The first n nodes of `tree` went to the target as this member's proposal."""
+        raise NotImplementedError
+
+
 def prepare(drafter: Drafter | None) -> None:
     """`Switchable.prepare` where the drafter has it (auto prepares its members as it builds
     them; the others time nothing of their own)."""

@@ -48,7 +48,7 @@ import torch
 from ..adaptive import MEMORY_GAMMA, Acceptance, acceptance_memory
 from ..model.transformer import Transformer
 from ..runtime import per_model
-from .base import Draft, DraftSession, Feedback, Option, Switchable, register
+from .base import Draft, DraftSession, Feedback, Option, ScoredTree, TreeMember, register
 
 DEFAULT_STORE_TOKENS = 1 << 18  # tokens the shared store keeps per pool by default (~25 MB)
 CANDIDATES = 64  # most recent occurrences examined per index (local and shared)
@@ -171,19 +171,9 @@ def shared_store(target: Transformer, pool: str, max_tokens: int) -> SuffixStore
     return store
 
 
-@dataclass
-class SuffixTree:
-    """A proposal: node tokens and parents (best first), each node's estimated chance of being
-    accepted."""
-
-    tokens: list[int]
-    parents: list[int]
-    probs: list[float]
-
-
 def build_tree(
     cands: Sequence[_Candidate], depth: int, cap: int, min_prob: float, alpha: Sequence[float]
-) -> SuffixTree:
+) -> ScoredTree:
     """The continuations of `cands` merged into a trie, taken best first (see the module doc):
     at most `cap` nodes, none deeper than `depth` or with a count share below `min_prob`. A
     node's chance is its share (the product of count / parent's count down from the root)
@@ -205,7 +195,7 @@ def build_tree(
                 token_of.append(t)
             counts[nxt] += 1
             node = nxt
-    out = SuffixTree([], [], [])
+    out = ScoredTree([], [], [])
     # (-chance, trie node, share, depth, parent's index in out); ties: the trie's order, first seen first
     heap: list[tuple[float, int, float, int, int]] = []
 
@@ -262,7 +252,7 @@ def situation(match: int) -> int:
         ),
     ),
 )
-class SuffixDrafter(Switchable):
+class SuffixDrafter(TreeMember):
     """See the module doc. `total`: send the best-first tree of up to this many nodes every
     step (None: the cost model sizes it; tests and `specdec certify` fix it)."""
 
@@ -302,9 +292,9 @@ class SuffixDrafter(Switchable):
         self._depth = 0
         self._sizes: list[int] = []
         self._cached: tuple[int, list[_Candidate]] = (-1, [])
-        self._planned: tuple[tuple[int, int], tuple[int, SuffixTree, float]] = (
+        self._planned: tuple[tuple[int, int], tuple[int, ScoredTree, float]] = (
             (-1, -1),
-            (0, SuffixTree([], [], []), -1.0),
+            (0, ScoredTree([], [], []), -1.0),
         )
         self._device = torch.device("cpu")
 
@@ -327,7 +317,7 @@ class SuffixDrafter(Switchable):
         self._costs = session.pricing.passes(self._rows()) if self.total is None else None
         self._memory = acceptance_memory(target, session.sampling.greedy)
         self._acceptance, self._proposal, self._sizes, self._cached = {}, [], [], (-1, [])
-        self._planned = ((-1, -1), (0, SuffixTree([], [], []), -1.0))
+        self._planned = ((-1, -1), (0, ScoredTree([], [], []), -1.0))
 
     def prepare(self) -> None:
         """Nothing per process: the pass table is the target's (the server times it)."""
@@ -349,7 +339,7 @@ class SuffixDrafter(Switchable):
             self._acceptance[sit] = Acceptance(self.max_nodes, GAMMA, *(known.as_prior() if known is not None else ()))
         return self._acceptance[sit]
 
-    def _best(self, tree: SuffixTree) -> tuple[int, float]:
+    def _best(self, tree: ScoredTree) -> tuple[int, float]:
         """(nodes to send, expected tokens per ms) for the best prefix of `tree`'s order."""
         if self.total is not None:
             return len(tree.tokens), float(len(tree.tokens))
@@ -388,16 +378,16 @@ class SuffixDrafter(Switchable):
                 node = j
         return situation(t), chain
 
-    def tree(self, k: int) -> tuple[int, SuffixTree]:
+    def tree(self, k: int) -> tuple[int, ScoredTree]:
         """(match-length bucket, the best-first tree of depth <= k after the longest match, each
         node with its chance of acceptance): what auto verifies beside another drafter's chain,
         sized by its own cost model. Nothing is proposed until `take`."""
         cands = self._matches()
         if not cands or k <= 0:
-            return 0, SuffixTree([], [], [])
+            return 0, ScoredTree([], [], [])
         return self._tree_at(cands, cands[0].match, k)
 
-    def _tree_at(self, cands: list[_Candidate], t: int, k: int) -> tuple[int, SuffixTree]:
+    def _tree_at(self, cands: list[_Candidate], t: int, k: int) -> tuple[int, ScoredTree]:
         """(bucket, the best-first tree of depth <= k) from the candidates matching >= t tokens."""
         sit = situation(t)
         # (a deeper position is never more likely to be reached than a shallower one)
@@ -405,7 +395,7 @@ class SuffixDrafter(Switchable):
         cap = min(self.max_nodes, max(1, math.floor(self.factor * t)))
         return sit, build_tree([c for c in cands if c.match >= t][:TREE_CANDIDATES], k, cap, self.min_prob, alpha)
 
-    def take(self, sit: int, tree: SuffixTree, n: int) -> None:
+    def take(self, sit: int, tree: ScoredTree, n: int) -> None:
         """The first n nodes of `tree` (from `tree`) went to the target as this drafter's
         proposal: its feedback follows with `accepted`, in the indices of `tree`."""
         self._situation, self._proposal = sit, tree.tokens[:n]
@@ -436,7 +426,7 @@ class SuffixDrafter(Switchable):
             self._sizes.append(len(chosen.tokens))
         return draft
 
-    def plan(self, k: int) -> tuple[int, SuffixTree, float]:
+    def plan(self, k: int) -> tuple[int, ScoredTree, float]:
         """(match-length bucket, the tree it would send now — empty: a plain step —, its
         expected tokens per ms): the best over the few longest match lengths, each tree sized by
         the cost model (kept for the proposal that follows, `propose`)."""
@@ -444,13 +434,13 @@ class SuffixDrafter(Switchable):
         if self._planned[0] == key:
             return self._planned[1]
         cands = self._matches()
-        best: tuple[int, SuffixTree, float] = (0, SuffixTree([], [], []), -1.0)
+        best: tuple[int, ScoredTree, float] = (0, ScoredTree([], [], []), -1.0)
         if cands and k > 0:
             for t in sorted({c.match for c in cands}, reverse=True)[:THRESHOLDS]:
                 sit, tree = self._tree_at(cands, t, k)
                 n, rate = self._best(tree)
                 if n and rate > best[2]:
-                    best = (sit, SuffixTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n]), rate)
+                    best = (sit, ScoredTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n]), rate)
         self._planned = (key, best)
         return best
 
