@@ -247,7 +247,7 @@ class MethodChooser:
         # whose acceptance depends on the target and the text alone (not on a draft model or
         # head that another request may not share)
         self.memory = memory if memory is not None else {}
-        # a drafter's own prior for a situation no request has measured (`Drafter.prior_alpha`)
+        # a drafter's own prior for a situation no request has measured (`Switchable.prior_alpha`)
         self.priors = priors
         self.remembered = remembered
         # per drafted token (EMA of the measured cost), starting from the drafter's own estimate
@@ -259,7 +259,7 @@ class MethodChooser:
         # per machine) moves with it as the pass table does (`Costs.scale`: both are passes over
         # weights on the same cores) until this request measures the drafter itself
         self._stored = {m for m, v in self.draft_ms.items() if v}
-        # drafters that stop short of k themselves (`Drafter.sizes_itself`): the chooser decides
+        # drafters that stop short of k themselves (`Switchable.sizes_itself`): the chooser decides
         # whether they draft, and hands them the deepest k it allows; once they have drafted,
         # they are ranked by what their steps actually committed and cost (`realized`: EMAs of
         # tokens and ms per step), since their depth is not the k the position model prices.
@@ -485,7 +485,7 @@ class StepGuard:
             raise ValueError("k must be >= 1 and gamma in (0, 1]")
         self.k, self.costs, self.gamma = k, costs, gamma
         # `estimate` (a seeded sampled request, `costs.reproducible`): a step's drafting time
-        # from stored numbers (`Drafter.estimated_ms` of the tokens proposed) instead of the
+        # from stored numbers (`Switchable.estimated_ms` of the tokens proposed) instead of the
         # measured one, against the stored pass table unscaled: no clock enters the choices
         self.estimate = estimate
         if estimate is not None:

@@ -113,7 +113,7 @@ class DraftSession:
     # them; the first generated token's come with the first Feedback), [T_prompt, D]
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
     # every proposal is exactly the k asked for (`--no-adaptive-k`): a drafter that would stop
-    # short of it by its own judgement (`Drafter.sizes_itself`) does not
+    # short of it by its own judgement (`Switchable.sizes_itself`) does not
     fixed_k: bool = False
     # the output the client expects (OpenAI's predicted outputs), tokenized; drafters that
     # draft from it read it (`drafters.prediction`), the others ignore it
