@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from .. import costs
 from ..adaptive import KEEP_MEASURED, MethodChooser, acceptance_memory, outlook_of
 from ..costs import PRICED_K
 from ..metrics import timer
@@ -229,9 +230,7 @@ class AutoDrafter(Drafter):
         self._length = self._capacity = 0  # committed tokens; the most the sequence can reach
         # what a first proposal would pay once per process or machine, paid now (before a
         # request's clock starts: as `api.prepare` does for a drafter alone)
-        from ..costs import pass_costs  # (looked up at call time: tests replace it)
-
-        pass_costs(self.target, PREDICTION_PRICED_K + 1)
+        costs.pass_costs(self.target, PREDICTION_PRICED_K + 1)
         for sub in self.subs.values():
             sub.prepare()
 

@@ -196,9 +196,9 @@ class Drafter:
     def end(self, final: Feedback | None = None) -> None:
         """The sequence is finished or cancelled. `final`: the pass that finished it (an end
         token, a stop, the length), of whose `path` the output took the first `final.kept`
-        tokens (fewer where a stop came inside it); None: cancelled, or finished by a step
-        without a proposal of this drafter. Nothing is proposed after it; a drafter that
-        counts its accepted tokens completes the count here."""
+        tokens (fewer where a stop came inside it; its path is empty after a plain step); None:
+        cancelled, or finished by its first token. Nothing is proposed after it; a drafter
+        that counts its accepted tokens completes the count here."""
 
     def batch_key(self) -> Hashable | None:
         """Drafters with the same key (not None) draft together through `propose_batch`."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import costs
 from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
 from ..runtime import per_model
@@ -55,8 +56,6 @@ def greedy_token(model: Transformer, vocab: DraftVocab | None, tokens: torch.Ten
 def step_cost_ms(model: Transformer, vocab: DraftVocab | None, context: int = 128) -> float:
     """`greedy_token` over one new row after `context` tokens, as the cost model prices a
     drafted token (`costs.draft_step_ms`: timed once per machine, packing and vocabulary)."""
-    from .. import costs  # (looked up at call time: tests replace its timing)
-
     gen = torch.Generator().manual_seed(0)
     row = torch.randint(0, min(model.args.vocab_size, 30000), (1,), generator=gen).to(model.device)
     cache: list[KVCache] = []  # made on the first reset: only where the step is timed, not where it is stored
@@ -310,13 +309,11 @@ class DraftModelDrafter(Switchable):
         return drafts
 
     def _new_tree(self, k: int) -> TreeGrowth:
-        from ..costs import pass_costs  # (looked up at call time: tests replace it)
-
         session = self.session
-        assert session is not None and self.cache is not None
+        assert session is not None and session.pricing is not None and self.cache is not None
         step = self.cost_ms()
         own = self._costs().unscaled()
-        target = pass_costs(session.target, MAX_NODES + 1).unscaled() if session.target is not None else own
+        target = session.pricing.live(MAX_NODES + 1).unscaled() if session.target is not None else own
         return TreeGrowth(
             k,
             self.calibration,
@@ -348,20 +345,16 @@ class DraftModelDrafter(Switchable):
         target = self.session.target if self.session is not None else None
         if not self.confidence or target is None or self.session.fixed_k or k < 2:  # type: ignore[union-attr]
             return None
-        from ..costs import pass_costs  # (looked up at call time: tests replace it)
+        return self.cost_ms(), self.session.pricing.live(k + 1).unscaled()  # type: ignore[union-attr]
 
-        return self.cost_ms(), pass_costs(target, k + 1).unscaled()
-
-    def _goes_on(self, depth: Depth, conf: float, draft_ms: float, costs: Any) -> bool:
+    def _goes_on(self, depth: Depth, conf: float, draft_ms: float, table: Any) -> bool:
         """After a draft of probability `conf`: is one more worth it? (`confidence.keep_drafting`,
         the next token's chance predicted by `Calibration.next_after`)"""
         depth.add(self.calibration(conf))
-        return keep_drafting(depth, self.calibration.next_after(conf), draft_ms, costs)
+        return keep_drafting(depth, self.calibration.next_after(conf), draft_ms, table)
 
     def _costs(self):
-        from ..costs import pass_costs  # (looked up at call time: tests replace it)
-
-        return pass_costs(self.model, 32)
+        return costs.pass_costs(self.model, 32)
 
     def cost_ms(self) -> float:
         """One draft step as this drafter runs it (the draft's one-row pass, its LM head over its
