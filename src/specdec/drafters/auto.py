@@ -212,7 +212,6 @@ class AutoDrafter(Drafter):
         # the member whose tree goes out beside the chosen chain (suffix decoding), if merging
         trees = [n for n, sub in self.subs.items() if isinstance(sub, TreeMember)]
         self.tree_name = trees[0] if merge and trees else None
-        self.merge = self.tree_name is not None
         self.margin = margin
         self.scratch_rows = max(s.scratch_rows for s in self.subs.values())
         self.wants_hidden = any(s.wants_hidden for s in self.subs.values())
@@ -237,6 +236,11 @@ class AutoDrafter(Drafter):
     @property
     def methods(self) -> list[str]:
         return list(self.subs)
+
+    @property
+    def merge(self) -> bool:
+        """Whether a member's tree goes out beside the chosen chain (`--auto-merge`)."""
+        return self.tree_name is not None
 
     def begin(self, session: DraftSession) -> None:
         self._plan, self._proposal, self._sync_ms, self._merged_sizes = None, [], 0.0, []
