@@ -5,7 +5,9 @@ wrong acceptance rules the statistical tests use as negative controls."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,8 +15,11 @@ from helpers import PROMPT_IDS, V_SMALL, drop_entries_under
 
 import specdec
 from specdec import engine
+from specdec.api import _request_kw, run_requests
 from specdec.certify import broken_rules
 from specdec.config import GenerationConfig, SamplingParams
+from specdec.drafters import Drafter
+from specdec.engine import GenerationResult
 from specdec.model import load_transformer
 from specdec.model.kernels import MODES
 from specdec.model.native import available as native_available
@@ -26,6 +31,11 @@ from specdec.testing import make_tiny_model
 EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != "q4k" or native_available())]
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
+
+# sequences in flight while a sampling-law test draws its samples: enough that a target pass
+# and a draft model's batched proposal carry many rows, few enough that drafters which learn
+# from earlier outputs (suffix decoding) see many finished ones
+IN_FLIGHT = 200
 
 
 # the specdec cache's measurement tables (see specdec.costs.store_measurement)
@@ -92,6 +102,24 @@ def tiny(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny4(tmp_path_factory):
+    """Tiny targets of 4 layers (early exit drafts from their first 1-3), built once per session:
+    tiny4(arch, dtype)."""
+    root = tmp_path_factory.mktemp("tiny4")
+    loaded: dict[tuple[str, str], specdec.LoadedModel] = {}
+
+    def get(arch: str = "llama", dtype: str = "fp32") -> specdec.LoadedModel:
+        if (arch, dtype) not in loaded:
+            path = root / arch
+            if not path.exists():
+                make_tiny_model(path, arch, seed=5, layers=4)
+            loaded[(arch, dtype)] = specdec.load(path, dtype=dtype, device="cpu")
+        return loaded[(arch, dtype)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M in fp32, the reference precision (transformers is the oracle).
     Not installed -> the error names `specdec models install smollm2-135m`."""
@@ -103,6 +131,56 @@ def smollm2_exact():
     """SmolLM2-135M in a batch-invariant mode (q4k, or int8 where q4k cannot be built): where
     greedy identity is guaranteed bitwise and asserted."""
     return specdec.load("smollm2-135m", dtype=EXACT_MODES[-1], device="cpu")
+
+
+def invariant(target: specdec.LoadedModel) -> bool:
+    """Does the model's mode compute a sequence bitwise the same alone and in any batch?"""
+    return MODES[target.model.mode].batch_invariant
+
+
+def generate_many(target: specdec.LoadedModel, calls: list[tuple[object, dict]]) -> list[GenerationResult]:
+    """`specdec.generate(target, prompt, **kw)` for every (prompt, kw), all in flight through one
+    engine (`specdec.api.run_requests`). Only in the batch-invariant modes, where a sequence
+    computes bitwise what it computes alone: there the batch is the same check as the calls one
+    by one, at a fraction of the passes."""
+    assert invariant(target), f"{target.model.mode} is not batch-invariant: generate one at a time"
+    return run_requests(target, [_request_kw(target, prompt, kw) for prompt, kw in calls])
+
+
+class PlainOutputs:
+    """Plain greedy decoding of each (model, prompt, length, options), computed once per test
+    session and shared by every identity test that compares with it. Keyed by the model object
+    (weakly: a model a test made and dropped takes its entries with it); several missing outputs
+    of one model are computed together where its mode is batch-invariant."""
+
+    def __init__(self) -> None:
+        self._memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.computed = 0  # plain generations actually run (the rest were shared)
+
+    def __call__(self, target: specdec.LoadedModel, prompts, max_new_tokens: int, **kw) -> list[GenerationResult]:
+        """One plain result per prompt (greedy; `kw`: more of generate's keywords)."""
+        single = not isinstance(prompts, list | tuple) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        memo = self._memo.setdefault(target.model, {})
+        opts = dict(kw, max_new_tokens=max_new_tokens)
+        keys = [(repr(p), repr(sorted(opts.items())), target.tokenizer.eos_ids) for p in prompts]
+        missing = {k: p for k, p in zip(keys, prompts, strict=True) if k not in memo}
+        if missing:
+            calls = [(p, opts) for p in missing.values()]
+            if invariant(target):
+                results = generate_many(target, calls)
+            else:
+                results = [specdec.generate(target, p, **o) for p, o in calls]
+            memo.update(zip(missing, results, strict=True))
+            self.computed += len(results)
+        out = [memo[k] for k in keys]
+        return out[0] if single else out
+
+
+@pytest.fixture(scope="session")
+def plain_outputs() -> PlainOutputs:
+    """`plain_outputs(target, prompt_or_prompts, max_new_tokens, **kw)`: plain decoding's results, shared."""
+    return PlainOutputs()
 
 
 @pytest.fixture(scope="session")
@@ -140,7 +218,7 @@ def exact_joint():
 
 def _sample_joint(
     target,
-    drafter,
+    make_drafter: Callable[[], Drafter | None],
     sampling: SamplingParams,
     *,
     runs: int,
@@ -151,16 +229,31 @@ def _sample_joint(
     bounds=(0.1, 0.9),
     adaptive_k: bool = False,
     prediction: list[int] | None = None,
+    width: int = IN_FLIGHT,
 ) -> Counter:
-    """Outputs of `runs` seeded speculative generations with `drafter`. With `expect_mixed`,
-    drafts were offered and both branches of the rule (accept; reject + recover) exercised."""
+    """Outputs of `runs` speculative generations with seeds 0..runs-1, drawn as `specdec certify`
+    draws: `width` sequences in flight through one engine (a new one joins as one ends), each
+    with its own drafter from `make_drafter`. A sequence's output law does not depend on what
+    else is in the batch (each verifies with its own generator; a drafter that learns from
+    other sequences' outputs only changes q), so the samples are independent draws of the law
+    under test. With `expect_mixed`, drafts were offered and both branches of the rule (accept;
+    reject + recover) exercised."""
     cfg = GenerationConfig(max_new_tokens=n_tokens, k=k, ignore_eos=True, adaptive_k=adaptive_k)
+    eng = engine.Engine(target)
     counts: Counter = Counter()
-    accepted = proposed = 0
-    for seed in range(runs):
-        out = engine.run(target, prompt, cfg, dataclasses.replace(sampling, seed=seed), drafter, prediction=prediction)
-        counts[tuple(out.token_ids)] += 1
-        accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
+    accepted = proposed = started = 0
+    live = 0
+    while started < runs or live:
+        while started < runs and live < width:
+            eng.add(prompt, cfg, dataclasses.replace(sampling, seed=started), make_drafter(), prediction=prediction)
+            started, live = started + 1, live + 1
+        for delta in eng.step():
+            if delta.finished:
+                live -= 1
+                out = eng.result(delta.seq_id)
+                counts[tuple(out.token_ids)] += 1
+                accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
+    assert sum(counts.values()) == runs
     if expect_mixed:
         assert proposed > runs // 2 and bounds[0] < accepted / proposed < bounds[1]
     return counts

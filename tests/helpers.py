@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,33 @@ PROMPTS = [
 ]
 V_SMALL = 8  # vocabulary of the statistical tests' models: every joint outcome can be enumerated
 PROMPT_IDS = [1, 2, 3]
+# lookahead's window W, n-gram size N and guesses G in its identity tests (tiny models, SmolLM2)
+LOOKAHEAD_CONFIGS = [
+    dict(window=2, ngram=3, guesses=2),
+    dict(window=4, ngram=4, guesses=3),
+    dict(window=0, ngram=2, guesses=2),
+]
+
+
+@dataclass
+class CliRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(capsys, *args: str) -> CliRun:
+    """`specdec ARGS` run in this process (`specdec.cli.main`) with its streams captured: the exit
+    code and output a shell would see, without starting an interpreter and torch per case."""
+    from specdec.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code if isinstance(exc.code, int) else 2
+    out = capsys.readouterr()
+    return CliRun(code, out.out, out.err)
 
 
 def fb(path: list[int] | int, next_token: int, extra_logits=None):
@@ -84,6 +113,31 @@ def no_timing(monkeypatch) -> None:
 
     monkeypatch.setattr(costs, "pass_costs", lambda target, max_rows: PASS)
     monkeypatch.setattr(costs, "draft_step_ms", lambda model, key, step, reset: PASS.target(1))
+
+
+def switching(monkeypatch, seed: int) -> list[tuple[str, int]]:
+    """auto's chooser replaced by one that picks a seeded random drafter (or a plain step) and a
+    random k within what the drafter could propose, every step; suffix decoding's own tree,
+    where it has one, takes a random quarter of the steps. Returns the picks, as they are made."""
+    from specdec.adaptive import MethodChooser
+    from specdec.drafters import AutoDrafter
+
+    rng = random.Random(seed)
+    picks: list[tuple[str, int]] = []
+
+    def choose(self, outlook, remaining=None, others=(0, 0.0)):
+        options = [("plain", 0)] + [(m, rng.randint(1, most)) for m, (_, most, _) in sorted(outlook.items())]
+        picks.append(rng.choice(options))
+        return picks[-1]
+
+    def suffix_wins(self, tree_rate, chosen_rate, merged=False):  # (suffix's own tree, when it has one, at random too)
+        if rng.random() < 0.25:
+            picks[-1] = ("suffix", 0)
+        return picks[-1][0] == "suffix"
+
+    monkeypatch.setattr(MethodChooser, "choose", choose)
+    monkeypatch.setattr(AutoDrafter, "_suffix_wins", suffix_wins)
+    return picks
 
 
 # -- EAGLE-3 heads ---------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def test_sampling_law_with_k_switching(small_vocab, exact_joint, sample_joint, m
     target, draft = small_vocab
     no_timing(monkeypatch)
     picks = _switching(monkeypatch, 1, 2)
-    counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
+    counts = sample_joint(target, lambda: DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
     assert {0, 1, 2} <= set(picks)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
@@ -171,7 +171,7 @@ def test_wrong_rule_fails_with_k_switching(small_vocab, exact_joint, sample_join
     no_timing(monkeypatch)
     _switching(monkeypatch, 1, 2)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
+    counts = sample_joint(target, lambda: DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 

@@ -4,11 +4,9 @@ sampled law (chi-square) with a wrong rule as the negative control."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from conftest import EXACT_MODES
-from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing, random_head, small_head
+from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing, random_head, small_head, switching
 
 import specdec
 from specdec.adaptive import MethodChooser
@@ -104,48 +102,12 @@ def test_no_probe_where_catching_up_costs_too_much():
     assert (DRAFT, 1) in [c.choose(near, remaining=40) for _ in range(40)]
 
 
-def _switching(monkeypatch, seed: int) -> list[tuple[str, int]]:
-    """The chooser replaced by one that picks a seeded random drafter (or a plain step) and a
-    random k within what the drafter could propose, every step; suffix decoding's own tree,
-    where it has one, takes a random quarter of the steps."""
-    rng = random.Random(seed)
-    picks: list[tuple[str, int]] = []
-
-    def choose(self, outlook, remaining=None, others=(0, 0.0)):
-        options = [("plain", 0)] + [(m, rng.randint(1, most)) for m, (_, most, _) in sorted(outlook.items())]
-        picks.append(rng.choice(options))
-        return picks[-1]
-
-    def suffix_wins(self, tree_rate, chosen_rate, merged=False):  # (suffix's own tree, when it has one, at random too)
-        if rng.random() < 0.25:
-            picks[-1] = (SUFFIX, 0)
-        return picks[-1][0] == SUFFIX
-
-    monkeypatch.setattr(MethodChooser, "choose", choose)
-    monkeypatch.setattr(AutoDrafter, "_suffix_wins", suffix_wins)
-    return picks
-
-
-@pytest.mark.parametrize("dtype", EXACT_MODES)
-def test_greedy_identity_with_drafter_switching_every_step(tiny, monkeypatch, dtype):
-    target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
-    no_timing(monkeypatch)  # (the draft's depth is priced: the same costs every run, the same steps)
-    picks = _switching(monkeypatch, 0)
-    for prompt in PROMPTS:
-        plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
-        for kw in ({"drafter": "auto"}, {"drafter": "auto", "assistant_model": draft}):
-            out = specdec.generate(target, prompt, k=4, max_new_tokens=24, ignore_eos=True, **kw)
-            assert out.token_ids == plain.token_ids, (prompt, kw)
-    methods = {m for m, _ in picks}
-    assert methods == {"plain", LOOKUP, SUFFIX, DRAFT} and {k for m, k in picks if m == DRAFT} >= {1, 4}
-
-
 def test_greedy_identity_in_a_batch_of_auto_sequences(tiny, monkeypatch):
     """Several sequences with auto drafters in one engine: those that chose the draft model
     draft together; every output is its plain decoding."""
     dtype = EXACT_MODES[-1]
     target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
-    _switching(monkeypatch, 3)
+    switching(monkeypatch, 3)
     cfg = GenerationConfig(max_new_tokens=20, k=3, ignore_eos=True, adaptive_k=False)
     ids = [target.tokenizer.encode(p) for p in PROMPTS]
     eng = Engine(target.model, target.tokenizer)
@@ -209,38 +171,6 @@ def test_a_draft_model_that_auto_would_not_use_is_refused(tiny):
         AutoDrafter(tiny("llama").model, tiny("llama", "close").model, methods="prompt-lookup")
 
 
-@pytest.mark.parametrize(
-    "sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)], ids=["T1", "T0.7-topk"]
-)
-@pytest.mark.slow
-def test_sampling_law_with_drafter_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
-    target, draft = small_vocab
-    no_timing(monkeypatch)
-    picks = _switching(monkeypatch, 1)
-    counts = sample_joint(target, AutoDrafter(target, draft), sampling, runs=3000)
-    assert {m for m, _ in picks} == {"plain", LOOKUP, SUFFIX, DRAFT}
-    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
-
-
-@pytest.mark.parametrize("rule", ["rejection", "point-mass"])
-@pytest.mark.slow
-def test_wrong_rule_fails_with_drafter_switching(small_vocab, exact_joint, sample_joint, monkeypatch, wrong_rule, rule):
-    """Negative controls: the same test with a wrong rule for the draft model's steps (recovers
-    from p after a rejection) or for prompt lookup's (keeps the rejected token's mass)."""
-    wrong_rule(rule)
-    target, draft = small_vocab
-    no_timing(monkeypatch)
-    _switching(monkeypatch, 1)
-    sampling = SamplingParams(temperature=1.0)
-    # (each control switches between the drafter whose rule is broken and plain steps only, so
-    # that enough steps go through the rule under test)
-    if rule == "rejection":
-        counts = sample_joint(target, AutoDrafter(target, draft, methods=DRAFT), sampling, runs=3000)
-    else:
-        counts = sample_joint(target, AutoDrafter(target, methods=LOOKUP), sampling, runs=3000, k=3, expect_mixed=False)
-    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
-
-
 def test_draft_model_sync_feeds_only_what_a_proposal_would_not(tiny):
     """`sync` prefills a lazily begun draft model, then does nothing in steady decoding (a
     proposal's first forward feeds up to two committed tokens itself): no extra forward per step."""
@@ -270,7 +200,8 @@ def test_greedy_identity_with_eagle3_among_the_switching_drafters(tiny, monkeypa
     of those rows) and drafts chains of the k chosen: greedy output is plain decoding's."""
     target = tiny("qwen2", dtype=dtype)
     head = random_head(target.model, seed=2, scale=20.0)
-    picks = _switching(monkeypatch, 4)
+    no_timing(monkeypatch)  # (which steps suffix decoding has a tree for must not follow the clock)
+    picks = switching(monkeypatch, 4)
     accepted = 0
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
@@ -303,10 +234,16 @@ def test_sampling_law_with_eagle3_chains_switching(
         wrong_rule(rule)
     target, _ = small_vocab
     no_timing(monkeypatch)
-    picks = _switching(monkeypatch, 5)
+    picks = switching(monkeypatch, 5)
     sampling = SamplingParams(temperature=0.7)
-    drafter = AutoDrafter(target, methods=f"{EAGLE3},{LOOKUP}", head=small_head(target))
-    counts = sample_joint(target, drafter, sampling, runs=3000, bounds=(0.05, 0.95))
+    head = small_head(target)
+    counts = sample_joint(
+        target,
+        lambda: AutoDrafter(target, methods=f"{EAGLE3},{LOOKUP}", head=head),
+        sampling,
+        runs=3000,
+        bounds=(0.05, 0.95),
+    )
     assert EAGLE3 in {m for m, _ in picks}
     p = chi2_pvalue(counts, exact_joint(target, sampling, 4))
     assert p > ALPHA if rule == "exact" else p <= ALPHA, p
@@ -389,7 +326,7 @@ def test_sampling_law_with_merged_trees(small_vocab, exact_joint, sample_joint, 
     no_timing(monkeypatch)
     sizes = _merging(monkeypatch, DRAFT, 2)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, AutoDrafter(target, draft), sampling, runs=3000, k=3, bounds=(0.05, 0.95))
+    counts = sample_joint(target, lambda: AutoDrafter(target, draft), sampling, runs=3000, k=3, bounds=(0.05, 0.95))
     assert len(sizes) > 1000 and max(sizes) > 2  # (most runs merged a tree)
     p = chi2_pvalue(counts, exact_joint(target, sampling, 4))
     assert (p <= ALPHA) if broken else (p > ALPHA)

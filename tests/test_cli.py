@@ -1,4 +1,10 @@
-"""The commands the issues write out must work as written."""
+"""The commands the issues write out must work as written.
+
+Run in this process (`specdec.cli.main` with its streams captured: the exit code, stdout and
+stderr a shell would see, without a new interpreter and torch per case); one end-to-end run per
+command group in a real subprocess stays (`generate --stream` here, `bench` in
+test_bench_grid.py, `serve` in test_server.py, `info` in test_kernels.py, `train` in
+test_eagle3.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +14,17 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_cli
 
 
-def specdec_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True)
+@pytest.fixture
+def specdec_cli(capsys):
+    """`specdec ARGS` in this process."""
+    return lambda *args: run_cli(capsys, *args)
 
 
 @pytest.mark.real
-def test_generate_compare_json_as_written():
+def test_generate_compare_json_as_written(specdec_cli):
     res = specdec_cli(
         "generate",
         "--target",
@@ -73,7 +82,7 @@ def test_generate_compare_json_as_written():
 
 
 @pytest.mark.real
-def test_sampled_generation_reports_seed_and_reproduces():
+def test_sampled_generation_reports_seed_and_reproduces(specdec_cli):
     args = (
         "generate",
         "--target",
@@ -98,7 +107,7 @@ def test_sampled_generation_reports_seed_and_reproduces():
     assert ja["seed"] == 7 and ja["token_ids"] == jb["token_ids"]
 
 
-def test_models_list():
+def test_models_list(specdec_cli):
     res = specdec_cli("models", "list")
     assert res.returncode == 0
     for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"):
@@ -106,7 +115,7 @@ def test_models_list():
 
 
 @pytest.mark.real
-def test_prompt_lookup_compare_json_as_written():
+def test_prompt_lookup_compare_json_as_written(specdec_cli):
     """`specdec generate --target NAME --drafter prompt-lookup --compare --json ...` with the
     same JSON fields as the draft-model path."""
     res = specdec_cli(
@@ -136,7 +145,7 @@ def test_prompt_lookup_compare_json_as_written():
 
 
 @pytest.mark.real
-def test_auto_compare_json_as_written():
+def test_auto_compare_json_as_written(specdec_cli):
     """`specdec generate --drafter auto [--draft NAME] --compare --json`: auto's choices in the
     metrics and on stderr, output identical to plain decoding."""
     res = specdec_cli(
@@ -186,7 +195,7 @@ def test_auto_compare_json_as_written():
         ("lookahead", ["--window", "3", "--ngram", "4", "--guesses", "3"]),
     ],
 )
-def test_other_drafters_compare_json_as_written(drafter, extra):
+def test_other_drafters_compare_json_as_written(drafter, extra, specdec_cli):
     """`specdec generate --target NAME --drafter early-exit|lookahead --compare --json ...`: the
     same JSON fields as the draft-model path; early exit reports its layer."""
     res = specdec_cli(
@@ -237,14 +246,14 @@ def test_other_drafters_compare_json_as_written(drafter, extra):
     ],
 )
 @pytest.mark.slow
-def test_drafter_option_errors_are_one_line(tiny_dir, args, message):
+def test_drafter_option_errors_are_one_line(tiny_dir, args, message, specdec_cli):
     res = specdec_cli("generate", "--target", str(tiny_dir("llama")), "--max-new-tokens", "4", "--prompt", "ab", *args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.real
-def test_generate_stream_as_written():
+def test_generate_stream_as_written(specdec_cli):
     """`specdec generate --target smollm2-135m --drafter prompt-lookup --stream --max-new-tokens
     40 --prompt "..."` prints the text as it is committed: stdout carries the same text as
     the non-streamed run, written in several pieces."""
@@ -311,7 +320,7 @@ def test_stream_writes_each_step_as_it_is_committed(tiny_dir, monkeypatch):
 
 
 @pytest.mark.real
-def test_bench_batch_as_written(tmp_path):
+def test_bench_batch_as_written(tmp_path, specdec_cli):
     """`specdec bench batch --target smollm2-135m --batch 1 2 4 8 --json` prints per batch size
     and method (plain, draft-model, prompt-lookup) the aggregate tokens/s and the speedup over
     plain decoding at that batch size; --out DIR writes the JSON and a PNG."""

@@ -126,7 +126,7 @@ def test_sampling_law_with_depths_from_confidence(small_vocab, exact_joint, samp
     decisions = _rule_by_confidence(monkeypatch, 0.3)
     _always_draft(monkeypatch)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, DraftModelDrafter(draft, vocab=0), sampling, runs=3000, k=3, adaptive_k=True)
+    counts = sample_joint(target, lambda: DraftModelDrafter(draft, vocab=0), sampling, runs=3000, k=3, adaptive_k=True)
     assert 0.2 < sum(decisions) / len(decisions) < 0.8  # the depth varied with what the draft drew
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
@@ -140,7 +140,7 @@ def test_wrong_rule_fails_with_depths_from_confidence(small_vocab, exact_joint, 
     _rule_by_confidence(monkeypatch, 0.3)
     _always_draft(monkeypatch)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, DraftModelDrafter(draft, vocab=0), sampling, runs=3000, k=3, adaptive_k=True)
+    counts = sample_joint(target, lambda: DraftModelDrafter(draft, vocab=0), sampling, runs=3000, k=3, adaptive_k=True)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 

@@ -169,7 +169,9 @@ def test_sampling_law_with_trees(small_vocab, exact_joint, sample_joint, monkeyp
     no_timing(monkeypatch)
     _bushy(monkeypatch)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, DraftModelDrafter(draft, vocab=0, tree=1), sampling, runs=3000, k=2, adaptive_k=True)
+    counts = sample_joint(
+        target, lambda: DraftModelDrafter(draft, vocab=0, tree=1), sampling, runs=3000, k=2, adaptive_k=True
+    )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
@@ -181,5 +183,7 @@ def test_wrong_rule_fails_with_trees(small_vocab, exact_joint, sample_joint, mon
     no_timing(monkeypatch)
     _bushy(monkeypatch)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, DraftModelDrafter(draft, vocab=0, tree=1), sampling, runs=3000, k=2, adaptive_k=True)
+    counts = sample_joint(
+        target, lambda: DraftModelDrafter(draft, vocab=0, tree=1), sampling, runs=3000, k=2, adaptive_k=True
+    )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA

@@ -118,7 +118,7 @@ SUBSET = [0, 2, 3, 5, 6]  # 5 of the 8 tokens
 @pytest.mark.slow
 def test_cut_vocabulary_keeps_the_target_sampling_law(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
-    counts = sample_joint(target, DraftModelDrafter(draft, vocab=_cut(draft, SUBSET)), sampling, runs=3000)
+    counts = sample_joint(target, lambda: DraftModelDrafter(draft, vocab=_cut(draft, SUBSET)), sampling, runs=3000)
     assert set(counts) - set(exact_joint(target, sampling, 4)) == set()
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
@@ -127,7 +127,7 @@ def test_cut_vocabulary_keeps_the_target_sampling_law(small_vocab, exact_joint, 
 def test_verifier_given_the_uncut_q_fails(small_vocab, exact_joint, sample_joint):
     target, draft = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, WholeDraftQ(draft, vocab=_cut(draft, SUBSET)), sampling, runs=3000)
+    counts = sample_joint(target, lambda: WholeDraftQ(draft, vocab=_cut(draft, SUBSET)), sampling, runs=3000)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 

@@ -66,7 +66,9 @@ LONG_IDS = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # 10 tokens over the 8-token vocabula
 @pytest.mark.slow
 def test_a_windowed_draft_keeps_the_target_sampling_law(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
-    counts = sample_joint(target, DraftModelDrafter(draft, vocab=0, window=2), sampling, runs=3000, prompt=LONG_IDS)
+    counts = sample_joint(
+        target, lambda: DraftModelDrafter(draft, vocab=0, window=2), sampling, runs=3000, prompt=LONG_IDS
+    )
     expected = exact_joint(target, sampling, 4, prompt=LONG_IDS)
     assert set(counts) - set(expected) == set()
     assert chi2_pvalue(counts, expected) > ALPHA
@@ -76,7 +78,7 @@ def test_a_windowed_draft_keeps_the_target_sampling_law(small_vocab, exact_joint
 def test_verifier_given_the_whole_context_q_fails(small_vocab, exact_joint, sample_joint):
     target, draft = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, WholeDraftQ(draft, vocab=0, window=2), sampling, runs=3000, prompt=LONG_IDS)
+    counts = sample_joint(target, lambda: WholeDraftQ(draft, vocab=0, window=2), sampling, runs=3000, prompt=LONG_IDS)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4, prompt=LONG_IDS)) <= ALPHA
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from conftest import EXACT_MODES
@@ -15,26 +13,6 @@ from specdec.drafters import Draft, Drafter, DraftModelDrafter, DraftSession, Fe
 from specdec.drafters.draft_model import PREFILLED
 from specdec.model import ContextOverflowError, load_transformer
 from specdec.stops import StopChecker
-
-
-@pytest.mark.parametrize("dtype", EXACT_MODES)
-@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma3"])
-@pytest.mark.parametrize("draft_kind", ["close", "independent"])
-def test_greedy_identity_tiny(tiny, arch, draft_kind, dtype):
-    """Asserted bitwise in the batch-invariant modes, where it is guaranteed."""
-    target, draft = tiny(arch, dtype=dtype), tiny(arch, draft_kind, dtype=dtype)
-    accepted = rejected = 0
-    for prompt, k in itertools.product(PROMPTS, (1, 2, 3, 5, 8)):
-        kw = dict(max_new_tokens=24, ignore_eos=True, chat=False)
-        plain = specdec.generate(target, prompt, **kw)
-        spec = specdec.generate(target, prompt, assistant_model=draft, k=k, adaptive_k=False, **kw)
-        assert spec.token_ids == plain.token_ids, (prompt, k)
-        assert spec.text == plain.text
-        accepted += spec.metrics.accepted
-        rejected += spec.metrics.proposed - spec.metrics.accepted
-    assert rejected > 0  # the test exercised rejections...
-    if draft_kind == "close":
-        assert accepted > 0  # ...and acceptances
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -116,24 +94,6 @@ def test_same_model_as_draft_accepts_everything(tiny):
 
 # -- exact sampling, end to end ----------------------------------------------------------
 SAMPLINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
-
-
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-topk-topp"])
-@pytest.mark.slow
-def test_speculative_sampling_matches_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
-    target, draft = small_vocab
-    counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000)
-    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
-
-
-@pytest.mark.slow
-def test_wrong_acceptance_rule_fails_end_to_end(small_vocab, exact_joint, sample_joint, wrong_rule):
-    """Negative control: recovering from p instead of norm(max(0, p - q)) after a rejection."""
-    wrong_rule("rejection")
-    target, draft = small_vocab
-    sampling = SAMPLINGS[0]
-    counts = sample_joint(target, DraftModelDrafter(draft), sampling, runs=3000)
-    assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 
 # -- stops and context --------------------------------------------------------------------
@@ -407,7 +367,7 @@ class SampledTreeDrafter(Drafter):
 @pytest.mark.slow
 def test_sampled_token_trees_match_target_distribution(small_vocab, exact_joint, sample_joint, sampling):
     target, draft = small_vocab
-    counts = sample_joint(target, SampledTreeDrafter(draft), sampling, runs=3000, bounds=(0.05, 0.95))
+    counts = sample_joint(target, lambda: SampledTreeDrafter(draft), sampling, runs=3000, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
@@ -418,7 +378,7 @@ def test_wrong_sampled_tree_rule_fails_end_to_end(small_vocab, exact_joint, samp
     wrong_rule("sampled-tree")
     target, draft = small_vocab
     sampling = SamplingParams(temperature=0.5)
-    counts = sample_joint(target, SampledTreeDrafter(draft), sampling, runs=3000, bounds=(0.05, 0.95))
+    counts = sample_joint(target, lambda: SampledTreeDrafter(draft), sampling, runs=3000, bounds=(0.05, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 
