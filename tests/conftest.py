@@ -5,6 +5,7 @@ wrong acceptance rules the statistical tests use as negative controls."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -30,7 +31,13 @@ from specdec.testing import make_tiny_model
 # the batch-invariant modes this machine can run (q4k needs the native kernels)
 EXACT_MODES = [m for m, mode in MODES.items() if mode.batch_invariant and (m != "q4k" or native_available())]
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+# Under pytest-xdist each worker takes its share of the cores: two workers of two threads each on
+# two cores would make every parallel region of the kernels wait for a descheduled thread. Tiny
+# models gain nothing from a second thread; the workers keep both cores busy instead.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)  # (and the commands a test runs in a subprocess)
 
 # sequences in flight while a sampling-law test draws its samples: enough that a target pass
 # and a draft model's batched proposal carry many rows, few enough that drafters which learn
@@ -275,6 +282,11 @@ def wrong_rule(monkeypatch):
         monkeypatch.setattr(engine, "EXACT", broken_rules([which]))
 
     return install
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, at most 4 (each loads the real models once)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

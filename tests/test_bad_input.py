@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import zipfile
 
 import pytest
-from helpers import write_gguf
+from helpers import run_cli, write_gguf
 
 import specdec
 from specdec import registry, store
@@ -122,13 +120,16 @@ def test_token_ids_out_of_vocabulary(tiny):
         specdec.generate(tiny("llama"), [1, 2, 99999])
 
 
-def run_cli(*args: str, env_home=None) -> subprocess.CompletedProcess:
-    import os
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`specdec ARGS` in this process (`helpers.run_cli`); `env_home`: the specdec cache it sees."""
 
-    env = dict(os.environ)
-    if env_home is not None:
-        env["SPECDEC_HOME"] = str(env_home)
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, env=env)
+    def run(*args: str, env_home=None):
+        if env_home is not None:
+            monkeypatch.setenv("SPECDEC_HOME", str(env_home))
+        return run_cli(capsys, *args)
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -145,32 +146,32 @@ def run_cli(*args: str, env_home=None) -> subprocess.CompletedProcess:
     ],
 )
 @pytest.mark.slow
-def test_cli_bad_input_is_one_clear_line(tiny_dir, args, message):
+def test_cli_bad_input_is_one_clear_line(tiny_dir, args, message, cli):
     base = ["generate", "--target", str(tiny_dir("llama")), "--draft", str(tiny_dir("llama", "close"))]
     if "--prompt" not in args:
         args = [*args, "--prompt", "hi"]
-    res = run_cli(*base, *args)
+    res = cli(*base, *args)
     assert res.returncode == 2
     assert message in res.stderr and "Traceback" not in res.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: --device cuda is valid")
-def test_cuda_without_cuda_is_one_clear_line(tiny_dir):
+def test_cuda_without_cuda_is_one_clear_line(tiny_dir, cli):
     """A CPU-only torch: --device cuda names what is available instead of torch's assertion."""
-    res = run_cli("generate", "--target", str(tiny_dir("llama")), "--prompt", "hi", "--device", "cuda")
+    res = cli("generate", "--target", str(tiny_dir("llama")), "--prompt", "hi", "--device", "cuda")
     assert res.returncode == 2 and "device 'cuda':" in res.stderr and "available here: cpu" in res.stderr
     assert "Traceback" not in res.stderr
 
 
-def test_cli_missing_model_names_install_command(tmp_path):
-    res = run_cli("generate", "--target", "smollm2-135m", "--prompt", "hi", env_home=tmp_path)
+def test_cli_missing_model_names_install_command(tmp_path, cli):
+    res = cli("generate", "--target", "smollm2-135m", "--prompt", "hi", env_home=tmp_path)
     assert res.returncode == 2 and "specdec models install smollm2-135m" in res.stderr
     assert "Traceback" not in res.stderr
 
 
 @pytest.mark.slow
-def test_cli_json_on_tiny_models(tiny_dir):
-    res = run_cli(
+def test_cli_json_on_tiny_models(tiny_dir, cli):
+    res = cli(
         "generate",
         "--target",
         str(tiny_dir("qwen2")),

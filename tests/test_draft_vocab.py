@@ -5,14 +5,12 @@ gets the cut q (and not when it gets the uncut one), and frequency lists are fou
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from conftest import EXACT_MODES
-from helpers import ALPHA, PROMPTS, WholeDraftQ, chi2_pvalue
+from helpers import ALPHA, PROMPTS, WholeDraftQ, chi2_pvalue, run_cli
 
 import specdec
 from specdec.config import SamplingParams
@@ -151,29 +149,14 @@ def test_lists_are_found_by_tokenizer_and_cut_to_n(tiny, tiny_dir, tmp_path, mon
         dv.draft_vocab(draft, -1)
 
 
-def test_models_vocab_counts_chat_rendered_conversations(tiny_dir, tmp_path, monkeypatch):
+def test_models_vocab_counts_chat_rendered_conversations(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     data = tmp_path / "talk.json"
     data.write_text(
         json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "aaab"}, {"from": "gpt", "value": "ba"}]}])
     )
     out = tmp_path / "list.safetensors"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specdec.cli",
-            "models",
-            "vocab",
-            str(tiny_dir("llama")),
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    res = run_cli(capsys, "models", "vocab", str(tiny_dir("llama")), "--data", str(data), "--out", str(out))
     assert res.returncode == 0, res.stderr
     freq = dv._read(out)
     from specdec.tokenizer import Tokenizer
@@ -186,34 +169,28 @@ def test_models_vocab_counts_chat_rendered_conversations(tiny_dir, tmp_path, mon
 
 
 @pytest.mark.slow
-def test_bench_forward_times_the_draft(tiny_dir, tmp_path, monkeypatch):
+def test_bench_forward_times_the_draft(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     counts = np.arange(264, dtype=np.int64)
     dv.write(dv.user_dir() / "bytes.safetensors", counts, key=dv.tokenizer_key(tiny_dir("llama")), meta={})
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specdec.cli",
-            "bench",
-            "forward",
-            "--model",
-            str(tiny_dir("llama")),
-            "--modes",
-            "int8",
-            "--context",
-            "8",
-            "--repeats",
-            "1",
-            "--draft",
-            str(tiny_dir("llama", "close")),
-            "--draft-vocab",
-            "64",
-            "0",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    res = run_cli(
+        capsys,
+        "bench",
+        "forward",
+        "--model",
+        str(tiny_dir("llama")),
+        "--modes",
+        "int8",
+        "--context",
+        "8",
+        "--repeats",
+        "1",
+        "--draft",
+        str(tiny_dir("llama", "close")),
+        "--draft-vocab",
+        "64",
+        "0",
+        "--json",
     )
     assert res.returncode == 0, res.stderr
     d = json.loads(res.stdout)["draft"]
