@@ -354,12 +354,23 @@ def _cases(part: Callable[[str, Row], list[tuple[Any, ...]]]) -> list:
             out.append(pytest.param(name, None, None, None, id=f"{name}-no-row"))
             continue
         for values in part(name, CONTRACT[name]):
-            out.append(pytest.param(name, *values, id="-".join([name, *map(str, values)])))
+            out.append(pytest.param(name, *values, id="-".join([name, *(v for v in values if isinstance(v, str))])))
     return out
 
 
 def test_every_drafter_keeps_the_contract():
     assert set(CONTRACT) == set(DRAFTERS), "one row per registered drafter (no more, no fewer)"
+
+
+def test_a_drafter_without_a_row_cannot_be_skipped(monkeypatch):
+    """Negative control: a drafter registered without a row is in every parametrization, as a
+    case that fails."""
+    monkeypatch.setitem(DRAFTERS, "new-drafter", DRAFTERS["prompt-lookup"])
+    for part in (_greedy_cases, _law_cases):
+        ids = [case.id for case in _cases(part)]
+        assert "new-drafter-no-row" in ids and all(f"{name}-" in " ".join(ids) for name in CONTRACT)
+    with pytest.raises(pytest.fail.Exception, match="'new-drafter' is registered but has no row"):
+        _row("new-drafter")
 
 
 # -- greedy identity -----------------------------------------------------------------------------
@@ -397,8 +408,8 @@ def test_greedy_identity(name, arch, mode, draft_kind, tiny, tiny4, plain_output
 
 
 # -- the sampling law and its negative control ---------------------------------------------------
-def _law_cases(name: str, row: Row) -> list[tuple[str, str, int]]:
-    laws = [("law", label, -1) for label, _ in row.law.samplings]
+def _law_cases(name: str, row: Row) -> list[tuple[str, str, int | None]]:
+    laws = [("law", label, None) for label, _ in row.law.samplings]
     return laws + [("control", rule, i) for i, (rule, _, _, _) in enumerate(row.law.controls)]
 
 
@@ -419,6 +430,7 @@ def test_sampling_law(name, kind, label, index, small_vocab, exact_joint, sample
     options = {**law.options, **extra}
     counts = sample_joint(target, make(target, draft), sampling, runs=3000, **options)
     p = chi2_pvalue(counts, exact_joint(target, sampling, 4, options.get("prompt", PROMPT_IDS)))
+    print(f"{name} {kind} {label}: p = {p:.3g}")  # (-s shows every law's and control's p-value)
     if kind == "law":
         assert p > ALPHA, p
         if law.check is not None:
