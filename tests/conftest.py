@@ -162,7 +162,6 @@ class PlainOutputs:
 
     def __init__(self) -> None:
         self._memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.computed = 0  # plain generations actually run (the rest were shared)
 
     def __call__(self, target: specdec.LoadedModel, prompts, max_new_tokens: int, **kw) -> list[GenerationResult]:
         """One plain result per prompt (greedy; `kw`: more of generate's keywords)."""
@@ -179,7 +178,6 @@ class PlainOutputs:
             else:
                 results = [specdec.generate(target, p, **o) for p, o in calls]
             memo.update(zip(missing, results, strict=True))
-            self.computed += len(results)
         out = [memo[k] for k in keys]
         return out[0] if single else out
 

@@ -4,14 +4,13 @@ sequences in flight (with a negative control), sequences join and leave between 
 
 from __future__ import annotations
 
-import dataclasses
 import gc
+import itertools
 import weakref
-from collections import Counter
 
 import pytest
 from conftest import EXACT_MODES
-from helpers import ALPHA, PROMPT_IDS, PROMPTS, chi2_pvalue
+from helpers import ALPHA, PROMPTS, chi2_pvalue
 
 import specdec
 from specdec import Engine
@@ -165,44 +164,27 @@ def test_sequences_sharing_a_prompt_share_its_prefill_and_decode_as_alone(tiny, 
     assert len({tuple(a) for a in alone}) == 5
 
 
-def in_flight(target, draft, sampling: SamplingParams, runs: int, width: int = 4) -> tuple[Counter, float]:
-    """`runs` sampled sequences, `width` in flight at a time (a new one joins as one ends),
-    drafters alternating between a draft model and early exit. Counts of the outputs, and the
-    acceptance rate."""
-    cfg = GenerationConfig(max_new_tokens=4, k=2, ignore_eos=True, adaptive_k=False)
-    eng = Engine(target)
-    counts: Counter = Counter()
-    started = accepted = proposed = 0
-    live: list[int] = []
-    while started < runs or live:
-        while started < runs and len(live) < width:
-            d = DraftModelDrafter(draft) if started % 2 else EarlyExitDrafter(target, layer=1)
-            live.append(eng.add(PROMPT_IDS, cfg, dataclasses.replace(sampling, seed=started), d))
-            started += 1
-        for delta in eng.step():
-            if delta.finished:
-                live.remove(delta.seq_id)
-                out = eng.result(delta.seq_id)
-                counts[tuple(out.token_ids)] += 1
-                accepted, proposed = accepted + out.metrics.accepted, proposed + out.metrics.proposed
-    return counts, accepted / proposed
+def alternating(target, draft):
+    """A factory of drafters alternating between a draft model and early exit."""
+    made = itertools.count()
+    return lambda: DraftModelDrafter(draft) if next(made) % 2 else EarlyExitDrafter(target, layer=1)
 
 
 @pytest.mark.slow
-def test_sampling_law_with_sequences_in_flight(small_vocab, exact_joint):
+def test_sampling_law_with_sequences_in_flight(small_vocab, exact_joint, sample_joint):
+    """Sequences join as others end, drafters of two kinds in one batch (`sample_joint`)."""
     target, draft = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts, alpha = in_flight(target, draft, sampling, runs=3000)
-    assert 0.1 < alpha < 0.95 and sum(counts.values()) == 3000
+    counts = sample_joint(target, alternating(target, draft), sampling, runs=3000, bounds=(0.1, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
 @pytest.mark.slow
-def test_wrong_rule_fails_with_sequences_in_flight(small_vocab, exact_joint, wrong_rule):
+def test_wrong_rule_fails_with_sequences_in_flight(small_vocab, exact_joint, sample_joint, wrong_rule):
     wrong_rule("rejection")
     target, draft = small_vocab
     sampling = SamplingParams(temperature=1.0)
-    counts, _ = in_flight(target, draft, sampling, runs=3000)
+    counts = sample_joint(target, alternating(target, draft), sampling, runs=3000, bounds=(0.1, 0.95))
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EXACT_MODES
+from conftest import EXACT_MODES, generate_many
 from helpers import ALPHA, PROMPT_IDS, PROMPTS, chi2_pvalue
 
 import specdec
@@ -200,17 +200,19 @@ def noisy_smollm2(smollm2):
 
 @pytest.mark.real
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_identity_smollm2(smollm2_exact, noisy_smollm2, k):
-    rejected = 0
-    for prompt in REAL_PROMPTS:
-        plain = specdec.generate(smollm2_exact, prompt, max_new_tokens=32)
-        spec = specdec.generate(
-            smollm2_exact, prompt, drafter=DraftModelDrafter(noisy_smollm2), k=k, max_new_tokens=32, adaptive_k=False
-        )
+def test_greedy_identity_smollm2(smollm2_exact, noisy_smollm2, plain_outputs, k):
+    plains = plain_outputs(smollm2_exact, REAL_PROMPTS, 32)
+    specs = generate_many(
+        smollm2_exact,
+        [
+            (p, dict(drafter=DraftModelDrafter(noisy_smollm2), k=k, max_new_tokens=32, adaptive_k=False))
+            for p in REAL_PROMPTS
+        ],
+    )
+    for prompt, plain, spec in zip(REAL_PROMPTS, plains, specs, strict=True):
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.finish_reason == plain.finish_reason
-        rejected += spec.metrics.proposed - spec.metrics.accepted
-    assert rejected > 0
+    assert sum(s.metrics.proposed - s.metrics.accepted for s in specs) > 0
 
 
 @pytest.mark.real
