@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import PROMPT_IDS, V_SMALL, drop_entries_under
+from helpers import PROMPT_IDS, V_SMALL, CliRun, drop_entries_under, run_cli
 
 import specdec
 from specdec import engine
@@ -267,6 +267,19 @@ def _sample_joint(
 @pytest.fixture(scope="session")
 def sample_joint():
     return _sample_joint
+
+
+@pytest.fixture
+def specdec_cli(capsys, monkeypatch):
+    """`specdec_cli(*args, env_home=None)`: `specdec ARGS` in this process (`helpers.run_cli`);
+    `env_home`: the specdec cache it sees."""
+
+    def run(*args: str, env_home=None) -> CliRun:
+        if env_home is not None:
+            monkeypatch.setenv("SPECDEC_HOME", str(env_home))
+        return run_cli(capsys, *args)
+
+    return run
 
 
 @pytest.fixture

@@ -78,8 +78,8 @@ def run_cli(capsys, *args: str) -> CliRun:
     capsys.readouterr()
     try:
         code = main(list(args))
-    except SystemExit as exc:  # argparse's own errors
-        code = exc.code if isinstance(exc.code, int) else 2
+    except SystemExit as exc:  # argparse's own errors; the status the interpreter would exit with
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
     out = capsys.readouterr()
     return CliRun(code, out.out, out.err)
 

@@ -6,7 +6,7 @@ import json
 import zipfile
 
 import pytest
-from helpers import run_cli, write_gguf
+from helpers import write_gguf
 
 import specdec
 from specdec import registry, store
@@ -120,18 +120,6 @@ def test_token_ids_out_of_vocabulary(tiny):
         specdec.generate(tiny("llama"), [1, 2, 99999])
 
 
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """`specdec ARGS` in this process (`helpers.run_cli`); `env_home`: the specdec cache it sees."""
-
-    def run(*args: str, env_home=None):
-        if env_home is not None:
-            monkeypatch.setenv("SPECDEC_HOME", str(env_home))
-        return run_cli(capsys, *args)
-
-    return run
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -146,32 +134,32 @@ def cli(capsys, monkeypatch):
     ],
 )
 @pytest.mark.slow
-def test_cli_bad_input_is_one_clear_line(tiny_dir, args, message, cli):
+def test_cli_bad_input_is_one_clear_line(tiny_dir, args, message, specdec_cli):
     base = ["generate", "--target", str(tiny_dir("llama")), "--draft", str(tiny_dir("llama", "close"))]
     if "--prompt" not in args:
         args = [*args, "--prompt", "hi"]
-    res = cli(*base, *args)
+    res = specdec_cli(*base, *args)
     assert res.returncode == 2
     assert message in res.stderr and "Traceback" not in res.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: --device cuda is valid")
-def test_cuda_without_cuda_is_one_clear_line(tiny_dir, cli):
+def test_cuda_without_cuda_is_one_clear_line(tiny_dir, specdec_cli):
     """A CPU-only torch: --device cuda names what is available instead of torch's assertion."""
-    res = cli("generate", "--target", str(tiny_dir("llama")), "--prompt", "hi", "--device", "cuda")
+    res = specdec_cli("generate", "--target", str(tiny_dir("llama")), "--prompt", "hi", "--device", "cuda")
     assert res.returncode == 2 and "device 'cuda':" in res.stderr and "available here: cpu" in res.stderr
     assert "Traceback" not in res.stderr
 
 
-def test_cli_missing_model_names_install_command(tmp_path, cli):
-    res = cli("generate", "--target", "smollm2-135m", "--prompt", "hi", env_home=tmp_path)
+def test_cli_missing_model_names_install_command(tmp_path, specdec_cli):
+    res = specdec_cli("generate", "--target", "smollm2-135m", "--prompt", "hi", env_home=tmp_path)
     assert res.returncode == 2 and "specdec models install smollm2-135m" in res.stderr
     assert "Traceback" not in res.stderr
 
 
 @pytest.mark.slow
-def test_cli_json_on_tiny_models(tiny_dir, cli):
-    res = cli(
+def test_cli_json_on_tiny_models(tiny_dir, specdec_cli):
+    res = specdec_cli(
         "generate",
         "--target",
         str(tiny_dir("qwen2")),

@@ -14,13 +14,6 @@ import subprocess
 import sys
 
 import pytest
-from helpers import run_cli
-
-
-@pytest.fixture
-def specdec_cli(capsys):
-    """`specdec ARGS` in this process."""
-    return lambda *args: run_cli(capsys, *args)
 
 
 @pytest.mark.real

@@ -7,6 +7,7 @@ only checked once a model is loaded."""
 from __future__ import annotations
 
 import pytest
+from helpers import run_cli
 
 from specdec.cli import main
 
@@ -95,12 +96,9 @@ BAD = [
 def test_bad_value_is_one_clear_line(argv, tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPECDEC_DEBUG", "1")  # a bug escapes with its traceback here, for the test report
     argv = [a.replace(TINY, str(tiny_dir("llama"))).replace("{tmp}", str(tmp_path)) for a in argv]
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse's own errors (unknown choice, not a number, missing argument)
-        code = exc.code
-    err = capsys.readouterr().err
-    assert code == 2, err
+    res = run_cli(capsys, *argv)  # (argparse's own errors exit: unknown choice, not a number, missing argument)
+    err = res.stderr
+    assert res.returncode == 2, err
     assert "Traceback" not in err
     lines = [line for line in err.strip().splitlines() if line.startswith("specdec")]
     assert lines and len(lines[-1]) > len("specdec: error: "), err
