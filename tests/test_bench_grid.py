@@ -36,6 +36,7 @@ def prompt_file(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     target, draft = tiny("llama"), tiny("llama", "close")
     # k drafts every step (adaptive_k=False), so that every method's acceptance figures are filled

@@ -136,6 +136,7 @@ def test_draft_model_trees_are_certified_and_the_broken_control_caught(v8, monke
     assert cert.passed and cert.control_caught and cert.verdict == "PASS", cert.table()
 
 
+@pytest.mark.slow
 def test_certificate_fails_a_wrong_method(v8, wrong_rule):
     """The method itself broken (the engine's rule replaced): the certificate says FAIL."""
     target, draft = v8

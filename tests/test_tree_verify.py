@@ -76,6 +76,7 @@ def draw_two_tokens(rule, p: torch.Tensor, runs: int) -> Counter:
     return counts
 
 
+@pytest.mark.slow
 def test_tree_sampling_law():
     p = fixed_p()
     counts = draw_two_tokens(tree_point_mass_sample, p, runs=20000)
@@ -85,6 +86,7 @@ def test_tree_sampling_law():
     assert all(firsts[t] > 0 for t in (3, 1, 4)) and sum(v for k, v in counts.items() if k[1] == -1) > 0
 
 
+@pytest.mark.slow
 def test_wrong_tree_rule_fails():
     """Negative control: trying each sibling with the original p(x) (not renormalised after
     earlier rejections) under-samples later siblings."""
@@ -109,6 +111,7 @@ def test_wrong_tree_rule_fails():
     assert chi2_pvalue(counts, exact_two_tokens(p)) <= ALPHA
 
 
+@pytest.mark.slow
 def test_chain_tree_matches_point_mass_law():
     """A one-child-per-node tree is a chain: same law as `point_mass_sample` (first token)."""
     p = fixed_p(rows=3)
@@ -177,6 +180,7 @@ def test_sampled_tree_law():
     assert chi2_pvalue(counts, _exact_sampled_tree()) > ALPHA
 
 
+@pytest.mark.slow
 def test_sampled_tree_rule_that_keeps_rejected_drafts_fails():
     """Negative control: the rule for drafts drawn *with* replacement (s is not updated after
     a rejection, so a rejected child's mass stays in the proposal) is wrong here."""
@@ -277,6 +281,7 @@ def test_mixed_tree_rule_that_recovers_from_p_fails():
     assert chi2_pvalue(counts, _exact_mixed_tree()) <= ALPHA
 
 
+@pytest.mark.slow
 def test_mixed_tree_rule_that_drops_a_repeated_node_fails():
     """Negative control for the docstring's warning: when the draft model drew a token a fixed
     draft had proposed, skipping its attempt (the node was tried already) drops the residual
