@@ -458,3 +458,121 @@ def test_native_legacy_dequantizer_gives_ggufs_floats():
             blocks[..., off : off + 2] = rng.standard_normal((7, 5, 1)).astype(np.float16).view(np.uint8)
         ours, theirs = dequantize(raw, qtype), np.asarray(gguf_dequantize(raw, qtype), np.float32)
         assert ours.shape == theirs.shape == (7, 160) and ours.tobytes() == theirs.tobytes(), qtype.name
+
+
+# -- the file's own blocks: Q5_K, GGML's 32-weight types, float rows --------------------------------
+
+RAW_SHAPES = [(40, 512), (13, 896), (9, 96), (37, 1120)]  # (outputs, inputs): on and off the tile and block sizes
+
+
+def _raw_reference(blocks: kq.Blocks, x: torch.Tensor, k: int) -> torch.Tensor:
+    """The float64 value the kernel stands for, from the gguf package's de-quantization: the
+    integer kinds on int8-rounded activations (`reference`), float rows on the activations."""
+    if blocks.kind in kq.FLOATS:
+        return x.double() @ torch.from_numpy(kq.dequantize(blocks)).double()[:, :k].T
+    w = kq.dequantize(blocks)
+    padded = np.pad(w, ((0, 0), (0, -w.shape[1] % kq.QK)))
+    return reference(kq.Blocks(kq.F32, padded[..., None].view(np.uint8)), x, k)
+
+
+@pytest.mark.parametrize("kind", kq.RAW)
+def test_file_blocks_match_ggufs_dequantization(kind):
+    """Each kind's layers, quantized as llama.cpp's reference code does (the gguf package; Q5_K
+    by `quantize_raw`), against float64 arithmetic on gguf's own de-quantized weights: within
+    the float32 rounding of the sums (rtol 1e-5), for output and input counts on and off the
+    tile and block sizes; bitwise the same for each row alone and in the batch."""
+    rng = np.random.default_rng(kind)
+    for n, k in RAW_SHAPES:
+        if kind == kq.Q5K and k % kq.QK:
+            k = -(-k // kq.QK) * kq.QK  # (a K-quant row is whole blocks of 256)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        blocks = kq.quantize(w, kind, LIB)
+        assert kq.dequantize(blocks).shape == (n, -(-k // 32) * 32 if kind in kq.LEGACY else k)
+        bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        kernel = kq.KQuantKernel.from_blocks(blocks, bias, in_features=k, lib=LIB)
+        x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32) * 3)
+        x[4] = 0.0
+        y = kernel(x)
+        ref = _raw_reference(blocks, x, k) + bias.double()
+        assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), (n, k)
+        assert torch.equal(torch.cat([kernel(x[i : i + 1]) for i in range(11)]), y), (n, k)
+        for m in (2, 5, 9):
+            assert torch.equal(kernel(x[:m]), y[:m]), (n, k, m)
+
+
+def _wrongly_packed(kind: int, tiles: np.ndarray) -> np.ndarray:
+    """The tiles with one mistake a packing could make for the kind."""
+    t = tiles.copy()
+    if kind in kq.FLOATS:
+        t["w"] = t["w"][..., ::-1, :]  # inputs in reverse
+    elif kind == kq.Q8_0:
+        t["g"]["qs"] ^= 0x80  # codes read as unsigned
+    else:
+        qs = t["g"]["qs"]
+        t["g"]["qs"] = ((qs & 0xF) << 4) | (qs >> 4)  # nibbles swapped
+    return t
+
+
+@pytest.mark.parametrize("kind", kq.RAW)
+def test_file_blocks_check_catches_a_wrong_packing(kind):
+    """Negative control: the same comparison fails for tiles with one packing mistake."""
+    rng = np.random.default_rng(1)
+    n, k = 16, 512
+    blocks = kq.quantize(rng.standard_normal((n, k)).astype(np.float32), kind, LIB)
+    bad = _wrongly_packed(kind, kq.tiles(blocks, LIB))
+    kernel = kq.KQuantKernel(kind, torch.from_numpy(bad.view(np.uint8)), n, k, None, lib=LIB)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    ref = _raw_reference(blocks, x, k)
+    assert not torch.allclose(kernel(x).double(), ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("kind", [kq.Q5K, *kq.LEGACY])
+def test_file_blocks_builds_agree_at_the_largest_integer_sums(kind):
+    """Every code at its extreme (Q8_0: -128, whose magnitude the AVX2 path's sign trick must
+    carry; the 4/5-bit kinds: all ones) against activations of +-127: the AVX2 path's 16-bit
+    partial sums at their bound. Every build matches gguf's reference and the others bitwise."""
+    from gguf import GGML_QUANT_SIZES
+
+    qtype = kq.GGML_TYPES[kind]
+    per, size = GGML_QUANT_SIZES[qtype]
+    n, k = 32, 512
+    raw = np.full((n, k // per, size), 0xFF, np.uint8)
+    scale = np.array([1e-3], np.float16).view(np.uint8)
+    if kind == kq.Q5K:
+        raw[..., 0:2], raw[..., 2:4] = scale, scale
+    else:
+        raw[..., 0:2] = scale
+        if kind in (kq.Q4_1, kq.Q5_1):
+            raw[..., 2:4] = np.array([-0.5], np.float16).view(np.uint8)
+        if kind == kq.Q8_0:
+            raw[..., 2:] = 0x80
+    blocks = kq.from_gguf(raw.reshape(n, -1), qtype, n, k)
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, : k // 2] = -1.0
+    ref = _raw_reference(blocks, x, k)
+    packed = torch.from_numpy(kq.tiles(blocks, LIB).view(np.uint8))
+    outs = {}
+    for name, lib in _builds_here().items():
+        outs[name] = kq.KQuantKernel(kind, packed, n, k, None, lib=lib)(x)
+        assert torch.allclose(outs[name].double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), name
+    first = next(iter(outs.values()))
+    assert all(torch.equal(o, first) for o in outs.values())
+
+
+def test_every_build_agrees_on_the_file_blocks():
+    """AVX2 against AVX-512 (and the AMX build) on every raw kind, 1..37 rows (`self_check`)."""
+    builds = _builds_here()
+    if len(builds) < 2:
+        pytest.skip("this CPU runs only the AVX2 build")
+    names = list(builds)
+    for other in names[1:]:
+        assert kq.self_check(builds[other], builds[names[0]]) is None, other
+
+
+def test_from_gguf_refuses_a_type_it_does_not_run():
+    from gguf import GGMLQuantizationType as T
+
+    with pytest.raises(ValueError, match="IQ2_XS is not a block type specdec runs"):
+        kq.from_gguf(np.zeros((2, 66), np.uint8), T.IQ2_XS, 2, 256)

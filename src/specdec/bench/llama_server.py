@@ -42,9 +42,14 @@ def home() -> Path:
     return store.cache_root() / "peers" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
 
 
-def binary() -> Path | None:
-    """The built server, or None."""
-    path = home() / "bin" / "llama-server"
+# What `build` makes: the server (the peer of `specdec serve` and of speculation) and
+# llama-bench (llama.cpp's own timer of one-token passes and prefill: `specdec bench forward`).
+TARGETS = ("llama-server", "llama-bench")
+
+
+def binary(name: str = "llama-server") -> Path | None:
+    """A built llama.cpp program (`TARGETS`), or None."""
+    path = home() / "bin" / name
     return path if path.exists() else None
 
 
@@ -61,10 +66,9 @@ def unavailable() -> str | None:
 def build(log: Callable[[str], None] = print) -> Path:
     """Fetch the pinned source distribution, build `llama-server` (native CPU flags, static
     libraries) and keep it in the cache; returns the binary. Safe to run twice."""
-    done = binary()
-    if done is not None:
-        log(f"llama.cpp's server is built already: {done}")
-        return done
+    if all(binary(t) is not None for t in TARGETS):
+        log(f"llama.cpp is built already: {home() / 'bin'}")
+        return binary()
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"building llama.cpp needs {tool}; install it (e.g. Debian's {tool} package) and retry")
@@ -112,17 +116,18 @@ def build(log: Callable[[str], None] = print) -> Path:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        log(f"building llama-server on {os.cpu_count()} cores (minutes)")
+        log(f"building {' and '.join(TARGETS)} on {os.cpu_count()} cores (minutes)")
         subprocess.run(
-            ["cmake", "--build", str(work / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
+            ["cmake", "--build", str(work / "build"), "--target", *TARGETS, "-j", str(os.cpu_count() or 1)],
             check=True,
             stdout=subprocess.DEVNULL,
         )
         out = home() / "bin"
         out.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(work / "build" / "bin" / "llama-server", out / "llama-server.tmp")
-        (out / "llama-server.tmp").replace(out / "llama-server")
-    log(f"built {out / 'llama-server'}")
+        for target in TARGETS:
+            shutil.copy2(work / "build" / "bin" / target, out / f"{target}.tmp")
+            (out / f"{target}.tmp").replace(out / target)
+    log(f"built {', '.join(str(out / t) for t in TARGETS)}")
     return out / "llama-server"
 
 

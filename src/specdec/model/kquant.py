@@ -1,17 +1,26 @@
-"""K-quant weight blocks (Q4_K, Q6_K) with int8 activations: the `q4k` mode's kernel.
+"""GGUF weight blocks with int8 activations: the `q4k` mode's kernel.
 
-The weights keep the GGUF file's own 4- and 6-bit super-blocks (256 weights each, scales
-unpacked for the kernel), so a model installed from a Q4_K_M GGUF runs on exactly the
-numbers llama.cpp runs on, at ~4.75/6.6 bits per weight instead of int8's 8. Tensors stored in
-other GGUF types (Q5_0, Q8_0, Q4_1, float...) are quantized here to Q6_K, which is at least as
-precise as those types.
+The weights keep the GGUF file's own blocks, repacked for the kernel and nothing rounded: the
+K-quants Q4_K, Q5_K, Q6_K (256 weights a block), GGML's 32-weight types Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, and float rows (F16, BF16, F32). A model installed from a GGUF runs on exactly the
+numbers llama.cpp runs on, at the file's own bits per weight. Only where a user asks for it
+(`--requantize`) are the tensors of other types than Q4_K/Q6_K re-quantized to Q6_K, as
+specdec once did for all of them (fewer kernels, but not the file's numbers: a Q8_0 layer's
+error against its float original grows about fourfold).
 
 The dot products live in ``csrc/kquant.c`` (AVX2, with an AVX-512 VNNI build), compiled once
 per machine with the rest of specdec's native kernels. This module runs the build it is
 given: `native.library()` is this machine's (`native` chooses it, running `self_check`).
-Activations are quantized per row and per 256-block to int8; inside a block all sums are exact
-integers, and blocks are added to a per-row float accumulator in a fixed order, so the kernel is
-batch-invariant: one row's result does not depend on the other rows in the call.
+Activations are quantized per row and per 256-block to int8; inside a block (or a 32-weight
+group) all sums are exact integers, and blocks are added to a per-row float accumulator in a
+fixed order, so the kernel is batch-invariant: one row's result does not depend on the other
+rows in the call. Float rows multiply the float activations, each output's sum in a fixed
+order (two chains, even and odd inputs), batch-invariant too.
+
+Q4_K and Q6_K blocks are held here in a structured form (`Q4K_DTYPE`, `Q6K_DTYPE`: scales
+unpacked, float16 widened); the other kinds keep the file's bytes (`Blocks.data` is then
+[N, blocks per row, bytes per block] uint8) and the `gguf` package is their reference
+(`dequantize`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 QK = 256  # weights per super-block
 Q4K = 4
@@ -33,6 +45,30 @@ Q6K = 6
 Q3 = 3
 Q2 = 2
 LOW_BITS = (Q3, Q2)
+# The file's own bytes, run as they are (csrc/specdec.h, KIND_*)
+Q5K = 5
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = 8, 40, 41, 50, 51
+F16, BF16, F32 = 16, 17, 32
+LEGACY = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # GGML's 32-weight types
+FLOATS = (F16, BF16, F32)
+RAW = (Q5K, *LEGACY, *FLOATS)  # kinds whose `Blocks.data` is the file's bytes
+# The GGML type of each kind a GGUF tensor can be run as
+GGML_TYPES = {
+    Q4K: GGMLQuantizationType.Q4_K,
+    Q5K: GGMLQuantizationType.Q5_K,
+    Q6K: GGMLQuantizationType.Q6_K,
+    Q8_0: GGMLQuantizationType.Q8_0,
+    Q4_0: GGMLQuantizationType.Q4_0,
+    Q4_1: GGMLQuantizationType.Q4_1,
+    Q5_0: GGMLQuantizationType.Q5_0,
+    Q5_1: GGMLQuantizationType.Q5_1,
+    F16: GGMLQuantizationType.F16,
+    BF16: GGMLQuantizationType.BF16,
+    F32: GGMLQuantizationType.F32,
+}
+KIND_OF_TYPE = {t: k for k, t in GGML_TYPES.items()}
+# How `specdec info` names a kind (the draft packings are specdec's own)
+KIND_NAMES = {k: t.name for k, t in GGML_TYPES.items()} | {Q3: "q3 (draft packing)", Q2: "q2 (draft packing)"}
 
 # The C structs, field for field (see csrc/kquant.c).
 Q4K_DTYPE = np.dtype([("d", "<f4"), ("dmin", "<f4"), ("sc", "u1", 8), ("mn", "u1", 8), ("qs", "u1", 128)])
@@ -81,6 +117,19 @@ TILE_DTYPES = {
     ),
 }
 
+# The raw kinds' tiles (16 outputs x 256 inputs), field for field as in csrc/kquant.c.
+_Q5K_GROUP = np.dtype([("qs", "u1", (4, 4 * TILE)), ("qh", "u1", 4 * TILE)])
+TILE_DTYPES[Q5K] = np.dtype(
+    [("d", "<f4", TILE), ("dmin", "<f4", TILE), ("sc", "u1", (8, TILE)), ("mn", "u1", (4, TILE, 2)), ("g", _Q5K_GROUP, 8)]
+)
+for _kind in LEGACY:
+    _bits = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8}[_kind]
+    _group = [("qs", "u1", (8 if _bits == 8 else 4, 4 * TILE))] + ([("qh", "u1", 4 * TILE)] if _bits == 5 else [])
+    _head = [("d", "<u2", (8, TILE))] + ([("m", "<u2", (8, TILE))] if _kind in (Q4_1, Q5_1) else [])
+    TILE_DTYPES[_kind] = np.dtype([*_head, ("g", np.dtype(_group), 8)])
+TILE_DTYPES[F16] = TILE_DTYPES[BF16] = np.dtype([("w", "<u2", (QK, TILE))])
+TILE_DTYPES[F32] = np.dtype([("w", "<f4", (QK, TILE))])
+
 _SOURCE = Path(__file__).with_name("csrc") / "kquant.c"
 
 
@@ -97,15 +146,33 @@ def layout_version() -> str:
 class Blocks:
     """One weight matrix [N, K] as K-quant super-blocks: `data` is [N, K/256] of the kind's dtype."""
 
-    kind: int  # Q4K, Q6K, or a draft packing (Q3, Q2)
-    data: np.ndarray  # [N, K // QK] structured
+    kind: int  # Q4K, Q6K, a draft packing (Q3, Q2), or a raw kind (`RAW`)
+    data: np.ndarray  # [N, K // QK] structured; raw kinds: [N, blocks per row, bytes per block] uint8
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.kind in RAW:
+            return self.data.shape[0], self.data.shape[1] * GGML_QUANT_SIZES[GGML_TYPES[self.kind]][0]
         return self.data.shape[0], self.data.shape[1] * QK
 
     def permute_rows(self, order: np.ndarray) -> Blocks:
         return Blocks(self.kind, np.ascontiguousarray(self.data[order]))
+
+
+def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType, n: int, k: int) -> Blocks:
+    """A GGUF tensor's bytes ([N, K] weights of `qtype`) as blocks the kernel runs; ValueError
+    for a type it does not run (`KIND_OF_TYPE` lists those it does)."""
+    kind = KIND_OF_TYPE.get(GGMLQuantizationType(qtype))
+    if kind is None:
+        raise ValueError(f"{GGMLQuantizationType(qtype).name} is not a block type specdec runs")
+    if kind == Q4K:
+        return from_gguf_q4_k(raw, n, k)
+    if kind == Q6K:
+        return from_gguf_q6_k(raw, n, k)
+    per, size = GGML_QUANT_SIZES[GGML_TYPES[kind]]
+    if k % per:
+        raise ValueError(f"{k} inputs are not whole {GGML_TYPES[kind].name} blocks of {per}")
+    return Blocks(kind, np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // per, size))
 
 
 def from_gguf_q4_k(raw: np.ndarray, n: int, k: int) -> Blocks:
@@ -154,8 +221,12 @@ def _codes_q6k(data: np.ndarray) -> np.ndarray:
 
 
 def dequantize(blocks: Blocks) -> np.ndarray:
-    """[N, K] float32 weights the blocks stand for (the reference for tests and checks)."""
+    """[N, K] float32 weights the blocks stand for (the reference for tests and checks; the
+    raw kinds' is the gguf package's de-quantizer, what transformers uses)."""
     d = blocks.data
+    if blocks.kind in RAW:
+        n = d.shape[0]
+        return np.asarray(gguf_dequantize(d.reshape(n, -1), GGML_TYPES[blocks.kind]), np.float32).reshape(blocks.shape)
     if blocks.kind in (Q4K, *LOW_BITS):
         q = (_codes_q4k(d) if blocks.kind == Q4K else d["q"]).reshape(*d.shape, 8, 32).astype(np.float32)
         w = (d["d"][..., None] * d["sc"])[..., None] * q - (d["dmin"][..., None] * d["mn"])[..., None]
@@ -173,6 +244,8 @@ def quantize(weight: np.ndarray, kind: int, lib: ctypes.CDLL | None = None) -> B
     faster."""
     if kind in LOW_BITS:
         return quantize_low(weight, kind)
+    if kind in RAW:
+        return quantize_raw(weight, kind)
     if kind == Q6K:
         if lib is not None:
             w = _padded(weight)
@@ -229,6 +302,51 @@ def quantize_low(weight: np.ndarray, bits: int, candidates: int = 9) -> Blocks:
     return Blocks(bits, out)
 
 
+def quantize_raw(weight: np.ndarray, kind: int) -> Blocks:
+    """Float weights [N, K] to a raw kind's GGUF bytes: the gguf package's quantizer (round to
+    nearest, as llama.cpp's reference code) for the 32-weight and float types, and for Q5_K
+    (which it lacks) per-group ranges rounded to nearest, as `quantize_reference` does Q4_K.
+    K is zero-padded to whole blocks. For tests and synthetic files: real files come quantized."""
+    qtype = GGML_TYPES[kind]
+    per = GGML_QUANT_SIZES[qtype][0]
+    w = np.ascontiguousarray(weight, np.float32)
+    if w.shape[1] % per:
+        w = np.pad(w, ((0, 0), (0, -w.shape[1] % per)))
+    if kind == Q5K:
+        raw = _quantize_q5k(w)
+    elif kind == F32:
+        raw = w.view(np.uint8)
+    else:
+        raw = np.asarray(gguf_quantize(w, qtype)).view(np.uint8)
+    return from_gguf(raw, qtype, w.shape[0], w.shape[1])
+
+
+def _quantize_q5k(w: np.ndarray) -> np.ndarray:
+    """[N, K] float32 (K a multiple of 256) to GGUF Q5_K bytes [N, K / 256 * 176]: w ~ d sc q -
+    dmin mn per 32-weight group, q in 0..31, 6-bit scales and mins, d and dmin float16."""
+    n, k = w.shape
+    nb = k // QK
+    g = w.reshape(n, nb, 8, 32)
+    lo = np.minimum(g.min(-1), 0.0)
+    s = (g.max(-1) - lo) / 31.0
+    d = (s.max(-1) / 63.0).astype(np.float16).astype(np.float32)
+    dmin = ((-lo).max(-1) / 63.0).astype(np.float16).astype(np.float32)
+    sc = np.round(s / np.where(d > 0, d, 1)[..., None]).clip(0, 63)
+    mn = np.round(-lo / np.where(dmin > 0, dmin, 1)[..., None]).clip(0, 63)
+    step = d[..., None] * sc
+    q = np.round((g + (dmin[..., None] * mn)[..., None]) / np.where(step > 0, step, 1)[..., None])
+    q = np.where(step[..., None] > 0, q, 0).clip(0, 31).astype(np.uint8)  # [n, nb, group, 32]
+    blocks = np.empty((n, nb), Q4K_DTYPE)
+    blocks["d"], blocks["dmin"], blocks["sc"], blocks["mn"] = d, dmin, sc.astype(np.uint8), mn.astype(np.uint8)
+    head = to_gguf(Blocks(Q4K, blocks))[:, :].reshape(n, nb, 144)[..., :16]  # d, dmin and the packed scales
+    out = np.empty((n, nb, 176), np.uint8)
+    out[..., :16] = head
+    out[..., 16:48] = sum(((q[:, :, j] >> 4) & 1) << j for j in range(8)).astype(np.uint8)  # qh[l]: bit j of group j
+    low = q & 0xF
+    out[..., 48:] = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(n, nb, 128)
+    return out.reshape(n, -1)
+
+
 def _padded(weight: np.ndarray) -> np.ndarray:
     """[N, K] float32, C-contiguous, K zero-padded to whole blocks."""
     w = np.ascontiguousarray(weight, np.float32)
@@ -279,7 +397,7 @@ def tiles(blocks: Blocks, lib: ctypes.CDLL | None = None) -> np.ndarray:
     holds 4 consecutive inputs of 16 outputs (see csrc/kquant.c). Padded outputs have zero scales.
     Runs in the native build `lib` where one is given (the same bytes as `tiles_reference`),
     else in numpy."""
-    if blocks.kind in LOW_BITS or lib is None:  # (a draft packing is made once, from floats: numpy is fast enough)
+    if blocks.kind in LOW_BITS or blocks.kind in RAW or lib is None:  # (numpy: a rearrangement of bytes)
         return tiles_reference(blocks)
     d = np.ascontiguousarray(blocks.data)
     n, nb = d.shape
@@ -291,6 +409,8 @@ def tiles(blocks: Blocks, lib: ctypes.CDLL | None = None) -> np.ndarray:
 def tiles_reference(blocks: Blocks) -> np.ndarray:
     """`tiles` in numpy: the layout written out as array operations, and the definition the
     native repacking is tested against."""
+    if blocks.kind in RAW:
+        return _tiles_raw(blocks)
     d = blocks.data
     n, nb = d.shape
     pad = -n % TILE
@@ -337,6 +457,72 @@ def tiles_reference(blocks: Blocks) -> np.ndarray:
             [lo[:, :, :, 0] | (lo[:, :, :, 1] << 4), lo[:, :, :, 2] | (lo[:, :, :, 3] << 4)], axis=3
         )
         out["sub"]["qh"] = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+    return out
+
+
+def _codes_raw(blocks: Blocks) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """A raw kind's codes [N, blocks, per block] in weight order (unsigned; Q8_0's as the
+    file's signed bytes) and its scales by name (float16 bits; Q5_K's as in `Q4K_DTYPE`)."""
+    raw = blocks.data
+    if blocks.kind == Q5K:
+        n, nb = raw.shape[:2]
+        k4 = from_gguf_q4_k(np.concatenate([raw[..., :16], raw[..., 48:]], -1), n, nb * QK).data
+        q = _codes_q4k(k4).reshape(n, nb, 8, 32) | (((raw[..., 16:48, None] >> np.arange(8)) & 1).swapaxes(-1, -2) << 4)
+        return q.reshape(n, nb, QK), {f: k4[f] for f in ("d", "dmin", "sc", "mn")}
+    has_min = blocks.kind in (Q4_1, Q5_1)
+    scales = {"d": raw[..., 0:2].copy().view("<u2")[..., 0]}
+    if has_min:
+        scales["m"] = raw[..., 2:4].copy().view("<u2")[..., 0]
+    at = 4 if has_min else 2
+    if blocks.kind == Q8_0:
+        return raw[..., 2:34], scales
+    qh = None
+    if blocks.kind in (Q5_0, Q5_1):
+        qh = raw[..., at : at + 4].copy().view("<u4")[..., 0]  # bit j: weight j's fifth bit
+        at += 4
+    qs = raw[..., at : at + 16]
+    q = np.concatenate([qs & 0xF, qs >> 4], -1)  # weights 0..15 in the low nibbles, 16..31 in the high
+    if qh is not None:
+        q = q | ((((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8))
+    return q, scales
+
+
+def _tiles_raw(blocks: Blocks) -> np.ndarray:
+    """`tiles` for the raw kinds (see csrc/kquant.c for each layout)."""
+    kind, raw = blocks.kind, blocks.data
+    n = raw.shape[0]
+    t = -(-n // TILE)
+    if kind in FLOATS:
+        k = raw.shape[1]
+        w = np.zeros((t * TILE, -(-k // QK) * QK, raw.shape[2]), np.uint8)
+        w[:n, :k] = raw
+        w = np.ascontiguousarray(w.reshape(t, TILE, -1, QK, raw.shape[2]).transpose(0, 2, 3, 1, 4))  # [T, nb, 256, 16, bytes]
+        return w.reshape(t, w.shape[1], -1).view(TILE_DTYPES[kind])[..., 0]
+    codes, scales = _codes_raw(blocks)  # [n, blocks, per block]
+    per_block = 1 if kind == Q5K else 8  # file blocks per 256 inputs
+    nb = -(-codes.shape[1] // per_block)
+
+    def padded(a: np.ndarray) -> np.ndarray:  # [n, blocks, ...] -> [t * 16, nb * per_block, ...]
+        out = np.zeros((t * TILE, nb * per_block, *a.shape[2:]), a.dtype)
+        out[:n, : a.shape[1]] = a
+        return out
+
+    out = np.zeros((t, nb), TILE_DTYPES[kind])
+    # codes -> [T, nb, group, chunk, output, e]: chunk c holds inputs 4c..4c+3 of the 32-input group
+    c = padded(codes).reshape(t, TILE, nb, 8, 8, 4).transpose(0, 2, 3, 4, 1, 5).reshape(t, nb, 8, 8, 4 * TILE)
+    if kind == Q8_0:
+        out["g"]["qs"] = c
+    else:
+        out["g"]["qs"] = (c[:, :, :, :4] & 0xF) | ((c[:, :, :, 4:] & 0xF) << 4)
+        if kind in (Q5K, Q5_0, Q5_1):
+            out["g"]["qh"] = sum(((c[:, :, :, v] >> 4) & 1) << v for v in range(8)).astype(np.uint8)
+    for name, v in scales.items():
+        v = padded(v)  # [t*16, nb*per_block, ...]
+        if kind == Q5K:
+            f = np.moveaxis(v.reshape(t, TILE, nb, *v.shape[2:]), 1, -1)  # [T, nb, ..., output]
+            out[name] = np.swapaxes(f.reshape(t, nb, 4, 2, TILE), -1, -2) if name == "mn" else f
+        else:
+            out[name] = v.reshape(t, TILE, nb, 8).transpose(0, 2, 3, 1)  # [T, nb, group, output]
     return out
 
 
@@ -428,12 +614,15 @@ class KQuantKernel:
         self.lib = lib
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
         nb = -(-in_features // QK)
+        if kind not in TILE_DTYPES:
+            raise ValueError(f"{kind} is not a kind of weight blocks the kernel runs ({sorted(TILE_DTYPES)})")
         if packed.dtype != torch.uint8 or tuple(packed.shape) != (
             -(-out_features // TILE),
             nb * TILE_DTYPES[kind].itemsize,
         ):
             raise ValueError(
-                f"packed q4k weights of shape {tuple(packed.shape)} do not fit a {in_features}->{out_features} layer"
+                f"packed {KIND_NAMES[kind]} weights of shape {tuple(packed.shape)} do not fit a "
+                f"{in_features}->{out_features} layer"
             )
         self.weight = packed.contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()  # [N]
@@ -509,11 +698,11 @@ class _GroupCall:
 
 def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
     """Run `lib` and `reference` (two builds of the kernel) on random layers of every kind
-    (Q4_K, Q6_K, the 3- and 2-bit draft packings) for 1..37 rows (the AMX path takes whole
+    (the K-quants, the 32-weight types, float rows, the 3- and 2-bit draft packings) for 1..37 rows (the AMX path takes whole
     sweeps of 16 rows and leaves the rest to the AVX-512 path: 37 = 16 + 16 + 5); None when
     every output is bitwise equal, else what differed."""
     rng = np.random.default_rng(0)
-    for kind in (Q4K, Q6K, *LOW_BITS):
+    for kind in (Q4K, Q6K, *LOW_BITS, *RAW):
         n, k = 40, 768
         blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), kind, lib=reference)
         packed = torch.from_numpy(tiles(blocks, lib=reference).view(np.uint8))
@@ -524,7 +713,7 @@ def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
             kernel = KQuantKernel(kind, packed, n, k, bias, lib=build)
             outs.append(torch.cat([kernel(x[:m]) for m in (1, 2, 5, 16, 20, 37)]))
         if not torch.equal(outs[0], outs[1]):
-            return f"Q{kind}_K, max difference {float((outs[0] - outs[1]).abs().max()):.3g}"
+            return f"{KIND_NAMES[kind]}, max difference {float((outs[0] - outs[1]).abs().max()):.3g}"
     return None
 
 

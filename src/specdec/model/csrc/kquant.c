@@ -2,7 +2,12 @@
  *
  * Weight values are those of the GGUF K-quants, in 256-element super-blocks:
  *   q4k: w = d * sc[j] * q - dmin * mn[j],  q in 0..15, j = 32-element group (8 per block)
+ *   q5k: the same with q in 0..31
  *   q6k: w = d * sc[s] * (q - 32),          q in 0..63, s = 16-element group (16 per block)
+ * and of GGML's 32-weight types, eight groups of a 256-input block with a float16 scale each:
+ *   q4_0: w = d * (q - 8), q5_0: w = d * (q - 16), q8_0: w = d * q (q signed),
+ *   q4_1, q5_1: w = d * q + m
+ * and float rows (F16, BF16, F32: see the float kernel below, which reads float activations).
  * They are repacked for this kernel in tiles of 16 output features (see tile_q4k): each code
  * vector holds 4 consecutive inputs of every output, so one dot-product instruction adds 4
  * products into each output's lane for a broadcast group of 4 activations. The lanes are
@@ -92,6 +97,35 @@ typedef struct {
     } g[8];                   /* one group's codes together: a single forward stream */
 } tile_q3;
 
+/* Q5_K: q4k's header and nibbles, plus each code's fifth bit. */
+typedef struct {
+    float d[TILE], dmin[TILE];
+    uint8_t sc[8][TILE];
+    uint8_t mn[4][TILE][2];
+    struct {
+        uint8_t qs[4][64];    /* as tile_q4k's qs[j] */
+        uint8_t qh[64];       /* bit v: chunk v's fifth bit */
+    } g[8];
+} tile_q5k;
+
+/* GGML's 32-weight types, 16 outputs x 256 inputs (eight of the file's blocks per output):
+ *   uint16_t d[8][16]         float16 scales, [group][output], as the file holds them
+ *   uint16_t m[8][16]         float16 mins (Q4_1, Q5_1 only)
+ *   then per group j (32 inputs) its code vectors, as q4k's:
+ *     4 bits: qs[4][64]       chunk v in the low nibbles, chunk v+4 in the high
+ *     5 bits: qs[4][64], qh[64]   and bit v of qh: chunk v's fifth bit
+ *     8 bits: qs[8][64]       signed codes, one byte each
+ * Scales stay float16 (widened in the kernel): a file's Q8_0 layer then reads 8.5 bits a weight,
+ * as llama.cpp's does. */
+static inline size_t legacy_head(int has_min) { return has_min ? 512 : 256; }
+static inline size_t legacy_group(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : 512; }
+static inline size_t legacy_size(int bits, int has_min) { return legacy_head(has_min) + 8 * legacy_group(bits); }
+
+/* Float rows: [256 inputs][16 outputs] of the file's element type per tile-block. */
+static inline size_t float_width(int kind) { return kind == KIND_F32 ? 4 : 2; }
+
+_Static_assert(sizeof(tile_q5k) == 2944, "q5k tile layout");
+_Static_assert(offsetof(tile_q5k, g) == offsetof(tile_q4k, qs), "q5k's header is q4k's");
 _Static_assert(offsetof(tile_q2, mn) == offsetof(tile_q4k, mn) && offsetof(tile_q3, mn) == offsetof(tile_q4k, mn) &&
                offsetof(tile_q2, qs) == offsetof(tile_q4k, qs) && offsetof(tile_q3, g) == offsetof(tile_q4k, qs),
                "the draft packings' header is q4k's");
@@ -101,10 +135,23 @@ _Static_assert(sizeof(tile_q2) == 1408, "q2 tile layout");
 _Static_assert(sizeof(tile_q3) == 1920, "q3 tile layout");
 
 static inline size_t tile_size(int kind) {
-    return kind == 4 ? sizeof(tile_q4k) : kind == 6 ? sizeof(tile_q6k) : kind == 3 ? sizeof(tile_q3) : sizeof(tile_q2);
+    switch (kind) {
+    case KIND_Q4K: return sizeof(tile_q4k);
+    case KIND_Q5K: return sizeof(tile_q5k);
+    case KIND_Q6K: return sizeof(tile_q6k);
+    case KIND_Q3: return sizeof(tile_q3);
+    case KIND_Q2: return sizeof(tile_q2);
+    case KIND_Q4_0: return legacy_size(4, 0);
+    case KIND_Q4_1: return legacy_size(4, 1);
+    case KIND_Q5_0: return legacy_size(5, 0);
+    case KIND_Q5_1: return legacy_size(5, 1);
+    case KIND_Q8_0: return legacy_size(8, 0);
+    case KIND_F16: case KIND_BF16: case KIND_F32: return (size_t)QK * TILE * float_width(kind);
+    default: return 0;
+    }
 }
 
-int specdec_tile_bytes(int kind) { return (int)tile_size(kind); }
+int specdec_tile_bytes(int kind) { return (int)tile_size(kind); }  /* 0: not a kind */
 int specdec_tile_outputs(void) { return TILE; }
 
 
@@ -190,12 +237,21 @@ _Static_assert(sizeof(tile_q4k) % 64 == 0 && sizeof(tile_q6k) % 64 == 0 && sizeo
 /* The 8 code vectors of group j, half h (8 outputs), 256-bit: chunk v's codes for 4 inputs of 8
  * outputs. bits = 4: q4k's nibbles; 3 or 2: the draft packings' codes (0..7, 0..3). */
 static inline __attribute__((always_inline)) void codes256(const void *tb, int bits, int j, int h, __m256i c[8]) {
-    if (bits == 4) {
+    if (bits == 4 || bits == 5) {
         const __m256i m4 = _mm256_set1_epi8(0x0F);
+        const uint8_t *qs = bits == 4 ? ((const tile_q4k *)tb)->qs[j][0] : ((const tile_q5k *)tb)->g[j].qs[0];
         for (int v = 0; v < 4; v++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)&((const tile_q4k *)tb)->qs[j][v][32 * h]);
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 64 * v + 32 * h));
             c[v] = _mm256_and_si256(raw, m4);
             c[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+        if (bits == 5) {  /* bit v of qh to bit 4 of chunk v's codes (shifts within each byte) */
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(((const tile_q5k *)tb)->g[j].qh + 32 * h));
+            const __m256i b4 = _mm256_set1_epi8(0x10);
+            for (int v = 0; v < 8; v++) {
+                const __m256i at4 = v < 4 ? _mm256_slli_epi16(hb, 4 - v) : v > 4 ? _mm256_srli_epi16(hb, v - 4) : hb;
+                c[v] = _mm256_or_si256(c[v], _mm256_and_si256(at4, b4));
+            }
         }
         return;
     }
@@ -245,6 +301,16 @@ static inline __attribute__((always_inline)) void half_dot_k(
             const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
             for (int r = 0; r < rb; r++) {
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
+                if (bits == 5) {  /* a pair is at most 2 * 31 * 127 = 7874: four of them, not eight, per 16 bits */
+                    __m256i lo = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(load4(xp)));
+                    __m256i hi = _mm256_maddubs_epi16(c[4], _mm256_set1_epi32(load4(xp + 16)));
+                    for (int v = 1; v < 4; v++) {
+                        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(c[v], _mm256_set1_epi32(load4(xp + 4 * v))));
+                        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(c[v + 4], _mm256_set1_epi32(load4(xp + 16 + 4 * v))));
+                    }
+                    iacc[r] = _mm256_add_epi32(iacc[r], _mm256_add_epi32(_mm256_madd_epi16(lo, sc16), _mm256_madd_epi16(hi, sc16)));
+                    continue;
+                }
                 __m256i g16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(load4(xp)));
                 for (int v = 1; v < 8; v++) g16 = _mm256_add_epi16(g16, _mm256_maddubs_epi16(c[v], _mm256_set1_epi32(load4(xp + 4 * v))));
                 iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(g16, sc16));
@@ -317,6 +383,108 @@ static inline __attribute__((always_inline)) void half_dot_q6k(
     for (int r = 0; r < rb; r++) _mm256_storeu_ps(out[r] + 8 * h, facc[r]);
 }
 
+/* GGML's 32-weight types, one half of a tile (8 outputs), 256-bit. Per group j of 32 inputs and
+ * row: the exact integer dot product of the codes with the activation codes, the type's offset
+ * taken out with the group's activation sum S_j (q4_0: -8 S_j, q5_0: -16 S_j), then one fused
+ * multiply-add of it by d_j * a into the row's float accumulator, groups in order (the _1 types'
+ * m_j * S_j * a into a second one, added at the end). The same integers and float operations as
+ * the 512-bit path, so the same bits. */
+static inline __attribute__((always_inline)) void half_dot_legacy(
+    const uint8_t *w, int bits, int has_min, const xquant *xq, int r0, int rb, int h, float out[][TILE]) {
+    const size_t tb = legacy_size(bits, has_min), head = legacy_head(has_min), gs = legacy_group(bits);
+    const int off = has_min ? 0 : bits == 4 ? -8 : bits == 5 ? -16 : 0;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+    __m256 facc[MAXRB], fmin[MAXRB];
+    for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm256_setzero_ps();
+    for (int b = 0; b < xq->nb; b++) {
+        const uint8_t *t = w + b * tb;
+        const uint16_t *d16 = (const uint16_t *)t, *m16 = d16 + 8 * TILE;
+        for (int j = 0; j < 8; j++) {
+            if (h == 0) prefetch_part(t, tb, j, 8);
+            const uint8_t *g = t + head + j * gs;
+            __m256i c[8], ac[8];
+            if (bits == 8) {  /* signed codes: |q| times x with q's sign (llama.cpp's way; a pair <= 2 * 128 * 127) */
+                for (int v = 0; v < 8; v++) {
+                    c[v] = _mm256_loadu_si256((const __m256i *)(g + 64 * v + 32 * h));
+                    ac[v] = _mm256_abs_epi8(c[v]);
+                }
+            } else {
+                for (int v = 0; v < 4; v++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(g + 64 * v + 32 * h));
+                    c[v] = _mm256_and_si256(raw, m4);
+                    c[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                }
+                if (bits == 5) {
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(g + 256 + 32 * h));
+                    for (int v = 0; v < 8; v++) {
+                        const __m256i at4 = v < 4 ? _mm256_slli_epi16(hb, 4 - v) : v > 4 ? _mm256_srli_epi16(hb, v - 4) : hb;
+                        c[v] = _mm256_or_si256(c[v], _mm256_and_si256(at4, b4));
+                    }
+                }
+            }
+            const __m256 dj = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16 + TILE * j + 8 * h)));
+            const __m256 mj = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + TILE * j + 8 * h))) : dj;
+            for (int r = 0; r < rb; r++) {
+                const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
+                const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
+                const int S = xq->s32[rbk * 8 + j];
+                __m256i isum;
+                if (bits == 8) {
+                    isum = _mm256_setzero_si256();
+                    for (int v = 0; v < 8; v++) {
+                        const __m256i p = _mm256_maddubs_epi16(ac[v], _mm256_sign_epi8(_mm256_set1_epi32(load4(xp + 4 * v)), c[v]));
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
+                    }
+                } else {  /* a pair is at most 2 * 31 * 127 = 7874: four pairs per 16-bit sum */
+                    __m256i lo = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(load4(xp)));
+                    __m256i hi = _mm256_maddubs_epi16(c[4], _mm256_set1_epi32(load4(xp + 16)));
+                    for (int v = 1; v < 4; v++) {
+                        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(c[v], _mm256_set1_epi32(load4(xp + 4 * v))));
+                        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(c[v + 4], _mm256_set1_epi32(load4(xp + 16 + 4 * v))));
+                    }
+                    isum = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)),
+                                            _mm256_set1_epi32(off * S));
+                }
+                const __m256 a = _mm256_set1_ps(xq->a[rbk]);
+                facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dj, a), facc[r]);
+                if (has_min) fmin[r] = _mm256_fmadd_ps(_mm256_set1_ps((float)S), _mm256_mul_ps(mj, a), fmin[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rb; r++) _mm256_storeu_ps(out[r] + 8 * h, has_min ? _mm256_add_ps(facc[r], fmin[r]) : facc[r]);
+}
+
+/* 8 float weights (outputs 8h..8h+7 of one input) widened to float32: exact for every kind. */
+static inline __m256 float_weights256(const uint8_t *p, int kind) {
+    if (kind == KIND_F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    if (kind == KIND_F16) return _mm256_cvtph_ps(raw);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));  /* bf16: the top half of a float */
+}
+
+/* Float rows (F16, BF16, F32), one half of a tile, on the float activations: each output's sum
+ * over its inputs in two fused multiply-add chains (even and odd inputs), inputs in order, then
+ * even + odd. The order depends on nothing but the inputs' count, so a row's result does not
+ * depend on the other rows; every build runs the same per-lane operations. */
+static inline __attribute__((always_inline)) void half_dot_float(
+    const uint8_t *w, int kind, const xquant *xq, int r0, int rb, int h, float out[][TILE]) {
+    const size_t ew = float_width(kind), tb = (size_t)QK * TILE * ew;
+    __m256 even[MAXRB], odd[MAXRB];
+    for (int r = 0; r < rb; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    const int K = xq->Kin;
+    for (int i = 0; i < K; i += 2) {
+        if (h == 0 && i % 32 == 0) prefetch_part(w + (size_t)(i / QK) * tb, tb, (i % QK) / 32, 8);
+        const __m256 w0 = float_weights256(w + ((size_t)i * TILE + 8 * h) * ew, kind);
+        const __m256 w1 = i + 1 < K ? float_weights256(w + ((size_t)(i + 1) * TILE + 8 * h) * ew, kind) : _mm256_setzero_ps();
+        for (int r = 0; r < rb; r++) {
+            const float *x = xq->x + (size_t)(r0 + r) * xq->ld;
+            even[r] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[i]), even[r]);
+            if (i + 1 < K) odd[r] = _mm256_fmadd_ps(w1, _mm256_set1_ps(x[i + 1]), odd[r]);
+        }
+    }
+    for (int r = 0; r < rb; r++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_add_ps(even[r], odd[r]));
+}
+
 #ifdef SPECDEC_AVX512
 /* Pieces the 512-bit paths (AVX-512 VNNI and AMX) share, so that both do exactly the same
  * integer and float operations around their dot products. */
@@ -346,12 +514,21 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
 /* The 8 code vectors of group j (chunk v: inputs 4v..4v+3 of the group, 16 outputs), 512-bit:
  * q4k's nibbles (bits = 4) or a draft packing's codes (3, 2; see codes256). */
 static inline __attribute__((always_inline)) void codes512(const void *tb, int bits, int j, __m512i c[8]) {
-    if (bits == 4) {
+    if (bits == 4 || bits == 5) {
         const __m512i m4 = _mm512_set1_epi8(0x0F);
+        const uint8_t *qs = bits == 4 ? ((const tile_q4k *)tb)->qs[j][0] : ((const tile_q5k *)tb)->g[j].qs[0];
         for (int v = 0; v < 4; v++) {
-            const __m512i raw = _mm512_loadu_si512((const void *)((const tile_q4k *)tb)->qs[j][v]);
+            const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * v));
             c[v] = _mm512_and_si512(raw, m4);
             c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        }
+        if (bits == 5) {
+            const __m512i hb = _mm512_loadu_si512((const void *)((const tile_q5k *)tb)->g[j].qh);
+            const __m512i b4 = _mm512_set1_epi8(0x10);
+            for (int v = 0; v < 8; v++) {
+                const __m512i at4 = v < 4 ? _mm512_slli_epi16(hb, 4 - v) : v > 4 ? _mm512_srli_epi16(hb, v - 4) : hb;
+                c[v] = _mm512_or_si512(c[v], _mm512_and_si512(at4, b4));
+            }
         }
         return;
     }
@@ -449,7 +626,100 @@ static inline __attribute__((always_inline)) void tile_dot_q6k(
     }
     for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], facc[r]);
 }
+
+/* GGML's 32-weight types with 512-bit vectors (see half_dot_legacy): the codes as unsigned
+ * bytes for vpdpbusd (q8_0's signed codes plus 128, taken out again with -128 S_j), the same
+ * integer per group, the same float operations. */
+static inline __attribute__((always_inline)) void tile_dot_legacy(
+    const uint8_t *w, int bits, int has_min, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    const size_t tb = legacy_size(bits, has_min), head = legacy_head(has_min), gs = legacy_group(bits);
+    const int off = has_min ? 0 : bits == 4 ? -8 : bits == 5 ? -16 : -128;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10), flip = _mm512_set1_epi8((char)0x80);
+    __m512 facc[MAXRB], fmin[MAXRB];
+    for (int r = 0; r < rb; r++) facc[r] = fmin[r] = _mm512_setzero_ps();
+    for (int b = 0; b < xq->nb; b++) {
+        const uint8_t *t = w + b * tb;
+        const uint16_t *d16 = (const uint16_t *)t, *m16 = d16 + 8 * TILE;
+        for (int j = 0; j < 8; j++) {
+            prefetch_part(t, tb, j, 8);
+            const uint8_t *g = t + head + j * gs;
+            __m512i c[8];
+            if (bits == 8) {
+                for (int v = 0; v < 8; v++) c[v] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(g + 64 * v)), flip);
+            } else {
+                for (int v = 0; v < 4; v++) {
+                    const __m512i raw = _mm512_loadu_si512((const void *)(g + 64 * v));
+                    c[v] = _mm512_and_si512(raw, m4);
+                    c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+                }
+                if (bits == 5) {
+                    const __m512i hb = _mm512_loadu_si512((const void *)(g + 256));
+                    for (int v = 0; v < 8; v++) {
+                        const __m512i at4 = v < 4 ? _mm512_slli_epi16(hb, 4 - v) : v > 4 ? _mm512_srli_epi16(hb, v - 4) : hb;
+                        c[v] = _mm512_or_si512(c[v], _mm512_and_si512(at4, b4));
+                    }
+                }
+            }
+            const __m512 dj = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d16 + TILE * j)));
+            const __m512 mj = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m16 + TILE * j))) : dj;
+            for (int r = 0; r < rb; r++) {
+                const size_t rbk = (size_t)(r0 + r) * xq->nb + b;
+                const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
+                const int S = xq->s32[rbk * 8 + j];
+                __m512i g0 = dpbusd_bcast(_mm512_set1_epi32(off * S), c[0], xp);
+                __m512i g1 = dpbusd_bcast(_mm512_setzero_si512(), c[1], xp + 4);
+                for (int v = 2; v < 8; v += 2) {
+                    g0 = dpbusd_bcast(g0, c[v], xp + 4 * v);
+                    g1 = dpbusd_bcast(g1, c[v + 1], xp + 4 * v + 4);
+                }
+                const __m512 a = _mm512_set1_ps(xq->a[rbk]);
+                facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(g0, g1)), _mm512_mul_ps(dj, a), facc[r]);
+                if (has_min) fmin[r] = _mm512_fmadd_ps(_mm512_set1_ps((float)S), _mm512_mul_ps(mj, a), fmin[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], has_min ? _mm512_add_ps(facc[r], fmin[r]) : facc[r]);
+}
+
+static inline __m512 float_weights512(const uint8_t *p, int kind) {
+    if (kind == KIND_F32) return _mm512_loadu_ps((const float *)p);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    if (kind == KIND_F16) return _mm512_cvtph_ps(raw);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* Float rows with 512-bit vectors: half_dot_float's operations on all 16 outputs at once. */
+static inline __attribute__((always_inline)) void tile_dot_float(
+    const uint8_t *w, int kind, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    const size_t ew = float_width(kind), tb = (size_t)QK * TILE * ew;
+    __m512 even[MAXRB], odd[MAXRB];
+    for (int r = 0; r < rb; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    const int K = xq->Kin;
+    for (int i = 0; i < K; i += 2) {
+        if (i % 32 == 0) prefetch_part(w + (size_t)(i / QK) * tb, tb, (i % QK) / 32, 8);
+        const __m512 w0 = float_weights512(w + (size_t)i * TILE * ew, kind);
+        const __m512 w1 = i + 1 < K ? float_weights512(w + (size_t)(i + 1) * TILE * ew, kind) : _mm512_setzero_ps();
+        for (int r = 0; r < rb; r++) {
+            const float *x = xq->x + (size_t)(r0 + r) * xq->ld;
+            even[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[i]), even[r]);
+            if (i + 1 < K) odd[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[i + 1]), odd[r]);
+        }
+    }
+    for (int r = 0; r < rb; r++) _mm512_storeu_ps(out[r], _mm512_add_ps(even[r], odd[r]));
+}
 #else
+
+static inline __attribute__((always_inline)) void tile_dot_legacy(
+    const uint8_t *w, int bits, int has_min, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    half_dot_legacy(w, bits, has_min, xq, r0, rb, 0, out);
+    half_dot_legacy(w, bits, has_min, xq, r0, rb, 1, out);
+}
+
+static inline __attribute__((always_inline)) void tile_dot_float(
+    const uint8_t *w, int kind, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    half_dot_float(w, kind, xq, r0, rb, 0, out);
+    half_dot_float(w, kind, xq, r0, rb, 1, out);
+}
 
 static inline __attribute__((always_inline)) void tile_dot_q6k(
     const tile_q6k *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
@@ -474,6 +744,29 @@ static inline __attribute__((always_inline)) void tile_dot_q3(const uint8_t *w, 
 static inline __attribute__((always_inline)) void tile_dot_q2(const uint8_t *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
     tile_dot_k(w, 2, xq, r0, rb, out);
 }
+static inline __attribute__((always_inline)) void tile_dot_q5k(const uint8_t *w, const xquant *xq, int r0, int rb, float out[][TILE]) {
+    tile_dot_k(w, 5, xq, r0, rb, out);
+}
+#define LEGACY_FN(name, bits, has_min)                                                                  \
+    static inline __attribute__((always_inline)) void name(const uint8_t *w, const xquant *xq, int r0, int rb, \
+                                                           float out[][TILE]) {                           \
+        tile_dot_legacy(w, bits, has_min, xq, r0, rb, out);                                             \
+    }
+LEGACY_FN(tile_dot_q4_0, 4, 0)
+LEGACY_FN(tile_dot_q4_1, 4, 1)
+LEGACY_FN(tile_dot_q5_0, 5, 0)
+LEGACY_FN(tile_dot_q5_1, 5, 1)
+LEGACY_FN(tile_dot_q8_0, 8, 0)
+#undef LEGACY_FN
+#define FLOAT_FN(name, kind)                                                                            \
+    static inline __attribute__((always_inline)) void name(const uint8_t *w, const xquant *xq, int r0, int rb, \
+                                                           float out[][TILE]) {                           \
+        tile_dot_float(w, kind, xq, r0, rb, out);                                                       \
+    }
+FLOAT_FN(tile_dot_f16, KIND_F16)
+FLOAT_FN(tile_dot_bf16, KIND_BF16)
+FLOAT_FN(tile_dot_f32, KIND_F32)
+#undef FLOAT_FN
 
 
 #ifdef SPECDEC_AMX
@@ -663,6 +956,9 @@ int specdec_amx_enable(int on) { return on ? -1 : 0; }  /* this build has no AMX
 size_t specdec_xquant_layout(xquant *xq, int M, int K, char *base) {
     xq->nb = (K + QK - 1) / QK;
     xq->K = xq->nb * QK;
+    xq->Kin = K;
+    xq->x = NULL;
+    xq->ld = K;
     size_t at = 0;
 #define TAKE(ptr, type, count) SPECDEC_TAKE(base, at, ptr, type, count)
     TAKE(xq->q, int8_t, (size_t)M * xq->K);
@@ -674,6 +970,11 @@ size_t specdec_xquant_layout(xquant *xq, int M, int K, char *base) {
 }
 
 void specdec_quantize_team(const float *x, int M, int K, xquant *xq) {
+    #pragma omp master
+    {
+        xq->x = x;  /* (read after the loop's barrier) */
+        xq->ld = K;
+    }
     /* rows are quantized independently, so splitting them among threads changes nothing */
     #pragma omp for schedule(static)
     for (int r = 0; r < M; r++) specdec_quantize_row(x + (size_t)r * K, r, K, xq);
@@ -698,9 +999,10 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
          * rows and won at 16 (docs/results.md, 2026-12-05).
          * The rows left over (and every call under 16 rows: decoding, verification) go to the
          * AVX-512 path, split evenly over its sweeps (9 rows: 5 + 4, not 8 + 1), so every sweep
-         * carries enough rows to hide the weights' memory time. (drafts' packings: AVX-512) */
+         * carries enough rows to hide the weights' memory time. (other kinds: AVX-512) */
 #ifdef SPECDEC_AMX
-        const int amx_rows = amx_on && kinds[i] >= 4 ? M / AMX_ROWS * AMX_ROWS : 0, amx_step = AMX_ROWS;
+        const int amx_kind = kinds[i] == KIND_Q4K || kinds[i] == KIND_Q6K;
+        const int amx_rows = amx_on && amx_kind ? M / AMX_ROWS * AMX_ROWS : 0, amx_step = AMX_ROWS;
 #else
         const int amx_rows = 0, amx_step = 0;
 #endif
@@ -711,18 +1013,27 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
             float out[AMX_OUT_ROWS][TILE];
 #ifdef SPECDEC_AMX
             if (r0 < amx_rows) {
-                if (kinds[i] == 4) amx_tile_q4k((const tile_q4k *)wt, xq, r0, rb, out);
+                if (kinds[i] == KIND_Q4K) amx_tile_q4k((const tile_q4k *)wt, xq, r0, rb, out);
                 else amx_tile_q6k((const tile_q6k *)wt, xq, r0, rb, out);
             } else
 #endif
-            if (kinds[i] == 4) {
-                DISPATCH(tile_dot_q4k, (const uint8_t *)wt, xq, r0, rb, out);
-            } else if (kinds[i] == 6) {
-                DISPATCH(tile_dot_q6k, (const tile_q6k *)wt, xq, r0, rb, out);
-            } else if (kinds[i] == 3) {
-                DISPATCH(tile_dot_q3, (const uint8_t *)wt, xq, r0, rb, out);
-            } else {
-                DISPATCH(tile_dot_q2, (const uint8_t *)wt, xq, r0, rb, out);
+            {
+                const uint8_t *wb = (const uint8_t *)wt;
+                switch (kinds[i]) {
+                case KIND_Q4K: DISPATCH(tile_dot_q4k, wb, xq, r0, rb, out); break;
+                case KIND_Q6K: DISPATCH(tile_dot_q6k, (const tile_q6k *)wt, xq, r0, rb, out); break;
+                case KIND_Q5K: DISPATCH(tile_dot_q5k, wb, xq, r0, rb, out); break;
+                case KIND_Q3: DISPATCH(tile_dot_q3, wb, xq, r0, rb, out); break;
+                case KIND_Q2: DISPATCH(tile_dot_q2, wb, xq, r0, rb, out); break;
+                case KIND_Q4_0: DISPATCH(tile_dot_q4_0, wb, xq, r0, rb, out); break;
+                case KIND_Q4_1: DISPATCH(tile_dot_q4_1, wb, xq, r0, rb, out); break;
+                case KIND_Q5_0: DISPATCH(tile_dot_q5_0, wb, xq, r0, rb, out); break;
+                case KIND_Q5_1: DISPATCH(tile_dot_q5_1, wb, xq, r0, rb, out); break;
+                case KIND_Q8_0: DISPATCH(tile_dot_q8_0, wb, xq, r0, rb, out); break;
+                case KIND_F16: DISPATCH(tile_dot_f16, wb, xq, r0, rb, out); break;
+                case KIND_BF16: DISPATCH(tile_dot_bf16, wb, xq, r0, rb, out); break;
+                default: DISPATCH(tile_dot_f32, wb, xq, r0, rb, out); break;
+                }
             }
             /* y = out + bias, plus a residual connection (x + layer(x)) where given: one
              * branch-free loop per case, which the compiler vectorizes (elementwise, so the
@@ -743,7 +1054,7 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
 
 /* Several linear layers over the same input x[M, K] (q/k/v, gate/up): the activations
  * are quantized once, and one parallel loop runs over the tiles of all of them.
- * Layer i: kinds[i] (4 = q4k, 6 = q6k; 3, 2: the draft packings), w[i] = ceil(N[i]/16) tiles of ceil(K/256) tile-blocks,
+ * Layer i: kinds[i] (KIND_*, specdec.h), w[i] = ceil(N[i]/16) tiles of ceil(K/256) tile-blocks,
  * bias[i] (or NULL), y[i] = [M, N[i]]. Returns 0, or -1 if scratch memory ran out. */
 int specdec_kquant_linears(int n_layers, const int *kinds, const void *const *w, const float *const *bias,
                            const int *N, int K, const float *x, int M, float *const *y, int nthreads) {

@@ -32,7 +32,7 @@ enum { WQ, WK, WV, WO, WG, WU, WD, N_WEIGHTS };
 
 /* A layer's weights and shape (mirrored by specdec.model.fused._LayerStruct). */
 typedef struct {
-    int kind[N_WEIGHTS];             /* 4 = q4k, 6 = q6k tiles */
+    int kind[N_WEIGHTS];             /* KIND_* (specdec.h) */
     const void *w[N_WEIGHTS];        /* packed tiles */
     const float *bias[N_WEIGHTS];    /* [N] or NULL */
     const float *norm_attn, *norm_mlp;  /* [D] */
@@ -87,6 +87,11 @@ static void rmsnorm_row(const float *x, const float *w, int D, float eps, float 
 
 /* Team: each row of x [N, D] normed (into h) and quantized (into xq). */
 static void norm_quantize_team(const float *x, const float *w, const specdec_layer_w *L, int N, float *h, xquant *xq) {
+    #pragma omp master
+    {
+        xq->x = h;  /* the float rows, for float-row weights (read after the loop's barrier) */
+        xq->ld = L->D;
+    }
     #pragma omp for schedule(static)
     for (int r = 0; r < N; r++) {
         rmsnorm_row(x + (size_t)r * L->D, w, L->D, L->eps, h + (size_t)r * L->D);

@@ -11,13 +11,25 @@
 
 #define QK 256
 
-/* Activations quantized per row and 256-block (see kquant.c). */
+/* Weight kinds (a layer's packed tiles, see kquant.c; mirrored by specdec.model.kquant): the
+ * K-quants by their bits, GGML's 32-weight types by bits and min (40 = Q4_0, 41 = Q4_1...), and
+ * float rows by their width. */
+enum {
+    KIND_Q2 = 2, KIND_Q3 = 3, KIND_Q4K = 4, KIND_Q5K = 5, KIND_Q6K = 6,
+    KIND_Q8_0 = 8, KIND_Q4_0 = 40, KIND_Q4_1 = 41, KIND_Q5_0 = 50, KIND_Q5_1 = 51,
+    KIND_F16 = 16, KIND_BF16 = 17, KIND_F32 = 32,
+};
+
+/* Activations quantized per row and 256-block (see kquant.c), and the float rows they were
+ * quantized from (the float kinds read those). */
 typedef struct {
     int8_t *q;      /* [M, K] codes (K padded to whole blocks) */
     float *a;       /* [M, nb] scales */
-    int16_t *s32;   /* [M, nb, 8] sums of each 32 codes: the q4k min term */
+    int16_t *s32;   /* [M, nb, 8] sums of each 32 codes: the q4k min term, the 32-weight types' offsets */
     int16_t *s16;   /* [M, nb, 16] sums of each 16 codes: the q6k offset is -32 times them */
     int K, nb;
+    const float *x; /* [M, ld] the float rows (set by whoever quantizes them) */
+    int ld, Kin;    /* row stride of x; inputs per row (K before padding) */
 } xquant;
 
 /* Carving arrays out of one buffer: `ptr` = `count` items of `type` at offset `at` of `base`
@@ -31,9 +43,9 @@ typedef struct {
 /* Lay out xq's arrays for M rows of K inputs from `base` (NULL: only count); returns the
  * bytes they take (each array 64-byte aligned). */
 size_t specdec_xquant_layout(xquant *xq, int M, int K, char *base);
-/* Row r of the activations (x: [K] floats) into xq. */
+/* Row r of the activations (x: [K] floats) into xq (the caller records the float rows). */
 void specdec_quantize_row(const float *x, int r, int K, xquant *xq);
-/* Team: rows 0..M-1 of x [M, K]. */
+/* Team: rows 0..M-1 of x [M, K], recorded as xq's float rows. */
 void specdec_quantize_team(const float *x, int M, int K, xquant *xq);
 /* Team: y[i] [M, N[i]] = xq @ W_i^T + bias[i] (+ add[i], same shape, when add and add[i]). */
 void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, const float *const *bias,
