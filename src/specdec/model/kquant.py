@@ -120,7 +120,7 @@ TILE_DTYPES = {
 # The raw kinds' tiles (16 outputs x 256 inputs), field for field as in csrc/kquant.c.
 _Q5K_GROUP = np.dtype([("qs", "u1", (4, 4 * TILE)), ("qh", "u1", 4 * TILE)])
 TILE_DTYPES[Q5K] = np.dtype(
-    [("d", "<f4", TILE), ("dmin", "<f4", TILE), ("sc", "u1", (8, TILE)), ("mn", "u1", (4, TILE, 2)), ("g", _Q5K_GROUP, 8)]
+    [*TILE_DTYPES[Q4K].descr[:4], ("g", _Q5K_GROUP, 8)]  # q4k's header (d, dmin, sc, mn)
 )
 for _kind in LEGACY:
     _bits = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8}[_kind]
@@ -496,7 +496,7 @@ def _tiles_raw(blocks: Blocks) -> np.ndarray:
         k = raw.shape[1]
         w = np.zeros((t * TILE, -(-k // QK) * QK, raw.shape[2]), np.uint8)
         w[:n, :k] = raw
-        w = np.ascontiguousarray(w.reshape(t, TILE, -1, QK, raw.shape[2]).transpose(0, 2, 3, 1, 4))  # [T, nb, 256, 16, bytes]
+        w = np.ascontiguousarray(w.reshape(t, TILE, -1, QK, raw.shape[2]).transpose(0, 2, 3, 1, 4))  # [T, nb, 256, 16, B]
         return w.reshape(t, w.shape[1], -1).view(TILE_DTYPES[kind])[..., 0]
     codes, scales = _codes_raw(blocks)  # [n, blocks, per block]
     per_block = 1 if kind == Q5K else 8  # file blocks per 256 inputs
@@ -698,8 +698,8 @@ class _GroupCall:
 
 def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
     """Run `lib` and `reference` (two builds of the kernel) on random layers of every kind
-    (the K-quants, the 32-weight types, float rows, the 3- and 2-bit draft packings) for 1..37 rows (the AMX path takes whole
-    sweeps of 16 rows and leaves the rest to the AVX-512 path: 37 = 16 + 16 + 5); None when
+    (the K-quants, the 32-weight types, float rows, the 3- and 2-bit draft packings) for 1..37
+    rows (the AMX path takes whole sweeps of 16 rows and leaves the rest to the AVX-512 path: 37 = 16 + 16 + 5); None when
     every output is bitwise equal, else what differed."""
     rng = np.random.default_rng(0)
     for kind in (Q4K, Q6K, *LOW_BITS, *RAW):
