@@ -496,7 +496,8 @@ def _tiles_raw(blocks: Blocks) -> np.ndarray:
         k = raw.shape[1]
         w = np.zeros((t * TILE, -(-k // QK) * QK, raw.shape[2]), np.uint8)
         w[:n, :k] = raw
-        w = np.ascontiguousarray(w.reshape(t, TILE, -1, QK, raw.shape[2]).transpose(0, 2, 3, 1, 4))  # [T, nb, 256, 16, B]
+        w = w.reshape(t, TILE, -1, QK, raw.shape[2]).transpose(0, 2, 3, 1, 4)  # [T, nb, 256 inputs, 16 outputs, B]
+        w = np.ascontiguousarray(w)
         return w.reshape(t, w.shape[1], -1).view(TILE_DTYPES[kind])[..., 0]
     codes, scales = _codes_raw(blocks)  # [n, blocks, per block]
     per_block = 1 if kind == Q5K else 8  # file blocks per 256 inputs
@@ -699,8 +700,8 @@ class _GroupCall:
 def self_check(lib: ctypes.CDLL, reference: ctypes.CDLL) -> str | None:
     """Run `lib` and `reference` (two builds of the kernel) on random layers of every kind
     (the K-quants, the 32-weight types, float rows, the 3- and 2-bit draft packings) for 1..37
-    rows (the AMX path takes whole sweeps of 16 rows and leaves the rest to the AVX-512 path: 37 = 16 + 16 + 5); None when
-    every output is bitwise equal, else what differed."""
+    rows (the AMX path takes whole sweeps of 16 rows and leaves the rest to the AVX-512 path:
+    37 = 16 + 16 + 5); None when every output is bitwise equal, else what differed."""
     rng = np.random.default_rng(0)
     for kind in (Q4K, Q6K, *LOW_BITS, *RAW):
         n, k = 40, 768
