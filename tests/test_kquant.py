@@ -576,3 +576,115 @@ def test_from_gguf_refuses_a_type_it_does_not_run():
 
     with pytest.raises(ValueError, match="IQ2_XS is not a block type specdec runs"):
         kq.from_gguf(np.zeros((2, 66), np.uint8), T.IQ2_XS, 2, 256)
+
+
+@pytest.fixture(scope="module")
+def tiny_of_kind(tmp_path_factory):
+    """A tiny llama (hidden 256: whole K-quant blocks) written into a GGUF with its layers in a
+    given kind, converted once per kind; and its float checkpoint."""
+    from specdec import store
+    from specdec.testing import make_tiny_model, write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("kinds")
+    hf = make_tiny_model(root / "hf", "llama", seed=7, hidden=256)
+    made: dict[int, object] = {}
+
+    def get(kind: int):
+        if kind not in made:
+            made[kind] = store.resolve(write_tiny_gguf(hf, root / f"k{kind}.gguf", kind=kind))
+        return made[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", kq.RAW)
+def test_a_model_in_the_files_own_blocks_is_invariant_exact_and_close(tiny_of_kind, kind, monkeypatch, tmp_path):
+    """A model whose layers the file holds in `kind` runs them as such (no re-quantizing): a
+    k-token pass equals one-token decoding bitwise, and its logits are within the mode's bound of
+    float32 arithmetic on gguf's de-quantization of the same file (transformers' fp32 load):
+    relative RMS 1e-4 for float rows, 10% for the integer kinds, whose int8 activations this
+    random model amplifies (the Q4_K path: 4.7%, the int8 mode 7-10%, all kinds 4.7-6.4%, on a
+    Xeon, 2026-12-06); logits of other positions are far outside it (the control)."""
+    from helpers import verify_vs_decode
+
+    from specdec.model import load_transformer
+    from specdec.model.linear import Linear
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    converted = tiny_of_kind(kind)
+    model = load_transformer(converted, dtype="q4k", device="cpu")
+    layer_kinds = {m.kernel.kind for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"}
+    assert layer_kinds == {kind}
+    for k in (2, 5, 9):
+        together, alone = verify_vs_decode(model, prompt_len=11, k=k, seed=k)
+        assert torch.equal(together, alone), k
+    ids = torch.randint(0, 250, (1, 24), generator=torch.Generator().manual_seed(0))
+
+    def logits(m) -> torch.Tensor:  # noqa: ANN001
+        return m(ids, m.new_cache(24)).logits.double()
+
+    ours, ref = logits(model), logits(load_transformer(converted, dtype="fp32", device="cpu"))
+    bound = 1e-4 if kind in kq.FLOATS else 0.1
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+    assert rel(ours, ref) <= bound
+    shuffled = ref[:, torch.randperm(ref.shape[1], generator=torch.Generator().manual_seed(1))]
+    assert rel(ours, shuffled) > bound  # the control: logits of other positions are far outside
+
+
+def _tiny_gguf_with(tmp_path, qtype_name: str):
+    """A tiny llama GGUF with one layer's tensor stored in a type specdec does not run."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    from specdec.testing import make_tiny_model, write_tiny_gguf
+
+    hf = make_tiny_model(tmp_path / "hf", "llama", seed=8, hidden=256)
+    plain = write_tiny_gguf(hf, tmp_path / "plain.gguf")
+    reader = GGUFReader(plain)
+    qtype = GGMLQuantizationType[qtype_name]
+    out = tmp_path / f"{qtype_name}.gguf"
+    w = GGUFWriter(str(out), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if len(field.types) > 1 else None
+        w.add_key_value(field.name, value, vtype, sub_type=sub)
+    rng = np.random.default_rng(0)
+    for t in reader.tensors:
+        if t.name == "blk.0.ffn_up.weight":
+            per, size = GGML_QUANT_SIZES[qtype]
+            n, k = int(t.shape[1]), int(t.shape[0])
+            raw = rng.integers(0, 256, (n, k // per * size), dtype=np.uint8)
+            raw.reshape(n, k // per, size)[..., -2:] = np.array([1e-3], np.float16).view(np.uint8)  # d: finite
+            w.add_tensor(t.name, raw, raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_type_it_does_not_run_is_refused_in_one_line_or_requantized_when_asked(tmp_path, monkeypatch):
+    """Q3_K (one of the types without a kernel): loading says which tensor, which type and what
+    to do, in one line; installed with --requantize the model runs (that tensor as Q6_K)."""
+    from specdec import store
+    from specdec.model import load_transformer
+    from specdec.model.gguf_file import UnsupportedBlockTypeError
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    gguf = _tiny_gguf_with(tmp_path, "Q3_K")
+    converted = store.resolve(gguf)
+    with pytest.raises(UnsupportedBlockTypeError) as err:
+        load_transformer(converted, dtype="q4k", device="cpu")
+    line = str(err.value)
+    assert "\n" not in line and "blk.0.ffn_up.weight is stored as Q3_K" in line and "--requantize" in line
+    store.install_file(gguf, requantize=True, log=lambda s: None)
+    model = load_transformer(converted, dtype="q4k", device="cpu")
+    assert model.model.layers[0].mlp.up_proj.kernel.kind == kq.Q6K
+    assert model.model.layers[0].mlp.down_proj.kernel.kind == kq.Q6K  # (float rows: re-quantized too, as asked)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .model.families import GGUF_ARCHITECTURES
 from .model.gguf_file import UnsupportedArchitectureError, gguf_architecture, gguf_truncation
-from .paths import cache_root, lock_path, sha256_file, write_json
+from .paths import cache_root, file_sha256, lock_path, sha256_file, write_json
 from .registry import MODELS, ModelSpec, PackagedFile, WheelPart, get_spec
 
 __all__ = [
@@ -216,11 +216,35 @@ def _assemble(
     tmp.replace(out)
 
 
+def set_requantize(model_dir: Path, requantize: bool) -> None:
+    """Record in a converted directory whether its GGUF's tensors of other types than Q4_K/Q6_K
+    run re-quantized to Q6_K (`--requantize`) or as the file holds them (the default)."""
+    path = model_dir / "specdec.json"
+    meta = json.loads(path.read_text())
+    if bool(meta.get("requantize", False)) != requantize:
+        write_json(path, {**meta, "requantize": requantize})
+
+
+def install_file(path: Path, *, requantize: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Prepare a GGUF file of one's own as `resolve` does on first use (hashing it in full
+    once), recording `requantize`. Returns its directory."""
+    target = resolve(path)
+    set_requantize(target, requantize)
+    log(f"{Path(path).name}: installed at {target}" + (" (re-quantizing to Q6_K where asked)" if requantize else ""))
+    return target
+
+
 def install(
-    name: str, *, keep_downloads: bool = False, floats: bool = False, log: Callable[[str], None] = print
+    name: str,
+    *,
+    keep_downloads: bool = False,
+    floats: bool = False,
+    requantize: bool = False,
+    log: Callable[[str], None] = print,
 ) -> Path:
     """Download, assemble, verify and convert a known model; with `floats`, also write its
-    float32 weights now instead of on first use of a float mode. Returns its directory.
+    float32 weights now instead of on first use of a float mode; with `requantize`, its
+    tensors of other types than Q4_K/Q6_K run re-quantized to Q6_K. Returns its directory.
     Under the model's lock: a second install of the same model waits, then finds it done."""
     from filelock import FileLock
 
@@ -242,6 +266,7 @@ def install(
             and (not floats or has_float_weights(target))
         ):
             _pin(target, spec)  # (a directory converted before it named its pin)
+            set_requantize(target, requantize)
             log(f"{name}: already installed at {target}")
             return target
         # A sparse GGUF was checked when it was punched and is checked again whenever it is made
@@ -267,6 +292,7 @@ def install(
         elif floats:
             log(f"{name}: de-quantizing {gguf.name} to float32 weights")
             _write_float_weights(gguf, target)
+        set_requantize(target, requantize)
     log(f"{name}: installed at {target}")
     return target
 
@@ -314,7 +340,7 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
             )
         from filelock import FileLock
 
-        sha = sha256_file(path)
+        sha = file_sha256(path)  # (hashed in full once, then known by its size, time and samples)
         target = converted_dir(sha)
         with FileLock(lock_path(sha)):
             if not (target / "config.json").exists():

@@ -105,12 +105,16 @@ def make_tiny_model(
     return out
 
 
-def write_tiny_gguf(model_dir: str | Path, out: str | Path, *, name: str = "tiny", q4k: bool = False) -> Path:
+def write_tiny_gguf(
+    model_dir: str | Path, out: str | Path, *, name: str = "tiny", q4k: bool = False, kind: int | None = None
+) -> Path:
     """A tiny model's directory written as llama.cpp writes its family into a GGUF file (with the
     gguf package): its metadata, its byte tokenizer, and float32 tensors under GGUF names — llama's
     q/k rows interleaved for rotary, Gemma's norms stored as 1 + w, Phi-3's stacked layers kept
     stacked, Llama 3's rotary scaling as `rope_freqs`. With `q4k`, the layers' weights whose rows
-    are whole 256-weight blocks are written in Q4_K blocks. specdec's GGUF reader is tested on it."""
+    are whole 256-weight blocks are written in Q4_K blocks; with `kind` (a `kquant` kind of the
+    file's own: Q5_K, Q8_0, Q4_0, F16...), the layers' weights whose rows are whole blocks of
+    that type are written in it. specdec's GGUF reader is tested on it."""
     import json
 
     from gguf import GGUFWriter, TokenType, get_tensor_name_map
@@ -177,6 +181,16 @@ def write_tiny_gguf(model_dir: str | Path, out: str | Path, *, name: str = "tiny
             blocks = kquant.to_gguf(kquant.quantize(np.ascontiguousarray(t, np.float32), kquant.Q4K))
             w.add_tensor(f"{gguf_name}.{leaf}", blocks, raw_dtype=GGMLQuantizationType.Q4_K)
             continue
+        if kind is not None and gguf_name.startswith("blk.") and t.ndim == 2:
+            from gguf import GGML_QUANT_SIZES
+
+            from .model import kquant
+
+            qtype = kquant.GGML_TYPES[kind]
+            if t.shape[1] % GGML_QUANT_SIZES[qtype][0] == 0:
+                raw = kquant.quantize_raw(np.ascontiguousarray(t, np.float32), kind).data.reshape(t.shape[0], -1)
+                w.add_tensor(f"{gguf_name}.{leaf}", raw, raw_dtype=qtype)
+                continue
         w.add_tensor(f"{gguf_name}.{leaf}", np.ascontiguousarray(t))
     if rope.get("rope_type") == "llama3":
         scaling = [

@@ -34,8 +34,13 @@ def parser(sub: argparse._SubParsersAction) -> None:
         "names",
         nargs="+",
         metavar="NAME",
-        choices=sorted(registry.MODELS),
-        help="one or more of: " + ", ".join(sorted(registry.MODELS)),
+        help="one or more of: " + ", ".join(sorted(registry.MODELS)) + "; or a .gguf file of your own",
+    )
+    inst.add_argument(
+        "--requantize",
+        action="store_true",
+        help="run the file's tensors of other types than Q4_K/Q6_K (Q5_K, Q8_0, Q4_0, F16...) re-quantized "
+        "to Q6_K instead of as the file holds them (needed only for types specdec does not run: IQ*, Q2_K, Q3_K)",
     )
     inst.add_argument(
         "--float",
@@ -127,8 +132,19 @@ def _cmd_install(ns: argparse.Namespace) -> int:
     from ..model.load import prepare_q4k
 
     for name in ns.names:
+        if name not in registry.MODELS and not name.endswith(".gguf"):
+            store.get_spec(name)  # UnknownModelError: one line listing the known names
+        if name not in registry.MODELS:
+            path = store.install_file(Path(name), requantize=ns.requantize, log=lambda s: print(s, file=sys.stderr))
+            print(f"{name}: preparing the weights of the default (q4k) mode", file=sys.stderr)
+            prepare_q4k(path)
+            continue
         path = store.install(
-            name, keep_downloads=ns.keep_downloads, floats=ns.floats, log=lambda s: print(s, file=sys.stderr)
+            name,
+            keep_downloads=ns.keep_downloads,
+            floats=ns.floats,
+            requantize=ns.requantize,
+            log=lambda s: print(s, file=sys.stderr),
         )
         bits = registry.MODELS[name].draft_bits
         print(

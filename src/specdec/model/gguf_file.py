@@ -238,22 +238,46 @@ def config_fixes(reader: GGUFReader, model_type: str, config: dict) -> dict:
     return out
 
 
+class UnsupportedBlockTypeError(ValueError):
+    """A linear layer's tensor is stored in a type the kernel does not run (IQ*, Q2_K, Q3_K...)."""
+
+
+def block_types(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The block types of a GGUF's two-dimensional tensors (the linear layers and the
+    embedding): type name -> tensor count."""
+    out: dict[str, int] = {}
+    for t in open_gguf(path).tensors:
+        if len(t.shape) == 2:
+            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def unsupported_type(path: Path, tensor: str, qtype: GGMLQuantizationType) -> UnsupportedBlockTypeError:
+    runs = ", ".join(t.name for t in kquant.GGML_TYPES.values())
+    return UnsupportedBlockTypeError(
+        f"{Path(path).name}: {tensor} is stored as {qtype.name}, a block type specdec does not run (it runs "
+        f"{runs}); use a file quantized to one of those (e.g. Q4_K_M), or install it with --requantize "
+        "to run such tensors re-quantized to Q6_K"
+    )
+
+
 def gguf_blocks(path: Path, modules: dict[str, int], args) -> dict[str, kquant.Blocks]:  # noqa: ANN001 - ModelArgs
-    """K-quant blocks for the linear layers (module name -> output rows) whose GGUF tensors are
-    stored as Q4_K or Q6_K; other layers are left out (the caller quantizes them). Where the
-    family stacks layers in one tensor (Phi-3's qkv), a layer's blocks are its rows of it."""
-    readers = {GGMLQuantizationType.Q4_K: kquant.from_gguf_q4_k, GGMLQuantizationType.Q6_K: kquant.from_gguf_q6_k}
+    """The file's own blocks for the linear layers (module name -> output rows), in every type the
+    kernel runs (`kquant.KIND_OF_TYPE`); layers of other types are left out (the caller refuses
+    or, asked to, re-quantizes them). Where the family stacks layers in one tensor (Phi-3's qkv),
+    a layer's blocks are its rows of it."""
     tensors = {t.name: t for t in open_gguf(path).tensors}
     out: dict[str, kquant.Blocks] = {}
     for module, n in modules.items():
         where = gguf_linear(module, args)
         t = tensors.get(where.tensor) if where is not None else None
-        if t is None or t.tensor_type not in readers or len(t.shape) != 2:
+        if t is None or t.tensor_type not in kquant.KIND_OF_TYPE or len(t.shape) != 2:
             continue
         first, rows = where.first_row or 0, int(t.shape[1])
         if first + n > rows or (where.first_row is None and rows != n):
             continue
-        blocks = readers[t.tensor_type](tensor_data(Path(path), t.name, t.data), rows, int(t.shape[0]))
+        data = tensor_data(Path(path), t.name, t.data)
+        blocks = kquant.from_gguf(np.asarray(data), t.tensor_type, rows, int(t.shape[0]))
         if where.first_row is not None:
             blocks = kquant.Blocks(blocks.kind, np.ascontiguousarray(blocks.data[first : first + n]))
         if where.interleaved_heads:

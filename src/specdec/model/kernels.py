@@ -161,11 +161,15 @@ def apply_mode(
     source: str = "",
     from_gguf: bool = False,
     bits: int | None = None,
+    requantize: bool = False,
 ) -> None:
     """Install `mode`'s kernel in every `Linear` (weights are already in `mode.storage`).
 
     `gguf`: the file the weights were converted from, if any; the q4k mode then runs the
-    file's own Q4_K/Q6_K blocks instead of re-quantizing the float weights.
+    file's own blocks (every type `kquant.KIND_OF_TYPE` names) instead of quantizing the float
+    weights, and refuses a layer of another type unless `requantize`.
+    `requantize`: layers the GGUF holds in other types than Q4_K/Q6_K run re-quantized to Q6_K
+    (the user's choice at install: `--requantize`).
     `packed`: a file where the q4k mode keeps its repacked weights between loads, recording
     `source` (the model directory) so stale files can be found.
     `from_gguf`: the linear layers have no float weights loaded (they are still on the meta
@@ -181,7 +185,9 @@ def apply_mode(
     if device.type != "cpu":
         raise ValueError(f"the {mode.name} mode runs on the CPU only for now (model is on {device}); use bf16 or fp16")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    kernels = _kquant_kernels(model, linears, gguf, packed, source, from_gguf, bits) if mode.name == "q4k" else {}
+    kernels = (
+        _kquant_kernels(model, linears, gguf, packed, source, from_gguf, bits, requantize) if mode.name == "q4k" else {}
+    )
     for name, module in linears.items():
         module.set_kernel(kernels.get(name) or Int8Kernel(module.weight, module.bias))
         if not _shares_storage(module, model):
@@ -197,16 +203,20 @@ def _kquant_kernels(
     source: str,
     from_gguf: bool = False,
     bits: int | None = None,
+    requantize: bool = False,
 ) -> dict[str, LinearKernel]:
-    """q4k kernels: the GGUF's Q4_K/Q6_K blocks where it has them (checked against the float
-    weights), the rest quantized here to `kquant.REQUANTIZE` (at least as precise as the GGUF's
-    Q5_0/Q8_0/Q4_1 types). Repacking takes seconds to tens of seconds, so the result is kept in
-    `packed` (one uint8 tensor per layer, its kind in the metadata) and later loads read it."""
+    """q4k kernels: the GGUF's own blocks where it has them (checked against the float
+    weights), in whatever type the file holds them; weights that come without a GGUF (a float
+    directory) quantized here to `kquant.REQUANTIZE`. Repacking takes seconds to tens of
+    seconds, so the result is kept in `packed` (one uint8 tensor per layer, its kind in the
+    metadata) and later loads read it."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from . import kquant, native
-    from .gguf_file import gguf_blocks, linear_weight
+    from .families import gguf_linear
+    from .gguf_file import gguf_blocks, linear_weight, unsupported_type
+    from .gguf_reader import open_gguf
 
     lib = native.library()  # fail early, with the reason, if the kernel cannot be built here
 
@@ -233,6 +243,13 @@ def _kquant_kernels(
         if b is not None and not from_gguf and not kquant.matches(b, m.weight):
             warnings.warn(f"{gguf}: {name} does not match the converted weights; quantizing it again", stacklevel=3)
             b = None
+        if b is None and from_gguf and not requantize and bits is None:
+            where = gguf_linear(name, args)
+            t = next((t for t in open_gguf(gguf).tensors if where is not None and t.name == where.tensor), None)
+            if t is not None and t.tensor_type not in kquant.KIND_OF_TYPE:
+                raise unsupported_type(gguf, t.name, t.tensor_type)
+        if requantize and b is not None and b.kind not in (kquant.Q4K, kquant.Q6K) and bits is None:
+            b = kquant.quantize(kquant.dequantize(b)[:, : m.in_features], kquant.REQUANTIZE, lib)
         # 3 and 2 bits: the layers' codes narrower, the LM head kept at Q4_K (its rows are what
         # the draft's top choices are read from, and a cut vocabulary reads them as Q4_K tiles)
         want = kquant.Q4K if bits == 4 or (bits is not None and name == "lm_head") else bits

@@ -83,10 +83,11 @@ def load_transformer(
         raise ValueError(f"draft bits are a packing of the q4k mode; the {mode.name} mode has none (drop the bits)")
     gguf = gguf_source(path)
     from_gguf = gguf is not None and (path / BASE_WEIGHTS).exists()
+    requantize = requantized(path)
     if mode.name == "q4k" and from_gguf:
         if dev.type != "cpu":
             raise ValueError(f"the q4k mode runs on the CPU only for now (asked for {dev}); use bf16 or fp16")
-        return _load_q4k_from_gguf(path, args, mode, gguf, bits)
+        return _load_q4k_from_gguf(path, args, mode, gguf, bits, requantize)
     if from_gguf and not has_float_weights(path):
         float_weights(path)
     files = sorted(path.glob("*.safetensors"))
@@ -112,8 +113,8 @@ def load_transformer(
     model.load_state_dict(state, strict=False, assign=True)
     model.eval()
     model.finalize()
-    packed = packed_path(path, files, gguf, bits) if mode.name == "q4k" else None
-    apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()), bits=bits)
+    packed = packed_path(path, files, gguf, bits, requantize) if mode.name == "q4k" else None
+    apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()), bits=bits, requantize=requantize)
     if packed is not None:
         _prune_packed(keep=packed)
     model.mode, model.bits = mode.name, bits
@@ -122,7 +123,14 @@ def load_transformer(
     return model
 
 
-def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path, bits: int | None = None) -> Transformer:  # noqa: ANN001 - Mode
+def _load_q4k_from_gguf(  # noqa: PLR0913
+    path: Path,
+    args: ModelArgs,
+    mode,  # noqa: ANN001 - Mode
+    gguf: Path,
+    bits: int | None = None,
+    requantize: bool = False,
+) -> Transformer:
     """The q4k mode with no float copy of the weights: norms and biases from
     `base.safetensors`, linear layers from the GGUF's blocks (repacked once into the packed
     file), embedding rows de-quantized from the GGUF when looked up."""
@@ -137,9 +145,18 @@ def _load_q4k_from_gguf(path: Path, args: ModelArgs, mode, gguf: Path, bits: int
     model.model.embed_tokens = GGUFEmbedding(gguf, "token_embd.weight", mode.storage)
     model.eval()
     model.finalize()
-    packed = packed_path(path, [], gguf, bits)
+    packed = packed_path(path, [], gguf, bits, requantize)
     fresh = not packed.exists() and bits is None  # (only the GGUF's own blocks can stand in for the GGUF's)
-    apply_mode(model, mode, gguf=gguf, packed=packed, source=str(path.resolve()), from_gguf=True, bits=bits)
+    apply_mode(
+        model,
+        mode,
+        gguf=gguf,
+        packed=packed,
+        source=str(path.resolve()),
+        from_gguf=True,
+        bits=bits,
+        requantize=requantize,
+    )
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise ValueError(
@@ -164,18 +181,28 @@ def _sparsify(path: Path, gguf: Path, packed: Path, args: ModelArgs) -> int:
     return sparse.sparsify(gguf, packed, pin=pin, args=args)
 
 
-def packed_path(path: Path, files: list[Path], gguf: Path | None, bits: int | None = None) -> Path:
+def requantized(path: Path) -> bool:
+    """Whether a model directory was installed with `--requantize` (its GGUF's tensors of other
+    types than Q4_K/Q6_K run re-quantized to Q6_K)."""
+    return bool(converted_meta(path).get("requantize", False))
+
+
+def packed_path(
+    path: Path, files: list[Path], gguf: Path | None, bits: int | None = None, requantize: bool = False
+) -> Path:
     """Where the q4k mode keeps this model's repacked weights: keyed by the GGUF it was made
-    from (else by the weight files) and by the kernel's layout, so any change repacks. (The
-    q4k weights of a GGUF-backed directory are the GGUF's blocks whether or not its float
-    weights exist, so adding them keeps the key.)"""
+    from (else by the weight files), by the kernel's layout, so any change repacks, and by the
+    packing asked for (draft bits, re-quantization). (The q4k weights of a GGUF-backed directory
+    are the GGUF's blocks whether or not its float weights exist, so adding them keeps the key.)"""
     import hashlib
 
     from ..paths import cache_root
     from . import kquant
 
     h = hashlib.sha256(
-        f"{kquant.layout_version()}:{kquant.REQUANTIZE}".encode() + (f":bits{bits}".encode() if bits else b"")
+        f"{kquant.layout_version()}:{kquant.REQUANTIZE}".encode()
+        + (f":bits{bits}".encode() if bits else b"")
+        + (b":requantize" if requantize else b"")
     )
     for f in [gguf] if gguf else files:
         st = f.stat()
@@ -221,7 +248,7 @@ def _prune_packed(keep: Path) -> None:
 def q4k_cache_file(path: str | Path, bits: int | None = None) -> Path:
     """The q4k mode's repacked-weight file for a model directory (may not exist yet)."""
     path = Path(path)
-    return packed_path(path, sorted(path.glob("*.safetensors")), gguf_source(path), bits)
+    return packed_path(path, sorted(path.glob("*.safetensors")), gguf_source(path), bits, requantized(path))
 
 
 def prepare_q4k(path: str | Path, draft_bits: int | None = None) -> bool:
