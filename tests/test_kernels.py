@@ -155,13 +155,25 @@ def test_auto_mode_is_the_exact_fast_one_on_cpu(tiny_dir, monkeypatch):
 
 
 @pytest.mark.real
-def test_bench_forward_reports_llama_cpp_when_installed(smollm2):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional peer")
+def test_bench_forward_sets_llama_cpp_beside_ours_when_built(smollm2):
     from specdec import registry, store
+    from specdec.bench import side_by_side
+    from specdec.model import load_transformer
 
+    if side_by_side.llama_bench() is None:
+        pytest.skip(side_by_side.unavailable())
     gguf = store.gguf_path(registry.MODELS["smollm2-135m"])
-    peer = bench_forward.time_llama_cpp(gguf, context=16, ks=(1, 4), repeats=1)
-    assert peer is not None and set(peer["ms"]) == {"1", "4"} and all(v > 0 for v in peer["ms"].values())
+    model = load_transformer(store.resolve("smollm2-135m"), dtype="q4k", device="cpu")
+    got = side_by_side.compare(model, gguf, context=16, ks=(1, 4), prefill=(32,), rounds=2, repeats=1, progress=str)
+    assert set(got["rows"]) == {"k1", "k4", "pp32"}
+    assert all(r["ours_ms"] > 0 and r["llama_cpp_ms"] > 0 for r in got["rows"].values())
+    assert got["rss"]["llama_cpp"] > 0 and "k=4" in side_by_side.table(got)
+
+
+def test_bench_forward_says_why_llama_cpp_was_not_timed(tiny_dir):
+    got = bench_forward.run(str(tiny_dir("llama")), modes=["q4k"], context=4, ks=(1, 2), repeats=1, progress=str)
+    assert "no .gguf file" in got["llama_cpp"]["unavailable"]
+    assert "llama.cpp: not timed (" in bench_forward.table(got)
 
 
 AVX512_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,10 +53,6 @@ class ModeResult:
         if self.roofline is not None:
             out["roofline"] = self.roofline
         return out
-
-
-def _ratio_k8_k1(ms: dict[str, float]) -> float | None:
-    return ms["8"] / ms["1"] if "8" in ms and "1" in ms else None
 
 
 def _tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
@@ -110,45 +105,6 @@ def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats:
     result.batch_invariant = bool(torch.equal(together, alone))
     result.max_abs_diff = float((together - alone).abs().max())
     return result
-
-
-def time_llama_cpp(gguf: Path, *, context: int, ks: tuple[int, ...], repeats: int) -> dict[str, Any] | None:
-    """The same measurement through llama.cpp (llama-cpp-python) on the GGUF file, when that
-    package is installed: a peer, reported beside our modes. None when it is not installed."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    from ..model import sparse
-
-    with sparse.full(gguf):  # llama.cpp reads every block from the file (see `sparse`)
-        return _time_llama_cpp(llama_cpp, gguf, context=context, ks=ks, repeats=repeats)
-
-
-def _time_llama_cpp(llama_cpp, gguf: Path, *, context: int, ks: tuple[int, ...], repeats: int) -> dict[str, Any]:  # noqa: ANN001
-    llm = llama_cpp.Llama(
-        model_path=str(gguf),
-        n_ctx=context + max(ks) + 8,
-        n_threads=torch.get_num_threads(),
-        n_threads_batch=torch.get_num_threads(),
-        logits_all=True,
-        verbose=False,
-    )
-    vocab = llm.n_vocab()
-    prompt = _tokens(context, vocab, 0)[0].tolist()
-    new = _tokens(max(ks), vocab, 1)[0].tolist()
-    llm.eval(prompt)
-    ms: dict[str, float] = {}
-    for k in ks:
-        times = []
-        for r in range(repeats + 1):
-            llm.n_tokens = context  # roll back: eval() drops cache entries past n_tokens
-            t0 = time.perf_counter()
-            llm.eval(new[:k])
-            if r:
-                times.append((time.perf_counter() - t0) * 1e3)
-        ms[str(k)] = statistics.median(times)
-    return {"ms": ms, "ratio_k8_k1": _ratio_k8_k1(ms), "version": llama_cpp.__version__, "gguf": gguf.name}
 
 
 def time_draft(
@@ -213,7 +169,14 @@ def run(
     draft: str | None = None,
     draft_vocabs: list[int] | None = None,
     draft_bits: int | None = None,
+    peer: bool = True,
+    rounds: int = 3,
+    prefill: tuple[int, ...] = (),
 ) -> dict[str, Any]:
+    """`gguf`: the file behind `path`; with `peer`, the q4k mode's passes are set beside
+    llama.cpp's on it (`side_by_side`, `rounds` interleaved rounds, `prefill` lengths too)."""
+    from . import side_by_side
+
     out: dict[str, Any] = {
         "context": context,
         "ks": list(ks),
@@ -228,6 +191,14 @@ def run(
         progress(f"timing {mode}{' against the roofline (streaming read, dot products)' if roof else ''} ...")
         out["modes"][mode] = time_mode(model, context=context, ks=ks, repeats=repeats, roof=roof).to_dict()
         out["device"] = str(model.device)
+        if mode == "q4k" and peer and gguf is not None and gguf.exists():
+            if side_by_side.llama_bench() is None:
+                out["llama_cpp"] = {"unavailable": side_by_side.unavailable()}
+            else:
+                progress(f"timing llama.cpp (llama-bench) beside the q4k mode on {gguf.name}, interleaved ...")
+                out["llama_cpp"] = side_by_side.compare(
+                    model, gguf, context=context, ks=ks, prefill=prefill, rounds=rounds, progress=progress
+                )
         del model
         gc.collect()
     from ..info import collect
@@ -246,9 +217,11 @@ def run(
         )
         del target, dmodel
         gc.collect()
-    if gguf is not None and gguf.exists():
-        progress("timing llama.cpp ...")
-        out["llama_cpp"] = time_llama_cpp(gguf, context=context, ks=ks, repeats=repeats)
+    if peer and "llama_cpp" not in out:
+        out["llama_cpp"] = {
+            "unavailable": "llama.cpp is timed on a .gguf file in the q4k mode; this run has "
+            + ("no .gguf file" if gguf is None or not gguf.exists() else "no q4k mode")
+        }
     return out
 
 
@@ -273,14 +246,6 @@ def table(result: dict[str, Any]) -> str:
                     for k in ks[1:]
                 )
             )
-    peer = result.get("llama_cpp")
-    if peer:
-        lines.append(
-            f"{'llama.cpp':8s}"
-            + "".join(f"{peer['ms'][str(k)]:10.1f}" for k in ks)
-            + (f"{peer['ratio_k8_k1']:8.2f}" if peer["ratio_k8_k1"] else "")
-            + f"  (peer, {peer['gguf']})"
-        )
     k = result.get("kernels") or {}
     where = f"; {result['cpu']}, native kernels {k.get('build') or 'unavailable'}: {k.get('why', '')}" if k else ""
     text = "\n".join(lines) + (
@@ -289,6 +254,13 @@ def table(result: dict[str, Any]) -> str:
     )
     roof = (result["modes"].get("q4k") or {}).get("roofline")
     text = text + "\n\n" + roofline.table(roof) if roof else text
+    peer = result.get("llama_cpp")
+    if peer and "rows" in peer:
+        from .side_by_side import table as peer_table
+
+        text += "\n\nbeside llama.cpp on the same file (q4k mode):\n" + peer_table(peer)
+    elif peer:
+        text += f"\n\nllama.cpp: not timed ({peer['unavailable']})"
     d = result.get("draft")
     if d:
         bits = f", {d['bits']}-bit packing" if d.get("bits") else ""

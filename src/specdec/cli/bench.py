@@ -125,6 +125,22 @@ def parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="with --draft: the draft vocabularies to time (0 = whole; default: the default and 0)",
     )
+    fwd.add_argument(
+        "--peer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a .gguf model, time llama.cpp's llama-bench on the same file beside the q4k mode, "
+        "interleaved by rounds (built by `specdec bench peers --build`)",
+    )
+    fwd.add_argument("--rounds", type=int, default=3, help="rounds of ours-then-llama.cpp (--peer)")
+    fwd.add_argument(
+        "--prefill",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="also time prefills of N tokens from an empty cache, ours and llama.cpp's (--peer), e.g. 512 2048",
+    )
     fwd.add_argument("--json", action="store_true", help="print one JSON object")
     fwd.set_defaults(func=_cmd_bench_forward)
     bat = bsub.add_parser(
@@ -315,8 +331,10 @@ def _cmd_bench_forward(ns: argparse.Namespace) -> int:
     from ..bench import forward
     from ..model.load import resolve_device
 
-    if ns.context < 1 or ns.repeats < 1:
-        raise ValueError("--context and --repeats must be >= 1")
+    if ns.context < 1 or ns.repeats < 1 or ns.rounds < 1:
+        raise ValueError("--context, --repeats and --rounds must be >= 1")
+    if any(n < 1 for n in ns.prefill):
+        raise ValueError("--prefill lengths must be >= 1 token")
     if ns.draft_vocab and not ns.draft:
         raise ValueError("--draft-vocab times a draft model's vocabularies; add --draft MODEL")
     if any(n < 0 for n in ns.draft_vocab or ()):
@@ -335,6 +353,9 @@ def _cmd_bench_forward(ns: argparse.Namespace) -> int:
         draft=str(store.resolve(ns.draft)) if ns.draft else None,
         draft_vocabs=ns.draft_vocab,
         draft_bits=api_draft_bits(ns.draft, draft_bits(ns), device=ns.device) if ns.draft else None,
+        peer=ns.peer,
+        rounds=ns.rounds,
+        prefill=tuple(ns.prefill),
     )
     result["model"] = ns.model
     if ns.draft:

