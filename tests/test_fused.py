@@ -14,7 +14,7 @@ from specdec.model.transformer import Segment
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the q4k kernel cannot be built on this machine")
 
-FUSED_ARCHS = ["llama", "llama3", "mistral", "qwen2", "phi3"]  # Gemma 3 and Qwen3 (q/k norms) keep the framework path
+FUSED_ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3"]  # Gemma 3 keeps the framework path
 
 
 def _model(tiny_dir, arch):
@@ -144,6 +144,26 @@ def test_every_build_gives_the_same_forward(tiny_dir):
         k.lib, k._calls = native.library(), {}
     model.set_native_layers(True)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_the_comparison_catches_qwen3_without_its_qk_norms(tiny_dir):
+    """Negative control for Qwen3's per-head q/k norms in the native layer: handed no norms
+    (NULL), the layer is far from the framework's."""
+    model = _model(tiny_dir, "qwen3")
+    tokens = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    theirs = _layers(model, tokens, False)
+    block = model.model.layers[0]
+    with torch.no_grad():  # norm weights far from one, so that leaving them out shows
+        block.self_attn.q_norm.weight.mul_(3.0)
+    theirs = _layers(model, tokens, False)
+    ours = _layers(model, tokens, True)
+    assert float((ours[0] - theirs[0]).abs().amax(-1)[0].median()) <= 1e-5 * float(theirs[0].abs().max())
+    block.native.struct.q_norm = None
+    block.native.struct.k_norm = None
+    model._native_stack = None  # (one call per layer, through the struct just changed)
+    cache = model.new_cache(16)
+    without = model(tokens, cache, output_layers=(0,)).layers[0]
+    assert float((without - theirs[0]).abs().amax(-1)[0].median()) > 1e-3 * float(theirs[0].abs().max())
 
 
 def test_gemma_keeps_the_framework_layer(tiny_dir):

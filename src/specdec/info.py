@@ -64,6 +64,32 @@ def _dir_bytes(path: Path) -> int:
     return sum(disk_bytes(p) for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
+def model_blocks(name: str) -> dict[str, Any]:
+    """An installed model's block types (type -> tensors, its 2-D ones) and how the q4k mode runs
+    them: as the file holds them, or re-quantized (`--requantize`)."""
+    from .model.gguf_file import block_types
+    from .model.load import requantized
+
+    gguf = store.gguf_path(registry.MODELS[name])
+    if not gguf.exists():
+        return {}
+    return {
+        "block_types": block_types(gguf),
+        "requantize": requantized(store.converted_dir(registry.MODELS[name].sha256)),
+    }
+
+
+def blocks_text(m: dict[str, Any], build: str | None) -> str:
+    """'Q5_0 133, Q8_0 13, ... (run as the file holds them, avx512 kernels)'."""
+    types = ", ".join(f"{t} {n}" for t, n in m.get("block_types", {}).items())
+    how = (
+        "re-quantized to Q6_K where not Q4_K/Q6_K (--requantize)"
+        if m.get("requantize")
+        else "run as the file holds them"
+    )
+    return f"{types} ({how}, {build or 'no native'} kernels)"
+
+
 def collect(bandwidth: bool = True) -> dict[str, Any]:
     from .model import native
     from .model.kernels import default_mode_name
@@ -83,6 +109,7 @@ def collect(bandwidth: bool = True) -> dict[str, Any]:
     for name in registry.MODELS:
         if store.is_installed(name):
             models[name] = {f"{kind}_mib": round(n / 2**20) for kind, n in store.model_files(name).items()}
+            models[name] |= model_blocks(name)
     return {
         "specdec": __version__,
         "python": platform.python_version(),
@@ -129,6 +156,8 @@ def text(info: dict[str, Any]) -> str:
             f"  {name}: GGUF {m['gguf_mib']} MiB, q4k packed {m['q4k_mib']} MiB, float32 {m['float32_mib']} MiB, "
             f"other {m['other_mib']} MiB"
         )
+        if m.get("block_types"):
+            lines.append(f"    blocks: {blocks_text(m, k['build'])}")
     if not info["models"]:
         lines.append("  no model installed (specdec models install NAME)")
     return "\n".join(lines)

@@ -173,6 +173,23 @@ def parser(sub: argparse._SubParsersAction) -> None:
     bat.add_argument("--out", type=Path, help="write DIR/batch.json and DIR/batch.png")
     bat.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bat.set_defaults(func=_cmd_bench_batch)
+    proj = bsub.add_parser(
+        "project",
+        help="PROJECTION: a real pair's greedy runs re-priced with a bigger target's pass table",
+        description="Re-prices the runs of `specdec bench` (results.json: each run's target passes by rows, "
+        "its drafting time, its tokens; greedy runs checked identical to plain) with the pass table of "
+        "another target (`specdec bench forward --json`, e.g. on a SYNTHETIC file at a 7B shape): the "
+        "decoding speedup that target would get with the real pair's acceptance. Printed as a "
+        "projection with its inputs; the best priced k per method and category.",
+        formatter_class=Help,
+    )
+    proj.add_argument("passes", type=Path, help="`specdec bench forward --json` output of the bigger target")
+    proj.add_argument(
+        "runs", type=Path, nargs="+", help="results.json of `specdec bench` (greedy runs; several: one k each)"
+    )
+    proj.add_argument("--name", default=None, help="what the pass table is of (default: its model)")
+    proj.add_argument("--json", type=Path, default=None, help="also write the projection to this JSON file")
+    proj.set_defaults(func=_cmd_bench_project)
     pr = bsub.add_parser(
         "peers",
         help="the peers `specdec bench` runs beside ours: which can run here, and why not",
@@ -311,6 +328,26 @@ def _pair(text: str, methods: list[str]) -> tuple[str, str | None]:
             f"pair {text!r} has no draft; write TARGET:DRAFT or leave {draft_model_method()} out of --methods"
         )
     return target, draft or None
+
+
+def _cmd_bench_project(ns: argparse.Namespace) -> int:
+    from ..bench import projection
+
+    for path in (*ns.runs, ns.passes):
+        if not path.exists():
+            raise FileNotFoundError(f"no file {path}")
+    forward = json.loads(ns.passes.read_text())
+    if "q4k" not in forward.get("modes", {}):
+        raise ValueError(
+            f"{ns.passes} has no q4k pass table; run `specdec bench forward --modes q4k --json` on the target"
+        )
+    result = projection.project([projection.load(p) for p in ns.runs], projection.pass_table(forward))
+    name = ns.name or str(forward.get("model", ns.passes.name))
+    result |= {"name": name, "runs": [str(p) for p in ns.runs], "passes": str(ns.passes), "kind": "projection"}
+    print(projection.table(result, name))
+    if ns.json is not None:
+        ns.json.write_text(json.dumps(result, indent=1))
+    return 0
 
 
 def _cmd_bench_peers(ns: argparse.Namespace) -> int:

@@ -108,6 +108,10 @@ def _size(n: int) -> str:
 
 
 def _cmd_list(ns: argparse.Namespace) -> int:
+    from ..info import blocks_text, model_blocks
+    from ..model import native
+
+    build = native.build_name()
     print(
         f"{'model':20s} {'status':13s} {'total':>9s} {'gguf':>10s} {'q4k':>9s} {'float32':>9s} {'other':>8s}  "
         "description"
@@ -126,6 +130,8 @@ def _cmd_list(ns: argparse.Namespace) -> int:
             f"{name:20s} {mark:13s} {_size(sum(files.values())):>9s} {_size(files['gguf']) + star:>10s} "
             f"{_size(files['q4k']):>9s} {_size(files['float32']):>9s} {_size(files['other']):>8s}  {spec.description}"
         )
+        if store.is_installed(name) and (blocks := model_blocks(name)):
+            print(f"{'':20s} blocks: {blocks_text(blocks, build)}")
     if sparse:
         print(
             f"* space on disk; the file is longer ({', '.join(sparse)}): the blocks the q4k file holds are holes in "

@@ -2,15 +2,15 @@
 
 In the q4k mode a one-token pass is a few dozen matrix-kernel calls, and around each the
 framework ran norms, rotary, residual adds, casts and slicing: over a thousand small
-operations per pass, each with its own dispatch and thread start. Here each Llama/Qwen2-style
+operations per pass, each with its own dispatch and thread start. Here each Llama/Qwen2/Qwen3-style
 layer is one call that runs norm, projections, rotary, attention, residual and MLP in one parallel region of the native
 library. Every step is per row, so results stay batch-invariant and equal across the kernel
 builds; rows whose attention the framework runs (long prefill, mixed batches) go through the
 same native steps before and after it (`specdec_layer_qkv`, `specdec_layer_out`), so a row's
 bits do not depend on how its batch was made up.
 
-Layers it does not cover (Gemma 3's sandwich and offset norms, q/k norms as in Qwen3, GELU) keep the
-framework path; a model uses one path for all its forwards.
+Layers it does not cover (Gemma 3's sandwich and offset norms, GELU) keep the framework path; a
+model uses one path for all its forwards. Qwen3's per-head q/k norms run in the layer.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class _LayerStruct(ctypes.Structure):
         ("Hkv", ctypes.c_int),
         ("Dh", ctypes.c_int),
         ("I", ctypes.c_int),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
     ]
 
 
@@ -56,14 +58,14 @@ def _kernels(block: nn.Module) -> list[object]:
 
 
 def supported(block: nn.Module, args: ModelArgs) -> bool:
-    """Whether csrc/layer.c computes this block: a pre-norm Llama/Qwen2 layer (plain RMSNorm,
-    SiLU MLP, no q/k norms) over q4k kernels of one build, float32, sizes its vector code takes."""
+    """Whether csrc/layer.c computes this block: a pre-norm Llama/Qwen2/Qwen3 layer (plain RMSNorm,
+    SiLU MLP, per-head q/k norms or none) over q4k kernels of one build, float32, sizes its vector
+    code takes."""
     kernels = _kernels(block)
     return (
         all(isinstance(k, KQuantKernel) for k in kernels)
         and len({k.lib._name for k in kernels}) == 1  # type: ignore[union-attr]
         and not args.sandwich_norm
-        and not args.qk_norm
         and not args.norm_offset
         and args.activation != "gelu_tanh"
         and block.input_layernorm.weight.dtype == torch.float32
@@ -93,6 +95,8 @@ class NativeLayer:
             args.n_kv_heads,
             args.head_dim,
             args.intermediate_size,
+            block.self_attn.q_norm.weight.data_ptr() if args.qk_norm else None,
+            block.self_attn.k_norm.weight.data_ptr() if args.qk_norm else None,
         )
         self._ref = ctypes.byref(self.struct)
         # the tensors the struct points into, held so their memory lives as long as it does
@@ -101,6 +105,7 @@ class NativeLayer:
             block.post_attention_layernorm.weight,
             *(k.weight for k in kernels),
             *(k.bias for k in kernels if k.bias is not None),
+            *((block.self_attn.q_norm.weight, block.self_attn.k_norm.weight) if args.qk_norm else ()),
         ]
 
     def __call__(

@@ -210,10 +210,7 @@ def _kquant_kernels(
     directory) quantized here to `kquant.REQUANTIZE`. Repacking takes seconds to tens of
     seconds, so the result is kept in `packed` (one uint8 tensor per layer, its kind in the
     metadata) and later loads read it."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from . import kquant, native
+    from . import kquant, native, packed_file
     from .families import gguf_linear
     from .gguf_file import gguf_blocks, linear_weight, unsupported_type
     from .gguf_reader import open_gguf
@@ -224,15 +221,18 @@ def _kquant_kernels(
         m = linears[name]
         return kquant.KQuantKernel(kind, tiles, m.out_features, m.in_features, m.bias, lib=lib)
 
-    if packed is not None and packed.exists():
-        with safe_open(str(packed), framework="pt") as f:
-            kinds = f.metadata() or {}
-            if (
-                set(f.keys()) == set(linears)
-                and set(linears) <= set(kinds)
-                and kinds.get(PACKED_BITS_KEY, "") == str(bits or "")
-            ):
-                return {name: kernel(name, int(kinds[name]), f.get_tensor(name)) for name in linears}
+    def from_file() -> dict[str, LinearKernel] | None:  # the packing on disk, mapped (see `packed_file`)
+        tensors, kinds = packed_file.load(packed)
+        if (
+            set(tensors) == set(linears)
+            and set(linears) <= set(kinds)
+            and kinds.get(PACKED_BITS_KEY, "") == str(bits or "")
+        ):
+            return {name: kernel(name, int(kinds[name]), tensors[name]) for name in linears}
+        return None
+
+    if packed is not None and packed.exists() and (done := from_file()) is not None:
+        return done
     args = model.args
 
     def pack(name: str) -> tuple[int, torch.Tensor]:
@@ -284,14 +284,13 @@ def _kquant_kernels(
     tiles = {name: t for name, (_, t) in packed_layers.items()}
     kernels: dict[str, LinearKernel] = {name: kernel(name, kind, t) for name, (kind, t) in packed_layers.items()}
     if packed is not None:
-        packed.parent.mkdir(parents=True, exist_ok=True)
-        tmp = packed.with_suffix(f".{os.getpid()}.tmp")
         meta = {name: str(k.kind) for name, k in kernels.items()} | {
             PACKED_SOURCE_KEY: source,
             PACKED_BITS_KEY: str(bits or ""),
         }
-        save_file(tiles, str(tmp), metadata=meta)
-        os.replace(tmp, packed)  # atomic: a concurrent load never reads half a file
+        packed_file.save({name: t.numpy() for name, t in tiles.items()}, packed, meta)
+        del tiles, packed_layers
+        kernels = from_file() or kernels  # the file's pages, not a second copy in this process
     return kernels
 
 

@@ -1,7 +1,8 @@
-/* One decoder layer of a Llama/Qwen2-style model (pre-norm RMSNorm, rotate-half RoPE, GQA
+/* One decoder layer of a Llama/Qwen2/Qwen3-style model (pre-norm RMSNorm, rotate-half RoPE, GQA
  * attention, SiLU-gated MLP) over q4k weights, in one OpenMP parallel region:
  *
- *   h = rmsnorm(x) * w_attn;  q, k, v = h Wq, h Wk, h Wv (+ biases);  rope(q), rope(k)
+ *   h = rmsnorm(x) * w_attn;  q, k, v = h Wq, h Wk, h Wv (+ biases);  (Qwen3: q, k = rmsnorm per head)
+ *   rope(q), rope(k)
  *   a = attention(q, k, v)                  (row by row over each sequence's cache)
  *   x' = x + a Wo;  h' = rmsnorm(x') * w_mlp;  y = x' + (silu(h' Wg) * h' Wu) Wd
  *
@@ -38,6 +39,7 @@ typedef struct {
     const float *norm_attn, *norm_mlp;  /* [D] */
     float eps;
     int D, H, Hkv, Dh, I;
+    const float *q_norm, *k_norm;    /* [Dh] per-head RMSNorms of q and k before rotary (Qwen3), or NULL */
 } specdec_layer_w;
 
 /* Scratch of one call, for N rows: carved from one buffer the caller keeps between calls
@@ -122,6 +124,8 @@ static void qkv_team(const specdec_layer_w *L, const float *x, int N, const floa
     for (int task = 0; task < N * heads; task++) {
         const int r = task / heads, h = task % heads;
         float *p = h < L->H ? q + ((size_t)r * L->H + h) * L->Dh : k + ((size_t)r * L->Hkv + h - L->H) * L->Dh;
+        const float *qk_norm = h < L->H ? L->q_norm : L->k_norm;
+        if (qk_norm) rmsnorm_row(p, qk_norm, L->Dh, L->eps, p);  /* Qwen3: each head normed, then rotated */
         rope_head(p, cos + (size_t)r * L->Dh, sin + (size_t)r * L->Dh, L->Dh);
     }
 }
