@@ -341,7 +341,8 @@ def _cmd_bench_project(ns: argparse.Namespace) -> int:
         raise ValueError(
             f"{ns.passes} has no q4k pass table; run `specdec bench forward --modes q4k --json` on the target"
         )
-    result = projection.project([projection.load(p) for p in ns.runs], projection.pass_table(forward))
+    runs = [projection.load(p) for p in ns.runs]
+    result = projection.project(runs, projection.pass_table(forward), projection.source_table(runs[0]))
     name = ns.name or str(forward.get("model", ns.passes.name))
     result |= {"name": name, "runs": [str(p) for p in ns.runs], "passes": str(ns.passes), "kind": "projection"}
     print(projection.table(result, name))

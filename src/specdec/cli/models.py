@@ -62,6 +62,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("shape", choices=list(synthetic.SHAPES), help="the model whose shape to write")
     syn.add_argument("--type", dest="file_type", default="Q4_K_M", choices=list(synthetic.FILE_TYPES))
     syn.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    syn.add_argument("--remove", action="store_true", help="delete the file and what using it made instead")
     syn.set_defaults(func=_cmd_synthetic)
     path = msub.add_parser("path", help="print the converted directory of an installed model")
     path.add_argument("name")
@@ -142,6 +143,11 @@ def _cmd_list(ns: argparse.Namespace) -> int:
 
 
 def _cmd_synthetic(ns: argparse.Namespace) -> int:
+    if ns.remove:
+        freed = synthetic.remove(ns.shape, ns.file_type)
+        what = f"{_size(freed)} freed" if freed else "nothing to remove"
+        print(f"{ns.shape} {ns.file_type} (SYNTHETIC): {what}", file=sys.stderr)
+        return 0
     out = synthetic.write(ns.shape, ns.file_type, seed=ns.seed, log=lambda s: print(s, file=sys.stderr))
     print(out)
     return 0

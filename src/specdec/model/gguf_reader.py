@@ -77,3 +77,17 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """A parsed GGUF file, parsed once per process (per path, size and modification time)."""
     st = os.stat(path)
     return _open(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+def release_pages(path: str | os.PathLike[str]) -> None:
+    """Drop a parsed GGUF's pages from this process's mapping (they stay in the page cache, and
+    are read back if touched again): after its blocks were repacked, the file's pages this
+    process read would otherwise count as its resident memory beside the packed copy."""
+    import mmap
+
+    mm = getattr(open_gguf(path).data, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):  # (a mapping the kernel will not advise: nothing lost)
+            pass

@@ -213,7 +213,7 @@ def _kquant_kernels(
     from . import kquant, native, packed_file
     from .families import gguf_linear
     from .gguf_file import gguf_blocks, linear_weight, unsupported_type
-    from .gguf_reader import open_gguf
+    from .gguf_reader import open_gguf, release_pages
 
     lib = native.library()  # fail early, with the reason, if the kernel cannot be built here
 
@@ -291,6 +291,8 @@ def _kquant_kernels(
         packed_file.save({name: t.numpy() for name, t in tiles.items()}, packed, meta)
         del tiles, packed_layers
         kernels = from_file() or kernels  # the file's pages, not a second copy in this process
+        if gguf is not None:
+            release_pages(gguf)  # (the GGUF's blocks were read to pack them; the embedding rows read back on use)
     return kernels
 
 

@@ -246,3 +246,24 @@ def write(name: str, file_type: str, *, seed: int = 0, log: Callable[[str], None
     tmp.replace(out)
     log(f"{out.name}: {out.stat().st_size / 1e9:.2f} GB")
     return out
+
+
+def remove(name: str, file_type: str) -> int:
+    """Delete a SYNTHETIC file and what using it made (its converted directory, its packed
+    weights); returns the bytes freed."""
+    import shutil
+
+    from .. import store
+    from ..paths import file_sha256
+
+    path = path_for(name, file_type)
+    if not path.exists():
+        return 0
+    freed = path.stat().st_size
+    directory = store.converted_dir(file_sha256(path))
+    for f in store.packed_files(directory):
+        freed += f.stat().st_size
+        f.unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
+    path.unlink()
+    return freed
