@@ -283,3 +283,30 @@ def test_fast_gguf_parse_of_every_kind_of_array(tmp_path):
     w.write_tensors_to_file()
     w.close()
     _same_parse(tmp_path / "arrays.gguf")
+
+
+def test_a_file_is_hashed_in_full_once_then_known_by_size_time_and_samples(tmp_path, monkeypatch):
+    """A .gguf given again is not read whole again; a file changed in place (its size or time, or
+    a sampled byte) is hashed again."""
+    import os
+
+    from specdec import paths
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(os.urandom(3 << 20))
+    first = paths.file_sha256(f)
+    assert first == paths.sha256_file(f)
+    calls = []
+    real = paths.sha256_file
+    monkeypatch.setattr(paths, "sha256_file", lambda p: calls.append(p) or real(p))
+    assert paths.file_sha256(f) == first and calls == []  # recalled, not read
+    st = f.stat()
+    middle = st.st_size // 2
+    with open(f, "r+b") as fh:  # one byte in the middle sample, the size and time kept
+        fh.seek(middle)
+        old = fh.read(1)
+        fh.seek(middle)
+        fh.write(b"\x01" if old == b"\x00" else b"\x00")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert paths.file_sha256(f) != first and len(calls) == 1

@@ -63,5 +63,5 @@ def test_a_synthetic_file_is_named_so_and_runs_in_its_own_blocks(file_type, tmp_
     assert torch.isfinite(logits).all() and logits.abs().max() > 0
     size, directory = path.stat().st_size, store.resolve(path)
     assert store.packed_files(directory)
-    assert synthetic.remove("tiny", file_type) > size  # the file and its packed weights
+    assert store.remove_synthetic(path) > size  # the file and its packed weights
     assert not path.exists() and not directory.exists() and not store.packed_files(directory)

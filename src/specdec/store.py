@@ -374,3 +374,18 @@ def remove(name: str) -> int:
                 wheel.unlink(missing_ok=True)
         _remove_partial(spec)
     return freed
+
+
+def remove_synthetic(path: Path) -> int:
+    """Delete a SYNTHETIC model file (`specdec models synthetic`) and what using it made (its
+    converted directory, its packed weights); returns the bytes freed."""
+    if not path.exists():
+        return 0
+    freed = path.stat().st_size
+    directory = converted_dir(file_sha256(path))
+    for f in packed_files(directory):
+        freed += f.stat().st_size
+        f.unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
+    path.unlink()
+    return freed

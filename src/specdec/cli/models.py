@@ -144,11 +144,12 @@ def _cmd_list(ns: argparse.Namespace) -> int:
 
 def _cmd_synthetic(ns: argparse.Namespace) -> int:
     if ns.remove:
-        freed = synthetic.remove(ns.shape, ns.file_type)
+        freed = store.remove_synthetic(synthetic.path_for(ns.shape, ns.file_type))
         what = f"{_size(freed)} freed" if freed else "nothing to remove"
         print(f"{ns.shape} {ns.file_type} (SYNTHETIC): {what}", file=sys.stderr)
         return 0
-    out = synthetic.write(ns.shape, ns.file_type, seed=ns.seed, log=lambda s: print(s, file=sys.stderr))
+    qwen = store.gguf_path(registry.MODELS["qwen2.5-coder-0.5b"])
+    out = synthetic.write(ns.shape, ns.file_type, qwen_gguf=qwen, seed=ns.seed, log=lambda s: print(s, file=sys.stderr))
     print(out)
     return 0
 

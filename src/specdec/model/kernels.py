@@ -280,20 +280,28 @@ def _kquant_kernels(
         if managed and bits is None:
             sparse.restore(gguf)
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            packed_layers = dict(zip(linears, pool.map(pack, linears), strict=True))
-    tiles = {name: t for name, (_, t) in packed_layers.items()}
-    kernels: dict[str, LinearKernel] = {name: kernel(name, kind, t) for name, (kind, t) in packed_layers.items()}
-    if packed is not None:
-        meta = {name: str(k.kind) for name, k in kernels.items()} | {
-            PACKED_SOURCE_KEY: source,
-            PACKED_BITS_KEY: str(bits or ""),
-        }
-        packed_file.save({name: t.numpy() for name, t in tiles.items()}, packed, meta)
-        del tiles, packed_layers
-        kernels = from_file() or kernels  # the file's pages, not a second copy in this process
-        if gguf is not None:
-            release_pages(gguf)  # (the GGUF's blocks were read to pack them; the embedding rows read back on use)
-    return kernels
+            layers = pool.map(pack, linears)
+            if packed is None:
+                built = {name: kernel(name, kind, t) for name, (kind, t) in zip(linears, layers, strict=True)}
+                return built  # type: ignore[return-value]
+            # Layer by layer into the file, then mapped from it: a model's tiles are never all in
+            # memory at once, and the GGUF pages read for a layer leave this process with it.
+            meta = {PACKED_SOURCE_KEY: source, PACKED_BITS_KEY: str(bits or "")}
+            writer = packed_file.Writer(packed, list(linears), meta)
+            try:
+                for name, (kind, t) in zip(linears, layers, strict=True):
+                    writer.add(name, t.numpy())
+                    meta[name] = str(kind)
+                    if gguf is not None:
+                        release_pages(gguf)
+                writer.close(meta)
+            except BaseException:
+                writer.abort()
+                raise
+    done = from_file()
+    if done is None:
+        raise RuntimeError(f"{packed}: the packed weights just written do not read back; please report this")
+    return done
 
 
 def _shares_storage(linear: Linear, model: torch.nn.Module) -> bool:

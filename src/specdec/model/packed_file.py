@@ -23,25 +23,56 @@ ALIGN = 64
 
 
 def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) -> None:
-    """Write uint8 tensors (each a whole number of 64-byte lines) to `path`, whole or not at all
-    (a file of this process beside it, renamed over it)."""
-    header: dict[str, object] = {"__metadata__": metadata}
-    at = 0
-    for name, t in tensors.items():
+    """Write uint8 tensors (each a whole number of 64-byte lines) to `path`, whole or not at all."""
+    writer = Writer(path, list(tensors), metadata)
+    try:
+        for name, t in tensors.items():
+            writer.add(name, t)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+class Writer:
+    """A packed file written layer by layer (so that a 9 GB model is never whole in memory): the
+    tensors go to the file as they come, the header last, into space kept for it at the start
+    (padded with spaces, as the format allows). Whole or not at all: written beside `path`,
+    renamed over it by `close`."""
+
+    def __init__(self, path: Path, names: list[str], metadata: dict[str, str]) -> None:
+        self.path, self.metadata = path, metadata
+        self.entries: dict[str, object] = {}
+        entry = 120 + max((len(n) for n in names), default=0)  # one tensor's header entry, generously
+        meta = len(json.dumps(metadata)) + 64 * len(names)  # (the metadata may still grow by a kind per name)
+        self.room = -(-(8 + 4096 + len(names) * entry + meta) // ALIGN) * ALIGN - 8
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in close/abort
+        self.f.seek(8 + self.room)
+        self.at = 0
+
+    def add(self, name: str, t: np.ndarray) -> None:
         if t.dtype != np.uint8 or t.nbytes % ALIGN:
             raise ValueError(f"{name}: packed tensors are uint8 whole cache lines ({t.dtype}, {t.nbytes} bytes)")
-        header[name] = {"dtype": "U8", "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
-        at += t.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % ALIGN)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for t in tensors.values():
-            np.ascontiguousarray(t).tofile(f)
-    os.replace(tmp, path)  # atomic: a concurrent load never reads half a file
+        np.ascontiguousarray(t).tofile(self.f)
+        self.entries[name] = {"dtype": "U8", "shape": list(t.shape), "data_offsets": [self.at, self.at + t.nbytes]}
+        self.at += t.nbytes
+
+    def close(self, metadata: dict[str, str] | None = None) -> None:
+        text = json.dumps({"__metadata__": metadata or self.metadata, **self.entries}, separators=(",", ":")).encode()
+        if len(text) > self.room:
+            self.abort()
+            raise ValueError(f"the packed file's header ({len(text)} bytes) outgrew its room ({self.room})")
+        self.f.seek(0)
+        self.f.write(self.room.to_bytes(8, "little"))
+        self.f.write(text + b" " * (self.room - len(text)))
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

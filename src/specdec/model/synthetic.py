@@ -138,20 +138,16 @@ def path_for(name: str, file_type: str) -> Path:
     return cache_root() / "synthetic" / f"{name}-{file_type}.SYNTHETIC.gguf"
 
 
-def _tokenizer(w: GGUFWriter, shape: Shape) -> None:
-    """Qwen2.5's tokenizer (from the registered Qwen GGUF), or a byte-level one, padded to the
-    vocabulary with unused [PADn] tokens as llama.cpp's converter pads it."""
+def _tokenizer(w: GGUFWriter, shape: Shape, qwen_gguf: Path | None) -> None:
+    """Qwen2.5's tokenizer (read from `qwen_gguf`, a Qwen2.5 GGUF), or a byte-level one, padded
+    to the vocabulary with unused [PADn] tokens as llama.cpp's converter pads it."""
     if shape.qwen_tokenizer:
-        from .. import registry, store
-
-        spec = registry.MODELS["qwen2.5-coder-0.5b"]
-        source = store.gguf_path(spec)
-        if not source.exists():
+        if qwen_gguf is None or not Path(qwen_gguf).exists():
             raise FileNotFoundError(
                 "the synthetic Qwen shapes borrow the tokenizer of qwen2.5-coder-0.5b; "
                 "run `specdec models install qwen2.5-coder-0.5b` first"
             )
-        fields = GGUFReader(source).fields
+        fields = GGUFReader(qwen_gguf).fields
         tokens = list(fields["tokenizer.ggml.tokens"].contents())
         types = list(fields["tokenizer.ggml.token_type"].contents())
         w.add_tokenizer_model("gpt2")
@@ -182,9 +178,17 @@ def _tokenizer(w: GGUFWriter, shape: Shape) -> None:
     w.add_token_scores([0.0] * shape.vocab)
 
 
-def write(name: str, file_type: str, *, seed: int = 0, log: Callable[[str], None] = print) -> Path:
+def write(
+    name: str,
+    file_type: str,
+    *,
+    qwen_gguf: Path | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> Path:
     """The SYNTHETIC GGUF of `name` (a key of `SHAPES`) in `file_type`, written once into the
-    cache (to a temporary file, renamed when whole); returns its path."""
+    cache (to a temporary file, renamed when whole); returns its path. `qwen_gguf`: a Qwen2.5
+    GGUF whose tokenizer the Qwen shapes carry (the registered 0.5B's)."""
     if name not in SHAPES:
         raise ValueError(f"no synthetic shape {name!r}; choose one of {', '.join(SHAPES)}")
     if file_type not in FILE_TYPES:
@@ -213,7 +217,7 @@ def write(name: str, file_type: str, *, seed: int = 0, log: Callable[[str], None
     w.add_rope_dimension_count(shape.head_dim)
     w.add_layer_norm_rms_eps(shape.eps)
     w.add_quantization_version(2)
-    _tokenizer(w, shape)
+    _tokenizer(w, shape, qwen_gguf)
     tensors = _tensors(shape)
     if shape.llama3_rope is not None:
         from .families import llama3_factors
@@ -246,24 +250,3 @@ def write(name: str, file_type: str, *, seed: int = 0, log: Callable[[str], None
     tmp.replace(out)
     log(f"{out.name}: {out.stat().st_size / 1e9:.2f} GB")
     return out
-
-
-def remove(name: str, file_type: str) -> int:
-    """Delete a SYNTHETIC file and what using it made (its converted directory, its packed
-    weights); returns the bytes freed."""
-    import shutil
-
-    from .. import store
-    from ..paths import file_sha256
-
-    path = path_for(name, file_type)
-    if not path.exists():
-        return 0
-    freed = path.stat().st_size
-    directory = store.converted_dir(file_sha256(path))
-    for f in store.packed_files(directory):
-        freed += f.stat().st_size
-        f.unlink(missing_ok=True)
-    shutil.rmtree(directory, ignore_errors=True)
-    path.unlink()
-    return freed
