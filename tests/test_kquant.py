@@ -688,3 +688,25 @@ def test_a_type_it_does_not_run_is_refused_in_one_line_or_requantized_when_asked
     model = load_transformer(converted, dtype="q4k", device="cpu")
     assert model.model.layers[0].mlp.up_proj.kernel.kind == kq.Q6K
     assert model.model.layers[0].mlp.down_proj.kernel.kind == kq.Q6K  # (float rows: re-quantized too, as asked)
+
+
+@pytest.mark.parametrize("kind", [kq.Q4K, kq.Q6K, *kq.RAW])
+def test_a_layers_chosen_outputs_are_its_own_bytes_moved(kind):
+    """`gather_outputs` (a draft's cut vocabulary): the kernel over the gathered tiles gives
+    bitwise the chosen outputs of the whole layer's, in their order; for Q4_K/Q6_K the tiles are
+    those of the blocks unpacked, reordered and packed again."""
+    rng = np.random.default_rng(kind)
+    n, k = 70, 512
+    blocks = kq.quantize(rng.standard_normal((n, k)).astype(np.float32), kind, LIB)
+    tiles = kq.tiles(blocks, LIB)
+    rows = np.array([69, 3, 17, 16, 0, 40, 41, 5, 33, 64, 65, 2, 7, 8, 50, 1, 20], np.int64)
+    got = kq.gather_outputs(tiles, kind, rows)
+    if kind in (kq.Q4K, kq.Q6K):
+        assert got.tobytes() == kq.tiles(blocks.permute_rows(rows), LIB).tobytes()
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    whole = kq.KQuantKernel(kind, torch.from_numpy(tiles.view(np.uint8)), n, k, None, lib=LIB)(x)
+    cut = kq.KQuantKernel(kind, torch.from_numpy(got.view(np.uint8)), len(rows), k, None, lib=LIB)(x)
+    assert torch.equal(cut, whole[:, torch.from_numpy(rows)])
+    wrong = kq.gather_outputs(tiles, kind, rows[::-1].copy())  # (the control: another order differs)
+    other = kq.KQuantKernel(kind, torch.from_numpy(wrong.view(np.uint8)), len(rows), k, None, lib=LIB)(x)
+    assert not torch.equal(other, whole[:, torch.from_numpy(rows)])

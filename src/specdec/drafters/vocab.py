@@ -274,11 +274,10 @@ def head_rows(model: Transformer, ids: torch.Tensor):  # noqa: ANN201 - a Linear
     ids = ids.long().cpu()
     bias = None if head.bias is None else head.bias.detach()[ids]
     if isinstance(kern, kquant.KQuantKernel):
-        T = kquant.TILE
-        tiles, where = np.unique(ids.numpy() // T, return_inverse=True)  # the tiles that hold them
-        packed = kern.weight.numpy()[tiles]
-        blocks = kquant.untiles(packed, kern.kind, len(tiles) * T).permute_rows(where * T + ids.numpy() % T)
-        return kquant.KQuantKernel.from_blocks(blocks, bias, kern.in_features, lib=kern.lib)
+        packed = kquant.gather_outputs(kern.weight.numpy(), kern.kind, ids.numpy())
+        return kquant.KQuantKernel(
+            kern.kind, torch.from_numpy(packed.view(np.uint8)), len(ids), kern.in_features, bias, lib=kern.lib
+        )
     if head.weight.numel() == 0:
         raise ValueError("this model's LM head keeps no weights to cut a draft vocabulary from")
     weight = head.weight.detach()[ids.to(head.weight.device)].contiguous()

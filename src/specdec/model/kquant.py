@@ -527,6 +527,47 @@ def _tiles_raw(blocks: Blocks) -> np.ndarray:
     return out
 
 
+def _leaves(dtype: np.dtype, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The paths of a tile dtype's leaf fields (through nested structures)."""
+    out = []
+    for name in dtype.names or ():
+        sub = dtype[name]
+        base = sub.subdtype[0] if sub.subdtype else sub
+        out += _leaves(base, (*path, name)) if base.names else [(*path, name)]
+    return out
+
+
+def gather_outputs(tiles: np.ndarray, kind: int, rows: np.ndarray) -> np.ndarray:
+    """Tiles [T, nb] (or their bytes) -> the tiles of the layer whose outputs are `rows` of this
+    one, in that order: the same bytes moved, nothing decoded (a cut vocabulary of an LM head, in
+    any kind). In every tile layout a field's output index is its last axis of 16, the middle one
+    of [..., 16, 2] (q4k's mins), or 4o + e in a 64-byte code vector."""
+    dtype = TILE_DTYPES[kind]
+    tl = np.ascontiguousarray(tiles).view(np.uint8).view(dtype).reshape(tiles.shape[0], -1)
+    t, nb = tl.shape
+    n = len(rows)
+    out = np.zeros((-(-n // TILE), nb), dtype)
+    for path in _leaves(dtype):
+        src, dst = tl, out
+        for name in path:
+            src, dst = src[name], dst[name]
+        rest = src.shape[2:]
+        if rest[-1] == 4 * TILE:
+            src, axis = src.reshape(*src.shape[:-1], TILE, 4), -2
+        elif rest[-1] == TILE:
+            axis = -1
+        elif rest[-2:] == (TILE, 2):
+            axis = -2
+        else:
+            raise AssertionError(f"{path}: no output axis in a field of shape {rest}")
+        per_out = np.moveaxis(src, axis % src.ndim, 1)  # [T, 16, nb, ...]
+        flat = per_out.reshape(t * TILE, *per_out.shape[2:])[rows]
+        flat = np.concatenate([flat, np.zeros((-n % TILE, *flat.shape[1:]), flat.dtype)])
+        back = np.moveaxis(flat.reshape(-1, TILE, *flat.shape[1:]), 1, axis % src.ndim)
+        dst[...] = back.reshape(dst.shape)
+    return out
+
+
 def untiles(tiles: np.ndarray, kind: int, n: int) -> Blocks:
     """The inverse of `tiles`: a [ceil(n/16), nb] tile array (or its bytes) back to the [n, nb]
     blocks it was made from (the padding outputs dropped)."""
