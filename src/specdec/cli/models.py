@@ -64,6 +64,18 @@ def parser(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     syn.add_argument("--remove", action="store_true", help="delete the file and what using it made instead")
     syn.set_defaults(func=_cmd_synthetic)
+    exp = msub.add_parser(
+        "export",
+        help="the model as other engines load it: the whole GGUF (--gguf) or a Hugging Face directory (--hf)",
+        description="The cache's GGUF files keep the blocks the q4k packing holds as holes, which other "
+        "tools would read as zeros: export gives them what they load. --gguf FILE: the whole file, "
+        "checked against its sha256 (llama.cpp, Ollama). --hf DIR: a Hugging Face directory in bfloat16 "
+        "with its architectures, tokenizer and chat template (transformers, vLLM, SGLang).",
+    )
+    exp.add_argument("name", help="a registered model or a .gguf installed from your own file")
+    exp.add_argument("--gguf", type=Path, default=None, metavar="FILE", help="write the whole GGUF here")
+    exp.add_argument("--hf", type=Path, default=None, metavar="DIR", help="write a Hugging Face directory here")
+    exp.set_defaults(func=_cmd_export)
     path = msub.add_parser("path", help="print the converted directory of an installed model")
     path.add_argument("name")
     path.set_defaults(func=_cmd_path)
@@ -139,6 +151,18 @@ def _cmd_list(ns: argparse.Namespace) -> int:
             "it, kept once (`specdec models remove NAME` frees both)"
         )
     print(f"cache: {store.cache_root()}  ({_size(total)} for these models; `specdec models remove NAME` frees one)")
+    return 0
+
+
+def _cmd_export(ns: argparse.Namespace) -> int:
+    from .. import export
+
+    if ns.gguf is None and ns.hf is None:
+        raise ValueError("say what to export: --gguf FILE (the whole GGUF) and/or --hf DIR (a Hugging Face directory)")
+    if ns.gguf is not None:
+        export.export_gguf(ns.name, ns.gguf, log=lambda s: print(s, file=sys.stderr))
+    if ns.hf is not None:
+        export.export_hf(ns.name, ns.hf, log=lambda s: print(s, file=sys.stderr))
     return 0
 
 
