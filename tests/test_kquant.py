@@ -160,7 +160,8 @@ def _builds_here() -> dict[str, object]:
 @pytest.mark.slow
 def test_every_build_agrees_bitwise():
     """AVX2, AVX-512 VNNI and the AMX build (its AMX path where the CPU has AMX and the OS
-    grants it, else its AVX-512 path) give the same bits, for 1..20 rows and both block kinds."""
+    grants it, else its AVX-512 path) give the same bits, for 1..37 rows and every kind (the
+    K-quants, the 32-weight types, float rows, the draft packings: `self_check`)."""
     builds = _builds_here()
     if len(builds) < 2:
         pytest.skip("this CPU runs only the AVX2 build")
@@ -185,16 +186,22 @@ def test_builds_agree_at_the_largest_integer_sums(kind):
     else:
         data["ql"], data["qh"] = 0xFF, 0xFF
         data["sc"] = np.where(np.arange(16) % 2, 127, -128).astype(np.int8)
-    blocks = kq.Blocks(kind, data)
+    _builds_agree_at_the_extremes(kq.Blocks(kind, data), reference)
+
+
+def _builds_agree_at_the_extremes(blocks: kq.Blocks, ref_of) -> None:  # noqa: ANN001
+    """Activations of +-1 (all the same sign, alternating, half and half) against `blocks`: every
+    build within float rounding of `ref_of(blocks, x, k)`, and all builds bitwise equal."""
+    n, k = blocks.shape
     x = torch.ones(4, k)
     x[1] = -1.0
     x[2, ::2] = -1.0  # alternating signs: small sums, for contrast
     x[3, : k // 2] = -1.0
-    ref = reference(blocks, x, k)
+    ref = ref_of(blocks, x, k)
     packed = torch.from_numpy(kq.tiles(blocks, LIB).view(np.uint8))
     outs = {}
     for name, lib in _builds_here().items():
-        outs[name] = kq.KQuantKernel(kind, packed, n, k, None, lib=lib)(x)
+        outs[name] = kq.KQuantKernel(blocks.kind, packed, n, k, None, lib=lib)(x)
         assert torch.allclose(outs[name].double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), name
     first = next(iter(outs.values()))
     assert all(torch.equal(o, first) for o in outs.values())
@@ -546,29 +553,7 @@ def test_file_blocks_builds_agree_at_the_largest_integer_sums(kind):
             raw[..., 2:4] = np.array([-0.5], np.float16).view(np.uint8)
         if kind == kq.Q8_0:
             raw[..., 2:] = 0x80
-    blocks = kq.from_gguf(raw.reshape(n, -1), qtype, n, k)
-    x = torch.ones(4, k)
-    x[1] = -1.0
-    x[2, ::2] = -1.0
-    x[3, : k // 2] = -1.0
-    ref = _raw_reference(blocks, x, k)
-    packed = torch.from_numpy(kq.tiles(blocks, LIB).view(np.uint8))
-    outs = {}
-    for name, lib in _builds_here().items():
-        outs[name] = kq.KQuantKernel(kind, packed, n, k, None, lib=lib)(x)
-        assert torch.allclose(outs[name].double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), name
-    first = next(iter(outs.values()))
-    assert all(torch.equal(o, first) for o in outs.values())
-
-
-def test_every_build_agrees_on_the_file_blocks():
-    """AVX2 against AVX-512 (and the AMX build) on every raw kind, 1..37 rows (`self_check`)."""
-    builds = _builds_here()
-    if len(builds) < 2:
-        pytest.skip("this CPU runs only the AVX2 build")
-    names = list(builds)
-    for other in names[1:]:
-        assert kq.self_check(builds[other], builds[names[0]]) is None, other
+    _builds_agree_at_the_extremes(kq.from_gguf(raw.reshape(n, -1), qtype, n, k), _raw_reference)
 
 
 def test_from_gguf_refuses_a_type_it_does_not_run():
