@@ -695,3 +695,33 @@ def test_a_layers_chosen_outputs_are_its_own_bytes_moved(kind):
     wrong = kq.gather_outputs(tiles, kind, rows[::-1].copy())  # (the control: another order differs)
     other = kq.KQuantKernel(kind, torch.from_numpy(wrong.view(np.uint8)), len(rows), k, None, lib=LIB)(x)
     assert not torch.equal(other, whole[:, torch.from_numpy(rows)])
+
+
+@pytest.mark.parametrize("kind", kq.RAW)
+def test_native_repacking_of_the_file_blocks_is_the_references(kind):
+    """Random file blocks (finite float16 scales; output and input counts on and off the tile
+    and block sizes): the native repacking gives the numpy definition's bytes."""
+    from gguf import GGML_QUANT_SIZES
+
+    rng = np.random.default_rng(kind)
+    per, size = GGML_QUANT_SIZES[kq.GGML_TYPES[kind]]
+    for n, k in [(16, 256), (37, 768), (5, 96 if per == 32 else 256), (40, 1120 if per == 32 else 512)]:
+        if k % per:
+            continue
+        raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+        if kind in kq.FLOATS:
+            raw = rng.standard_normal((n, k)).astype(np.float32).view(np.uint8).reshape(n, k, 4)
+            raw = (
+                raw
+                if kind == kq.F32
+                else raw[..., 2:]
+                if kind == kq.BF16
+                else np.ascontiguousarray(
+                    rng.standard_normal((n, k)).astype(np.float16).view(np.uint8).reshape(n, k, 2)
+                )
+            )
+        else:
+            for at in (0, 2) if kind in (kq.Q5K, kq.Q4_1, kq.Q5_1) else (0,):
+                raw[..., at : at + 2] = rng.standard_normal((n, k // per, 1)).astype(np.float16).view(np.uint8)
+        blocks = kq.Blocks(kind, np.ascontiguousarray(raw))
+        assert kq.tiles(blocks, LIB).tobytes() == kq.tiles_reference(blocks).tobytes(), (n, k)

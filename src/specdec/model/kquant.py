@@ -397,8 +397,15 @@ def tiles(blocks: Blocks, lib: ctypes.CDLL | None = None) -> np.ndarray:
     holds 4 consecutive inputs of 16 outputs (see csrc/kquant.c). Padded outputs have zero scales.
     Runs in the native build `lib` where one is given (the same bytes as `tiles_reference`),
     else in numpy."""
-    if blocks.kind in LOW_BITS or blocks.kind in RAW or lib is None:  # (numpy: a rearrangement of bytes)
+    if blocks.kind in LOW_BITS or lib is None:  # (a draft packing is made once, from floats: numpy is fast enough)
         return tiles_reference(blocks)
+    if blocks.kind in RAW:
+        raw = np.ascontiguousarray(blocks.data)
+        n, nblk = raw.shape[:2]
+        out = np.empty((-(-n // TILE), -(-blocks.shape[1] // QK)), TILE_DTYPES[blocks.kind])
+        if lib.specdec_tiles_raw(blocks.kind, raw.ctypes.data, n, nblk, out.ctypes.data, torch.get_num_threads()):
+            raise ValueError(f"{KIND_NAMES[blocks.kind]}: the native library does not repack it")
+        return out
     d = np.ascontiguousarray(blocks.data)
     n, nb = d.shape
     out = np.empty((-(-n // TILE), nb), TILE_DTYPES[blocks.kind])

@@ -227,6 +227,8 @@ def _library(variant: str) -> ctypes.CDLL:
     lib.specdec_quantize_q6k.restype = None
     lib.specdec_tiles.argtypes = [c_int, c_ptr, ctypes.c_int64, ctypes.c_int64, c_ptr, c_int]
     lib.specdec_tiles.restype = None
+    lib.specdec_tiles_raw.argtypes = [c_int, c_ptr, ctypes.c_int64, ctypes.c_int64, c_ptr, c_int]
+    lib.specdec_tiles_raw.restype = c_int
     lib.specdec_dequantize_legacy.argtypes = [c_int, c_ptr, ctypes.c_int64, c_ptr, c_int]
     lib.specdec_dequantize_legacy.restype = c_int
     lib.specdec_tile_bytes.argtypes = [c_int]

@@ -1147,6 +1147,101 @@ void specdec_tiles(int kind, const void *blocks, int64_t n, int64_t nb, void *ou
     }
 }
 
+/* -- repacking the file's own blocks (Q5_K, the 32-weight types, float rows) into tiles ----------
+ *
+ * specdec.model.kquant._tiles_raw does this in numpy (the definition); this is the same byte
+ * shuffle, tested equal. raw: [n rows, nblk file blocks] of the kind's GGUF blocks (floats: nblk
+ * = K elements); out: [ceil(n/16), ceil(K/256)] tiles, outputs and inputs past the layer zero. */
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* the 32 codes of one 32-weight block, unsigned (q8_0: the file's signed bytes as they are) */
+static void legacy_codes(int kind, const uint8_t *b, uint8_t q[32]) {
+    if (kind == KIND_Q8_0) {
+        memcpy(q, b + 2, 32);
+        return;
+    }
+    const int has_min = kind == KIND_Q4_1 || kind == KIND_Q5_1, five = kind == KIND_Q5_0 || kind == KIND_Q5_1;
+    const uint8_t *qs = b + 2 + 2 * has_min;
+    uint32_t qh = 0;
+    if (five) {
+        memcpy(&qh, qs, 4);
+        qs += 4;
+    }
+    for (int j = 0; j < 32; j++) {
+        q[j] = (uint8_t)(j < 16 ? (qs[j] & 0xF) : (qs[j - 16] >> 4));
+        if (five) q[j] |= (uint8_t)(((qh >> j) & 1) << 4);
+    }
+}
+
+/* group j's code vectors in a tile (4/5 bits: low nibbles chunk v, high chunk v + 4; 5 bits: qh
+ * bit c = chunk c's fifth bit; 8 bits: one byte each), output r's 32 codes q */
+static void put_group(uint8_t *g, int bits, int r, const uint8_t q[32]) {
+    for (int e = 0; e < 4; e++) {
+        if (bits == 8) {
+            for (int c = 0; c < 8; c++) g[64 * c + 4 * r + e] = q[4 * c + e];
+            continue;
+        }
+        for (int v = 0; v < 4; v++) g[64 * v + 4 * r + e] = (uint8_t)((q[4 * v + e] & 0xF) | ((q[4 * (v + 4) + e] & 0xF) << 4));
+        if (bits == 5) {
+            uint8_t h = 0;
+            for (int c = 0; c < 8; c++) h |= (uint8_t)(((q[4 * c + e] >> 4) & 1) << c);
+            g[256 + 4 * r + e] = h;
+        }
+    }
+}
+
+int specdec_tiles_raw(int kind, const uint8_t *raw, int64_t n, int64_t nblk, void *out, int nthreads) {
+    const size_t tb = tile_size(kind);
+    if (!tb || kind == KIND_Q4K || kind == KIND_Q6K || kind == KIND_Q3 || kind == KIND_Q2) return -1;
+    const int is_float = kind == KIND_F16 || kind == KIND_BF16 || kind == KIND_F32;
+    const int per = is_float ? 1 : kind == KIND_Q5K ? 256 : 32;            /* weights per file block */
+    const int bytes = is_float ? (int)float_width(kind) : kind == KIND_Q5K ? 176
+                      : kind == KIND_Q8_0 ? 34 : kind == KIND_Q4_0 ? 18 : kind == KIND_Q4_1 ? 20 : kind == KIND_Q5_0 ? 22 : 24;
+    const int64_t K = nblk * per, nb = (K + QK - 1) / QK, T = (n + TILE - 1) / TILE;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t tj = 0; tj < T * nb; tj++) {
+        const int64_t t = tj / nb, b = tj % nb;
+        uint8_t *o = (uint8_t *)out + tj * tb;
+        memset(o, 0, tb);
+        for (int r = 0; r < TILE && t * TILE + r < n; r++) {
+            const uint8_t *row = raw + (t * TILE + r) * nblk * bytes;
+            if (is_float) {
+                const int w = bytes;
+                for (int i = 0; i < QK && b * QK + i < K; i++) memcpy(o + ((size_t)i * TILE + r) * w, row + (b * QK + i) * w, w);
+            } else if (kind == KIND_Q5K) {
+                const uint8_t *blk = row + b * 176, *qh = blk + 16, *qs = blk + 48;
+                tile_q5k *q5 = (tile_q5k *)o;
+                q5->d[r] = _cvtsh_ss(rd16(blk));
+                q5->dmin[r] = _cvtsh_ss(rd16(blk + 2));
+                const uint8_t *sb = blk + 4;  /* 12 bytes of 6-bit scales and mins, as Q4_K's */
+                for (int g = 0; g < 8; g++) {
+                    const int sc = g < 4 ? sb[g] & 63 : (sb[g + 4] & 0xF) | ((sb[g - 4] >> 6) << 4);
+                    const int mn = g < 4 ? sb[g + 4] & 63 : (sb[g + 4] >> 4) | ((sb[g] >> 6) << 4);
+                    q5->sc[g][r] = (uint8_t)sc;
+                    q5->mn[g / 2][r][g % 2] = (uint8_t)mn;
+                    uint8_t q[32];
+                    for (int l = 0; l < 32; l++)
+                        q[l] = (uint8_t)(((qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xF) | (((qh[l] >> g) & 1) << 4));
+                    put_group((uint8_t *)&q5->g[g], 5, r, q);
+                }
+            } else {
+                const int has_min = kind == KIND_Q4_1 || kind == KIND_Q5_1;
+                const int bits = kind == KIND_Q8_0 ? 8 : (kind == KIND_Q5_0 || kind == KIND_Q5_1) ? 5 : 4;
+                uint16_t *d16 = (uint16_t *)o, *m16 = d16 + 8 * TILE;
+                for (int j = 0; j < 8 && b * 8 + j < nblk; j++) {
+                    const uint8_t *blk = row + (b * 8 + j) * bytes;
+                    d16[TILE * j + r] = rd16(blk);
+                    if (has_min) m16[TILE * j + r] = rd16(blk + 2);
+                    uint8_t q[32];
+                    legacy_codes(kind, blk, q);
+                    put_group(o + legacy_head(has_min) + j * legacy_group(bits), bits, r, q);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* -- quantizing float weights to Q6_K ---------------------------------------------------------
  *
  * Layers a GGUF stores in other types (Q5_0, Q8_0, Q4_1...) are de-quantized and rounded to
