@@ -221,7 +221,7 @@ def _kquant_kernels(
         m = linears[name]
         return kquant.KQuantKernel(kind, tiles, m.out_features, m.in_features, m.bias, lib=lib)
 
-    def from_file() -> dict[str, LinearKernel] | None:  # the packing on disk, mapped (see `packed_file`)
+    def from_file() -> dict[str, LinearKernel] | None:  # the packing on disk (see `packed_file`)
         tensors, kinds = packed_file.load(packed)
         if (
             set(tensors) == set(linears)
@@ -284,7 +284,7 @@ def _kquant_kernels(
             if packed is None:
                 built = {name: kernel(name, kind, t) for name, (kind, t) in zip(linears, layers, strict=True)}
                 return built  # type: ignore[return-value]
-            # Layer by layer into the file, then mapped from it: a model's tiles are never all in
+            # Layer by layer into the file, then read from it: a model's tiles are never all in
             # memory at once, and the GGUF pages read for a layer leave this process with it.
             meta = {PACKED_SOURCE_KEY: source, PACKED_BITS_KEY: str(bits or "")}
             writer = packed_file.Writer(packed, list(linears), meta)
