@@ -1026,13 +1026,15 @@ void specdec_linears_team(int n_layers, const int *kinds, const void *const *w, 
                 case KIND_Q3: DISPATCH(tile_dot_q3, wb, xq, r0, rb, out); break;
                 case KIND_Q2: DISPATCH(tile_dot_q2, wb, xq, r0, rb, out); break;
                 case KIND_Q4_0: DISPATCH(tile_dot_q4_0, wb, xq, r0, rb, out); break;
-                case KIND_Q4_1: DISPATCH(tile_dot_q4_1, wb, xq, r0, rb, out); break;
                 case KIND_Q5_0: DISPATCH(tile_dot_q5_0, wb, xq, r0, rb, out); break;
-                case KIND_Q5_1: DISPATCH(tile_dot_q5_1, wb, xq, r0, rb, out); break;
                 case KIND_Q8_0: DISPATCH(tile_dot_q8_0, wb, xq, r0, rb, out); break;
-                case KIND_F16: DISPATCH(tile_dot_f16, wb, xq, r0, rb, out); break;
-                case KIND_BF16: DISPATCH(tile_dot_bf16, wb, xq, r0, rb, out); break;
-                default: DISPATCH(tile_dot_f32, wb, xq, r0, rb, out); break;
+                /* the rarer kinds: one copy with the row count at run time (the same
+                 * operations per row; a copy per row count would double the build's time) */
+                case KIND_Q4_1: tile_dot_q4_1(wb, xq, r0, rb, out); break;
+                case KIND_Q5_1: tile_dot_q5_1(wb, xq, r0, rb, out); break;
+                case KIND_F16: tile_dot_f16(wb, xq, r0, rb, out); break;
+                case KIND_BF16: tile_dot_bf16(wb, xq, r0, rb, out); break;
+                default: tile_dot_f32(wb, xq, r0, rb, out); break;
                 }
             }
             /* y = out + bias, plus a residual connection (x + layer(x)) where given: one
