@@ -23,7 +23,8 @@ from ..metrics import timer
 from ..model.kernels import MODES
 from ..model.load import load_transformer
 from ..model.transformer import Transformer
-from . import roofline
+from . import roofline, side_by_side
+from .side_by_side import pass_times, tokens
 
 KS = (1, 2, 4, 8, 16)
 
@@ -55,17 +56,13 @@ class ModeResult:
         return out
 
 
-def _tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, min(vocab, 30000), (1, n), generator=torch.Generator().manual_seed(seed))
-
-
 def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats: int, roof: bool = False) -> ModeResult:
     """`roof`: set the passes against this machine's roofline (q4k only). The probes run
     beside each k's timing and the best of them is the roof: on a machine whose memory and
     clock move from second to second, a floor from one early probe could be far off."""
     dev = model.device
-    prompt = _tokens(context, model.args.vocab_size, 0).to(dev)
-    new = _tokens(max(ks), model.args.vocab_size, 1).to(dev)
+    prompt = tokens(context, model.args.vocab_size, 0).to(dev)
+    new = tokens(max(ks), model.args.vocab_size, 1).to(dev)
     cache = model.new_cache(context + max(ks))
     model(prompt, cache, last_only=True)
     result = ModeResult(model.mode)
@@ -74,17 +71,7 @@ def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats:
     machine: roofline.Machine | None = None
     if roof:
         machine = roofline.best(machine, roofline.probe(rounds=3))
-    # Round by round over every k (the first round warms up each shape), not k by k: a k's
-    # ratio to the one-token pass of its own round is measured within a second, so it does not
-    # move with the machine's minute the way a k timed minutes after k = 1 did
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    for r in range(repeats + 1):
-        for k in ks:
-            cache.truncate(context)
-            with timer(dev) as t:
-                model(new[:, :k], cache)
-            if r:
-                times[k].append(t[0] * 1e3)
+    times = pass_times(model, cache, new, context=context, ks=ks, repeats=repeats)
     base = ks[0]
     for k in ks:
         result.ms[k] = statistics.median(times[k])
@@ -118,10 +105,10 @@ def time_draft(
 
     heads = {n: draft_vocab(draft, n) for n in vocabs}
     tcache, dcache = target.new_cache(context + 1), draft.new_cache(context + 1)
-    prompt = _tokens(context, min(target.args.vocab_size, draft.args.vocab_size), 0)
+    prompt = tokens(context, min(target.args.vocab_size, draft.args.vocab_size), 0)
     target(prompt, tcache, last_only=True, head=False)
     draft(prompt, dcache, last_only=True, head=False)
-    new = _tokens(1, draft.args.vocab_size, 1)
+    new = tokens(1, draft.args.vocab_size, 1)
     t_ms: list[float] = []
     d_ms: dict[int, list[float]] = {n: [] for n in vocabs}
     for r in range(repeats + 1):
@@ -175,8 +162,6 @@ def run(
 ) -> dict[str, Any]:
     """`gguf`: the file behind `path`; with `peer`, the q4k mode's passes are set beside
     llama.cpp's on it (`side_by_side`, `rounds` interleaved rounds, `prefill` lengths too)."""
-    from . import side_by_side
-
     out: dict[str, Any] = {
         "context": context,
         "ks": list(ks),

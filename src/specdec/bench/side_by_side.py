@@ -40,17 +40,23 @@ def unavailable() -> str:
     )
 
 
-def _tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
+def tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, min(vocab, 30000), (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _ours(model: Transformer, *, context: int, ks: tuple[int, ...], prefill: tuple[int, ...], repeats: int) -> dict:
-    """Median ms of each k-token pass on `context` cached tokens (k = 1: the one-token pass) and of
-    each prefill from an empty cache, `repeats` times each, k interleaved."""
-    prompt = _tokens(context, model.args.vocab_size, 0)
-    new = _tokens(max(ks), model.args.vocab_size, 1)
-    cache = model.new_cache(context + max(ks))
-    model(prompt, cache, last_only=True)
+def pass_times(
+    model: Transformer,
+    cache,
+    new: torch.Tensor,
+    *,
+    context: int,
+    ks: tuple[int, ...],
+    repeats: int,  # noqa: ANN001
+) -> dict[int, list[float]]:
+    """ms of `repeats` passes over k of the tokens `new` on the `context` tokens in `cache`, per k.
+    Round by round over every k (the first round warms up each shape), not k by k: a k's ratio
+    to the one-token pass of its own round is measured within a second, so it does not move with
+    the machine's minute the way a k timed minutes after k = 1 did."""
     times: dict[int, list[float]] = {k: [] for k in ks}
     for r in range(repeats + 1):
         for k in ks:
@@ -59,9 +65,20 @@ def _ours(model: Transformer, *, context: int, ks: tuple[int, ...], prefill: tup
                 model(new[:, :k], cache)
             if r:
                 times[k].append(t[0] * 1e3)
+    return times
+
+
+def _ours(model: Transformer, *, context: int, ks: tuple[int, ...], prefill: tuple[int, ...], repeats: int) -> dict:
+    """Median ms of each k-token pass on `context` cached tokens (k = 1: the one-token pass,
+    `forward.pass_times`) and of each prefill from an empty cache."""
+    prompt = tokens(context, model.args.vocab_size, 0)
+    new = tokens(max(ks), model.args.vocab_size, 1)
+    cache = model.new_cache(context + max(ks))
+    model(prompt, cache, last_only=True)
+    times = pass_times(model, cache, new, context=context, ks=ks, repeats=repeats)
     out = {f"k{k}": statistics.median(v) for k, v in times.items()}
     for n in prefill:
-        ids = _tokens(n, model.args.vocab_size, 2)
+        ids = tokens(n, model.args.vocab_size, 2)
         ms = []
         for _ in range(max(1, repeats // 2)):
             pcache = model.new_cache(n)
