@@ -14,7 +14,7 @@ from specdec.model.transformer import Segment
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the q4k kernel cannot be built on this machine")
 
-FUSED_ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3"]  # Gemma 3 keeps the framework path
+FUSED_ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
 
 
 def _model(tiny_dir, arch):
@@ -166,10 +166,83 @@ def test_the_comparison_catches_qwen3_without_its_qk_norms(tiny_dir):
     assert float((without - theirs[0]).abs().amax(-1)[0].median()) > 1e-3 * float(theirs[0].abs().max())
 
 
-def test_gemma_keeps_the_framework_layer(tiny_dir):
+def _gemma_with_norms(tiny_dir):
+    """The tiny Gemma 3 with every norm's weight random (the tiny model's are near zero, where a
+    norm of w and one of 1 + w would be told apart by little)."""
     model = _model(tiny_dir, "gemma3")
-    assert not model.set_native_layers(True)
-    assert all(b.native is None for b in model.model.layers)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "RMSNorm":
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.5)
+    model.set_native_layers(True)
+    return model
+
+
+@pytest.mark.parametrize("broken", ["none", "norm of w, not 1 + w", "SiLU for GELU", "no sandwich norms"])
+def test_the_comparison_catches_each_gemma_step_left_out(tiny_dir, broken):
+    """Negative controls for Gemma 3's steps in the native layer: each left out (the norms
+    handed w instead of 1 + w, SiLU run for GELU's tanh form, the norms of the attention's and
+    the MLP's outputs dropped) puts the first layer far from the framework's; with none left
+    out it is within rounding."""
+    model = _gemma_with_norms(tiny_dir)
+    tokens = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    theirs = _layers(model, tokens, False)
+    block = model.model.layers[0]
+    st = block.native.struct
+    if broken == "norm of w, not 1 + w":
+        raw = [block.input_layernorm.weight, block.pre_feedforward_layernorm.weight]
+        st.norm_attn, st.norm_mlp = (w.data_ptr() for w in raw)
+    elif broken == "SiLU for GELU":
+        st.act = 0
+    elif broken == "no sandwich norms":
+        st.norm_attn_out = st.norm_mlp_out = None
+    model._native_stack = None  # (one call per layer, through the struct just changed)
+    cache = model.new_cache(16)
+    ours = model(tokens, cache, output_layers=(0,)).layers[0]
+    err = float((ours - theirs[0]).abs().amax(-1)[0].median()) / float(theirs[0].abs().max())
+    if broken == "none":
+        assert err <= 1e-5
+    else:
+        assert err > 1e-3, err
+
+
+def test_gemma_layers_of_both_kinds_in_one_call(tiny_dir):
+    """Gemma 3's sliding-window and full layers share one native call, each with its own
+    attention and rotary table: the whole forward is within rounding of the framework's, and
+    the same call with every layer marked full (a negative control) is not."""
+    model = _gemma_with_norms(tiny_dir)
+    a = model.args
+    assert set(a.layer_sliding) == {True, False} and model._native_stack is not None
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, a.vocab_size, (1, a.sliding_window + 6), generator=g)
+
+    def logits(native: bool) -> torch.Tensor:
+        model.set_native_layers(native)
+        return model(tokens, model.new_cache(tokens.shape[1] + 2)).logits[0]
+
+    theirs, ours = logits(False), logits(True)
+    scale = float(theirs.abs().max())
+    assert float((ours - theirs).abs().amax(-1).median()) <= 1e-4 * scale
+    for layer in model._native_stack.layers:
+        layer.struct.sliding = 0
+    wrong = model(tokens, model.new_cache(tokens.shape[1] + 2)).logits[0]
+    model.set_native_layers(True)
+    assert float((wrong - theirs).abs().amax(-1).median()) > 1e-2 * scale
+
+
+def test_gemma_final_norm_is_one_plus_w_natively(tiny_dir):
+    model = _gemma_with_norms(tiny_dir)
+    norm = model.model.norm
+    assert norm.native is not None
+    x = torch.randn(1, 5, model.args.dim, generator=torch.Generator().manual_seed(4)) * 3
+    ours = norm(x)
+    model.set_native_layers(False)
+    try:
+        theirs = norm(x)
+    finally:
+        model.set_native_layers(True)
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_threads_running_one_model_at_once_get_their_own_results(tiny_dir):

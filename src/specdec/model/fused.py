@@ -9,8 +9,9 @@ builds; rows whose attention the framework runs (long prefill, mixed batches) go
 same native steps before and after it (`specdec_layer_qkv`, `specdec_layer_out`), so a row's
 bits do not depend on how its batch was made up.
 
-Layers it does not cover (Gemma 3's sandwich and offset norms, GELU) keep the framework path; a
-model uses one path for all its forwards. Qwen3's per-head q/k norms run in the layer.
+Qwen3's per-head q/k norms and Gemma 3's (its norms of (1 + w), the norms after attention and
+after the MLP, GELU's tanh form, sliding-window layers among full ones) run in the layer too. A
+model uses one path for all its forwards.
 """
 
 from __future__ import annotations
@@ -49,7 +50,21 @@ class _LayerStruct(ctypes.Structure):
         ("I", ctypes.c_int),
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
+        ("norm_attn_out", ctypes.c_void_p),
+        ("norm_mlp_out", ctypes.c_void_p),
+        ("act", ctypes.c_int),
+        ("sliding", ctypes.c_int),
     ]
+
+
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # csrc/layer.c's ACT_*
+
+
+def norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The weight the native norm multiplies by: Gemma's (1 + w), computed in float32 as its
+    framework norm computes it, or w."""
+    w = norm.weight
+    return (1.0 + w.float()).contiguous() if norm.offset else w
 
 
 def _kernels(block: nn.Module) -> list[object]:
@@ -58,16 +73,14 @@ def _kernels(block: nn.Module) -> list[object]:
 
 
 def supported(block: nn.Module, args: ModelArgs) -> bool:
-    """Whether csrc/layer.c computes this block: a pre-norm Llama/Qwen2/Qwen3 layer (plain RMSNorm,
-    SiLU MLP, per-head q/k norms or none) over q4k kernels of one build, float32, sizes its vector
-    code takes."""
+    """Whether csrc/layer.c computes this block: a pre-norm Llama/Qwen2/Qwen3/Gemma 3 layer (RMSNorm
+    of w or 1 + w, sandwich norms or not, SiLU or GELU-tanh MLP, per-head q/k norms or none) over
+    q4k kernels of one build, float32, sizes its vector code takes."""
     kernels = _kernels(block)
     return (
         all(isinstance(k, KQuantKernel) for k in kernels)
         and len({k.lib._name for k in kernels}) == 1  # type: ignore[union-attr]
-        and not args.sandwich_norm
-        and not args.norm_offset
-        and args.activation != "gelu_tanh"
+        and args.activation in _ACTS
         and block.input_layernorm.weight.dtype == torch.float32
         and args.dim % 8 == 0
         and args.intermediate_size % 8 == 0
@@ -83,29 +96,47 @@ class NativeLayer:
         kernels: list[KQuantKernel] = _kernels(block)  # type: ignore[assignment]
         self.block, self.lib = block, kernels[0].lib
         self.H, self.Hkv, self.Dh, self.D = args.n_heads, args.n_kv_heads, args.head_dim, args.dim
+        self.sliding = bool(block.sliding)
+        attn = block.self_attn
+        # Llama/Qwen: input norm, then post_attention_layernorm before the MLP. Gemma 3: input norm,
+        # post_attention_layernorm on the attention's output, pre_feedforward_layernorm before the
+        # MLP, post_feedforward_layernorm on its output.
+        if args.sandwich_norm:
+            norms = [block.input_layernorm, block.pre_feedforward_layernorm]
+            norms += [block.post_attention_layernorm, block.post_feedforward_layernorm]
+        else:
+            norms = [block.input_layernorm, block.post_attention_layernorm, None, None]
+        if args.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        else:
+            norms += [None, None]
+        weights = [None if n is None else norm_weight(n) for n in norms]
+        ptr = [None if w is None else w.data_ptr() for w in weights]
         self.struct = _LayerStruct(
             (ctypes.c_int * _N)(*[k.kind for k in kernels]),
             (ctypes.c_void_p * _N)(*[k.weight.data_ptr() for k in kernels]),
             (ctypes.c_void_p * _N)(*[None if k.bias is None else k.bias.data_ptr() for k in kernels]),
-            block.input_layernorm.weight.data_ptr(),
-            block.post_attention_layernorm.weight.data_ptr(),
+            ptr[0],
+            ptr[1],
             args.norm_eps,
             args.dim,
             args.n_heads,
             args.n_kv_heads,
             args.head_dim,
             args.intermediate_size,
-            block.self_attn.q_norm.weight.data_ptr() if args.qk_norm else None,
-            block.self_attn.k_norm.weight.data_ptr() if args.qk_norm else None,
+            ptr[4],
+            ptr[5],
+            ptr[2],
+            ptr[3],
+            _ACTS[args.activation],
+            int(self.sliding),
         )
         self._ref = ctypes.byref(self.struct)
         # the tensors the struct points into, held so their memory lives as long as it does
         self._held = [
-            block.input_layernorm.weight,
-            block.post_attention_layernorm.weight,
+            *(w for w in weights if w is not None),
             *(k.weight for k in kernels),
             *(k.bias for k in kernels if k.bias is not None),
-            *((block.self_attn.q_norm.weight, block.self_attn.k_norm.weight) if args.qk_norm else ()),
         ]
 
     def __call__(
@@ -166,7 +197,9 @@ class NativeStack:
     every row's attention is native and nothing is read between layers, one call runs blocks
     lo..hi-1, the same steps as one `NativeLayer` call each, without a call and a thread start
     per layer: on a busy machine each parallel region's start waits for a descheduled thread,
-    so many short ones cost far more than one long one."""
+    so many short ones cost far more than one long one. Layers of both attention kinds (Gemma 3's
+    sliding-window layers among full ones) share a call: each uses its kind's attention and
+    rotary tables."""
 
     def __init__(self, layers: list[NativeLayer]) -> None:
         self.layers, self.lib = layers, layers[0].lib
@@ -181,20 +214,25 @@ class NativeStack:
     def __call__(
         self,
         x: torch.Tensor,  # [1, N, D] float32: the rows entering block lo
-        rope: tuple[torch.Tensor, torch.Tensor],  # as NativeLayer's
+        ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]],  # per kind (sliding?), as NativeLayer's rope
         lo: int,
         hi: int,
-        native: SegmentAttention,  # every row's attention
+        native: dict[bool, SegmentAttention],  # per kind (sliding?): every row's attention
         scratch: Scratch,
     ) -> torch.Tensor:  # [1, N, D] leaving block hi - 1
         x = x.contiguous()
         N = x.shape[1]
-        cos, sin = (t.contiguous() for t in rope)
+        tables = [tuple(t.contiguous() for t in ropes.get(kind, ropes[False])) for kind in (False, True)]
+        attns = [native.get(kind, native.get(not kind)) for kind in (False, True)]
+        cos = (ctypes.c_void_p * 2)(*[t[0].data_ptr() for t in tables])
+        sin = (ctypes.c_void_p * 2)(*[t[1].data_ptr() for t in tables])
+        att = (ctypes.c_void_p * 2)(*[ctypes.addressof(a.struct) for a in attns])  # type: ignore[union-attr]
         out = torch.empty_like(x)
         tmp = torch.empty_like(x) if hi - lo > 1 else out
         threads = torch.get_num_threads()
         first = self.layers[lo]
-        work = scratch.buffer(self.lib.specdec_layer_scratch(first._ref, N, native.struct.max_end, threads))
+        max_end = max(a.struct.max_end for a in attns)  # type: ignore[union-attr]
+        work = scratch.buffer(self.lib.specdec_layer_scratch(first._ref, N, max_end, threads))
         ptrs = ctypes.addressof(self._ptrs) + lo * ctypes.sizeof(ctypes.c_void_p)
         rc = self.lib.specdec_layers(
             ptrs,
@@ -204,9 +242,9 @@ class NativeStack:
             out.data_ptr(),
             tmp.data_ptr(),
             N,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            ctypes.byref(native.struct),
+            cos,
+            sin,
+            att,
             work.data_ptr(),
             threads,
         )

@@ -86,6 +86,7 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.native = None  # the native library, where the model's layers run in it (see set_native_layers)
+        self.native_weight: torch.Tensor | None = None  # what the native norm multiplies by (fused.norm_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the storage dtype, as the reference implementations do.
@@ -94,8 +95,9 @@ class RMSNorm(nn.Module):
             # row however many rows come with it
             x = x.contiguous()
             out = torch.empty_like(x)
+            w = self.native_weight
             self.native.specdec_rmsnorm_rows(
-                x.data_ptr(), self.weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, out.data_ptr()
+                x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, out.data_ptr()
             )
             return out
         if x.dtype == torch.float32 and not self.offset:
@@ -242,7 +244,6 @@ class Transformer(nn.Module):
         self._rotary: dict[bool, Rotary] = {}
         self._scratch = fused.Scratch()  # the native layers' working memory (see `fused`)
         self._native_stack: fused.NativeStack | None = None  # every block in native calls, several at a time
-        self._stack_sliding = False  # the stacked blocks' attention kind
         self.mode = "fp32"  # precision/kernel mode, set by the loader (see kernels.MODES)
         self.bits: int | None = None  # q4k: a cheaper packing than the file's (see load_transformer), set by the loader
         self.source_dir: Path | None = None  # the model directory it was loaded from (set by the loader)
@@ -267,17 +268,13 @@ class Transformer(nn.Module):
         on = on and self._native_attention and all(fused.supported(b, self.args) for b in blocks)
         for b in blocks:
             b.native = fused.NativeLayer(b, self.args) if on else None
-        # the final norm in the same library (fused.supported excludes offset norms)
-        self.model.norm.native = blocks[0].native.lib if on and blocks else None  # type: ignore[union-attr]
-        # several layers per call where they share one rotary table and one kind of attention
-        # (all full, or all sliding-window as in Mistral and Phi-3)
-        kinds = {b.sliding for b in blocks}
-        self._stack_sliding = bool(blocks) and blocks[0].sliding
-        self._native_stack = (
-            fused.NativeStack.build([b.native for b in blocks])  # type: ignore[misc]
-            if on and len(kinds) == 1
-            else None
-        )
+        # the final norm in the same library
+        norm = self.model.norm
+        norm.native = blocks[0].native.lib if on and blocks else None  # type: ignore[union-attr]
+        norm.native_weight = fused.norm_weight(norm) if on else None
+        # several layers per call, each with its own kind of attention (Gemma 3 mixes sliding-window
+        # and full layers) and its rotary table
+        self._native_stack = fused.NativeStack.build([b.native for b in blocks]) if on else None  # type: ignore[misc]
         return on
 
     @property
@@ -444,10 +441,9 @@ class Transformer(nn.Module):
                 ropes = {kind: r.tables(positions, x.dtype) for kind, r in self._rotary.items()}
                 attend = _PackedAttention(self, active)
             assert x is not None and attend is not None
-            stack, whole = self._native_stack, attend.all_native(self._stack_sliding)
-            if stack is not None and whole is not None and len(order) == len(segments) and not output_layers:
-                rope = ropes.get(self._stack_sliding, ropes[False])
-                x = stack(x, rope, i, hi, whole, self._scratch)  # every remaining block in one call
+            stack = self._native_stack
+            if stack is not None and attend.native and len(order) == len(segments) and not output_layers:
+                x = stack(x, ropes, i, hi, attend.native, self._scratch)  # every remaining block in one call
                 break
             block = self.model.layers[i]
             rope = ropes.get(block.sliding, ropes[False])

@@ -1,10 +1,16 @@
-/* One decoder layer of a Llama/Qwen2/Qwen3-style model (pre-norm RMSNorm, rotate-half RoPE, GQA
- * attention, SiLU-gated MLP) over q4k weights, in one OpenMP parallel region:
+/* One decoder layer of a Llama/Qwen2/Qwen3/Gemma 3-style model (pre-norm RMSNorm, rotate-half
+ * RoPE, GQA attention, gated MLP) over q4k weights, in one OpenMP parallel region:
  *
- *   h = rmsnorm(x) * w_attn;  q, k, v = h Wq, h Wk, h Wv (+ biases);  (Qwen3: q, k = rmsnorm per head)
+ *   h = rmsnorm(x) * w_attn;  q, k, v = h Wq, h Wk, h Wv (+ biases);  (Qwen3, Gemma 3: q, k = rmsnorm per head)
  *   rope(q), rope(k)
  *   a = attention(q, k, v)                  (row by row over each sequence's cache)
- *   x' = x + a Wo;  h' = rmsnorm(x') * w_mlp;  y = x' + (silu(h' Wg) * h' Wu) Wd
+ *   x' = x + a Wo;  h' = rmsnorm(x') * w_mlp;  y = x' + (act(h' Wg) * h' Wu) Wd
+ *
+ * act is SiLU, or GELU's tanh form (Gemma). Gemma 3's "sandwich" also norms the attention's and
+ * the MLP's outputs before each residual add: x' = x + rmsnorm(a Wo) * w_attn_out, and
+ * y = x' + rmsnorm(mlp) * w_mlp_out. Gemma's norms multiply by (1 + w): the caller hands those
+ * sums as the weights. A model whose layers alternate sliding-window and full attention (Gemma 3)
+ * gives each layer its kind; specdec_layers takes both attentions and both rotary tables.
  *
  * What runs around the matrix kernels (norms, rotary, residual adds, the activation) runs here
  * rather than as dozens of framework operations per layer, and the threads meet at barriers
@@ -40,7 +46,13 @@ typedef struct {
     float eps;
     int D, H, Hkv, Dh, I;
     const float *q_norm, *k_norm;    /* [Dh] per-head RMSNorms of q and k before rotary (Qwen3), or NULL */
+    const float *norm_attn_out, *norm_mlp_out;  /* [D] Gemma 3's norms of the attention's and the MLP's
+                                                 * outputs before their residual adds, or NULL */
+    int act;                         /* ACT_* */
+    int sliding;                     /* attends through specdec_layers' sliding-window attention and tables */
 } specdec_layer_w;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* Scratch of one call, for N rows: carved from one buffer the caller keeps between calls
  * (fresh memory every call would be page faults every call). */
@@ -143,13 +155,44 @@ static void silu_mul(const float *g, const float *u, int n, float *out) {
     }
 }
 
-/* Team: out = x + attn Wo, then out += mlp(norm(out)). */
+/* gelu(g) * u over n floats (n a multiple of 8), GELU's tanh form: g/2 (1 + tanh(c (g + 0.044715 g^3))),
+ * c = sqrt(2/pi); tanh(z) = sign(z) (1 - e) / (1 + e) with e = exp(-2|z|), which never overflows. */
+static void gelu_mul(const float *g, const float *u, int n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 c = _mm256_set1_ps(0.7978845608028654f), a = _mm256_set1_ps(0.044715f), m2 = _mm256_set1_ps(-2.0f);
+    for (int i = 0; i < n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
+        const __m256 z = _mm256_mul_ps(c, _mm256_add_ps(gv, _mm256_mul_ps(a, g3)));
+        const __m256 e = specdec_exp256(_mm256_mul_ps(m2, _mm256_andnot_ps(sign, z)));  /* exp(-2|z|) */
+        const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));   /* tanh(|z|) */
+        const __m256 th = _mm256_or_ps(t, _mm256_and_ps(sign, z));                      /* sign of z */
+        const __m256 act = _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, th));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(u + i)));
+    }
+}
+
+/* Team: for each row, y = base + rmsnorm(y) * w (Gemma 3's norm of a block's output before its
+ * residual add); h: [N, D] scratch. */
+static void post_norm_add_team(const specdec_layer_w *L, const float *w, const float *base, float *y, int N, float *h) {
+    #pragma omp for schedule(static)
+    for (int r = 0; r < N; r++) {
+        float *yr = y + (size_t)r * L->D, *hr = h + (size_t)r * L->D;
+        const float *br = base + (size_t)r * L->D;
+        rmsnorm_row(yr, w, L->D, L->eps, hr);
+        for (int i = 0; i < L->D; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_add_ps(_mm256_loadu_ps(br + i), _mm256_loadu_ps(hr + i)));
+    }
+}
+
+/* Team: out = x + attn Wo, then out += mlp(norm(out)) (Gemma 3: each output normed before its add). */
 static void out_team(const specdec_layer_w *L, const float *x, const float *attn, int N, float *out, scratch *s) {
     const int HD = L->H * L->Dh;
     specdec_quantize_team(attn, N, HD, &s->xo);
     float *mid[1] = {s->mid};
     const float *res[1] = {x};
-    specdec_linears_team(1, L->kind + WO, L->w + WO, L->bias + WO, &L->D, &s->xo, N, mid, res);
+    specdec_linears_team(1, L->kind + WO, L->w + WO, L->bias + WO, &L->D, &s->xo, N, mid, L->norm_attn_out ? NULL : res);
+    if (L->norm_attn_out) post_norm_add_team(L, L->norm_attn_out, x, s->mid, N, s->h);
     norm_quantize_team(s->mid, L->norm_mlp, L, N, s->h, &s->xd);
     const int Ns[2] = {L->I, L->I};
     float *gu[2] = {s->g, s->u};
@@ -160,18 +203,22 @@ static void out_team(const specdec_layer_w *L, const float *x, const float *attn
     for (int task = 0; task < N * pieces; task++) {
         const int r = task / pieces, p = task % pieces, i0 = p * 1024, n = L->I - i0 < 1024 ? L->I - i0 : 1024;
         const size_t o = (size_t)r * L->I + i0;
-        silu_mul(s->g + o, s->u + o, n, s->h + o);
+        if (L->act == ACT_GELU_TANH)
+            gelu_mul(s->g + o, s->u + o, n, s->h + o);
+        else
+            silu_mul(s->g + o, s->u + o, n, s->h + o);
     }
     specdec_quantize_team(s->h, N, L->I, &s->xi);
     float *y[1] = {out};
     const float *res2[1] = {s->mid};
-    specdec_linears_team(1, L->kind + WD, L->w + WD, L->bias + WD, &L->D, &s->xi, N, y, res2);
+    specdec_linears_team(1, L->kind + WD, L->w + WD, L->bias + WD, &L->D, &s->xi, N, y, L->norm_mlp_out ? NULL : res2);
+    if (L->norm_mlp_out) post_norm_add_team(L, L->norm_mlp_out, s->mid, out, N, s->h);
 }
 
 /* Where these steps can run: sizes the vector code handles. */
 static int supported(const specdec_layer_w *L) {
     return L->D % 8 == 0 && L->I % 8 == 0 && L->Dh % 8 == 0 && L->Dh <= 512 && L->Hkv > 0 && L->H % L->Hkv == 0
-           && L->H / L->Hkv <= SPECDEC_ATTN_MAXREP;
+           && L->H / L->Hkv <= SPECDEC_ATTN_MAXREP && (L->act == ACT_SILU || L->act == ACT_GELU_TANH);
 }
 
 /* Bytes of scratch a call over N rows needs (max_end: the attention's longest row, see
@@ -182,29 +229,34 @@ int64_t specdec_layer_scratch(const specdec_layer_w *L, int N, int max_end, int 
 }
 
 /* Layers Ls[0..n-1] (the model's layers first .. first+n-1, all of one shape) in one parallel
- * region, every row's attention native (A, over its caches): the same steps as n calls of
- * specdec_layer, without a call and a thread start per layer. x, out [N, D] (out may not alias
- * x); cos, sin [N, Dh]; tmp [N, D] holds the rows between layers (unused when n == 1); buf:
- * specdec_layer_scratch bytes for Ls[0]. Returns 0, or -2 for sizes it does not handle. */
+ * region, every row's attention native (over its caches: A[0] and the tables cos[0], sin[0] for
+ * full-attention layers, A[1], cos[1], sin[1] for the sliding-window ones): the same steps as n
+ * calls of specdec_layer, without a call and a thread start per layer. x, out [N, D] (out may
+ * not alias x); cos, sin [N, Dh]; tmp [N, D] holds the rows between layers (unused when n == 1);
+ * buf: specdec_layer_scratch bytes for Ls[0] and the longer attention's max_end. Returns 0, or
+ * -2 for sizes it does not handle. */
 int specdec_layers(const specdec_layer_w *const *Ls, int n, int first, const float *x, float *out, float *tmp, int N,
-                   const float *cos, const float *sin, const specdec_attn *A, void *buf, int nthreads) {
+                   const float *const *cos, const float *const *sin, const specdec_attn *const *A, void *buf,
+                   int nthreads) {
     for (int l = 0; l < n; l++) {
         const specdec_layer_w *L = Ls[l], *L0 = Ls[0];
         if (!supported(L) || L->D != L0->D || L->H != L0->H || L->Hkv != L0->Hkv || L->Dh != L0->Dh || L->I != L0->I)
             return -2;
     }
+    const int max_end = A[0]->max_end > A[1]->max_end ? A[0]->max_end : A[1]->max_end;
     scratch s;
-    carve(&s, Ls[0], N, A->max_end, nthreads, buf);
+    carve(&s, Ls[0], N, max_end, nthreads, buf);
     const int HD = Ls[0]->H * Ls[0]->Dh, KD = Ls[0]->Hkv * Ls[0]->Dh;
     float *q = s.qkv, *k = q + (size_t)N * HD, *v = k + (size_t)N * KD;
     #pragma omp parallel num_threads(nthreads)
     {
-        float *att = s.att + specdec_attend_scratch(A->max_end, Ls[0]->H / Ls[0]->Hkv) * (size_t)omp_get_thread_num();
+        float *att = s.att + specdec_attend_scratch(max_end, Ls[0]->H / Ls[0]->Hkv) * (size_t)omp_get_thread_num();
         const float *in = x;
         for (int l = 0; l < n; l++) {
             float *o = (n - 1 - l) % 2 == 0 ? out : tmp;  /* the last layer writes `out` */
-            qkv_team(Ls[l], in, N, cos, sin, q, k, v, &s);
-            specdec_attend_team(A, first + l, q, k, v, N, Ls[l]->H, Ls[l]->Hkv, Ls[l]->Dh, s.attn, att);
+            const int kind = Ls[l]->sliding != 0;
+            qkv_team(Ls[l], in, N, cos[kind], sin[kind], q, k, v, &s);
+            specdec_attend_team(A[kind], first + l, q, k, v, N, Ls[l]->H, Ls[l]->Hkv, Ls[l]->Dh, s.attn, att);
             out_team(Ls[l], in, s.attn, N, o, &s);  /* ends at a barrier: `o` is whole before it is read */
             in = o;
         }
@@ -212,10 +264,12 @@ int specdec_layers(const specdec_layer_w *const *Ls, int n, int first, const flo
     return 0;
 }
 
-/* One layer, `layer` of the model: specdec_layers with n = 1. */
+/* One layer, `layer` of the model, with its own kind's attention and tables: specdec_layers with n = 1. */
 int specdec_layer(const specdec_layer_w *L, const float *x, float *out, int N, const float *cos, const float *sin,
                   const specdec_attn *A, int layer, void *buf, int nthreads) {
-    return specdec_layers(&L, 1, layer, x, out, out, N, cos, sin, A, buf, nthreads);
+    const float *cs[2] = {cos, cos}, *sn[2] = {sin, sin};
+    const specdec_attn *As[2] = {A, A};
+    return specdec_layers(&L, 1, layer, x, out, out, N, cs, sn, As, buf, nthreads);
 }
 
 /* out [N, D] = rmsnorm of each row of x [N, D] times w (D a multiple of 8): the model's final
