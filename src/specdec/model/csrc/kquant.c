@@ -574,13 +574,28 @@ static inline __attribute__((always_inline)) void tile_dot_k(
         for (int j = 0; j < 8; j++) {
             prefetch_part(t, tb, j, 8);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)t->sc[j]));
+            const __m512i sc16 = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
             __m512i c[8];
             codes512(t, bits, j, c);
             for (int r = 0; r < rb; r++) {
                 const int8_t *xp = xq->q + (size_t)(r0 + r) * xq->K + (size_t)b * QK + 32 * j;
-                __m512i g = _mm512_setzero_si512();
-                for (int v = 0; v < 8; v++) g = dpbusd_bcast(g, c[v], xp + 4 * v);
-                iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(g, sc));
+                /* two chains of four, not one of eight: the dot product's latency, not its
+                 * throughput, bounded a sweep of several rows */
+                __m512i g0 = dpbusd_bcast(_mm512_setzero_si512(), c[0], xp);
+                __m512i g1 = dpbusd_bcast(_mm512_setzero_si512(), c[1], xp + 4);
+                for (int v = 2; v < 8; v += 2) {
+                    g0 = dpbusd_bcast(g0, c[v], xp + 4 * v);
+                    g1 = dpbusd_bcast(g1, c[v + 1], xp + 4 * v + 4);
+                }
+                if (bits == 5) {
+                    iacc[r] = _mm512_add_epi32(iacc[r], _mm512_mullo_epi32(_mm512_add_epi32(g0, g1), sc));
+                } else {
+                    /* sc * (g0 + g1) in one multiply-add of 16-bit pairs (g0 in the low half of
+                     * each lane, g1 in the high): exact, as each half-sum of 16 products is at
+                     * most 16 * 15 * 127 = 30480 < 2^15 in size (not so for Q5_K's codes) */
+                    const __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAA, g0, _mm512_slli_epi32(g1, 16));
+                    iacc[r] = _mm512_dpwssd_epi32(iacc[r], pair, sc16);
+                }
             }
         }
         block_fma512(t->d, xq, r0, rb, b, iacc, facc);
