@@ -174,7 +174,8 @@ def test_every_build_agrees_bitwise():
 def test_builds_agree_at_the_largest_integer_sums(kind):
     """Every code at its maximum and every activation at +-127 (the same sign across a group):
     the AVX2 build's 16-bit partial sums are at their bound (q4k: 8 pairs of 15 * 127; q6k: two
-    pairs of 63 * 127), and scales at both ends of their range. An overflow there would be far
+    pairs of 63 * 127), so are the AVX-512 build's 16-bit half-group sums (q4k: 16 * 15 * 127),
+    and scales at both ends of their range. An overflow there would be far
     from the reference; every build must match it and each other bitwise."""
     n, k = 32, 512
     data = np.zeros((n, k // kq.QK), dtype=kq.BLOCK_DTYPES[kind])
