@@ -295,6 +295,25 @@ def test_native_attention_matches_sdpa_and_is_row_invariant(H, Hkv, D):
             assert torch.equal(alone[:, 0], got[:, t])
 
 
+def test_native_attention_weights_under_its_floor_are_exactly_zero():
+    """Softmax weights under e^-64 of the largest are exactly 0 (their products with the values
+    were denormal numbers, computed far slower; csrc/attention.c's SOFTMAX_FLOOR); those just
+    above it are kept. Each key's value is a one-hot vector, so the output is the weights."""
+    D, n = 16, 5
+    k = torch.zeros(1, 1, 8, D)
+    k[0, 0, :n, 0] = torch.tensor([0.0, -70.0, -50.0, -63.0, -65.0])  # scores s_j = q . k_j, q = e_0
+    v = torch.zeros(1, 1, 8, D)
+    v[0, 0, torch.arange(n), torch.arange(n)] = 1.0
+    q = torch.zeros(1, 1, 1, D)
+    q[..., 0] = 1.0
+    w = native.attend_rows(q, k, v, n - 1, None, 1.0)[0, 0, 0, :n].double()
+    want = torch.tensor([0.0, -70.0, -50.0, -63.0, -65.0], dtype=torch.float64).exp()
+    want /= want.sum()
+    assert w[0] == want[0] and w[1] == 0 and w[4] == 0  # (past the floor: 0, where e^-70 > 0)
+    assert want[1] > 0 and want[4] > 0
+    assert torch.allclose(w[[2, 3]], want[[2, 3]], rtol=1e-5)  # kept (e^-63 is a normal float)
+
+
 def test_native_attention_rows_of_unequal_segments_equal_one_row_calls():
     """A packed batch whose segments have different lengths and starts (so the kernel's blocks of
     rows end at different places in each), with a tree-like mask on one of them: every row is

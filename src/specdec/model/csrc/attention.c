@@ -71,11 +71,19 @@ static inline __attribute__((always_inline)) void values4(const float *const *sv
     }
 }
 
+/* Weights under e^-64 of the largest (2^-92: far below what a float32 sum whose largest term is
+ * 1 resolves) are exactly 0. Kept, their products with the values were denormal numbers, which
+ * the CPU computes some hundred times slower: with far-apart scores (random weights at a 14B
+ * shape) they made the attention a sixth of an 8-row pass. (exp256 also clamps its input at
+ * -87, where it would give e^-87 for any lower score.) */
+#define SOFTMAX_FLOOR (-64.0f)
+
 /* Softmax of one vector's scores s[0..n-1] in place (n: its own keys; mrow: its mask row or
- * NULL): e_j = exp(s_j - m), masked keys exactly 0; s[n..nmax-1] set to 0. Returns 1 / (sum of
- * the e_j in key order), 0 where every key is masked (the output is then 0). */
+ * NULL): e_j = exp(s_j - m), masked keys and those under SOFTMAX_FLOOR exactly 0; s[n..nmax-1]
+ * set to 0. Returns 1 / (sum of the e_j in key order), 0 where every key is masked (the output
+ * is then 0). */
 static float softmax_row(float *sh, int n, int nmax, const uint8_t *mrow) {
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), lowest = _mm256_set1_ps(SOFTMAX_FLOOR);
     float m = -INFINITY;
     for (int jj = 0; jj < n; jj++) {
         if (mrow && !mrow[jj]) sh[jj] = -INFINITY;
@@ -89,15 +97,15 @@ static float softmax_row(float *sh, int n, int nmax, const uint8_t *mrow) {
     const __m256 vm = _mm256_set1_ps(m);
     int j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 sj = _mm256_loadu_ps(sh + j);
-        const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
+        const __m256 sj = _mm256_loadu_ps(sh + j), dj = _mm256_sub_ps(sj, vm);
+        const __m256 e = _mm256_and_ps(specdec_exp256(dj), _mm256_cmp_ps(dj, lowest, _CMP_GE_OQ));
         _mm256_storeu_ps(sh + j, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
     }
     if (j < n) {
         float tail[8];
         for (int i = 0; i < 8; i++) tail[i] = j + i < n ? sh[j + i] : -INFINITY;
-        const __m256 sj = _mm256_loadu_ps(tail);
-        const __m256 e = specdec_exp256(_mm256_sub_ps(sj, vm));
+        const __m256 sj = _mm256_loadu_ps(tail), dj = _mm256_sub_ps(sj, vm);
+        const __m256 e = _mm256_and_ps(specdec_exp256(dj), _mm256_cmp_ps(dj, lowest, _CMP_GE_OQ));
         _mm256_storeu_ps(tail, _mm256_andnot_ps(_mm256_cmp_ps(sj, ninf, _CMP_EQ_OQ), e));
         for (int i = 0; j + i < n; i++) sh[j + i] = tail[i];
     }
