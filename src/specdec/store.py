@@ -362,10 +362,7 @@ def remove(name: str) -> int:
     spec = get_spec(name)
     freed = sum(model_files(name).values())
     with FileLock(lock_path(spec.sha256)):
-        d = converted_dir(spec.sha256)
-        for f in packed_files(d):
-            f.unlink(missing_ok=True)
-        shutil.rmtree(d, ignore_errors=True)
+        _remove_converted(converted_dir(spec.sha256))
         gguf_path(spec).unlink(missing_ok=True)
         sparse.note_path(gguf_path(spec)).unlink(missing_ok=True)
         for part in spec.parts:
@@ -381,11 +378,17 @@ def remove_synthetic(path: Path) -> int:
     converted directory, its packed weights); returns the bytes freed."""
     if not path.exists():
         return 0
-    freed = path.stat().st_size
-    directory = converted_dir(file_sha256(path))
+    freed = path.stat().st_size + _remove_converted(converted_dir(file_sha256(path)))
+    path.unlink()
+    return freed
+
+
+def _remove_converted(directory: Path) -> int:
+    """Delete a converted model directory and the q4k packings made from it; returns the
+    packings' bytes."""
+    freed = 0
     for f in packed_files(directory):
         freed += f.stat().st_size
         f.unlink(missing_ok=True)
     shutil.rmtree(directory, ignore_errors=True)
-    path.unlink()
     return freed

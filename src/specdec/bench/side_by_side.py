@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..metrics import timer
+from ..model.cache import KVCache
 from ..model.transformer import Transformer
 
 
@@ -45,13 +46,7 @@ def tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def pass_times(
-    model: Transformer,
-    cache,
-    new: torch.Tensor,
-    *,
-    context: int,
-    ks: tuple[int, ...],
-    repeats: int,  # noqa: ANN001
+    model: Transformer, cache: KVCache, new: torch.Tensor, *, context: int, ks: tuple[int, ...], repeats: int
 ) -> dict[int, list[float]]:
     """ms of `repeats` passes over k of the tokens `new` on the `context` tokens in `cache`, per k.
     Round by round over every k (the first round warms up each shape), not k by k: a k's ratio
@@ -70,7 +65,7 @@ def pass_times(
 
 def _ours(model: Transformer, *, context: int, ks: tuple[int, ...], prefill: tuple[int, ...], repeats: int) -> dict:
     """Median ms of each k-token pass on `context` cached tokens (k = 1: the one-token pass,
-    `forward.pass_times`) and of each prefill from an empty cache."""
+    `pass_times`) and of each prefill from an empty cache."""
     prompt = tokens(context, model.args.vocab_size, 0)
     new = tokens(max(ks), model.args.vocab_size, 1)
     cache = model.new_cache(context + max(ks))

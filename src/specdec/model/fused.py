@@ -96,45 +96,38 @@ class NativeLayer:
         kernels: list[KQuantKernel] = _kernels(block)  # type: ignore[assignment]
         self.block, self.lib = block, kernels[0].lib
         self.H, self.Hkv, self.Dh, self.D = args.n_heads, args.n_kv_heads, args.head_dim, args.dim
-        self.sliding = bool(block.sliding)
         attn = block.self_attn
         # Llama/Qwen: input norm, then post_attention_layernorm before the MLP. Gemma 3: input norm,
         # post_attention_layernorm on the attention's output, pre_feedforward_layernorm before the
         # MLP, post_feedforward_layernorm on its output.
-        if args.sandwich_norm:
-            norms = [block.input_layernorm, block.pre_feedforward_layernorm]
-            norms += [block.post_attention_layernorm, block.post_feedforward_layernorm]
-        else:
-            norms = [block.input_layernorm, block.post_attention_layernorm, None, None]
-        if args.qk_norm:
-            norms += [attn.q_norm, attn.k_norm]
-        else:
-            norms += [None, None]
-        weights = [None if n is None else norm_weight(n) for n in norms]
-        ptr = [None if w is None else w.data_ptr() for w in weights]
+        sandwich = args.sandwich_norm
+        norms = {
+            "norm_attn": block.input_layernorm,
+            "norm_mlp": block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm,
+            "norm_attn_out": block.post_attention_layernorm if sandwich else None,
+            "norm_mlp_out": block.post_feedforward_layernorm if sandwich else None,
+            "q_norm": attn.q_norm if args.qk_norm else None,
+            "k_norm": attn.k_norm if args.qk_norm else None,
+        }
+        weights = {field: norm_weight(n) for field, n in norms.items() if n is not None}
         self.struct = _LayerStruct(
-            (ctypes.c_int * _N)(*[k.kind for k in kernels]),
-            (ctypes.c_void_p * _N)(*[k.weight.data_ptr() for k in kernels]),
-            (ctypes.c_void_p * _N)(*[None if k.bias is None else k.bias.data_ptr() for k in kernels]),
-            ptr[0],
-            ptr[1],
-            args.norm_eps,
-            args.dim,
-            args.n_heads,
-            args.n_kv_heads,
-            args.head_dim,
-            args.intermediate_size,
-            ptr[4],
-            ptr[5],
-            ptr[2],
-            ptr[3],
-            _ACTS[args.activation],
-            int(self.sliding),
+            kind=(ctypes.c_int * _N)(*[k.kind for k in kernels]),
+            w=(ctypes.c_void_p * _N)(*[k.weight.data_ptr() for k in kernels]),
+            bias=(ctypes.c_void_p * _N)(*[None if k.bias is None else k.bias.data_ptr() for k in kernels]),
+            eps=args.norm_eps,
+            D=args.dim,
+            H=args.n_heads,
+            Hkv=args.n_kv_heads,
+            Dh=args.head_dim,
+            I=args.intermediate_size,
+            act=_ACTS[args.activation],
+            sliding=int(block.sliding),
+            **{field: w.data_ptr() for field, w in weights.items()},  # (the others stay NULL)
         )
         self._ref = ctypes.byref(self.struct)
         # the tensors the struct points into, held so their memory lives as long as it does
         self._held = [
-            *(w for w in weights if w is not None),
+            *weights.values(),
             *(k.weight for k in kernels),
             *(k.bias for k in kernels if k.bias is not None),
         ]

@@ -287,17 +287,12 @@ def _kquant_kernels(
             # Layer by layer into the file, then read from it: a model's tiles are never all in
             # memory at once, and the GGUF pages read for a layer leave this process with it.
             meta = {PACKED_SOURCE_KEY: source, PACKED_BITS_KEY: str(bits or "")}
-            writer = packed_file.Writer(packed, list(linears), meta)
-            try:
+            with packed_file.Writer(packed, list(linears), meta) as writer:
                 for name, (kind, t) in zip(linears, layers, strict=True):
                     writer.add(name, t.numpy())
-                    meta[name] = str(kind)
+                    meta[name] = str(kind)  # (the header, written last, holds each layer's kind)
                     if gguf is not None:
                         release_pages(gguf)
-                writer.close(meta)
-            except BaseException:
-                writer.abort()
-                raise
     done = from_file()
     if done is None:
         raise RuntimeError(f"{packed}: the packed weights just written do not read back; please report this")

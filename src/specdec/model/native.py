@@ -240,20 +240,8 @@ def _library(variant: str) -> ctypes.CDLL:
     lib.specdec_attend.restype = c_int
     lib.specdec_layer.argtypes = [c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_int]
     lib.specdec_layer.restype = c_int
-    lib.specdec_layers.argtypes = [
-        c_ptr,
-        c_int,
-        c_int,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_int,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_int,
-    ]  # cos, sin, A: two each (full, sliding)
+    # (cos, sin and the attention: two pointers each, full and sliding-window)
+    lib.specdec_layers.argtypes = [c_ptr, c_int, c_int, c_ptr, c_ptr, c_ptr, c_int, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
     lib.specdec_layers.restype = c_int
     lib.specdec_rmsnorm_rows.argtypes = [c_ptr, c_ptr, c_int, c_int, c_float, c_ptr]
     lib.specdec_rmsnorm_rows.restype = None

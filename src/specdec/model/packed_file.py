@@ -27,21 +27,17 @@ ALIGN = 64
 
 def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) -> None:
     """Write uint8 tensors (each a whole number of 64-byte lines) to `path`, whole or not at all."""
-    writer = Writer(path, list(tensors), metadata)
-    try:
+    with Writer(path, list(tensors), metadata) as writer:
         for name, t in tensors.items():
             writer.add(name, t)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
 
 
 class Writer:
     """A packed file written layer by layer (so that a 9 GB model is never whole in memory): the
     tensors go to the file as they come, the header last, into space kept for it at the start
     (padded with spaces, as the format allows). Whole or not at all: written beside `path`,
-    renamed over it by `close`."""
+    renamed over it when the `with` block ends (with `metadata` as it is then: a caller may add
+    to it as the tensors come), deleted if it raises."""
 
     def __init__(self, path: Path, names: list[str], metadata: dict[str, str]) -> None:
         self.path, self.metadata = path, metadata
@@ -51,7 +47,7 @@ class Writer:
         self.room = -(-(8 + 4096 + len(names) * entry + meta) // ALIGN) * ALIGN - 8
         path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in close/abort
+        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed when the `with` block ends
         self.f.seek(8 + self.room)
         self.at = 0
 
@@ -62,10 +58,16 @@ class Writer:
         self.entries[name] = {"dtype": "U8", "shape": list(t.shape), "data_offsets": [self.at, self.at + t.nbytes]}
         self.at += t.nbytes
 
-    def close(self, metadata: dict[str, str] | None = None) -> None:
-        text = json.dumps({"__metadata__": metadata or self.metadata, **self.entries}, separators=(",", ":")).encode()
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            self._abort()
+            return
+        text = json.dumps({"__metadata__": self.metadata, **self.entries}, separators=(",", ":")).encode()
         if len(text) > self.room:
-            self.abort()
+            self._abort()
             raise ValueError(f"the packed file's header ({len(text)} bytes) outgrew its room ({self.room})")
         self.f.seek(0)
         self.f.write(self.room.to_bytes(8, "little"))
@@ -73,7 +75,7 @@ class Writer:
         self.f.close()
         os.replace(self.tmp, self.path)
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         self.f.close()
         self.tmp.unlink(missing_ok=True)
 
