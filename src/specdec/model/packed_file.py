@@ -7,10 +7,9 @@ boundary (the header padded with spaces, as the format allows; every tile is who
 
 A load reads each layer into memory of its own rather than mapping the file: the kernels then
 run on anonymous pages, which can be huge pages (numpy asks for them for large arrays), where a
-mapping of the file gives 4 KB pages: mapped, the 1.5B's one-token pass took 46.0 ms against
-42.2 ms read in (AVX-512 Xeon, 2026-12-06), and `generate`'s choice of k moved with it. The
-file's pages the read leaves in the page cache are the kernel's to reclaim; the process holds
-one copy.
+mapping of the file gives 4 KB pages, and the mapped passes measured slower (docs/results.md,
+2026-12-06 third entry). The file's pages the read leaves in the page cache are the kernel's to
+reclaim; the process holds one copy.
 """
 
 from __future__ import annotations

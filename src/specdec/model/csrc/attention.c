@@ -73,8 +73,8 @@ static inline __attribute__((always_inline)) void values4(const float *const *sv
 
 /* Weights under e^-64 of the largest (2^-92: far below what a float32 sum whose largest term is
  * 1 resolves) are exactly 0. Kept, their products with the values were denormal numbers, which
- * the CPU computes some hundred times slower: with far-apart scores (random weights at a 14B
- * shape) they made the attention a sixth of an 8-row pass. (exp256 also clamps its input at
+ * the CPU computes far slower: with far-apart scores the attention became a large share of a
+ * several-row pass (docs/results.md, 2026-12-06 fourth entry). (exp256 also clamps its input at
  * -87, where it would give e^-87 for any lower score.) */
 #define SOFTMAX_FLOOR (-64.0f)
 
