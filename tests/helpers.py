@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -116,27 +116,24 @@ def no_timing(monkeypatch) -> None:
 
 
 def switching(monkeypatch, seed: int) -> list[tuple[str, int]]:
-    """auto's chooser replaced by one that picks a seeded random drafter (or a plain step) and a
-    random k within what the drafter could propose, every step; suffix decoding's own tree,
-    where it has one, takes a random quarter of the steps. Returns the picks, as they are made."""
-    from specdec.adaptive import MethodChooser
-    from specdec.drafters import AutoDrafter
+    """auto's chooser replaced by one that picks a seeded random offer (or a plain step) every
+    step, a chain at a random k within what its member could offer (suffix decoding's own tree, where
+    it offers one, as offered). Returns the picks, as they are made."""
+    from specdec.adaptive import Chooser
 
     rng = random.Random(seed)
     picks: list[tuple[str, int]] = []
 
-    def choose(self, outlook, remaining=None, others=(0, 0.0)):
-        options = [("plain", 0)] + [(m, rng.randint(1, most)) for m, (_, most, _) in sorted(outlook.items())]
-        picks.append(rng.choice(options))
-        return picks[-1]
+    def choose(self, offers, plain, remaining=None):
+        options = [plain] + [
+            o if o.tree is not None else replace(o, k=rng.randint(1, max(o.k, o.most))) for o in offers
+        ]
+        pick = rng.choice(options)
+        picks.append((pick.member, pick.k))
+        self.log.append({"offers": [], "pick": pick.row(), "why": "random"})
+        return pick
 
-    def suffix_wins(self, tree_rate, chosen_rate, merged=False):  # (suffix's own tree, when it has one, at random too)
-        if rng.random() < 0.25:
-            picks[-1] = ("suffix", 0)
-        return picks[-1][0] == "suffix"
-
-    monkeypatch.setattr(MethodChooser, "choose", choose)
-    monkeypatch.setattr(AutoDrafter, "_suffix_wins", suffix_wins)
+    monkeypatch.setattr(Chooser, "choose", choose)
     return picks
 
 

@@ -4,12 +4,14 @@ sampled law (chi-square) with a wrong rule as the negative control."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import EXACT_MODES
 from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing, random_head, small_head, switching
 
 import specdec
-from specdec.adaptive import MethodChooser
+from specdec.adaptive import Chooser
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import AutoDrafter
 from specdec.engine import Engine
@@ -17,89 +19,31 @@ from specdec.engine import Engine
 LOOKUP, DRAFT, EAGLE3, SUFFIX = "prompt-lookup", "draft-model", "eagle3", "suffix"
 
 
-def _feed(c: MethodChooser, method: str, situation, steps: int, asked: int, accepted: int, draft_ms: float) -> None:
-    for _ in range(steps):
-        c.update(method, situation, asked, asked, accepted, draft_ms)
+def _pass_rate(offer) -> float:
+    return offer[2] / offer[3]
 
 
-def test_each_drafter_is_measured_once_then_the_best_rate_wins():
-    c = MethodChooser([DRAFT, LOOKUP], 4, PASS)
-    both = {DRAFT: ("", 4, 0.0), LOOKUP: (3, 4, 0.0)}
-    assert c.choose(both) == (DRAFT, 4)  # costs unknown: draft once with each to measure them
-    _feed(c, DRAFT, "", 1, 4, 2, draft_ms=4 * 15.0)
-    assert c.choose(both) == (LOOKUP, 4)
-    _feed(c, LOOKUP, 3, 10, 4, 4, draft_ms=0.2)  # copies that are always accepted, nearly free
-    for accepted in [0, 1] * 5:  # a draft model at 15 ms a token whose first draft is right half the time
-        _feed(c, DRAFT, "", 1, 4, accepted, draft_ms=4 * 15.0)
-    assert c.choose(both) == (LOOKUP, 4)
-    # no n-gram match this step: the draft model only where it beats plain decoding
-    assert c.rate(DRAFT, "", 1) < c.rate("plain", None, 0)
-    assert c.choose({DRAFT: ("", 4, 0.0)}) == ("plain", 0)
-    _feed(c, DRAFT, "", 20, 2, 2, draft_ms=2 * 3.0)  # the draft becomes cheap and right
-    assert c.choose({DRAFT: ("", 4, 0.0)})[0] == DRAFT
-    report = c.report()
-    assert report["steps"]["plain"] == {"steps": 1} and report["switches"] >= 2
+def test_every_logged_pick_follows_the_rule(tiny):
+    """A real run's log: each step drafted on its merits took the best offer (or the member that
+    drafted last, within the hysteresis), beating plain decoding by the margin; each plain step
+    had no such offer; the members' table adds up to the steps."""
+    from specdec.adaptive import HYSTERESIS, MARGIN
 
-
-def test_acceptance_is_kept_per_situation():
-    c = MethodChooser([LOOKUP], 4, PASS)
-    c.choose({LOOKUP: (1, 2, 0.0)})
-    _feed(c, LOOKUP, 1, 30, 2, 0, draft_ms=0.1)  # one-token matches: never accepted
-    _feed(c, LOOKUP, 3, 30, 4, 4, draft_ms=0.1)  # three-token matches: always accepted
-    assert c.choose({LOOKUP: (1, 2, 0.0)}) == ("plain", 0)
-    assert c.choose({LOOKUP: (3, 4, 0.0)}) == (LOOKUP, 4)
-    assert c.choose({LOOKUP: (3, 2, 0.0)}) == (LOOKUP, 2)  # never more than the drafter can propose
-    assert c.choose({}) == ("plain", 0)  # nothing to propose
-
-
-def test_earlier_requests_acceptance_is_the_next_ones_prior():
-    """One-token matches never accepted in a request: the next request with the same memory
-    starts with plain steps there, where a fresh chooser (prior alpha_1 = 0.6) tries them; an
-    unseen situation and a drafter with a model of its own start from the prior either way."""
-    memory: dict = {}
-    first = MethodChooser(
-        [LOOKUP, DRAFT], 4, PASS, draft_ms={LOOKUP: 0.1, DRAFT: 15.0}, memory=memory, remembered=frozenset({LOOKUP})
+    target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
+    out = specdec.generate(
+        target, PROMPTS[1], drafter="auto", assistant_model=draft, k=8, max_new_tokens=40, ignore_eos=True
     )
-    _feed(first, LOOKUP, 1, 30, 2, 0, draft_ms=0.2)
-    _feed(first, DRAFT, "", 30, 2, 0, draft_ms=30.0)
-    assert set(memory) == {(LOOKUP, 1)}  # the draft model's acceptance is its own, not the target's
-
-    def chooser(mem):
-        return MethodChooser(
-            [LOOKUP, DRAFT], 4, PASS, draft_ms={LOOKUP: 0.1, DRAFT: 3.0}, memory=mem, remembered=frozenset({LOOKUP})
-        )
-
-    one_token = {LOOKUP: (1, 2, 0.0)}
-    assert chooser(memory).choose(one_token) == ("plain", 0)
-    assert chooser(None).choose(one_token)[0] == LOOKUP
-    assert chooser(memory).choose({LOOKUP: (3, 4, 0.0)})[0] == LOOKUP  # never seen: the prior
-    assert chooser(memory).choose({DRAFT: ("", 4, 0.0)})[0] == DRAFT  # not remembered: the prior
-
-
-def test_plain_steps_probe_each_drafter_in_turn():
-    c = MethodChooser([DRAFT, LOOKUP], 4, PASS)
-    c.choose({DRAFT: ("", 4, 0.0)})
-    c.choose({LOOKUP: (2, 4, 0.0)})
-    for _ in range(10):
-        c.update(DRAFT, "", 4, 4, 0, 4 * 19.0)
-        c.update(LOOKUP, 2, 4, 4, 0, 0.1)
-    both = {DRAFT: ("", 4, 0.0), LOOKUP: (2, 4, 0.0)}
-    assert all(c.rate(m, s, k) < c.rate("plain", None, 0) for m, (s, _, _) in both.items() for k in range(1, 5))
-    picks = [c.choose(both, remaining=100) for _ in range(14)]
-    # one-token probes after 4, then 8 plain steps; the drafter that drafted least recently first
-    assert picks[:5] == [("plain", 0)] * 4 + [(DRAFT, 1)]
-    assert picks[5:14] == [("plain", 0)] * 8 + [(LOOKUP, 1)]
-
-
-def test_no_probe_where_catching_up_costs_too_much():
-    c = MethodChooser([DRAFT], 4, PASS, draft_ms={DRAFT: 19.0})
-    for _ in range(10):
-        c.update(DRAFT, "", 2, 2, 0, 2 * 19.0)
-    # the draft model is 500 tokens behind (a long prompt it never prefilled): 40 tokens to go
-    far = {DRAFT: ("", 4, 500.0)}
-    assert [c.choose(far, remaining=40) for _ in range(20)] == [("plain", 0)] * 20
-    near = {DRAFT: ("", 4, 5.0)}  # nearly caught up: probed again
-    assert (DRAFT, 1) in [c.choose(near, remaining=40) for _ in range(40)]
+    rep = out.metrics.drafter_info["auto"]
+    log = rep["log"]
+    assert log and sum(m["steps"] for m in rep["members"].values()) == len(log)
+    for s in log:
+        rates = [_pass_rate(o) for o in s["offers"]]
+        plain = _pass_rate(s["plain"])
+        if s["why"] == "best":
+            assert _pass_rate(s["pick"]) * HYSTERESIS >= max(rates) and _pass_rate(s["pick"]) > MARGIN * plain
+        elif s["why"] == "plain":
+            assert s["pick"][0] == "plain" and all(r <= MARGIN * plain * HYSTERESIS for r in rates)
+        assert "committed" in s or s is log[-1]
 
 
 def test_greedy_identity_in_a_batch_of_auto_sequences(tiny, monkeypatch):
@@ -138,7 +82,7 @@ def test_the_real_chooser_is_exact_and_reports(tiny):
     steps = sum(n for ks in rep["steps"].values() for n in ks.values())
     # one choice per step with budget for a draft (the last step, one token left, has none)
     assert out.metrics.target_forwards - 1 <= steps <= out.metrics.target_forwards
-    assert rep["draft_ms_per_token"][DRAFT] > 0  # known before it drafts: its one-row pass time
+    assert all(len(s["offers"]) >= 1 for s in rep["log"][:3])  # every member that could propose offered
     # the draft model runs only if chosen: not even its prefill otherwise
     assert (out.metrics.draft_forwards > 0) == (DRAFT in rep["steps"])
     assert out.metrics.proposed > 0
@@ -172,22 +116,22 @@ def test_a_draft_model_that_auto_would_not_use_is_refused(tiny):
 
 
 def test_draft_model_sync_feeds_only_what_a_proposal_would_not(tiny):
-    """`sync` prefills a lazily begun draft model, then does nothing in steady decoding (a
+    """`sync` prefills a draft model (`begin` defers it), then does nothing in steady decoding (a
     proposal's first forward feeds up to two committed tokens itself): no extra forward per step."""
     from specdec.drafters import DraftModelDrafter, DraftSession
     from specdec.sampling import make_generator
 
     draft = tiny("llama", "close").model
     d = DraftModelDrafter(draft)
-    d.begin(DraftSession(list(range(1, 12)), 64, SamplingParams(), make_generator(0, draft.device), lazy=True))
-    assert d.forwards == 0 and d.switch_ms() > 0  # nothing prefilled yet: catching up costs
+    d.begin(DraftSession(list(range(1, 12)), 64, SamplingParams(), make_generator(0, draft.device)))
+    assert d.forwards == 0 and d._catch_up_ms() > 0  # nothing prefilled yet: catching up costs
     d.sync()
-    assert d.forwards == 1 and d.cache.length == 10 and d.switch_ms() == 0.0
+    assert d.forwards == 1 and d.cache.length == 10 and d._catch_up_ms() == 0.0
     d.catch_up([5])  # two tokens behind: the next proposal feeds them
     d.sync()
-    assert d.forwards == 1 and d.switch_ms() == 0.0
+    assert d.forwards == 1 and d._catch_up_ms() == 0.0
     d.catch_up([6, 7])  # four behind: sync feeds three, the proposal the last
-    assert d.switch_ms() > 0
+    assert d._catch_up_ms() > 0
     d.sync()
     assert d.forwards == 2 and d.cache.length == 13
     assert d.propose(2).tokens.shape[0] == 2 and d.cache.length == 15
@@ -250,22 +194,27 @@ def test_sampling_law_with_eagle3_chains_switching(
 
 
 def test_a_seeded_sampled_requests_choices_take_no_timing():
-    """`reproducible`: the same verified steps give the same choices whatever the clock says
-    (the stored table unscaled, the drafters' own cost estimates kept), so a seeded sampled
+    """`reproducible`: the same verified steps give the same offers whatever the clock says
+    (the stored table unscaled, the members' own cost estimates kept), so a seeded sampled
     request draws the same random numbers every time."""
     import dataclasses
 
+    from specdec.adaptive import Estimates
+
     costs = dataclasses.replace(PASS)
-    c = MethodChooser([LOOKUP, DRAFT], 4, costs, draft_ms={LOOKUP: 0.1, DRAFT: None}, reproducible=True)
+    est = Estimates(costs, 4, reproducible=True)
+    before = est.chain(DRAFT, "", 4, 3.0)
     costs.observe(1, 10 * costs.target_ms[1], weight=1.0)  # the shared table follows a slow moment
-    _feed(c, DRAFT, "", 5, 2, 2, draft_ms=500.0)  # a slow measured draft
-    assert c.draft_ms == {LOOKUP: 0.1, DRAFT: 0.0} and c.costs.scale == 1.0
-    assert c.choose({DRAFT: ("", 4, 0.0)})[0] == DRAFT  # as if neither had happened
+    est.learn(before, 2, 2, draft_ms=500.0)  # a slow measured draft
+    est2 = Estimates(dataclasses.replace(PASS), 4, reproducible=True)
+    est2.learn(est2.chain(DRAFT, "", 4, 3.0), 2, 2, draft_ms=1.0)
+    assert est.draft_ms == {} and est.costs.scale == 1.0
+    assert est.chain(DRAFT, "", 4, 3.0) == est2.chain(DRAFT, "", 4, 3.0)  # as if neither had happened
 
 
 # -- merged trees: suffix decoding's tree beside the chosen chain -----------------------------
 def test_merge_builds_a_trie_with_each_sources_attempts():
-    from specdec.drafters.auto import merge
+    from specdec.drafters.merge import merge
 
     m = merge([5, 6, 7], True, [5, 8, 6, 9], [-1, -1, 0, 2])
     assert m.tokens == [5, 6, 7, 8, 9] and m.parents == [-1, 0, 1, -1, 1]
@@ -281,8 +230,11 @@ def _merging(monkeypatch, method: str, k: int) -> list[int]:
     the sizes of the merged trees sent."""
     sizes: list[int] = []
 
-    def choose(self, outlook, remaining=None, others=(0, 0.0)):
-        return (method, min(k, outlook[method][1])) if method in outlook else ("plain", 0)
+    def choose(self, offers, plain, remaining=None):
+        mine = [o for o in offers if o.member == method]
+        pick = replace(mine[0], k=min(k, mine[0].k)) if mine else plain
+        self.log.append({"offers": [], "pick": pick.row(), "why": "forced"})
+        return pick
 
     real = AutoDrafter._with_suffix
 
@@ -292,9 +244,10 @@ def _merging(monkeypatch, method: str, k: int) -> list[int]:
             sizes.append(len(self._merged.tokens))
         return draft
 
-    monkeypatch.setattr(MethodChooser, "choose", choose)
-    monkeypatch.setattr(AutoDrafter, "_suffix_wins", lambda self, tree_rate, chosen_rate, merged=False: False)
-    monkeypatch.setattr(AutoDrafter, "_tree_nodes", lambda self, chances, depths, shared=None: len(chances))
+    monkeypatch.setattr(Chooser, "choose", choose)
+    monkeypatch.setattr(
+        AutoDrafter, "_tree_nodes", lambda self, chain, chances, depth, shared=None: (len(chances), 1.0, 1.0)
+    )
     monkeypatch.setattr(AutoDrafter, "_with_suffix", with_suffix)
     return sizes
 
@@ -332,23 +285,28 @@ def test_sampling_law_with_merged_trees(small_vocab, exact_joint, sample_joint, 
     assert (p <= ALPHA) if broken else (p > ALPHA)
 
 
-def test_suffix_tree_alone_must_clearly_beat_a_chain_it_would_join():
-    """Where the chosen chain is the draft model's, which takes suffix decoding's tree into its
-    own step anyway, the tree alone takes the step only if it beats the chain by KEEP_MEASURED
-    (the merged step keeps the tree's chances); against any other choice (prompt lookup's
-    chain, a plain step, a head), any margin."""
-    from specdec.adaptive import KEEP_MEASURED
+def test_a_tree_beside_a_chain_is_priced_where_the_chain_misses(tiny):
+    """The merged offer: a tree node adds its chance where the chain is predicted to miss at its
+    depth and costs a row; a node the chain proposes already adds nothing; beside a chain sure to
+    be accepted, no tree node pays."""
+    from specdec.adaptive import Estimates, Offer
 
-    auto = AutoDrafter.__new__(AutoDrafter)
-    assert auto._suffix_wins(1.05, 1.0) and not auto._suffix_wins(1.05, 1.0, merged=True)
-    assert auto._suffix_wins(KEEP_MEASURED * 1.01, 1.0, merged=True)
-    assert auto._suffix_wins(0.01, 0.0, merged=False)
+    auto = AutoDrafter(tiny("llama").model)
+    auto.est = Estimates(PASS, 4)
+    chain = Offer(LOOKUP, 2, 1.0 + 0.6 + 0.36, PASS.rows(3), "")  # the prior: alpha 0.6, 0.36
+    n, tokens, ms = auto._tree_nodes(chain, [0.9, 0.8], [1, 2])
+    assert n == 2 and tokens == pytest.approx(chain.tokens + 0.9 * 0.4 + 0.8 * (1 - 0.36))
+    assert ms == pytest.approx(PASS.rows(5))
+    assert auto._tree_nodes(chain, [0.9, 0.8], [1, 2], shared=[True, True])[0] == 0
+    for _ in range(40):
+        auto.est.learn(Offer(LOOKUP, 2, 1.0, 1.0), 2, 2, 0.0)
+    assert auto._tree_nodes(chain, [0.3], [1])[0] == 0
 
 
 def test_a_tree_node_the_copying_chain_proposes_already_costs_no_row():
-    from specdec.drafters.auto import _depths, _on_chain
+    from specdec.drafters.merge import depths, on_chain
 
     tokens, parents = [5, 6, 7, 8, 9, 4, 3], [-1, 0, 1, 2, 3, -1, 0]
-    assert _on_chain([5, 6, 7], tokens, parents, _depths(parents)) == [True, True, True, False, False, False, False]
-    assert _on_chain([], tokens, parents, _depths(parents)) == [False] * 7
-    assert _on_chain([5, 9], tokens, parents, _depths(parents)) == [True, False, False, False, False, False, False]
+    assert on_chain([5, 6, 7], tokens, parents, depths(parents)) == [True, True, True, False, False, False, False]
+    assert on_chain([], tokens, parents, depths(parents)) == [False] * 7
+    assert on_chain([5, 9], tokens, parents, depths(parents)) == [True, False, False, False, False, False, False]

@@ -10,7 +10,7 @@ from conftest import EXACT_MODES
 from helpers import ALPHA, PASS, PROMPT_IDS, PROMPTS, chi2_pvalue, no_timing
 
 import specdec
-from specdec.adaptive import KController
+from specdec.adaptive import Schedule
 from specdec.config import SamplingParams
 from specdec.costs import Costs
 from specdec.drafters import DraftModelDrafter
@@ -76,7 +76,7 @@ def _rule_by_confidence(monkeypatch, threshold: float | None) -> list[bool]:
 
 def _always_draft(monkeypatch) -> None:
     """The engine's controller drafts every step (with the deepest k: the draft sizes itself)."""
-    monkeypatch.setattr(KController, "choose", lambda self, k, remaining=None, others=(0, 0.0): k)
+    monkeypatch.setattr(Schedule, "choose", lambda self, k, remaining=None, others=(0, 0.0): k)
 
 
 @pytest.mark.parametrize("dtype", EXACT_MODES)
@@ -107,7 +107,8 @@ def test_the_draft_stops_short_of_k_only_where_confidence_says_so(tiny, monkeypa
         draft_module.CONFIDENCE.pop(target.model, None)
         drafter = DraftModelDrafter(target.model, confidence=confidence)
         drafter.begin(DraftSession(PROMPT_IDS, 64, SamplingParams(), make_generator(0, "cpu"), target.model))
-        assert drafter.sizes_itself is bool(confidence) and len(drafter.propose(5).tokens) == depth
+        drafter.sync()
+        assert len(drafter.propose(5).tokens) == depth
     fixed = specdec.generate(
         target, PROMPTS[0], assistant_model=target, k=4, max_new_tokens=21, ignore_eos=True, adaptive_k=False
     )

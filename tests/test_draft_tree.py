@@ -11,7 +11,7 @@ from conftest import EXACT_MODES
 from helpers import ALPHA, PROMPT_IDS, PROMPTS, chi2_pvalue, no_timing
 
 import specdec
-from specdec.adaptive import KController
+from specdec.adaptive import Schedule
 from specdec.config import SamplingParams
 from specdec.costs import Costs
 from specdec.drafters import DraftModelDrafter
@@ -81,7 +81,7 @@ def _bushy(monkeypatch) -> None:
         return sorted(leaves, key=lambda j: -self.nodes[j].chance)[:2]
 
     monkeypatch.setattr(TreeGrowth, "to_feed", to_feed)
-    monkeypatch.setattr(KController, "choose", lambda self, k, remaining=None, others=(0, 0.0): k)
+    monkeypatch.setattr(Schedule, "choose", lambda self, k, remaining=None, others=(0, 0.0): k)
 
 
 def _fresh_rows(model, tokens: list[int], n: int) -> torch.Tensor:

@@ -463,17 +463,17 @@ def test_a_draft_that_caught_up_keeps_the_prompts_prefill_for_the_next_sequence(
     model = tiny("llama", "close").model
     context = list(PROMPT_IDS) * 4
 
-    def begun(lazy: bool) -> DraftModelDrafter:
+    def begun() -> DraftModelDrafter:
         d = DraftModelDrafter(model)
-        d.begin(DraftSession(list(context), 64, SamplingParams(), make_generator(0, "cpu"), lazy=lazy))
+        d.begin(DraftSession(list(context), 64, SamplingParams(), make_generator(0, "cpu")))
         return d
 
-    begun(lazy=False)
+    begun().sync()
     prompt = PREFILLED.get(model)
     assert prompt is not None and len(prompt[0]) == len(context) - 1
-    late = begun(lazy=True)
+    late = begun()
     late.catch_up([5, 6, 7])
     late.sync()
     assert PREFILLED.get(model) is prompt
-    again = begun(lazy=True)
-    assert again.switch_ms() == 0.0  # (it copies the prompt's prefill)
+    again = begun()
+    assert again._catch_up_ms() == 0.0  # (it copies the prompt's prefill)

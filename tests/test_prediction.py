@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import EXACT_MODES
-from helpers import PROMPTS, fb
+from helpers import PASS, PROMPTS, fb
 
 import specdec
+from specdec.adaptive import Estimates
 from specdec.config import SamplingParams
 from specdec.drafters import AutoDrafter, DraftSession, PredictionDrafter, PromptLookupDrafter
 
@@ -31,11 +32,12 @@ def test_an_output_in_step_gets_the_rest_of_the_prediction():
     p = [10, 11, 12, 13, 14, 15, 16]
     d = started([10, 11], p)
     assert d.propose(3).tokens.tolist() == [12, 13, 14]
-    assert d.outlook(8) == (2, 5)  # matched two tokens; five left
+    o = d.offer(8, Estimates(PASS, 8))
+    assert (o.situation, o.most) == (2, 5)  # matched two tokens; five left
     d.accepted(fb(3, 15))  # all three kept, then the target's own 15
     assert d.propose(8).tokens.tolist() == [16]
     d.accepted(fb(1, 0))
-    assert d.propose(4).tokens.tolist() == [] and d.outlook(4) is None  # past its end: nothing
+    assert d.propose(4).tokens.tolist() == [] and d.offer(4, Estimates(PASS, 8)) is None  # past its end: nothing
     assert d.counts() == {"accepted_tokens": 4, "rejected_tokens": 0}
 
 
@@ -68,7 +70,7 @@ def test_a_changed_word_realigns_on_the_longest_run():
 def test_nothing_to_follow_without_a_prediction():
     d = PredictionDrafter()
     d.begin(DraftSession([1, 2], 100, SamplingParams(), torch.Generator().manual_seed(0)))
-    assert d.outlook(4) is None and d.propose(4).tokens.tolist() == []
+    assert d.offer(4, Estimates(PASS, 8)) is None and d.propose(4).tokens.tolist() == []
     with pytest.raises(ValueError, match="max_ngram"):
         PredictionDrafter(max_ngram=0)
 

@@ -15,7 +15,7 @@ from helpers import PROMPTS, random_head, random_heads
 
 import specdec
 from specdec import costs
-from specdec.adaptive import StepGuard
+from specdec.adaptive import Estimates, Schedule
 from specdec.costs import PASS_TABLES, Costs
 from specdec.drafters import (
     AutoDrafter,
@@ -99,22 +99,22 @@ def test_negative_control_with_the_clock_in_the_choices_answers_differ(tiny, mon
 
 
 @pytest.mark.parametrize("clock_free", [True, False])
-def test_the_step_guard_of_a_seeded_sampled_request_counts_no_measured_time(clock_free):
-    """The guard that lookahead and the trained heads run under, fed the same verified steps
-    at two measured drafting times: clock-free (`estimate`), the same choices; with the clock
-    (the negative control), a slow moment turns drafting off."""
+def test_the_schedule_of_a_seeded_sampled_request_counts_no_measured_time(clock_free):
+    """The schedule that lookahead and the trained heads run under (offers from what their steps
+    did), fed the same verified steps at two measured drafting times: clock-free (a
+    reproducible request's estimates), the same choices; with the clock (the negative control),
+    a slow moment turns drafting off."""
     table = Costs({r: 10.0 + r for r in range(1, 10)})
 
     def choices(draft_ms: float, scale: float) -> list[int]:
         t = Costs(dict(table.target_ms))
-        g = StepGuard(4, t, estimate=(lambda proposed: 0.5 * proposed) if clock_free else None)
+        g = Schedule("t", None, Estimates(t, 4, reproducible=clock_free))
         out = []
         for _ in range(12):
-            k = g.choose()
+            k = g.choose(4)
             out.append(k)
             t.observe(1, scale * t.target(1), weight=1.0)
-            if k:
-                g.update(k, k, 2, draft_ms, rows=k + 1)
+            g.update(k, 2 if k else 0, draft_ms if k else 0.0, rows=k + 1)
         return out
 
     same = choices(draft_ms=1.0, scale=1.0) == choices(draft_ms=80.0, scale=3.0)

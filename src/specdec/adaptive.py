@@ -1,42 +1,49 @@
-"""Each step's draft length (`adaptive_k`) and drafter (`--drafter auto`) from what the request
-has shown so far.
+"""Each step's drafter and k: every member offers its best proposal, one chooser takes the best.
 
-The expected-tokens cost model, online, per sequence. After every step the controller knows,
-discounted by `gamma` per new observation so that a change of topic within a request is
-followed:
+An *offer* (`Offer`) is what one drafter would do on this step: its proposal (a chain of k
+tokens, or a tree of depth k), the tokens it expects the step to commit (the target's own
+included) and the milliseconds it expects the step to cost (its drafting, the target's pass
+over the rows it brings, and a share of catching up first). Its *rate* is tokens per
+millisecond. A plain step offers one token for a one-row pass.
 
-* alpha_j, the chance that a proposal reaching position j has its token j accepted (which
-  implies 1..j-1 were): accepted-at-j / proposed-at-j, with a weak prior;
-* the drafter's cost per drafted token (its measured time per step / the k it was asked for);
-* the target's pass time per row count on this machine (`specdec.costs.pass_costs`), scaled
-  online by how the engine's measured passes compare with it (`Costs.observe`: load, a
-  longer context).
+`Chooser.choose` is the whole rule:
+1. the offer with the best rate — unless the member that drafted the last step (the
+   incumbent) offers within `HYSTERESIS` of it: then the incumbent's (each switch costs a
+   catch-up, and two estimates a few percent apart are the same estimate);
+2. a plain step where that offer does not beat plain decoding by `margin`;
+3. after `wait` plain steps in a row, a probe: the offer of the member that drafted least
+   recently, as offered, so its estimates can recover (not one whose catch-up would cost more
+   than PROBE_SHARE of what the rest of the request takes anyway); each probe doubles the wait,
+   up to MAX_PROBE_WAIT, and a step drafted on its merits resets it.
 
-A step with k drafts is expected to commit E(k) = 1 + alpha_1 + ... + alpha_k tokens in
-k * draft_ms + pass(1 + k) ms; plain decoding commits 1 in pass(1). `MethodChooser` picks the
-drafter and k with the most tokens per millisecond — a plain step (no drafting) whenever none
-beats plain decoding by `margin` (3%: the estimates are noisy, and a step that drafts in vain
-costs more than a plain step that could have drafted). Acceptance is kept per drafter *and
-situation* (prompt lookup's is the length of the n-gram it matched: a 3-token match is
-accepted far more often than a 1-token one); a drafter's cost starts from its own estimate (a
-draft model: its one-row pass time here); what a drafter must do before it can propose (a draft
-model feeding the tokens it missed) is charged to that step, spread over the tokens still to
-generate. After `probe_after` plain steps in a row it drafts one token with the drafter that
-drafted least recently, so the estimates can recover; each probe doubles the wait, up to 64.
-`KController` is the same over one drafter (`adaptive_k`, the default), and `--drafter auto`
-(`specdec.drafters.auto`) runs it over several. `StepGuard` is the on/off version for
-drafters that size their own proposals (token trees, extra rows).
+Offers are priced by one `Estimates` per sequence, from what that sequence (and, for greedy
+requests, earlier ones: `Acceptance.as_prior`) has shown:
+* the position model (a chain member's offers): alpha_j, the discounted chance that a proposal
+  reaching position j has its token j accepted, per member and *situation* (prompt lookup's is
+  the length of its n-gram match); a chain of k is expected to commit 1 + alpha_1 + ... +
+  alpha_k tokens, and each member offers its best k;
+* the record (a member that sizes its own proposals: a draft model stopping where its
+  confidence says, a tree drafter): what its steps committed and cost, EMAs per step;
+* each member's draft cost per token (measured, from its own stored estimate);
+* the target's pass time per row count (`costs.Costs`, scaled online by the engine's passes).
+
+The engine runs the same chooser over one drafter (`Schedule`: `GenerationConfig.adaptive_k`,
+on by default); `--drafter auto` over several (`drafters.auto`). Every step's offers, pick and
+what it committed are kept (`Chooser.log`), so a change to the rule can be judged by replaying
+logs (`replay`).
 
 Exactness: the choice depends only on steps already verified, never on the step's own draws,
 and each step is verified by the same exact rule whatever its k; greedy output and the sampled
 distribution are those of plain decoding (tested, with switching, and with a wrong rule as a
-negative control).
+negative control). A seeded sampled request (`reproducible`) decides from stored numbers
+only: the pass table unscaled, each member's stored draft cost.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .costs import Costs, expected_tokens
@@ -45,29 +52,55 @@ from .runtime import per_model
 PRIOR_WEIGHT = 1.0  # pseudo-proposals behind the prior alpha_j = PRIOR_ALPHA ** j
 PRIOR_ALPHA = 0.6
 MEMORY_PRIOR_WEIGHT = 4.0  # the most pseudo-proposals earlier requests' estimate weighs (`Acceptance.as_prior`)
+MEMORY_GAMMA = 0.99  # discount per new observation in the memory kept across requests (~100 proposals)
+GAMMA = 0.9  # discount per new observation within a request (a change of topic is followed)
+MARGIN = 1.03  # how much better than plain decoding an offer must be (a vain draft costs more than a plain step)
+HYSTERESIS = 1.10  # how much better than the incumbent's another offer must be to take the step
+PROBE_AFTER = 4  # plain steps in a row before the first probe
 MAX_PROBE_WAIT = 64
-# a self-sized drafter's steps vary a lot (a sure phrase runs eight deep, a fork stops at one):
-# its record follows them over ~5 steps, not ~3
-REALIZED_WEIGHT = 0.2
+PROBE_SHARE = 0.10  # a probe may spend at most this share of the rest of the request catching up
+# a member's record follows its steps over ~5 steps (a sure phrase runs eight deep, a fork stops at one)
+RECORD_WEIGHT = 0.2
+OUTLIER = 2.0  # a step's drafting counts at most this many times the member's estimate
 MEMORY_STEP_WEIGHT = 0.05  # a step's weight in the record kept across requests (`StepRecord`): ~20 steps
-KEEP_MEASURED = 1.10  # how much better another drafter's estimate must be to take a self-sized one's step
-PROBE_SWITCH_SHARE = 0.10  # a probe may cost catching up at most this share of the rest of the request
+PLAIN = "plain"
 
-Outlook = tuple[Hashable, int, float]  # (situation, most tokens it could propose now, switch ms)
+
+@dataclass(frozen=True)
+class Offer:
+    """One member's best proposal on this step, priced before it is made."""
+
+    member: str  # PLAIN for a plain step
+    k: int  # a chain's tokens, or the deepest a proposal may go (a tree; a member that stops short itself)
+    tokens: float  # expected tokens the step commits (the target's own included)
+    ms: float  # expected ms of the step: drafting, the target's pass, a share of catching up
+    situation: Hashable = ""  # where the acceptance it was priced by comes from
+    tree: Any = None  # a tree member's tree (`drafters.base.ScoredTree`) that goes out with it
+    merged: int = 0  # nodes of the tree member's tree that go out beside this chain (auto's merge)
+    catch_up_ms: float = 0.0  # what catching up first costs (all of it; `ms` carries a share)
+    draft_ms: float = 0.0  # its draft cost per token as priced (what a reproducible step counts)
+    most: int = 0  # the longest chain it could have offered (`k` is the best of them)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.ms if self.ms > 0 else float("inf")
+
+    def row(self) -> list[Any]:
+        """The offer as the step log keeps it: [member, k, tokens, ms, merged nodes]."""
+        return [self.member, self.k, round(self.tokens, 3), round(self.ms, 3), self.merged]
 
 
 class Acceptance:
     """alpha_j, the discounted chance that a proposal reaching draft position j has its token
     j accepted, for j = 1..k_max, with a weak prior (`prior`: what earlier requests measured
-    for these positions, see `acceptance_memory`)."""
+    for these positions)."""
 
     def __init__(
         self, k_max: int, gamma: float, prior: list[float] | None = None, weight: list[float] | None = None
     ) -> None:
         self.gamma = gamma
         self.prior = prior or []
-        # pseudo-proposals behind each position's prior (PRIOR_WEIGHT where not given)
-        self.weight = weight or []
+        self.weight = weight or []  # pseudo-proposals behind each position's prior (PRIOR_WEIGHT where not given)
         self.proposed = [0.0] * k_max  # discounted proposals that reached position j+1
         self.accepted = [0.0] * k_max  # ...whose token j+1 was accepted
 
@@ -75,8 +108,7 @@ class Acceptance:
         """Each position's estimate shrinks to a prior: earlier requests' estimate where there
         is one, else a geometric one — PRIOR_ALPHA at position 1, then the previous position's
         estimate times alpha_1 (the model of Leviathan et al.), so a position that was never
-        proposed is predicted from those that were: copies accepted 95% of the time at
-        positions 1-2 make positions 3-4 worth trying."""
+        proposed is predicted from those that were."""
         out: list[float] = []
         for j, (a, p) in enumerate(zip(self.accepted, self.proposed, strict=True)):
             prior = self.prior[j] if j < len(self.prior) else out[-1] * out[0] if out else PRIOR_ALPHA
@@ -85,17 +117,12 @@ class Acceptance:
         return out
 
     def as_prior(self) -> tuple[list[float], list[float]]:
-        """(alpha_j, weight_j): this estimate as the prior of a new request's (`acceptance_memory`).
-        Each position weighs what it measured, up to MEMORY_PRIOR_WEIGHT proposals and never
-        less than PRIOR_WEIGHT: with one pseudo-proposal behind a prior that many earlier
-        proposals measured, a request's first lucky draft swung a weak situation's estimate
-        far enough for suffix decoding's tree to take steps from the draft model that then
-        committed nothing (docs/results.md, 2026-12-05 third entry)."""
+        """(alpha_j, weight_j): this estimate as the prior of a new request's. Each position
+        weighs what it measured, up to MEMORY_PRIOR_WEIGHT proposals and never less than
+        PRIOR_WEIGHT: with one pseudo-proposal behind a prior that many proposals measured, a
+        request's first lucky draft swung a weak situation's estimate far enough to take steps
+        that then committed nothing (docs/results.md, 2026-12-05 third entry)."""
         return self.alpha(), [min(MEMORY_PRIOR_WEIGHT, max(PRIOR_WEIGHT, p)) for p in self.proposed]
-
-    def expected(self, k: int) -> float:
-        """Expected tokens committed by a step with k drafts (the target's own token included)."""
-        return 1.0 + sum(self.alpha()[:k])
 
     def update(self, proposed: int, accepted: int) -> None:
         # forget only where there is new evidence: a position k no longer reaches keeps its
@@ -106,440 +133,359 @@ class Acceptance:
 
 
 class StepRecord:
-    """What a self-sized drafter's steps committed and cost (EMAs of tokens and ms per step)
-    over the earlier greedy requests with the same target and drafter (kept where the drafter
-    keeps what it learns across requests: a draft model's confidence calibration). A request's
-    record (`MethodChooser.realized`) starts from it: started from the position model's guess
-    instead, a few unlucky one-token steps early in a request ranked a draft model that beat
-    plain decoding over whole requests below plain for the rest of the request (open text).
-    Exact as the rest: it holds verified steps only."""
+    """What a member's steps committed and cost: EMAs of tokens and ms per step, with `weight`
+    per new step. Kept across greedy requests by a member that keeps what it learns (a draft
+    model, with its confidence calibration); a request's record starts from it — started from
+    the position model's guess instead, a few unlucky one-token steps early in a request ranked
+    a draft model that beat plain decoding over whole requests below plain for the rest of the
+    request. Exact as the rest: it holds verified steps only."""
 
-    def __init__(self) -> None:
+    def __init__(self, weight: float = MEMORY_STEP_WEIGHT) -> None:
+        self.weight = weight
         self.step: tuple[float, float] | None = None  # (tokens, ms) per step
 
     def update(self, tokens: float, ms: float) -> None:
         old = self.step or (tokens, ms)
-        self.step = (_ema(old[0], tokens, MEMORY_STEP_WEIGHT), _ema(old[1], ms, MEMORY_STEP_WEIGHT))
+        w = self.weight
+        self.step = ((1 - w) * old[0] + w * tokens, (1 - w) * old[1] + w * ms)
 
 
-MEMORY_GAMMA = 0.99  # discount per new observation in the memory kept across requests (~100 proposals)
-ACCEPTANCE = per_model(memory=True)  # per target: (drafter, situation) -> acceptance over greedy requests
-
-
-def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], Acceptance] | None:
-    """What the greedy requests decoded so far in this process with `target` measured, per
-    drafter and situation: the prior of the next request's estimates. Without it every request
-    starts from the geometric prior (alpha_1 = 0.6), and where a situation is worse — a
-    one-token n-gram match is accepted ~20% of the time — it pays for a few failed drafts to
-    learn that again. Exact as before: what the memory holds comes from verified steps only.
-    None for sampled requests: a seeded request must give the same answer every time, and the
-    draft lengths it chooses decide which random numbers its verification draws."""
-    return ACCEPTANCE.of(target, dict) if greedy else None
-
-
-class _Prober:
-    """After `wait` plain steps in a row, one probe; each probe that finds nothing doubles the
-    wait (up to MAX_PROBE_WAIT), a step chosen on its merits resets it."""
-
-    def __init__(self, probe_after: int) -> None:
-        self.first = self.wait = probe_after
-        self.plain_run = 0
-
-    def plain(self) -> bool:
-        """A step where nothing pays: True if it should probe instead."""
-        self.plain_run += 1
-        if self.plain_run > self.wait:
-            self.plain_run = 0
-            self.wait = min(MAX_PROBE_WAIT, 2 * self.wait)
-            return True
-        return False
-
-    def drafted(self) -> None:
-        self.plain_run = 0
-        self.wait = self.first
-
-
-def outlook_of(drafter: Any, k: int) -> Outlook | None:
-    """What `drafter` could propose now within k tokens, as the chooser takes it: (situation,
-    most tokens, switch ms); None when it has nothing to propose."""
-    o = drafter.outlook(k) if k > 0 else None
-    return (o[0], min(o[1], k), drafter.switch_ms()) if o is not None and o[1] > 0 else None
-
-
-def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
-    return new if old is None else (1.0 - weight) * old + weight * new
-
-
-class KController:
-    """`adaptive_k` for one chain drafter: `MethodChooser` over that drafter alone (its
-    situations, cost estimate and catch-up cost included). `choose` returns the step's k (0: a
-    plain step)."""
-
-    def __init__(self, drafter: Any, k_max: int, costs: Costs, **kw: Any) -> None:
-        self.drafter, self.name = drafter, drafter.name or "drafter"
-        self.chooser = MethodChooser(
-            [self.name],
-            k_max,
-            costs,
-            draft_ms={self.name: drafter.cost_ms()},
-            self_sized=frozenset([self.name] if drafter.sizes_itself else []),
-            priors=lambda m, situation: drafter.prior_alpha(situation),
-            steps=lambda m: drafter.step_record(),
-            **kw,
-        )
-        self._situation: Hashable = None
-
-    def choose(self, k: int, remaining: int | None = None, others: tuple[float, float] = (0, 0.0)) -> int:
-        """This step's k, at most `k` (call once per step); `others`: see `MethodChooser.choose`."""
-        o = outlook_of(self.drafter, k)
-        outlook = {self.name: o} if o is not None else {}
-        method, chosen = self.chooser.choose(outlook, remaining, others)
-        self._situation = outlook[method][0] if method in outlook else None
-        return chosen
-
-    def update(self, asked: int, proposed: int, accepted: int, draft_ms: float, rows: int = 1) -> None:
-        """A verified step: asked for `asked` drafts, got `proposed`, `accepted` of them kept."""
-        self.chooser.update(self.name, self._situation, asked, proposed, accepted, draft_ms, rows)
-
-    def report(self) -> dict[str, Any]:
-        rep = self.chooser.report()
-        alpha = rep["alpha_by_position"]  # per situation ("drafter[situation]"), or one list
-        return {
-            "k_chosen": {k: n for (_, k), n in sorted(self.chooser.chosen.items(), key=lambda t: t[0][1])},
-            "alpha_by_position": alpha.get(self.name, []) if set(alpha) <= {self.name} else alpha,
-            "draft_ms_per_token": rep["draft_ms_per_token"][self.name],
-            "pass_scale": rep["pass_scale"],
-        }
-
-
-class MethodChooser:
-    """Chooses each step's drafter and k for one sequence among several drafters (see the
-    module doc). A drafter is offered each step with its *outlook*: the situation its proposal
-    would come from and how many tokens it could propose now (absent: nothing to propose)."""
+class Estimates:
+    """What one sequence's offers are priced by (see the module doc). `memory`: earlier greedy
+    requests' acceptance per (member, situation), read as priors and added to (None: a fresh
+    start, as a sampled request has); `remembered`: the members whose acceptance it keeps (those
+    whose proposals depend on the target and the text alone, not on a draft model or head
+    another request may not share)."""
 
     def __init__(
         self,
-        methods: list[str],
-        k_max: int,
         costs: Costs,
-        gamma: float = 0.9,
-        probe_after: int = 4,
-        margin: float = 1.03,
-        draft_ms: Mapping[str, float | None] | None = None,
+        k_max: int,
         memory: dict[tuple[str, Hashable], Acceptance] | None = None,
-        remembered: frozenset[str] = frozenset(),
+        remembered: Iterable[str] = (),
         reproducible: bool = False,
-        self_sized: frozenset[str] = frozenset(),
-        priors: Callable[[str, Hashable], float | None] | None = None,
-        steps: Callable[[str], StepRecord | None] | None = None,
     ) -> None:
-        if not methods or k_max < 1 or not 0 < gamma <= 1 or margin < 1:
-            raise ValueError("give at least one method; k_max must be >= 1, gamma in (0, 1] and margin >= 1")
-        self.methods, self.k_max, self.costs, self.gamma, self.margin = list(methods), k_max, costs, gamma, margin
-        # `reproducible` (a seeded sampled request): no timing enters the choices — the stored
-        # pass-time table unscaled, each drafter's own cost estimate never updated — so the draft
-        # lengths, and with them the random numbers verification draws, are the same every time
-        self.reproducible = reproducible
-        if reproducible:
-            self.costs = costs.unscaled()
-        self.acceptance: dict[tuple[str, Hashable], Acceptance] = {}
-        # earlier requests' acceptance (`acceptance_memory`), for the `remembered` methods: those
-        # whose acceptance depends on the target and the text alone (not on a draft model or
-        # head that another request may not share)
+        self.costs = costs.unscaled() if reproducible else costs
+        self.k_max, self.reproducible = k_max, reproducible
         self.memory = memory if memory is not None else {}
-        # a drafter's own prior for a situation no request has measured (`Switchable.prior_alpha`)
-        self.priors = priors
-        self.remembered = remembered
-        # per drafted token (EMA of the measured cost), starting from the drafter's own estimate
-        # where it has one (a draft model: its one-row pass time on this machine)
-        self.draft_ms: dict[str, float | None] = {m: (draft_ms or {}).get(m) for m in methods}
-        if reproducible:
-            self.draft_ms = {m: v or 0.0 for m, v in self.draft_ms.items()}
-        # ...an estimate stored at another moment of the machine (a draft model's step timed once
-        # per machine) moves with it as the pass table does (`Costs.scale`: both are passes over
-        # weights on the same cores) until this request measures the drafter itself
-        self._stored = {m for m, v in self.draft_ms.items() if v}
-        # drafters that stop short of k themselves (`Switchable.sizes_itself`): the chooser decides
-        # whether they draft, and hands them the deepest k it allows; once they have drafted,
-        # they are ranked by what their steps actually committed and cost (`realized`: EMAs of
-        # tokens and ms per step), since their depth is not the k the position model prices.
-        # Each is tried once early in a request where nothing else is chosen on its merits.
-        self.self_sized = self_sized
-        self.realized: dict[str, tuple[float, float]] = {}
-        # ...starting from earlier requests' record where the drafter keeps one (`StepRecord`;
-        # asked once, at the method's first ranking: a drafter's stores are set at its `begin`)
-        self._steps = steps
-        self._records: dict[str, StepRecord | None] = {}
-        self.rates_now: dict[str, float] = {}  # the last `choose`'s expected tokens/ms per drafter
-        self._tried: set[str] = set()
-        self.prober = _Prober(probe_after)
-        self.chosen: Counter[tuple[str, int]] = Counter()  # ("plain", 0) for plain steps
-        self.switches = 0  # drafting steps whose drafter differs from the previous drafting step's
-        self._last_method = "plain"
-        self._step = 0
-        self._last_drafted: dict[str, int] = {}  # method -> the last step it drafted
+        self.remembered = frozenset(remembered)
+        self.acceptance: dict[tuple[str, Hashable], Acceptance] = {}
+        self.draft_ms: dict[str, float] = {}  # measured ms per drafted token (EMA)
+        self.records: dict[str, StepRecord] = {}  # members that size their own proposals: this request's
+        self.kept: dict[str, StepRecord] = {}  # ...and the records they keep across requests
+        self.remaining: int | None = None  # tokens still to generate (None: unknown)
+        self.others: tuple[float, float] = (0, 0.0)  # (rows, tokens) the rest of a batch brings to the pass
 
-    def _acc(self, method: str, situation: Hashable) -> Acceptance:
-        key = (method, situation)
+    def step(self, remaining: int | None = None, others: tuple[float, float] = (0, 0.0)) -> None:
+        """A new step: what is left to generate, and what the rest of the batch brings to the
+        same pass (the rates are then the whole pass's, so a sequence's rows are priced at what
+        they add to it: where the pass is compute-bound, k shrinks)."""
+        self.remaining, self.others = remaining, others
+
+    def plain(self) -> Offer:
+        rows, tokens = self.others
+        return Offer(PLAIN, 0, tokens + 1.0, self.costs.rows(int(rows) + 1))
+
+    def alpha(self, member: str, situation: Hashable, prior: float | None = None) -> list[float]:
+        return self._acc(member, situation, prior).alpha()
+
+    def _acc(self, member: str, situation: Hashable, prior: float | None = None) -> Acceptance:
+        key = (member, situation)
         if key not in self.acceptance:
-            known = self.memory.get(key) if method in self.remembered else None
-            prior, weight = known.as_prior() if known is not None else (None, None)
-            if prior is None and self.priors is not None and (first := self.priors(method, situation)) is not None:
-                prior = [first]
-            self.acceptance[key] = Acceptance(self.k_max, self.gamma, prior, weight)
+            known = self.memory.get(key) if member in self.remembered else None
+            first, weight = known.as_prior() if known is not None else ([prior] if prior is not None else None, None)
+            self.acceptance[key] = Acceptance(self.k_max, GAMMA, first, weight)
         return self.acceptance[key]
 
-    def rate(
+    def draft_cost(self, member: str, stored: float | None) -> float:
+        """ms per drafted token of `member` now: measured in this request, else its stored
+        estimate (timed at another moment of the machine: it moves with the pass table's scale,
+        both being passes over weights on the same cores)."""
+        if member in self.draft_ms:
+            return self.draft_ms[member]
+        return (stored or 0.0) * self.costs.scale
+
+    def _setup(self, catch_up_ms: float, tokens: float) -> float:
+        """The share of a catch-up one step carries: spread over the steps the rest of the
+        request takes at this step's tokens."""
+        if not catch_up_ms or self.remaining is None:
+            return 0.0
+        return catch_up_ms * tokens / max(self.remaining, 1)
+
+    def chain(
         self,
-        method: str,
+        member: str,
         situation: Hashable,
+        most: int,
+        draft_ms: float | None,
+        catch_up_ms: float = 0.0,
+        prior: float | None = None,
+    ) -> Offer | None:
+        """A chain member's offer: its best k of at most `most` tokens by the position model
+        (None: nothing to propose). `prior`: the member's own alpha_1 for a situation no request
+        has measured."""
+        if most <= 0:
+            return None
+        alpha, cost = self.alpha(member, situation, prior), self.draft_cost(member, draft_ms)
+        rows, tokens = self.others
+        best: Offer | None = None
+        expected = tokens + 1.0
+        for k in range(1, min(self.k_max, most) + 1):
+            expected += alpha[k - 1]
+            ms = cost * k + self.costs.rows(int(rows) + 1 + k) + self._setup(catch_up_ms, expected - tokens)
+            offer = Offer(
+                member, k, expected, ms, situation, catch_up_ms=catch_up_ms, draft_ms=cost, most=min(self.k_max, most)
+            )
+            if best is None or offer.rate > best.rate:
+                best = offer
+        return best
+
+    def measured(
+        self,
+        member: str,
         k: int,
-        switch_ms: float = 0.0,
-        remaining: int | None = None,
-        others: tuple[float, float] = (0, 0.0),
-    ) -> float:
-        """Expected tokens per millisecond of a step with k drafts of `method` (k = 0: plain).
-        `switch_ms`: what the drafter must do first to catch up (a draft model feeding the
-        tokens it missed), spread over the steps that the `remaining` tokens take. `others`:
-        (rows, expected tokens) the rest of the batch brings to the same pass — the rate is then
-        the whole pass's, so a sequence's extra rows are priced at what they add to it."""
-        rows, tokens = others
-        if k == 0:
-            return (tokens + 1.0) / self.costs.rows(rows + 1)
-        expected = self._acc(method, situation).expected(k)
-        setup = switch_ms * expected / max(remaining, 1) if switch_ms and remaining is not None else 0.0
-        return (tokens + expected) / (self.draft_cost(method) * k + self.costs.rows(rows + 1 + k) + setup)
+        draft_ms: float | None,
+        catch_up_ms: float = 0.0,
+        kept: StepRecord | None = None,
+        prior: float | None = None,
+    ) -> Offer | None:
+        """The offer of a member that sizes its own proposals, handed the deepest k: what its
+        steps committed and cost (its record, starting from `kept`, earlier requests' record;
+        for a reproducible request only this request's). Before it has one — and in a batch,
+        where the pass is shared — the position model's guess for k."""
+        if k <= 0:
+            return None
+        if member not in self.records:
+            self.records[member] = StepRecord(RECORD_WEIGHT)
+            if kept is not None and not self.reproducible:
+                self.kept[member] = kept
+                self.records[member].step = kept.step
+        step = self.records[member].step
+        guess = self.chain(member, "", k, draft_ms, catch_up_ms, prior)
+        if step is None or self.others[0] > 0 or guess is None:
+            return replace(guess, k=k) if guess is not None else None
+        tokens, ms = step
+        return replace(guess, k=k, tokens=tokens, ms=ms + self._setup(catch_up_ms, tokens))
 
-    def draft_cost(self, method: str) -> float:
-        """Expected ms per drafted token of `method` now."""
-        ms = self.draft_ms[method] or 0.0
-        return ms * self.costs.scale if method in self._stored else ms
-
-    def _record(self, method: str) -> StepRecord | None:
-        """Earlier requests' record of `method`'s steps (None: it keeps none; see `StepRecord`).
-        Fetched once, when this request's record of the method starts from it."""
-        if method not in self._records:
-            is_sized = method in self.self_sized and self._steps is not None and not self.reproducible
-            record = self._steps(method) if is_sized else None  # type: ignore[misc]
-            self._records[method] = record
-            if record is not None and record.step is not None:
-                self.realized.setdefault(method, record.step)
-        return self._records[method]
-
-    def ranked(
-        self, outlook: Mapping[str, Outlook], remaining: int | None = None, others: tuple[float, float] = (0, 0.0)
-    ) -> list[tuple[float, str, int]]:
-        """(expected tokens/ms, method, k) of every method's best k, best first."""
-        out = []
-        for m in self.methods:
-            if m not in outlook:
-                continue
-            self._record(m)  # (a request's record starts from earlier requests')
-            situation, most, switch_ms = outlook[m]
-            ks = range(1, min(self.k_max, most) + 1)
-            if ks and m in self.realized and others[0] == 0:
-                tokens, ms = self.realized[m]
-                setup = switch_ms * tokens / max(remaining, 1) if switch_ms and remaining is not None else 0.0
-                out.append((tokens / (ms + setup), m, ks[-1]))
-            elif ks:
-                rate = {k: self.rate(m, situation, k, switch_ms, remaining, others) for k in ks}
-                k = max(ks, key=lambda k: (rate[k], -k))
-                out.append((rate[k], m, k))
-        return sorted(out, key=lambda t: (-t[0], self.methods.index(t[1])))
-
-    def choose(
-        self, outlook: Mapping[str, Outlook], remaining: int | None = None, others: tuple[float, float] = (0, 0.0)
-    ) -> tuple[str, int]:
-        """This step's (method, k); ("plain", 0) for a plain step. Call once per step.
-        `outlook`: per drafter that could propose now, (situation, most tokens, switch ms);
-        `remaining`: tokens left to generate (None: unknown); `others`: (rows, expected tokens)
-        the other sequences of a batch bring to this pass (a server's continuous batch: where
-        the pass is compute-bound, a row costs its full share and k shrinks)."""
-        choice, probe = ("plain", 0), False
-        unmeasured = [m for m in self.methods if m in outlook and outlook[m][1] > 0 and self.draft_ms[m] is None]
-        ranked = self.ranked(outlook, remaining, others)
-        self.rates_now = {m: r for r, m, _ in ranked}
-        plain_ms = self.costs.target(1)
-
-        def cheap(m: str) -> bool:
-            """Catching `m` up costs at most a small share of what the rest of the request takes."""
-            return outlook[m][2] <= PROBE_SWITCH_SHARE * plain_ms * max(remaining or 0, 1)
-
-        if unmeasured:  # a drafter's cost is not known yet: draft once with it to measure it
-            m = unmeasured[0]
-            choice = (m, min(self.k_max, outlook[m][1]))
-        elif ranked and ranked[0][0] > self.margin * self.rate("plain", None, 0, others=others):
-            choice = (ranked[0][1], ranked[0][2])
-            # a self-sized drafter ranked by what its steps did keeps the step unless another's
-            # estimate (from its position model, on priors where it has few steps) beats it
-            # clearly: each switch also costs the draft a catch-up
-            kept = [(r, m, k) for r, m, k in ranked if m in self.realized and r * KEEP_MEASURED >= ranked[0][0]]
-            if kept and choice[0] not in self.self_sized:
-                choice = (kept[0][1], kept[0][2])
-            self.prober.drafted()
-        elif ranked and self.prober.plain():
-            # probe with one token the drafter that drafted least recently (each gets its turn),
-            # unless catching it up would cost more than a small share of what the rest of the
-            # request takes anyway
-            affordable = [m for _, m, _ in ranked if cheap(m)]
-            if affordable:
-                choice = (min(affordable, key=lambda m: self._last_drafted.get(m, -1)), 1)
-                probe = True
-        if choice[0] == "plain":  # nothing pays on its merits: try a self-sized drafter not yet tried
-            untried = [m for _, m, _ in ranked if m in self.self_sized and m not in self._tried and cheap(m)]
-            if untried:
-                choice = (untried[0], 1)
-        if choice[0] in self.self_sized and not probe:  # (a probe stays one token)
-            choice = (choice[0], min(self.k_max, outlook[choice[0]][1]))
-        if choice[0] in self.self_sized:
-            self._tried.add(choice[0])
-        self.chosen[choice] += 1
-        self._step += 1
-        if choice[0] != "plain":
-            self._last_drafted[choice[0]] = self._step
-            self.switches += self._last_method not in ("plain", choice[0])
-            self._last_method = choice[0]
-        return choice
-
-    def update(
+    def learn(
         self,
-        method: str,
-        situation: Hashable,
-        asked: int,
+        offer: Offer,
         proposed: int,
         accepted: int,
         draft_ms: float,
         rows: int | None = None,
     ) -> None:
-        """A verified step of `method`: asked for `asked` drafts, got `proposed` in a row (`rows`
-        rows in the pass: a tree's nodes and the last committed token; None: 1 + proposed),
-        `accepted` kept."""
-        if asked > 0 and not self.reproducible:
-            if method in self._stored:  # (the estimate as this moment reads it, then measurements)
-                self.draft_ms[method] = self.draft_cost(method)
-                self._stored.discard(method)
-            # (per token drafted: a drafter that sizes itself drafts fewer than it is asked for)
-            per = max(proposed, 1) if method in self.self_sized else asked
-            self.draft_ms[method] = _ema(self.draft_ms[method], draft_ms / per)
-        if proposed > 0 and method in self.self_sized:
-            # what the step committed, and cost: its drafting (the stored estimate where the
-            # clock must not decide) and the target's pass over its rows, from the table
-            spent = self.draft_cost(method) * proposed if self.reproducible else draft_ms
-            pass_ms = self.costs.rows(rows if rows is not None else 1 + proposed)
-            step = (accepted + 1.0, spent + pass_ms)
-            # the first step starts from what the position model predicted for it (one unlucky
-            # first draft must not rank a drafter below plain for the rest of the request)
-            old = self.realized.get(method) or (
-                self._acc(method, situation).expected(proposed),
-                self.draft_cost(method) * proposed + pass_ms,
-            )
-            self.realized[method] = (_ema(old[0], step[0], REALIZED_WEIGHT), _ema(old[1], step[1], REALIZED_WEIGHT))
-            if (record := self._record(method)) is not None:
-                record.update(*step)
-        if proposed > 0:
-            self._acc(method, situation).update(proposed, accepted)
-            if method in self.remembered:
-                key = (method, situation)
-                if key not in self.memory:
-                    self.memory[key] = Acceptance(self.k_max, MEMORY_GAMMA)
-                self.memory[key].update(proposed, accepted)
+        """A verified step of `offer`'s member: `proposed` tokens in a row (a tree: its depth;
+        `rows`: the rows of the pass, None: 1 + proposed), `accepted` of them kept, `draft_ms`
+        its measured drafting."""
+        member, sized = offer.member, offer.member in self.records
+        if offer.tree is not None or proposed <= 0:
+            return  # (a tree member learns from its trees itself; a step without drafts shows nothing)
+        per = proposed if sized else max(offer.k, 1)  # (a sized member drafts fewer than k)
+        if self.reproducible:
+            spent = offer.draft_ms * per
+        elif member not in self.draft_ms and not offer.draft_ms:  # nothing known before: taken whole
+            spent = draft_ms
+            self.draft_ms[member] = spent / per
+        else:
+            # one step's drafting moves the estimate by at most a doubling: a first call's
+            # allocation or a moment of load is not the member's cost
+            old = self.draft_ms.get(member, offer.draft_ms)  # (as priced: the stored estimate, scaled)
+            spent = min(draft_ms, OUTLIER * old * per) if old > 0 else draft_ms
+            self.draft_ms[member] = 0.7 * old + 0.3 * spent / per
+        if sized:
+            step = (accepted + 1.0, spent + self.costs.rows(rows if rows is not None else 1 + proposed))
+            record = self.records[member]
+            if record.step is None:  # (one unlucky first step must not rank it below plain for the request)
+                guess = self.chain(member, offer.situation, proposed, offer.draft_ms)
+                record.step = (guess.tokens, guess.ms) if guess is not None else step
+            record.update(*step)
+            if member in self.kept:
+                self.kept[member].update(*step)
+        self._acc(member, offer.situation).update(proposed, accepted)
+        if member in self.remembered:
+            key = (member, offer.situation)
+            self.memory.setdefault(key, Acceptance(self.k_max, MEMORY_GAMMA)).update(proposed, accepted)
+
+
+ACCEPTANCE = per_model(memory=True)  # per target: (member, situation) -> acceptance over greedy requests
+
+
+def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], Acceptance] | None:
+    """What the greedy requests decoded so far in this process with `target` measured, per
+    member and situation: the prior of the next request's estimates (a one-token n-gram match
+    is accepted ~20% of the time: without it every request pays a few failed drafts to learn
+    that again). None for sampled requests: a seeded request must give the same answer every
+    time, and its draft lengths decide which random numbers its verification draws."""
+    return ACCEPTANCE.of(target, dict) if greedy else None
+
+
+class Chooser:
+    """The rule of the module doc over the offers of one sequence's steps, with the log of
+    every step: its offers, its pick, and what the pass committed (`committed`)."""
+
+    def __init__(self, margin: float = MARGIN, probe_after: int = PROBE_AFTER) -> None:
+        if margin < 1 or probe_after < 1:
+            raise ValueError("the chooser's margin must be >= 1 and probe_after >= 1")
+        self.margin, self.first_wait = margin, probe_after
+        self.wait, self.plain_run = probe_after, 0
+        self.incumbent: str | None = None  # the member that drafted the last drafted step
+        self.drafted: dict[str, int] = {}  # member -> the last step it drafted
+        self.log: list[dict[str, Any]] = []
+        self.switches = 0  # drafted steps whose member differs from the previous drafted step's
+
+    def choose(self, offers: list[Offer], plain: Offer, remaining: int | None = None) -> Offer:
+        """This step's offer (`plain` for a plain step); `remaining`: tokens left to generate
+        (None: unknown). Call once per step."""
+        best = max(offers, key=lambda o: o.rate, default=None)  # (ties: the first listed)
+        incumbent = next((o for o in offers if o.member == self.incumbent), None)
+        if best is not None and incumbent is not None and incumbent.rate * HYSTERESIS >= best.rate:
+            best = incumbent
+        pick, why = plain, "plain"
+        if best is not None and best.rate > self.margin * plain.rate:
+            pick, why = best, "best"
+            self.wait, self.plain_run = self.first_wait, 0
+        else:
+            self.plain_run += 1
+            affordable = [o for o in offers if o.catch_up_ms <= PROBE_SHARE * plain.ms * max(remaining or 0, 1)]
+            if affordable and self.plain_run > self.wait:
+                pick, why = min(affordable, key=lambda o: self.drafted.get(o.member, -1)), "probe"
+                self.wait, self.plain_run = min(MAX_PROBE_WAIT, 2 * self.wait), 0
+        step = len(self.log)
+        if pick.member != PLAIN:
+            self.switches += self.incumbent not in (None, pick.member)
+            self.incumbent = pick.member
+            self.drafted[pick.member] = step
+        self.log.append(
+            {
+                "offers": [o.row() for o in offers],
+                "plain": plain.row(),
+                "remaining": remaining,
+                "catch_up_ms": [round(o.catch_up_ms, 3) for o in offers],
+                "pick": pick.row(),
+                "why": why,
+            }
+        )
+        return pick
+
+    def committed(self, tokens: int, draft_ms: float, pass_ms: float | None) -> None:
+        """What the last chosen step committed, and what its drafting and pass cost."""
+        if self.log:
+            self.log[-1].update(committed=tokens, draft_ms=round(draft_ms, 3))
+            if pass_ms is not None:
+                self.log[-1]["pass_ms"] = round(pass_ms, 3)
 
     def report(self) -> dict[str, Any]:
+        """Steps per member and k, switches, the per-member table (`members`) and the log."""
         steps: dict[str, dict[str, int]] = {}
-        for (m, k), n in sorted(self.chosen.items(), key=lambda t: (t[0][0], t[0][1])):
-            steps.setdefault(m, {})[f"k={k}" if m != "plain" else "steps"] = n
-        return {
-            "methods": self.methods,
-            "steps": steps,
-            "switches": self.switches,
-            # per drafter[situation], the positions that were ever proposed
-            "alpha_by_position": {
-                f"{m}[{s}]" if s != "" else m: [
-                    round(a, 3) for a, p in zip(acc.alpha(), acc.proposed, strict=True) if p > 0
-                ]
-                for (m, s), acc in sorted(self.acceptance.items(), key=lambda t: str(t[0]))
-            },
-            "draft_ms_per_token": {m: None if v is None else round(v, 3) for m, v in self.draft_ms.items()},
-            "pass_scale": round(self.costs.scale, 3),
+        chosen = Counter((s["pick"][0], s["pick"][1]) for s in self.log)
+        for (m, k), n in sorted(chosen.items(), key=lambda t: (t[0][0], t[0][1])):
+            steps.setdefault(m, {})[f"k={k}" if m != PLAIN else "steps"] = n
+        return {"steps": steps, "switches": self.switches, "members": members(self.log), "log": self.log}
+
+
+def members(log: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per member (and plain) from a step log: steps taken, tokens per pass, ms per step (its
+    drafting and its pass, where measured) and its share of the time."""
+    acc: dict[str, list[float]] = {}
+    for s in log:
+        a = acc.setdefault(s["pick"][0], [0, 0.0, 0.0])
+        a[0] += 1
+        a[1] += s.get("committed", 0)
+        a[2] += s.get("draft_ms", 0.0) + s.get("pass_ms", 0.0)
+    total = sum(a[2] for a in acc.values()) or 1.0
+    return {
+        m: {
+            "steps": int(n),
+            "tokens_per_pass": round(tokens / n, 2),
+            "ms_per_step": round(ms / n, 2),
+            "share": round(ms / total, 3),
         }
+        for m, (n, tokens, ms) in sorted(acc.items())
+    }
 
 
-class StepGuard:
-    """Never slower, for drafters that size their own proposals (token trees, extra rows,
-    self-speculation): each step either drafts as the drafter chooses or is a plain step.
-    Drafted steps' tokens per millisecond — committed tokens over the drafter's measured time
-    plus the target's pass time for the rows it brought (`costs`) — discounted by `gamma` per
-    drafted step, against plain decoding's one token per one-row pass. Plain steps wherever
-    drafting is not measured to keep up with plain decoding, with one drafted probe after 4, 8,
-    ... 64 plain steps so the estimate can recover."""
+def replay(log: list[dict[str, Any]], chooser: Chooser | None = None) -> list[dict[str, Any]]:
+    """Each logged step's offers through `chooser` (a fresh one by default): where its pick
+    differs from the logged one, the step, both picks and the difference in expected tokens
+    per ms (the new pick's rate over the logged pick's, both as the log priced them)."""
+    chooser = chooser or Chooser()
+    out = []
+    for i, s in enumerate(log):
+        offers = [
+            Offer(m, k, t, ms, merged=n, catch_up_ms=c)
+            for (m, k, t, ms, n), c in zip(s["offers"], s["catch_up_ms"], strict=True)
+        ]
+        p = s["pick"]
+        new = chooser.choose(offers, _offer(s["plain"]), s["remaining"])
+        if new.member != p[0] or new.k != p[1]:
+            old_rate = p[2] / p[3] if p[3] else 0.0
+            out.append({"step": i, "logged": p, "new": new.row(), "rate_ratio": round(new.rate / old_rate, 3)})
+    return out
+
+
+def _offer(row: list[Any]) -> Offer:
+    m, k, tokens, ms, merged = row
+    return Offer(m, k, tokens, ms, merged=merged)
+
+
+class Schedule:
+    """`GenerationConfig.adaptive_k`: the chooser over one drafter (auto over one member). The
+    drafter's offer is its own (`offer`: a `Switchable`'s) or, for a drafter that prices
+    nothing itself, what its steps did (`Estimates.measured`)."""
 
     def __init__(
         self,
-        k: int,
-        costs: Costs,
-        gamma: float = 0.9,
-        probe_after: int = 4,
-        estimate: Callable[[int], float] | None = None,
+        name: str,
+        offer: Callable[[int, Estimates], Offer | None] | None,
+        estimates: Estimates,
     ) -> None:
-        if k < 1 or not 0 < gamma <= 1:
-            raise ValueError("k must be >= 1 and gamma in (0, 1]")
-        self.k, self.costs, self.gamma = k, costs, gamma
-        # `estimate` (a seeded sampled request, `costs.reproducible`): a step's drafting time
-        # from stored numbers (`Switchable.estimated_ms` of the tokens proposed) instead of the
-        # measured one, against the stored pass table unscaled: no clock enters the choices
-        self.estimate = estimate
-        if estimate is not None:
-            self.costs = costs.unscaled()
-        self.tokens = 0.0  # discounted tokens committed by drafted steps
-        self.ms = 0.0  # ...and their discounted cost
-        self.prober = _Prober(probe_after)
-        self.drafted_steps = self.plain_steps = 0
+        self.name, self.offer_of, self.est = name, offer, estimates
+        self.chooser = Chooser()
+        self.offer: Offer | None = None
 
-    def drafting_pays(self) -> bool:
-        return self.ms == 0.0 or self.tokens / self.ms >= 1.0 / self.costs.target(1)
+    def choose(self, k: int, remaining: int | None = None, others: tuple[float, float] = (0, 0.0)) -> int:
+        """This step's k, at most `k` (0: a plain step). Call once per step."""
+        self.est.step(remaining, others)
+        o = self.offer_of(k, self.est) if self.offer_of is not None else self.est.measured(self.name, k, 0.0)
+        self.offer = self.chooser.choose([o] if o is not None else [], self.est.plain(), remaining)
+        return min(self.offer.k, k)
 
-    def choose(self) -> int:
-        """This step's k: the drafter's own, or 0 for a plain step."""
-        if self.drafting_pays():
-            self.prober.drafted()
-            k = self.k
-        else:
-            k = self.k if self.prober.plain() else 0
-        if k:
-            self.drafted_steps += 1
-        else:
-            self.plain_steps += 1
-        return k
-
-    def update(self, asked: int, proposed: int, accepted: int, draft_ms: float, rows: int = 1) -> None:
-        """A verified step that asked for drafts: `accepted` drafts kept (plus the target's own
-        token), `rows` rows scored by the target pass."""
-        if asked == 0:
+    def update(
+        self, proposed: int, accepted: int, draft_ms: float, rows: int | None = None, pass_ms: float | None = None
+    ) -> None:
+        """The chosen step's pass: `proposed` tokens deep, `accepted` kept, over `rows` rows
+        (nothing for a step this schedule did not choose: a batch's plain step)."""
+        if self.offer is None:
             return
-        if self.estimate is not None:
-            draft_ms = self.estimate(proposed)
-        self.tokens = self.gamma * self.tokens + accepted + 1
-        self.ms = self.gamma * self.ms + draft_ms + self.costs.target(rows)
+        if self.offer.member != PLAIN:
+            self.est.learn(self.offer, proposed, accepted, draft_ms, rows)
+        self.chooser.committed(accepted + 1, draft_ms, pass_ms)
+        self.offer = None
 
     def report(self) -> dict[str, Any]:
-        return {
-            "drafted_steps": self.drafted_steps,
-            "plain_steps": self.plain_steps,
-            "drafted_tokens_per_ms": round(self.tokens / self.ms, 4) if self.ms else None,
-            "plain_tokens_per_ms": round(1.0 / self.costs.target(1), 4),
-            "pass_scale": round(self.costs.scale, 3),
-        }
+        rep = self.chooser.report()
+        rep["alpha_by_position"] = alpha_report(self.est)
+        rep["pass_scale"] = round(self.est.costs.scale, 3)
+        return rep
+
+
+def alpha_report(est: Estimates) -> dict[str, list[float]]:
+    """Per member[situation], alpha_j at the positions that were ever proposed."""
+    return {
+        f"{m}[{s}]" if s != "" else m: [round(a, 3) for a, p in zip(acc.alpha(), acc.proposed, strict=True) if p > 0]
+        for (m, s), acc in sorted(est.acceptance.items(), key=lambda t: str(t[0]))
+    }
 
 
 def batch_drafting_pays(costs: Costs, batch: int, k: float, alpha: float, draft_ms_per_token: float = 0.0) -> bool:
     """Several sequences decoding in one target pass (a server's continuous batch): does
     drafting `k` tokens each, accepted at rate `alpha` each, commit more tokens per ms than a
     plain step for all of them? A plain step commits `batch` tokens in a pass over `batch`
-    rows; a drafting step batch * E(alpha, k) (E = 1 + alpha + ... + alpha^k) in a pass over
-    batch * (1 + k) rows plus the drafting. One row costs about as much as a few (the pass
-    is memory-bound), so drafting pays for a small batch; a large batch already fills the pass
-    with rows, and each drafted row then costs its full compute. With one sequence its own
-    controller decides (True here)."""
+    rows; a drafting step batch * E(alpha, k) in a pass over batch * (1 + k) rows plus the
+    drafting. One row costs about as much as a few (the pass is memory-bound), so drafting
+    pays for a small batch; a large batch already fills the pass with rows, and each drafted
+    row then costs its full compute. With one sequence its own chooser decides (True here)."""
     if batch <= 1 or k <= 0:
         return True
     alpha = min(max(alpha, 0.0), 1.0)

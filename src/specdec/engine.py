@@ -12,11 +12,10 @@ one target pass over every live sequence's rows (a new sequence's prompt, or its
 committed token and its draft) -> verify each sequence with its own generator -> commit or
 roll back. Plain decoding is the same loop for a sequence without a drafter (k = 0).
 Sequences join and leave between steps; each has its own KV cache, freed when it ends. With
-`adaptive_k` (the default), a chain drafter's k is chosen each step by
-`specdec.adaptive.KController` (0 = a plain step where no k is predicted to beat plain
-decoding), and other drafters' steps are switched to plain steps by `specdec.adaptive.StepGuard`
-where drafting is measured not to keep up with plain decoding (drafters with `own_schedule`
-— auto, early exit's calibration — decide for themselves).
+`adaptive_k` (the default), each step's k is chosen by `specdec.adaptive.Schedule`, the chooser
+of `--drafter auto` over one drafter: its offer against a plain step (0 = a plain step where
+drafting is not predicted to beat plain decoding). Drafters with `own_schedule` — auto, early
+exit's calibration — decide for themselves.
 
 Lossless: sampled output follows the target's distribution, and greedy output equals plain
 decoding token for token — bitwise in the batch-invariant modes (q4k, int8), where a
@@ -33,10 +32,10 @@ from typing import Any
 
 import torch
 
-from .adaptive import KController, StepGuard, acceptance_memory
+from .adaptive import Estimates, Schedule, acceptance_memory
 from .config import GenerationConfig, SamplingParams
 from .costs import Costs, Pricing, observe_pass
-from .drafters.base import Draft, Drafter, DraftSession, Feedback, Switchable, estimate, remembered
+from .drafters.base import Draft, Drafter, DraftSession, Feedback, Switchable, remembered
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
 from .model.prefix import PrefixStore
@@ -172,7 +171,7 @@ class _Sequence:
     last: int | None = None  # last committed token, not yet in the cache (None: not prefilled)
     prefilled: int = 0  # prompt tokens in the cache (the prompt is read PREFILL_CHUNK rows per step)
     forwards_before: int = 0  # the drafter's forward count at begin
-    controller: KController | StepGuard | None = None  # adaptive_k: chooses each step's k (0: plain)
+    controller: Schedule | None = None  # adaptive_k: chooses each step's k (0: plain)
     k_now: int = 0  # this step's k (planned once per step)
     # draft rows it sends per pass when drafting is on (an average of recent steps; None: none
     # yet): what a batch of it costs, whatever k allowed (a tree drafter sizes its own)
@@ -196,10 +195,8 @@ class _Sequence:
         """This step's k: the budget's, or the controller's choice within it. `others`: (rows,
         expected tokens) the rest of the batch brings to the pass."""
         k = self.k()
-        if k > 0 and isinstance(self.controller, KController):
+        if k > 0 and self.controller is not None:
             k = self.controller.choose(k, remaining=self.stopper.limit - len(self.stopper.tokens), others=others)
-        elif k > 0 and self.controller is not None:
-            k = min(k, self.controller.choose())
         return k
 
 
@@ -296,24 +293,20 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**63 - 1)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else frozenset()
         scratch = drafter.scratch_rows if drafter is not None else 0
-        controller: KController | StepGuard | None = None
+        controller: Schedule | None = None
         pricing = Pricing.of(self.target, sampling, self.pass_tables)
         if cfg.adaptive_k and drafter is not None and not drafter.own_schedule:
-            if isinstance(drafter, Switchable) and drafter.k_by_engine:
-                controller = KController(
-                    drafter,
-                    cfg.k,
-                    pricing.passes(cfg.k + 1),
-                    memory=acceptance_memory(self.target, sampling.greedy),
-                    remembered=remembered([drafter.name]),
-                    reproducible=pricing.reproducible,
-                )
-            else:
-                controller = StepGuard(
-                    cfg.k,
+            controller = Schedule(
+                drafter.name,
+                drafter.offer if isinstance(drafter, Switchable) else None,
+                Estimates(
                     pricing.passes(max(cfg.k + 1 + drafter.scratch_rows, 2)),
-                    estimate=estimate(drafter) if pricing.reproducible else None,
-                )
+                    cfg.k,
+                    acceptance_memory(self.target, sampling.greedy),
+                    remembered([drafter.name]),
+                    pricing.reproducible,
+                ),
+            )
         sid = self._next_id
         self._next_id += 1
         self._live[sid] = _Sequence(
@@ -450,7 +443,7 @@ class Engine:
         s.metrics.target_forwards += 1
         s.metrics.target_time += seconds
         s.metrics.record_pass(rows, 1e3 * seconds)
-        delta = self._commit(s, draft or Draft.empty(), out)
+        delta = self._commit(s, draft or Draft.empty(), out, 1e3 * seconds)
         if drafting and s.drafter is not None:
             n = float(draft.tokens.shape[0]) if draft is not None else 0.0
             s.draft_rows = n if s.draft_rows is None else 0.7 * s.draft_rows + 0.3 * n
@@ -465,9 +458,9 @@ class Engine:
                 groups.setdefault(key if key is not None else ("alone", s.id), []).append(s)
         drafts: dict[int, Draft] = {}
         for s in seqs:
-            if isinstance(s.drafter, Switchable) and s.k_now > 0 and isinstance(s.controller, KController):
+            if isinstance(s.drafter, Switchable) and s.k_now > 0:
                 with timer(self.target.device) as t:
-                    s.drafter.sync()  # catching up is timed apart: the controller charged it separately
+                    s.drafter.sync()  # catching up is timed apart: its offer carried it separately
                 s.metrics.draft_time += t[0]
         for group in groups.values():
             with timer(self.target.device) as t:
@@ -544,9 +537,6 @@ class Engine:
                         layers,
                         fixed_k=not s.cfg.adaptive_k,
                         prediction=s.prediction,
-                        # under the engine's k controller its catch-up (a draft model's prefill)
-                        # waits until it drafts
-                        lazy=isinstance(s.controller, KController),
                         pool=s.drafter_pool,
                         pricing=s.pricing,
                     )
@@ -555,7 +545,7 @@ class Engine:
             s.metrics.draft_time += t[0]
         return self._delta(s, [s.last])
 
-    def _commit(self, s: _Sequence, draft: Draft, out: ForwardOutput) -> Delta:
+    def _commit(self, s: _Sequence, draft: Draft, out: ForwardOutput, pass_ms: float | None = None) -> Delta:
         """Verify the sequence's rows, keep the accepted path in its cache, tell the drafter."""
         assert s.cache is not None
         K = draft.tokens.shape[0]
@@ -573,7 +563,7 @@ class Engine:
         if s.drafter is not None:
             m.record_step(draft.depth(), len(path))  # a drafter may offer fewer than k
         if s.controller is not None:
-            s.controller.update(s.k_now, draft.depth(), len(path), s.draft_ms, rows=logits.shape[0])
+            s.controller.update(draft.depth(), len(path), s.draft_ms, logits.shape[0], pass_ms)
         committed = []
         tokens = draft.tokens.tolist()
         for token in [tokens[j] for j in path] + [nxt]:
@@ -593,6 +583,7 @@ class Engine:
                     logits[K + 1 :] if draft.extra is not None else None,
                     out.hidden[0] if out.hidden is not None else None,
                     {i: h[0] for i, h in out.layers.items()},
+                    pass_ms=pass_ms,
                 )
             )
         elif s.drafter is not None:
@@ -610,9 +601,7 @@ class Engine:
             m.draft_forwards = s.drafter.forwards - s.forwards_before
             m.drafter_info = dict(s.drafter.info)
             if s.controller is not None:
-                m.drafter_info["adaptive_k" if isinstance(s.controller, KController) else "guard"] = (
-                    s.controller.report()
-                )
+                m.drafter_info["adaptive_k"] = s.controller.report()
         m.wall_time = time.perf_counter() - s.started
         m.new_tokens = len(s.stopper.tokens)
         if self.prefixes is not None and s.cache is not None:

@@ -90,6 +90,12 @@ def parser(sub: argparse._SubParsersAction) -> None:
         "speculative first, ...) and report the median speedup with its lowest and highest pair",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="after the run, a table per member of auto (or the one drafter) and plain steps: steps taken, "
+        "tokens per pass, ms per step, share of the time (each step's offers and pick are in --json's drafter_info)",
+    )
     p.add_argument("--stream", action="store_true", help="print the text as it is committed, step by step")
     p.set_defaults(func=_cmd_generate)
 
@@ -168,6 +174,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
             print(json.dumps({**header, **cmp.to_dict()}))
         else:
             _print_result(cmp.speculative, describe, streamed=ns.stream, extra=cmp)
+        if ns.explain:
+            print(explain(cmp.speculative.metrics.drafter_info), file=sys.stderr)
         return 0
     result = run_request(target, req, on_delta=show)
     if ns.json:
@@ -186,7 +194,22 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         )
     else:
         _print_result(result, describe, streamed=ns.stream)
+    if ns.explain:
+        print(explain(result.metrics.drafter_info), file=sys.stderr)
     return 0
+
+
+def explain(info: dict[str, Any]) -> str:
+    """The per-member table of a run's chooser (`adaptive.members`), as text."""
+    rep = info.get("auto") or info.get("adaptive_k")
+    if not rep:
+        return "specdec: --explain: no chooser ran (plain decoding, --no-adaptive-k, or a self-scheduling drafter)"
+    lines = [f"{'member':<16}{'steps':>7}{'tokens/pass':>13}{'ms/step':>10}{'time':>7}"]
+    for name, r in rep["members"].items():
+        lines.append(
+            f"{name:<16}{r['steps']:>7}{r['tokens_per_pass']:>13.2f}{r['ms_per_step']:>10.1f}{100 * r['share']:>6.0f}%"
+        )
+    return "\n".join(lines)
 
 
 def _shower(stream: bool, prompt_len: int) -> Callable[[Delta], None] | None:
@@ -251,11 +274,10 @@ def _print_result(
     info = m.drafter_info
     line += "".join(f"; {text}" for text in describe(info))
     if info.get("adaptive_k"):
-        chosen = ", ".join(f"k={k}: {n}" for k, n in info["adaptive_k"]["k_chosen"].items())
-        line += f"; adaptive k chosen {chosen}"
-    if info.get("guard"):
-        g = info["guard"]
-        line += f"; guard: {g['drafted_steps']} drafted steps, {g['plain_steps']} plain steps"
+        steps = info["adaptive_k"]["steps"]
+        line += "; adaptive k: " + "; ".join(
+            f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items()) for name, ks in steps.items()
+        )
     if not m.exact:
         line += "; NOT EXACT (typical acceptance)"
     print(line + "]", file=sys.stderr)

@@ -1,59 +1,38 @@
-"""`--drafter auto`: each step, the drafter and k predicted to give the most tokens per second —
-or a plain step where none is predicted to beat plain decoding.
+"""`--drafter auto`: each step, every member offers its best proposal now and the chooser takes
+the one with the most tokens per millisecond — or a plain step (`specdec.adaptive`).
 
-Candidates are the drafters that can follow tokens another drafter proposed (`catch_up`):
-prompt lookup and suffix decoding always, the draft model when one is given (`--draft`), and an
-EAGLE-3 head when
-asked for (eagle3 in `methods`: the head shipped for the target, or `--auto-head DIR`), Medusa
-or Hydra heads when named in `methods` (the ones shipped for the target). The
-head is not among the defaults: with the shipped head's agreement, auto with it was no faster
-than without it on the quick suite (and slower where prompt lookup copies well), on a CPU
-whose extra rows are dear. A tree drafter proposes chains here (`chain_only`: its most likely
-chain of the k chosen), since the chooser prices chains. Each step every candidate
-says what it could propose now (`outlook`: prompt lookup has nothing without an n-gram match,
-and its situation is the match length), and `specdec.adaptive.MethodChooser` ranks (drafter,
-k) by the expected-tokens formula over this request's measured acceptance by position (per
-drafter and situation, discounted so that a change of topic is followed), each drafter's
-measured cost per drafted token (starting from its own estimate, `cost_ms`: a draft model's
-one-row pass time on this machine), and the target's pass time per row count on this machine
-(`specdec.costs.pass_costs`). Plain steps probe the drafters in turn with one token now and
-then, so their estimates can recover.
+Members are the drafters that can follow tokens another drafter proposed (`Switchable`): prompt
+lookup and suffix decoding always, the draft model when one is given (`--draft`), an EAGLE-3
+head when asked for (eagle3 in `methods`, or `--auto-head DIR`), Medusa or Hydra heads when
+named in `methods`, and the client's prediction when a request carries one. A chain member
+offers its best k by the position model; the draft model what its steps did; suffix decoding its
+own tree, sized by its own plan. With `merge` (on when suffix decoding is a member), each chain
+member that can share a pass also offers its chain with the best part of suffix decoding's tree
+beside it, merged as a trie and priced on the same scale: the tree's nodes add their chance of
+acceptance where the chain is predicted to miss at their depth, and cost their rows.
 
-One tree per step (`merge`, on by default when suffix decoding is a member; it reaches it as
-a `TreeMember`, not by name): suffix decoding
-does not compete as a chain but with its own tree, sized by its own cost model (`plan`: the
-expected tokens per millisecond of its best tree); it takes the step where that beats the
-chooser's choice. Where the chooser's chain drafter wins (the draft model, prompt lookup),
-the best part of suffix decoding's tree goes to the target in the same pass, merged with the
-chain as a trie (`merge`, `_with_suffix`). Each source then hears of the part of the
-accepted path that was its own (`accepted`) and catches up on the rest.
+The chosen member proposes and hears the verification's feedback; the others are told the
+committed tokens (`catch_up`). The draft model is not prefilled at `begin`: when chosen it first
+feeds the tokens it missed (`sync`, timed apart from drafting); its offer carries that cost.
 
-The chosen drafter proposes and gets the verification's feedback; the others are told the
-committed tokens (`catch_up`). The draft model is not prefilled at `begin`: when chosen, it
-first feeds the tokens it missed (`sync`, timed apart from drafting). That cost (`switch_ms`)
-is charged to the step that would switch, spread over the tokens still to generate, and a
-probe may not spend more than 10% of the rest of the request on it: a long prompt with a short
-answer never pays the draft's prefill.
-
-Exactness: every step is verified by the same exact rule whatever drafter and k proposed it
-(a merged tree whose chain the draft model drew at T > 0: `verify.tree_mixed_sample`),
-and the choice depends only on steps already verified (never on the step's own draws), so
-greedy output equals plain decoding and the sampled distribution is the target's (tested with
-random switching, and with a wrong rule as a negative control). The choices, the estimates
-and the number of switches are reported in `info["auto"]`.
+Exactness: every step is verified by the same exact rule whatever member and k proposed it (a
+merged tree whose chain the draft model drew at T > 0: `verify.tree_mixed_sample`), and the
+choice depends only on steps already verified, so greedy output equals plain decoding and the
+sampled distribution is the target's (tested with random switching, and with a wrong rule as a
+negative control). Each step's offers, pick and result are in `info["auto"]["log"]`; the
+per-member table in `info["auto"]["members"]` (`specdec generate --explain` prints it).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .. import costs
-from ..adaptive import KEEP_MEASURED, MethodChooser, acceptance_memory, outlook_of
+from ..adaptive import PLAIN, Chooser, Estimates, Offer, acceptance_memory, alpha_report
 from ..costs import PRICED_K
 from ..metrics import timer
 from ..model.transformer import Transformer
@@ -65,6 +44,7 @@ from .base import (
     DraftSession,
     Feedback,
     Option,
+    ScoredTree,
     Switchable,
     TreeMember,
     make_drafter,
@@ -73,8 +53,12 @@ from .base import (
     remembered,
 )
 from .confidence import CONFIDENCE_OPTION
+from .merge import Merged, along, depths, merge, on_chain, part
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION
 from .window import DEFAULT_WINDOW, WINDOW_OPTION
+
+PREDICTION = "prediction"
+PREDICTION_PRICED_K = 31  # the deepest chain a prediction may propose in one step (a pass of 32 rows)
 
 
 def switchable() -> list[str]:
@@ -96,9 +80,9 @@ def _describe(info: dict[str, Any], brief: bool) -> list[str]:
     "auto",
     describe=_describe,
     needs="any",
-    default_k=16,  # the deepest a step may go: chains stop at the chooser's PRICED_K, suffix trees here
-    help="choose the drafter (prompt lookup, suffix; the draft model with --draft; an EAGLE-3 head if asked for) and k "
-    "each step, or a plain step, by predicted tokens per second",
+    default_k=16,  # the deepest a step may go: chains stop at PRICED_K, suffix trees here
+    help="each step, the member (prompt lookup, suffix; the draft model with --draft; an EAGLE-3 head if asked for) "
+    "whose offer gives the most tokens per second, or a plain step",
     options=(
         Option(
             "methods",
@@ -116,8 +100,7 @@ def _describe(info: dict[str, Any], brief: bool) -> list[str]:
         ),
         Option(
             "merge",
-            "auto: verify suffix decoding's tree together with the chosen drafter's chain in one "
-            "pass (0: the chosen drafter's proposal alone)",
+            "auto: chains may go out with suffix decoding's tree beside them in one pass (0: never)",
             "--auto-merge",
             type=int,
         ),
@@ -127,11 +110,11 @@ def _describe(info: dict[str, Any], brief: bool) -> list[str]:
     ),
 )
 class AutoDrafter(Drafter):
-    """Switches between drafters step by step (see the module doc). `methods`: comma-separated
-    names (default: every switchable drafter whose model is given); `margin`: a drafter must
-    beat plain decoding's predicted tokens per second by this factor."""
+    """Switches between members step by step (see the module doc). `methods`: comma-separated
+    names (default: every switchable drafter whose model is given); `margin`: an offer must
+    beat plain decoding's tokens per ms by this factor."""
 
-    own_schedule = True  # it chooses plain steps itself
+    own_schedule = True  # its chooser takes plain steps itself
 
     def __init__(
         self,
@@ -146,53 +129,9 @@ class AutoDrafter(Drafter):
         confidence: int = 1,
     ) -> None:
         super().__init__()
-        ok = switchable()
-        if methods is None:
-            # a drafter of a draft model when one is given; of a trained head only when auto is
-            # given its head (see above; the others' heads only when named in `methods`)
-            # (the prediction drafter joins a request that carries a prediction: `begin`)
-            names = [
-                n
-                for n in ok
-                if n != PREDICTION
-                and (
-                    draft is not None
-                    if DRAFTERS[n].needs == "draft"
-                    else head is not None and DRAFTERS[n].auto_head
-                    if DRAFTERS[n].head
-                    else True
-                )
-            ]
-        else:
-            names = [n.strip() for n in methods.split(",") if n.strip()]
-            if not names:
-                raise ValueError(f"--auto-methods is empty; give a comma-separated list of {', '.join(ok)}")
-            for n in names:
-                if n not in ok:
-                    raise ValueError(f"auto cannot switch to {n!r}; choose among {', '.join(ok)}")
-            if len(set(names)) < len(names):
-                raise ValueError("--auto-methods names a drafter twice")
-        drafter_needs = [n for n in names if DRAFTERS[n].needs == "draft"]
-        if drafter_needs and draft is None:
-            raise ValueError(f"auto with {drafter_needs[0]} needs a draft model (--draft NAME, or assistant_model=)")
-        if draft is not None and not drafter_needs:
-            raise ValueError(
-                "auto uses the draft model only with draft-model among its methods; drop --draft or "
-                "add draft-model to --auto-methods"
-            )
-        self.target = target
-        takes_head = [n for n in ok if DRAFTERS[n].auto_head]
-        if head is not None and not set(takes_head) & set(names):
-            raise ValueError(
-                f"--auto-head gives auto a head for {' / '.join(takes_head)}; add {takes_head[0]} to "
-                "--auto-methods or drop --auto-head"
-            )
-        mine = {
-            "head": head,
-            "vocab": vocab,
-            "window": window,
-            "confidence": confidence,
-        }  # auto's options its members may declare
+        names = _members(draft, methods, head)
+        mine = {"head": head, "vocab": vocab, "window": window, "confidence": confidence}  # options members declare
+        self.target, self.margin = target, margin
         self.subs: dict[str, Switchable] = {
             n: _member(
                 n,
@@ -206,32 +145,24 @@ class AutoDrafter(Drafter):
             )
             for n in names
         }
-        # (each member is begun lazily, caught up when first chosen if ever, and on chains the
-        # chooser sizes: see `begin`)
-        # suffix decoding's tree beside the chosen chain (and as its own proposal when chosen)
-        # the member whose tree goes out beside the chosen chain (suffix decoding), if merging
+        # the member whose tree goes out alone or beside a chain (suffix decoding), if merging
         trees = [n for n, sub in self.subs.items() if isinstance(sub, TreeMember)]
         self.tree_name = trees[0] if merge and trees else None
-        self.margin = margin
         self.scratch_rows = max(s.scratch_rows for s in self.subs.values())
         self.wants_hidden = any(s.wants_hidden for s in self.subs.values())
         self.feature_layers = tuple(sorted({i for s in self.subs.values() for i in s.feature_layers}))
-        self.chooser: MethodChooser | None = None
-        self.k_max = PRICED_K  # the longest chain the chooser prices (deeper with a prediction: `begin`)
-        self._plan: tuple[str, Hashable, int] | None = None  # this step's (method, situation, k)
+        self.est: Estimates | None = None  # this sequence's (set by `begin`)
+        self.chooser = Chooser(margin)
+        self._pick: Offer | None = None  # this step's offer
+        self._tree: tuple[Hashable, ScoredTree] | None = None  # suffix decoding's tree this step
+        self._alone: dict[str, Offer] = {}  # this step's chain offers before a tree joined them
         self._budget = 0  # this step's k from the engine: the deepest a proposal may go
         self._proposal: list[int] = []  # this step's draft nodes
-        self._depth = 0  # ...their depth
+        self._depth = 0
         self._merged: Merged | None = None  # this step's merged tree, when it is one
-        self._merged_sizes: list[int] = []  # every merged tree's nodes
-        self._draft_ms = 0.0
-        self._sync_ms = 0.0
+        self._merged_sizes: list[int] = []
+        self._draft_ms = self._sync_ms = 0.0
         self._length = self._capacity = 0  # committed tokens; the most the sequence can reach
-        # what a first proposal would pay once per process or machine, paid now (before a
-        # request's clock starts: as `api.prepare` does for a drafter alone)
-        costs.pass_costs(self.target, PREDICTION_PRICED_K + 1)
-        for sub in self.subs.values():
-            sub.prepare()
 
     @property
     def methods(self) -> list[str]:
@@ -239,64 +170,52 @@ class AutoDrafter(Drafter):
 
     @property
     def merge(self) -> bool:
-        """Whether a member's tree goes out beside the chosen chain (`--auto-merge`)."""
         return self.tree_name is not None
 
     def begin(self, session: DraftSession) -> None:
-        self._plan, self._proposal, self._sync_ms, self._merged_sizes = None, [], 0.0, []
+        self._pick, self._proposal, self._sync_ms, self._merged_sizes = None, [], 0.0, []
         self._length, self._capacity = len(session.context), session.capacity
         if session.prediction and PREDICTION not in self.subs:  # the client's text, followed with a pointer
             self.subs[PREDICTION] = _member(PREDICTION)
-        # a prediction followed for a while is accepted nearly whole: its chains may go as deep
-        # as the step allows (the others' stay within PRICED_K, where their acceptance ends)
-        self.k_max = PREDICTION_PRICED_K if session.prediction and PREDICTION in self.subs else PRICED_K
         for name, sub in self.subs.items():
-            # each drafter its own generator, seeded from the session's: reproducible, independent
+            # each member its own generator, seeded from the session's: reproducible, independent
             seed = int(torch.randint(0, 2**62, (1,), generator=session.generator))
             sub.begin(
-                DraftSession(
-                    session.context,
-                    session.capacity,
-                    session.sampling,
-                    make_generator(seed, session.generator.device),
-                    session.target,
-                    session.target_cache,
-                    session.layers,
-                    session.fixed_k,
-                    session.prediction,
-                    lazy=True,  # caught up (a draft model prefilled) when first chosen, if ever
-                    # the chooser sizes chains; suffix decoding's tree is merged beside the chosen chain
-                    chain_only=name != self.tree_name,
-                    pool=session.pool,
-                    pricing=session.pricing,
+                replace(
+                    session,
+                    generator=make_generator(seed, session.generator.device),
+                    chain_only=name != self.tree_name,  # (the chooser sizes chains)
                 )
             )
-        self.chooser = MethodChooser(
-            self.methods,
-            self.k_max,
-            session.pricing.passes(self.k_max + 1),
-            margin=self.margin,
-            draft_ms={n: sub.cost_ms() for n, sub in self.subs.items()},
-            memory=acceptance_memory(self.target, session.sampling.greedy),
-            remembered=remembered(self.methods),
-            reproducible=session.pricing.reproducible,
-            self_sized=frozenset(n for n, sub in self.subs.items() if sub.sizes_itself),
-            priors=lambda m, situation: self.subs[m].prior_alpha(situation),
-            steps=lambda m: self.subs[m].step_record(),
+        # a prediction followed for a while is accepted nearly whole: its chains may go as deep as
+        # the step allows (the others' stay within PRICED_K, where their acceptance ends)
+        k_max = PREDICTION_PRICED_K if PREDICTION in self.subs and session.prediction else PRICED_K
+        assert session.pricing is not None
+        self.est = Estimates(
+            session.pricing.passes(k_max + 1),
+            k_max,
+            acceptance_memory(self.target, session.sampling.greedy),
+            remembered(self.methods),
+            session.pricing.reproducible,
         )
+        self.chooser = Chooser(self.margin)
+
+    def prepare(self) -> None:
+        """What a first proposal would pay once per process or machine, paid before any clock."""
+        for sub in self.subs.values():
+            sub.prepare()
 
     def end(self, final: Feedback | None = None) -> None:
         """The member that proposed the finishing step hears of it (the prediction's counts)."""
-        method = self._plan[0] if self._plan is not None else "plain"
         last: dict[str, Feedback] = {}
-        if final is not None and final.kept is not None and method != "plain":
+        pick = self._pick
+        if final is not None and final.kept is not None and pick is not None and pick.member != PLAIN:
             if self._merged is not None:
-                n = _along(final.path, self._merged.chain)
-                last[method] = replace(
-                    _part(final, list(range(n)), self._merged.chain[:n], final.next_token), kept=min(n, final.kept)
-                )
+                n = along(final.path, self._merged.chain)
+                sub_final = part(final, list(range(n)), self._merged.chain[:n], final.next_token)
+                last[pick.member] = replace(sub_final, kept=min(n, final.kept))
             else:
-                last[method] = final
+                last[pick.member] = final
         for name, sub in self.subs.items():
             sub.end(last.get(name))
         self._report()
@@ -308,128 +227,132 @@ class AutoDrafter(Drafter):
         return self.propose_batch([self], [k])[0]
 
     def _choose(self, k: int) -> None:
-        """Plan this step: the chooser picks from what each drafter could propose now."""
-        if self.chooser is None:
+        """Plan this step: every member's offer, then the chooser's pick."""
+        est = self.est
+        if est is None:
             raise RuntimeError("AutoDrafter.propose() called before begin()")
         remaining = self._capacity - self._length
-        # (with `merge`, suffix decoding competes with its own tree's rate, not as a chain)
-        outlook = {
-            name: o
-            for name, sub in self.subs.items()
-            if name != self.tree_name
-            and (o := outlook_of(sub, k if name == PREDICTION else min(k, PRICED_K))) is not None
-        }
-        method, kk = self.chooser.choose(outlook, remaining=remaining)
-        self._plan = (method, outlook[method][0] if method in outlook else None, kk)
-        self._budget = k
+        est.step(remaining)
+        self._budget, self._tree, self._alone = k, None, {}
         tree_member = self._tree_member()
-        if tree_member is not None and k > 0:
-            sit, tree, rate = tree_member.plan(k)
-            # (the chosen drafter's rate as the chooser ranked it: a self-sized one's by its record)
-            chosen = (
-                0.0
-                if method == "plain"
-                else self.chooser.rates_now.get(method)
-                or self.chooser.rate(method, *self._plan[1:], *outlook[method][2:], remaining=remaining)
-            )
-            # (a draft model's chain adds what the tree cannot; another copy's chain adds little)
-            joins = self._merges(method) and method in self.chooser.self_sized
-            if tree.tokens and self._suffix_wins(rate, chosen, joins):
-                self.chooser.chosen[(method, kk)] -= 1  # (its report counts what ran)
-                if not self.chooser.chosen[(method, kk)]:
-                    del self.chooser.chosen[(method, kk)]
-                self._plan = (tree_member.name, sit, k)
-                self.chooser.chosen[(tree_member.name, max(_depths(tree.parents)))] += 1  # (its depth as k)
+        offers: list[Offer] = []
+        for name, sub in self.subs.items():
+            if name == self.tree_name:
+                continue
+            offer = sub.offer(k if name == PREDICTION else min(k, PRICED_K), est) if k > 0 else None
+            if offer is not None and tree_member is not None and self._merges(name):
+                offer = self._merged_offer(offer, tree_member, k)
+            if offer is not None:
+                offers.append(offer)
+        if tree_member is not None and k > 0 and (own := tree_member.offer(k, est)) is not None:
+            offers.append(own)
+        self._pick = self.chooser.choose(offers, est.plain(), remaining)
         self._proposal, self._depth, self._merged, self._draft_ms = [], 0, None, 0.0
 
-    def _suffix_wins(self, tree_rate: float, chosen_rate: float, merged: bool = False) -> bool:
-        """Whether suffix decoding's tree (its own sizing: `tree_rate`, expected tokens per ms,
-        beating plain decoding by its margin) beats the chooser's choice (0: a plain step).
-        Where the choice is a draft model's chain that suffix's tree would join anyway
-        (`merged`), the tree alone must beat it by KEEP_MEASURED: the merged step keeps the
-        tree's chances and adds the chain's, so a tree that only matches the chain's rate is
-        worth less alone (on open text, one-token trees from one-token matches took steps from
-        the draft and mostly committed nothing). Against prompt lookup's chain, another copy of
-        the same text, any margin (taking KEEP_MEASURED there too left code editing to prompt
-        lookup's shorter chains)."""
-        return tree_rate > chosen_rate * (KEEP_MEASURED if merged else 1.0)
+    def _merged_offer(self, chain: Offer, tree_member: TreeMember, k: int) -> Offer:
+        """`chain` with the best part of the tree member's tree beside it (itself where no part
+        pays), priced before the chain is drawn: what the tree adds where the chain misses."""
+        if self._tree is None:
+            self._tree = tree_member.tree(k)
+        tree = self._tree[1]
+        n, tokens, ms = self._tree_nodes(chain, tree.probs, depths(tree.parents))
+        self._alone[chain.member] = chain
+        return replace(chain, tokens=tokens, ms=ms, merged=n) if n else chain
+
+    def _tree_nodes(
+        self, chain: Offer, chances: list[float], depth: list[int], shared: list[bool] | None = None
+    ) -> tuple[int, float, float]:
+        """(nodes, expected tokens, ms) of the best prefix of a tree's best-first order beside
+        `chain`: each node adds its chance where the chain is predicted to miss at its depth
+        and costs a row; a node the chain proposes already (`shared`: the same tokens from the
+        root) adds neither."""
+        assert self.est is not None
+        reach = self.est.alpha(chain.member, chain.situation)[: chain.k]
+        rows = base = 1 + chain.k
+        best = (0, chain.tokens, chain.ms)
+        tokens = chain.tokens
+        for j, (p, d) in enumerate(zip(chances, depth, strict=True), start=1):
+            if shared is not None and shared[j - 1]:
+                continue
+            rows += 1
+            tokens += p * (1.0 - (reach[d - 1] if d <= len(reach) else 0.0))
+            ms = chain.ms - self.est.costs.rows(base) + self.est.costs.rows(rows)
+            if tokens / ms > best[1] / best[2]:
+                best = (j, tokens, ms)
+        return best
 
     @classmethod
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
-        """Each sequence's choice; then the chosen drafters propose, those that share a batch
-        key together (one draft-model forward per draft step serves every sequence that chose it);
-        then, with `merge`, suffix decoding's tree joins each chosen chain."""
+        """Each sequence's pick; then the picked members propose, those that share a batch key
+        together (one draft-model forward per draft step serves every sequence that picked it);
+        then suffix decoding's tree joins each picked chain that merges."""
         group: list[AutoDrafter] = one_batch(cls, drafters)
         out = [Draft.empty(d.target.device) for d in group]
         by_key: dict[Hashable, list[int]] = {}
         for i, (d, k) in enumerate(zip(group, ks, strict=True)):
             d._choose(k)
-            method = d._chosen()[0]
-            if method == "plain":
+            member = d._member()
+            if member is None:
                 continue
-            sub = d.subs[method]
             with timer(d.target.device) as t:
-                sub.sync()
+                member.sync()
             d._sync_ms += 1e3 * t[0]
-            key = sub.batch_key()
-            by_key.setdefault((method, key if key is not None else ("alone", i)), []).append(i)
+            key = member.batch_key()
+            by_key.setdefault((member.name, key if key is not None else ("alone", i)), []).append(i)
         for idx in by_key.values():
-            subs = [group[i].subs[group[i]._chosen()[0]] for i in idx]
-            # (a chain as long as the chooser chose; suffix's own tree as deep as the step allows)
-            asked = [
-                group[i]._budget if subs[n].name == group[i].tree_name else group[i]._chosen()[2]
-                for n, i in enumerate(idx)
-            ]
+            subs = [group[i]._member() for i in idx]
+            # (a chain as long as picked; suffix's own tree as deep as the step allows)
+            asked = [group[i]._budget if group[i]._own_tree() else group[i]._k() for i in idx]
             with timer(group[idx[0]].target.device) as t:
-                drafts = type(subs[0]).propose_batch(subs, asked)
+                drafts = type(subs[0]).propose_batch(subs, asked)  # type: ignore[arg-type]
             for i, draft in zip(idx, drafts, strict=True):
                 d = group[i]
-                if draft.extra is not None or (draft.parents is not None and d._chosen()[0] != d.tree_name):
-                    raise RuntimeError(f"auto switches between chain drafters; {d._chosen()[0]} proposed a tree")
+                if draft.extra is not None or (draft.parents is not None and not d._own_tree()):
+                    raise RuntimeError(f"auto switches between chain drafters; {d._k()} proposed a tree")
                 d._draft_ms = 1e3 * t[0] / len(idx)
                 d._proposal, d._depth = draft.tokens.tolist(), draft.depth()
-                out[i] = d._with_suffix(draft) if d._merges(d._chosen()[0]) else draft
+                out[i] = d._with_suffix(draft) if d._merges(d._pick.member) else draft  # type: ignore[union-attr]
         for d in group:
             d.forwards = sum(sub.forwards for sub in d.subs.values())
         return out
 
-    def _chosen(self) -> tuple[str, Hashable, int]:
-        """This step's plan (method, situation, k), once `_choose` made it."""
-        assert self._plan is not None
-        return self._plan
+    def _member(self) -> Switchable | None:
+        """The member this step's pick proposes with (None: a plain step)."""
+        return self.subs[self._pick.member] if self._pick is not None and self._pick.member != PLAIN else None
+
+    def _k(self) -> int:
+        return self._pick.k if self._pick is not None else 0
+
+    def _own_tree(self) -> bool:
+        """Whether this step is the tree member's own tree."""
+        return self._pick is not None and self._pick.member == self.tree_name
 
     def _tree_member(self) -> TreeMember | None:
-        """The member whose tree goes out beside the chosen chain (None: no merging)."""
         sub = self.subs.get(self.tree_name) if self.tree_name is not None else None
         return sub if isinstance(sub, TreeMember) else None
 
-    def _merges(self, method: str) -> bool:
-        """Whether suffix decoding's tree joins `method`'s chain: not for suffix itself, nor for
-        a drafter that reads the target's features of committed rows (a head: it follows only
-        a path of its own rows or a whole pass's feedback)."""
-        sub = self.subs.get(method)
+    def _merges(self, member: str) -> bool:
+        """Whether suffix decoding's tree may join `member`'s chain: not suffix's own, nor a
+        drafter that reads the target's features of committed rows (a head: it follows only a
+        path of its own rows or a whole pass's feedback)."""
+        sub = self.subs.get(member)
         return (
-            self.merge and method != self.tree_name and sub is not None and not (sub.wants_hidden or sub.feature_layers)
+            self.merge and member != self.tree_name and sub is not None and not (sub.wants_hidden or sub.feature_layers)
         )
 
     def _with_suffix(self, chain: Draft) -> Draft:
-        """The chosen chain and the best part of suffix decoding's tree, merged as a trie.
-
-        Sizing: each suffix node adds its chance of acceptance where the chain is predicted to
-        miss at its depth (`chance * (1 - a_d)`, a_d: the chooser's measured chance that the
-        chain reaches depth d) and costs a row; the prefix of the tree's best-first order with
-        the most expected tokens per millisecond is sent. A node the chain proposes already
-        (the same tokens from the root: another copy of the same text) adds neither a row nor
-        a token, so a tree that runs on past a copying chain's end is priced by what it adds
-        there. That reads the chain's tokens, so only for a chain without draws: in sampling,
+        """The proposed chain and the best part of suffix decoding's tree, merged as a trie,
+        sized again now that the chain is known: a tree node the chain proposes already costs
+        no row. That reads the chain's tokens, so only for a chain without draws: in sampling,
         which deterministic attempts are made must not depend on what the draft model drew
-        (`verify.tree_mixed_sample`); a drawn chain's tokens are never read here."""
+        (`verify.tree_mixed_sample`)."""
         suffix = self._tree_member()
-        assert suffix is not None  # (`_merges` is true only with one)
-        sit, tree = suffix.tree(self._budget)
-        depths = _depths(tree.parents)
-        shared = _on_chain(chain.tokens.tolist(), tree.tokens, tree.parents, depths) if chain.probs is None else None
-        n = self._tree_nodes(tree.probs, depths, shared) if tree.tokens else 0
+        assert suffix is not None and self._pick is not None  # (`_merges` is true only with one)
+        sit, tree = self._tree if self._tree is not None else suffix.tree(self._budget)
+        depth = depths(tree.parents)
+        shared = on_chain(chain.tokens.tolist(), tree.tokens, tree.parents, depth) if chain.probs is None else None
+        alone = replace(self._alone.get(self._pick.member, self._pick), k=len(chain.tokens))
+        n = self._tree_nodes(alone, tree.probs, depth, shared)[0] if tree.tokens else 0
         suffix.take(sit, tree, n)
         if n == 0:
             return chain
@@ -446,158 +369,100 @@ class AutoDrafter(Drafter):
             draft.probs, draft.attempts = q, merged.attempts
         return draft
 
-    def _tree_nodes(self, chances: list[float], depths: list[int], shared: list[bool] | None = None) -> int:
-        """How many of the tree's nodes (best first: their chances, depths; `shared`: those the
-        chain proposes already) join this step's chain."""
-        assert self.chooser is not None and self._plan is not None
-        method, situation, k = self._plan
-        reach = self.chooser._acc(method, situation).alpha()[:k]
-        draft_ms = self.chooser.draft_cost(method) * k
-        expected = 1.0 + sum(reach)
-        n, best, rows = 0, expected / (draft_ms + self.chooser.costs.target(1 + k)), 1 + k
-        for j, (p, d) in enumerate(zip(chances, depths, strict=True), start=1):
-            if shared is not None and shared[j - 1]:
-                continue  # (no row, no token the chain does not bring)
-            rows += 1
-            expected += p * (1.0 - (reach[d - 1] if d <= len(reach) else 0.0))
-            rate = expected / (draft_ms + self.chooser.costs.target(rows))
-            if rate > best:
-                n, best = j, rate
-        return n
-
     def accepted(self, feedback: Feedback) -> None:
-        assert self.chooser is not None
-        method, situation, k = self._plan if self._plan is not None else ("plain", None, 0)
+        assert self.est is not None
+        pick = self._pick or self.est.plain()
         committed = [self._proposal[j] for j in feedback.path] + [feedback.next_token]
-        told = {method}
+        told = {pick.member}
         if self._merged is not None:  # each source hears of the part of the path that was its own
-            m = self._merged
-            n = _along(feedback.path, m.chain)
-            self.subs[method].accepted(_part(feedback, list(range(n)), m.chain[:n], committed[n]))
-            self.subs[method].catch_up(committed[n + 1 :], None)
+            m, tree_name = self._merged, self.tree_name
+            assert tree_name is not None
+            n = along(feedback.path, m.chain)
+            self.subs[pick.member].accepted(part(feedback, list(range(n)), m.chain[:n], committed[n]))
+            self.subs[pick.member].catch_up(committed[n + 1 :], None)
             own = {j: o for o, j in enumerate(m.tree)}
             path_s = [own[j] for j in itertools.takewhile(lambda j: j in own, feedback.path)]
-            tree_name = self.tree_name
-            assert tree_name is not None
-            self.subs[tree_name].accepted(_part(feedback, path_s, [m.tree[o] for o in path_s], committed[len(path_s)]))
+            self.subs[tree_name].accepted(part(feedback, path_s, [m.tree[o] for o in path_s], committed[len(path_s)]))
             self.subs[tree_name].catch_up(committed[len(path_s) + 1 :], None)
             told.add(tree_name)
-            self.chooser.update(method, situation, k, len(m.chain), n, self._draft_ms)
-        elif method != "plain":
-            self.subs[method].accepted(feedback)
-            if self._merges(method) and self.tree_name is not None:  # (the tree's part was empty: none of it went)
+            self.est.learn(pick, len(m.chain), n, self._draft_ms)
+        elif pick.member != PLAIN:
+            self.subs[pick.member].accepted(feedback)
+            if self._merges(pick.member) and self.tree_name is not None:  # (none of the tree went)
                 self.subs[self.tree_name].catch_up(committed, feedback)
                 told.add(self.tree_name)
-            if method != self.tree_name:  # (which prices its trees itself)
-                self.chooser.update(method, situation, k, self._depth, feedback.num_accepted, self._draft_ms)
+            if pick.member != self.tree_name:  # (which learns from its trees itself)
+                self.est.learn(pick, self._depth, feedback.num_accepted, self._draft_ms)
+        self.chooser.committed(len(committed), self._draft_ms, feedback.pass_ms)
         self._length += len(committed)
         for name, sub in self.subs.items():
             if name not in told:
                 sub.catch_up(committed, feedback)
-        self._plan, self._proposal, self._merged = None, [], None
+        self._pick, self._proposal, self._merged = None, [], None
 
     def _report(self) -> None:
         self.forwards = sum(sub.forwards for sub in self.subs.values())
         info: dict[str, Any] = {}
         prediction = self.subs.get(PREDICTION)
         if prediction is not None:  # what the client's prediction gave (its own proposals and merged steps)
-            info["prediction"] = prediction.info["prediction"]  # (what its `end` counted)
-        if self.chooser is not None:
-            report: dict[str, Any] = self.chooser.report()
-            report["sync_ms"] = round(self._sync_ms, 3)
-            if self.merge:  # steps whose chain went out with suffix decoding's tree, and their size
-                sizes = self._merged_sizes
-                report["merged"] = {
-                    "steps": len(sizes),
-                    "tree_tokens_mean": round(sum(sizes) / len(sizes), 2) if sizes else None,
-                }
-            info["auto"] = report
+            info["prediction"] = prediction.info["prediction"]
+        report = {"methods": self.methods, **self.chooser.report(), "sync_ms": round(self._sync_ms, 3)}
+        if self.est is not None:
+            report["alpha_by_position"] = alpha_report(self.est)
+        if self.merge:  # steps whose chain went out with suffix decoding's tree, and their size
+            sizes = self._merged_sizes
+            report["merged"] = {
+                "steps": len(sizes),
+                "tree_tokens_mean": round(sum(sizes) / len(sizes), 2) if sizes else None,
+            }
+        info["auto"] = report
         self.info = info
+
+
+def _members(draft: Transformer | None, methods: str | None, head: Any) -> list[str]:
+    """The member names: `methods`, checked, or by default every switchable drafter whose model
+    is given (a draft model's when one is; a trained head's only with auto's head)."""
+    ok = switchable()
+    if methods is None:  # (the prediction drafter joins a request that carries a prediction: `begin`)
+        names = [
+            n
+            for n in ok
+            if n != PREDICTION
+            and (
+                draft is not None
+                if DRAFTERS[n].needs == "draft"
+                else head is not None and DRAFTERS[n].auto_head
+                if DRAFTERS[n].head
+                else True
+            )
+        ]
+    else:
+        names = [n.strip() for n in methods.split(",") if n.strip()]
+        if not names:
+            raise ValueError(f"--auto-methods is empty; give a comma-separated list of {', '.join(ok)}")
+        for n in names:
+            if n not in ok:
+                raise ValueError(f"auto cannot switch to {n!r}; choose among {', '.join(ok)}")
+        if len(set(names)) < len(names):
+            raise ValueError("--auto-methods names a drafter twice")
+    needs_draft = [n for n in names if DRAFTERS[n].needs == "draft"]
+    if needs_draft and draft is None:
+        raise ValueError(f"auto with {needs_draft[0]} needs a draft model (--draft NAME, or assistant_model=)")
+    if draft is not None and not needs_draft:
+        raise ValueError(
+            "auto uses the draft model only with draft-model among its methods; drop --draft or "
+            "add draft-model to --auto-methods"
+        )
+    takes_head = [n for n in ok if DRAFTERS[n].auto_head]
+    if head is not None and not set(takes_head) & set(names):
+        raise ValueError(
+            f"--auto-head gives auto a head for {' / '.join(takes_head)}; add {takes_head[0]} to "
+            "--auto-methods or drop --auto-head"
+        )
+    return names
 
 
 def _member(name: str, **kw: Any) -> Switchable:
     sub = make_drafter(name, **kw)
     assert isinstance(sub, Switchable)  # (the registry lists only those as auto's: `switchable`)
     return sub
-
-
-PREDICTION = "prediction"
-PREDICTION_PRICED_K = 31  # the deepest chain a prediction may propose in one step (a pass of 32 rows)
-
-
-@dataclass
-class Merged:
-    """A chain and a tree merged as a trie (`merge`)."""
-
-    tokens: list[int]  # [K] the trie's nodes, parents first
-    parents: list[int]  # [K]
-    chain: list[int]  # the chain's tokens' nodes, in order
-    tree: list[int]  # the tree's nodes' nodes, in the tree's order
-    attempts: list[tuple[int, bool]]  # each node's attempts in the order tried at its parent: the chain's first
-
-
-def merge(chain: list[int], drawn: bool, tokens: list[int], parents: list[int]) -> Merged:
-    """The trie of a chain (drawn from a draft model's q, or deterministic) and a deterministic
-    tree (`tokens`, `parents`, parents first): a path both propose is one node. A node the chain
-    drew and the tree fixes is tried twice (drawn, then fixed: the mixed rule may drop neither);
-    one both fix, once."""
-    out = Merged([], [], [], [], [])
-    at: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    tried: set[tuple[int, bool]] = set()
-
-    def node(parent: int, token: int, sampled: bool) -> int:
-        j = at.get((parent, token))
-        if j is None:
-            j = at[(parent, token)] = len(out.tokens)
-            out.tokens.append(token)
-            out.parents.append(parent)
-        if (j, sampled) not in tried:
-            tried.add((j, sampled))
-            out.attempts.append((j, sampled))
-        return j
-
-    parent = -1
-    for token in chain:
-        parent = node(parent, token, drawn)
-        out.chain.append(parent)
-    for token, p in zip(tokens, parents, strict=True):
-        out.tree.append(node(-1 if p < 0 else out.tree[p], token, False))
-    return out
-
-
-def _depths(parents: list[int]) -> list[int]:
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return depth
-
-
-def _on_chain(chain: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> list[bool]:
-    """Which of a tree's nodes (parents first) a chain proposes already: the same tokens from
-    the root."""
-    on: list[bool] = []
-    for token, p, d in zip(tokens, parents, depths, strict=True):
-        on.append((p < 0 or on[p]) and d <= len(chain) and chain[d - 1] == token)
-    return on
-
-
-def _along(path: list[int], nodes: list[int]) -> int:
-    """How many of the accepted path's first nodes are `nodes`' first (a chain's accepted part)."""
-    n = 0
-    while n < min(len(path), len(nodes)) and path[n] == nodes[n]:
-        n += 1
-    return n
-
-
-def _part(feedback: Feedback, path: list[int], nodes: list[int], next_token: int) -> Feedback:
-    """The feedback one source of a merged tree gets: its own accepted nodes (`path`, in its
-    proposal's indices; `nodes`: theirs in the merged tree) and the token after them, with the
-    target's rows on that path."""
-    rows = [0] + [j + 1 for j in nodes]
-    return Feedback(
-        path,
-        next_token,
-        feedback.logits[rows],
-        hidden=feedback.hidden[rows] if feedback.hidden is not None else None,
-        layers={i: h[rows] for i, h in feedback.layers.items()},
-    )

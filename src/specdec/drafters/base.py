@@ -13,9 +13,9 @@ with its default:
 
 One drafter object serves one sequence. Drafters that can draft for several sequences in one
 model call (a draft model) say so with `batch_key` and implement `propose_batch`; the engine
-groups them. That is all the engine asks of every drafter. A `Switchable` drafter also follows
-tokens it did not propose and prices its proposals before making them: auto switches between
-those, and the engine sizes one's k step by step.
+groups them. That is all the engine asks of every drafter. A `Switchable` drafter also offers a
+priced proposal before making it and follows tokens it did not propose: auto switches between
+those, and the engine sizes one's k step by step with the same chooser.
 
 Each drafter lives in its own module and registers itself with `register`, declaring its
 options once: the CLI, the API, `specdec bench` and benchmarks/ build drafters through
@@ -35,7 +35,7 @@ from ..config import DEFAULT_K, SamplingParams
 from ..costs import Pricing
 
 if TYPE_CHECKING:
-    from ..adaptive import StepRecord
+    from ..adaptive import Estimates, Offer
 
 
 @dataclass
@@ -113,14 +113,11 @@ class DraftSession:
     # them; the first generated token's come with the first Feedback), [T_prompt, D]
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
     # every proposal is exactly the k asked for (`--no-adaptive-k`): a drafter that would stop
-    # short of it by its own judgement (`Switchable.sizes_itself`) does not
+    # short of it by its own judgement (a draft model's confidence) does not
     fixed_k: bool = False
     # the output the client expects (OpenAI's predicted outputs), tokenized; drafters that
     # draft from it read it (`drafters.prediction`), the others ignore it
     prediction: list[int] | None = None
-    # True: `begin` leaves catching up on the context (a draft model's prefill) to `sync`, which
-    # whoever begins it so calls before each proposal (the engine under adaptive_k; auto)
-    lazy: bool = False
     # True: propose a chain of exactly the k asked for (a tree drafter drafts its most likely
     # chain): whoever begins it so sized k itself (auto, which switches between chain drafters)
     chain_only: bool = False
@@ -152,6 +149,7 @@ class Feedback:
     )  # residual after each `feature_layers` layer, [K+1, D]
     kept: int | None = None  # the pass that finished the sequence (given to `end`): how many of
     # `path`'s tokens the output took; None: the sequence goes on
+    pass_ms: float | None = None  # what the target's pass took (shared by a batch's sequences)
 
     @property
     def num_accepted(self) -> int:
@@ -175,8 +173,8 @@ class Drafter:
     scratch_rows: int = 0  # most cache slots a pass needs beyond k + 1 (tree branches, extra rows)
     wants_hidden: bool = False  # Feedback.hidden: the target's final-normed hidden states
     feature_layers: tuple[int, ...] = ()  # Feedback.layers: the residual after these target layers
-    # the drafter decides itself when drafting pays (auto; suffix decoding's trees): the
-    # engine's guard (`adaptive_k`) leaves it alone
+    # the drafter decides itself when drafting pays (auto, a chooser over its members; early
+    # exit, by its calibration): the engine's schedule (`adaptive_k`) leaves it alone
     own_schedule: bool = False
 
     def __init__(self) -> None:
@@ -215,18 +213,17 @@ D = TypeVar("D", bound=Drafter)
 
 class Switchable(Drafter):
     """A drafter a chooser may switch to and size step by step: `--drafter auto` switches
-    between these, and the engine's `adaptive_k` sizes one alone (`adaptive.KController`).
-    It follows tokens it did not propose (`catch_up`, `sync`) and says what a proposal would
-    cost and bring before it is made (`cost_ms`, `outlook`, ...). Registering a subclass
-    makes it one of auto's members."""
+    between these, and the engine sizes one alone (`adaptive.Schedule`). Four hooks: it offers
+    its best proposal before making it (`offer`), follows tokens it did not propose
+    (`catch_up`, `sync`) and times once what its first proposal would (`prepare`). Registering
+    a subclass makes it one of auto's members."""
 
-    # a chain drafter whose k the engine may choose each step (under `GenerationConfig.adaptive_k`);
-    # drafters that size their own proposals (trees, calibrated per k) keep the k they are given
-    k_by_engine: bool = False
-    # a chain drafter that stops short of the k it is given where one more token would not pay
-    # (a draft model judging by its confidence): whoever chooses k hands it the deepest one
-    sizes_itself: bool = False
-    chain_only: bool = False  # this sequence's `DraftSession.chain_only` (a tree drafter sets it at begin)
+    def offer(self, k: int, est: Estimates) -> Offer | None:
+        """Its best proposal now within k tokens, priced by this sequence's estimates (a chain
+        member: `est.chain` with its situation; one that sizes its own proposals:
+        `est.measured`); None: nothing to propose. Valid after `begin`; the proposal that
+        follows, if it is picked, is `propose(offer.k)`."""
+        raise NotImplementedError
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         """`tokens` were committed without a proposal of this drafter (another drafter's, or a
@@ -236,47 +233,14 @@ class Switchable(Drafter):
         raise NotImplementedError
 
     def sync(self) -> None:
-        """Do any work deferred by `catch_up` now (a draft model feeds the tokens it missed), so
-        that the next proposal's time measures drafting alone. Default: nothing to do."""
-
-    def switch_ms(self) -> float:
-        """Expected milliseconds that `sync` would take now."""
-        return 0.0
-
-    def outlook(self, k: int) -> tuple[Hashable, int] | None:
-        """What a proposal of up to k tokens would come from now: (situation, the most tokens
-        it could have), or None when there is nothing to propose. Acceptance is tracked per
-        drafter and situation (prompt lookup's is the length of its n-gram match). Default:
-        one situation, k tokens."""
-        return ("", k)
-
-    def prior_alpha(self, situation: Hashable) -> float | None:
-        """The chance that a first draft of this situation is accepted, before a request has
-        measured it (None: the chooser's generic prior)."""
-        return None
-
-    def step_record(self) -> StepRecord | None:
-        """Where a drafter that sizes itself keeps what its steps committed and cost across
-        requests (`adaptive.StepRecord`; valid after `begin`); None: it keeps none."""
-        return None
-
-    def cost_ms(self) -> float | None:
-        """Expected milliseconds per drafted token before any is measured (None: unknown;
-        auto then drafts once to measure it)."""
-        return None
-
-    def estimated_ms(self, proposed: int) -> float:
-        """The last proposal's time (`proposed` tokens) as estimated from stored numbers, not
-        the clock: what a seeded sampled request's guard counts (`costs.Pricing.reproducible`),
-        so that its choices, and the random numbers they lead to, are the same every time.
-        Default: `cost_ms` per token (drafters whose `cost_ms` follows the clock override it)."""
-        return (self.cost_ms() or 0.0) * proposed
+        """Do the work `begin` and `catch_up` deferred (a draft model feeds the tokens it
+        missed), so that the next proposal's time measures drafting alone; whoever proposes
+        calls it first. Default: nothing to do."""
 
     def prepare(self) -> None:
         """Do now what this drafter's first proposal would otherwise pay once per process or
         machine (timing its drafting step); a server calls it (`api.prepare`) before it says it
-        is ready. Default: look up `cost_ms`."""
-        self.cost_ms()
+        is ready. Default: nothing."""
 
 
 @dataclass
@@ -290,15 +254,11 @@ class ScoredTree:
 
 
 class TreeMember(Switchable):
-    """A member whose token tree auto verifies beside the chosen member's chain, in one pass
-    (suffix decoding: `AutoDrafter(merge=True)`). It sizes its tree by its own cost model
-    (`plan`), offers its whole best-first tree (`tree`), and hears which part went out
-    (`take`); the feedback of that part then comes to `accepted`, in the tree's indices."""
-
-    def plan(self, k: int) -> tuple[Hashable, ScoredTree, float]:
-        """(situation, the tree it would send now (empty: a plain step), its expected tokens per
-        ms): what it would propose alone, kept for the proposal that follows."""
-        raise NotImplementedError
+    """A member whose token tree auto may verify beside another member's chain, in one pass
+    (suffix decoding: `AutoDrafter(merge=True)`). Its `offer` is its own tree, sized by its own
+    plan; it also gives its whole best-first tree (`tree`) and hears which part went out beside
+    a chain (`take`); the feedback of that part then comes to `accepted`, in the tree's
+    indices."""
 
     def tree(self, k: int) -> tuple[Hashable, ScoredTree]:
         """(situation, the best-first tree of depth <= k, each node with its chance): the part
@@ -311,16 +271,11 @@ class TreeMember(Switchable):
 
 
 def prepare(drafter: Drafter | None) -> None:
-    """`Switchable.prepare` where the drafter has it (auto prepares its members as it builds
-    them; the others time nothing of their own)."""
-    if isinstance(drafter, Switchable):
-        drafter.prepare()
-
-
-def estimate(drafter: Drafter) -> Callable[[int], float]:
-    """A proposal's time as estimated from stored numbers (`Switchable.estimated_ms`); drafters
-    that price nothing of their own count as free."""
-    return drafter.estimated_ms if isinstance(drafter, Switchable) else lambda proposed: 0.0
+    """`prepare` where the drafter has it (a member of auto, auto itself); the others time
+    nothing of their own."""
+    prep = getattr(drafter, "prepare", None)
+    if prep is not None:
+        prep()
 
 
 def one_batch(cls: type[D], drafters: Sequence[Drafter]) -> list[D]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import costs
+from ..adaptive import Estimates, Offer
 from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
 from ..runtime import per_model
@@ -17,9 +18,6 @@ from .confidence import CONFIDENCE_OPTION, TREE_OPTION, Calibration, Depth, keep
 from .draft_tree import MAX_NODES, TreeGrowth
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
 from .window import DEFAULT_WINDOW, SINK, WINDOW_OPTION
-
-if TYPE_CHECKING:
-    from ..adaptive import StepRecord
 
 # The draft model keeps the last prompt it prefilled (`state.prefilled`: with its window, that
 # cache and the tokens the window left out), so a batch of sequences with one prompt, as
@@ -101,10 +99,8 @@ class DraftModelDrafter(Switchable):
     `confidence` (on by default): k is the deepest a proposal may go; the draft stops earlier
     where one more token is not worth its cost, judged by its own probability of the token it
     just drafted (`drafters.confidence`: calibrated against what the target accepted, the
-    rows priced by the target's pass table). The chosen k then bounds the depth, and the
-    engine's controller (`adaptive.KController`) decides only whether to draft at all."""
-
-    k_by_engine = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
+    rows priced by the target's pass table). The chosen k then bounds the depth, and its offer
+    is what its steps did (`Estimates.measured`)."""
 
     def __init__(
         self,
@@ -115,6 +111,7 @@ class DraftModelDrafter(Switchable):
         tree: int = 0,
     ) -> None:
         super().__init__()
+        self.chain_only = False  # this sequence's `DraftSession.chain_only` (set at begin)
         if not isinstance(window, int) or window < 0:
             raise ValueError(
                 f"the draft window must be a whole number of tokens >= 0 (0 = the whole context), got {window}"
@@ -127,8 +124,6 @@ class DraftModelDrafter(Switchable):
             raise ValueError(f"--draft-tree is 1 (a token tree grown by confidence) or 0 (a chain), got {tree}")
         self.model, self.window = model, window
         self.confidence, self.tree = bool(confidence), bool(tree)
-        # (the controllers hand it the deepest k; see adaptive.KController)
-        self.sizes_itself = self.confidence or self.tree
         self._growth: TreeGrowth | None = None  # the last proposal's tree
         self.scratch_rows = MAX_NODES if self.tree else 0  # a tree's nodes beyond k, in the target's pass
         self.calibration = Calibration()  # set by `begin`: this request's, or the memory of earlier greedy ones
@@ -162,16 +157,19 @@ class DraftModelDrafter(Switchable):
         # (chains and trees apart: a tree also learns from its second choices)
         key = (id(self.model), id(self.vocab), self._grows_tree())
         self.calibration = _calibration(session, key) if self.confidence or self.tree else Calibration()
-        if not session.lazy:  # (lazily: a request that never drafts never pays the prefill)
-            self.sync()
+        # (the prefill waits for `sync`: a request that never drafts never pays it)
 
     def end(self, final: Feedback | None = None) -> None:
         self.cache = None  # free the draft's KV cache
 
-    def step_record(self) -> StepRecord | None:
-        """Its steps' record across greedy requests, kept with its calibration (the same scope:
-        this target, this draft, its vocabulary, chain or tree); None where it sizes no steps."""
-        return self.calibration.steps if self.sizes_itself else None
+    def offer(self, k: int, est: Estimates) -> Offer | None:
+        """Stopping where its confidence says (or growing a tree): what its steps did, handed
+        the deepest k, from its record kept across greedy requests with its calibration (the
+        same scope: this target, this draft, its vocabulary, chain or tree); else a chain by
+        the position model. Either way with the cost of catching up first."""
+        if self.confidence or self.tree:
+            return est.measured(self.name, k, self.cost_ms(), self._catch_up_ms(), self.calibration.steps)
+        return est.chain(self.name, "", k, self.cost_ms(), self._catch_up_ms())
 
     def batch_key(self) -> Hashable:
         return ("draft-model", id(self.model), id(self.vocab), self._grows_tree())
@@ -207,6 +205,7 @@ class DraftModelDrafter(Switchable):
         for d in group:
             if d.session is None or d.cache is None:
                 raise RuntimeError("DraftModelDrafter.propose() called before begin()")
+            d.sync()  # (nothing where whoever proposes synced it first, timing that apart)
             d._proposal, d._confidences, d._growth = [], [], None
         if group[0]._grows_tree():
             return cls._propose_trees(group, ks)
@@ -375,7 +374,8 @@ class DraftModelDrafter(Switchable):
         """Tokens of a fresh cache's first n that the window leaves out."""
         return n - SINK - self.window if self.window and n > SINK + self.window else 0
 
-    def switch_ms(self) -> float:
+    def _catch_up_ms(self) -> float:
+        """Expected ms that `sync` would take now."""
         behind = self._behind()
         if behind > 0 and self._shared() is not None:
             return 0.0  # (`sync` copies the prefill another sequence just made of this prompt)

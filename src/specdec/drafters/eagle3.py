@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..adaptive import Estimates, Offer
 from ..model.transformer import Transformer
 from ..networks.eagle3 import Eagle3Head
 from ..sampling import probs as sampling_probs
@@ -159,6 +160,7 @@ class Eagle3Drafter(Switchable):
         max_total: int = 31,
     ) -> None:
         super().__init__()
+        self.chain_only = False  # this sequence's `DraftSession.chain_only` (set at begin)
         self.head, self.run = heads.load("eagle3", target, head, Eagle3Head.load, _Runner)
         if min(topk, total or 1, sample_children, sample_frontier, max_total) < 1:
             raise ValueError("topk, total, sample_children and sample_frontier must be at least 1")
@@ -236,8 +238,12 @@ class Eagle3Drafter(Switchable):
         """Per drafted token of a chain: about one head call (None until one is timed)."""
         return self.run.stored_call_ms(self.target) if self.repro else self.run.call_ms
 
-    def estimated_ms(self, proposed: int) -> float:
-        return self._estimate
+    def offer(self, k: int, est: Estimates) -> Offer | None:
+        """Under auto a chain by the position model; alone its own tree, priced by what its
+        steps did."""
+        if self.chain_only:
+            return est.chain(self.name, "", k, self.cost_ms())
+        return est.measured(self.name, k, self.cost_ms())
 
     def end(self, final: Feedback | None = None) -> None:
         self.k_cache = self.v_cache = torch.zeros(0)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..adaptive import Estimates, Offer
 from ..model.transformer import Transformer
 from ..networks.medusa import MedusaHeads, greedy_tree
 from ..sampling import probs as sampling_probs
@@ -114,6 +115,7 @@ class _HeadsDrafter(Switchable):
         max_total: int = 31,
     ) -> None:
         super().__init__()
+        self.chain_only = False  # this sequence's `DraftSession.chain_only` (set at begin)
         self.heads, self.run = heads.load(self.kind, target, head, MedusaHeads.load, _Runner)
         if self.heads.cfg.kind != self.kind:
             raise ValueError(f"{head} holds {self.heads.cfg.kind} heads; use --drafter {self.heads.cfg.kind}")
@@ -185,8 +187,13 @@ class _HeadsDrafter(Switchable):
     def cost_ms(self) -> float | None:
         return self.run.stored_call_ms(self.target) if self.repro else self.run.call_ms
 
-    def estimated_ms(self, proposed: int) -> float:
-        return self._estimate
+    def offer(self, k: int, est: Estimates) -> Offer | None:
+        """Under auto a chain by the position model; alone its own tree, priced by what its
+        steps did."""
+        k = min(k, self.heads.cfg.num_heads)
+        if self.chain_only:
+            return est.chain(self.name, "", k, self.cost_ms())
+        return est.measured(self.name, k, self.cost_ms())
 
     # -- drafting -------------------------------------------------------------------------
     def _shape(self, k: int) -> list[tuple[int, ...]]:

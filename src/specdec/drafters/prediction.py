@@ -13,7 +13,7 @@ committed tokens (up to `max_ngram`) that occurs in the prediction, preferring t
 occurrence at or after the place it last followed the prediction for a while (edits are
 local: after an insertion or a change the output goes on from there or a little further),
 else the nearest before it. From there it proposes again. The situation it reports to the
-chooser (`outlook`) is how many of the last committed tokens it has matched, capped: a pointer
+chooser (`offer`) is how many of the last committed tokens it has matched, capped: a pointer
 that has followed the output for many tokens is right far more often than one that found a
 one-token match, and the chooser prices the chain's depth by that.
 
@@ -30,11 +30,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Hashable
 from typing import Any
 
 import torch
 
+from ..adaptive import Estimates, Offer
 from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 
 # the matched run at which the pointer counts as following the output (its place is then the
@@ -55,8 +55,6 @@ PREDICTION_READERS = ("prediction", "auto")
 class PredictionDrafter(Switchable):
     """Proposes the prediction's tokens after its pointer (see the module doc). Without a
     prediction in the session (`DraftSession.prediction`) it proposes nothing."""
-
-    k_by_engine = True  # the engine's KController sizes each step's chain from measured acceptance
 
     def __init__(self, max_ngram: int = 8) -> None:
         super().__init__()
@@ -118,15 +116,12 @@ class PredictionDrafter(Switchable):
             return []
         return self.prediction[self._ptr : self._ptr + k]
 
-    def outlook(self, k: int) -> tuple[Hashable, int] | None:
-        """The situation is the matched run, capped at SETTLED."""
-        n = len(self._next(k))
-        return (min(self._run, SETTLED), n) if n else None
-
-    def prior_alpha(self, situation: Hashable) -> float | None:
-        """A pointer that followed the output for SETTLED tokens is the client's own text going
-        on; one found by a one-token match is a guess."""
-        return {0: 0.1, 1: 0.3, 2: 0.5, 3: 0.7}.get(situation, 0.9) if isinstance(situation, int) else None
+    def offer(self, k: int, est: Estimates) -> Offer | None:
+        """A chain; its situation is the matched run, capped at SETTLED, whose prior is by that
+        run: a pointer that followed the output for SETTLED tokens is the client's own text
+        going on; one found by a one-token match is a guess. Reading a list is free."""
+        n, run = len(self._next(k)), min(self._run, SETTLED)
+        return est.chain(self.name, run, n, 0.0, prior={0: 0.1, 1: 0.3, 2: 0.5, 3: 0.7}.get(run, 0.9)) if n else None
 
     def propose(self, k: int) -> Draft:
         self._proposal = self._next(k)
@@ -147,9 +142,6 @@ class PredictionDrafter(Switchable):
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         self._follow(tokens)
-
-    def cost_ms(self) -> float:
-        return 0.0  # a list slice
 
     def end(self, final: Feedback | None = None) -> None:
         if final is not None and final.kept is not None:

@@ -14,10 +14,10 @@ O(max_ngram) whatever the prompt length (no rescans).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable
 
 import torch
 
+from ..adaptive import Estimates, Offer
 from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 
 
@@ -32,8 +32,6 @@ from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 class PromptLookupDrafter(Switchable):
     """Proposes the continuation of the most recent earlier occurrence of the longest
     matching suffix (n from `max_ngram` down to `min_ngram`); no proposal when nothing matches."""
-
-    k_by_engine = True  # the engine may choose each step's k (GenerationConfig.adaptive_k)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, single_token_match_limit: int = 2) -> None:
         """`single_token_match_limit`: at most this many tokens are proposed when only the last
@@ -95,17 +93,17 @@ class PromptLookupDrafter(Switchable):
         n, tokens = found[0]
         return n, tokens[: self.single_token_match_limit] if n == 1 else tokens
 
-    def outlook(self, k: int) -> tuple[int, int] | None:
-        """The situation is the length n of the match (acceptance depends on it)."""
+    def offer(self, k: int, est: Estimates) -> Offer | None:
+        """A chain; its situation is the length n of the match (acceptance depends on it), whose
+        prior is by that length: a one-token match continues as the target does ~20% of the
+        time, a three-token one ~90% (measured on the bundled suite, docs/usage.md); two tokens
+        between. Without it a request's first one-token matches were drafted as if they were
+        right 60% of the time, steps a draft model would have used. Copying is free."""
         best = self._best(k)
-        return None if best is None else (best[0], len(best[1]))
-
-    def prior_alpha(self, situation: Hashable) -> float | None:
-        """By the length of the match: a one-token match continues as the target does ~20% of
-        the time, a three-token one ~90% (measured on the bundled suite, docs/usage.md); two
-        tokens between. Without it a request's first one-token matches were drafted as if
-        they were right 60% of the time, steps a draft model would have used."""
-        return {1: 0.2, 2: 0.5}.get(situation, 0.8) if isinstance(situation, int) else None
+        if best is None:
+            return None
+        n, tokens = best
+        return est.chain(self.name, n, len(tokens), 0.0, prior={1: 0.2, 2: 0.5}.get(n, 0.8))
 
     def propose(self, k: int) -> Draft:
         best = self._best(k)
@@ -119,6 +117,3 @@ class PromptLookupDrafter(Switchable):
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         self._extend(tokens)
-
-    def cost_ms(self) -> float:
-        return 0.0  # a dictionary lookup

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import MEMORY_GAMMA, Acceptance, acceptance_memory
+from ..adaptive import MEMORY_GAMMA, Acceptance, Estimates, Offer, acceptance_memory
 from ..model.transformer import Transformer
 from ..runtime import per_model
 from .base import Draft, DraftSession, Feedback, Option, ScoredTree, TreeMember, register
@@ -256,8 +256,6 @@ class SuffixDrafter(TreeMember):
     """See the module doc. `total`: send the best-first tree of up to this many nodes every
     step (None: the cost model sizes it; tests and `specdec certify` fix it)."""
 
-    own_schedule = True  # it sizes its trees by the cost model itself, plain steps included
-
     def __init__(
         self,
         factor: float = 4.0,
@@ -269,6 +267,7 @@ class SuffixDrafter(TreeMember):
         margin: float = 1.03,
     ) -> None:
         super().__init__()
+        self.chain_only = False  # this sequence's `DraftSession.chain_only` (set at begin)
         if not factor > 0 or not 0 <= min_prob <= 1 or max_nodes < 1 or max_tokens < 0 or max_match < 2:
             raise ValueError(
                 f"suffix needs factor > 0, 0 <= min_prob <= 1, max_nodes >= 1 and max_tokens >= 0 "
@@ -403,10 +402,16 @@ class SuffixDrafter(TreeMember):
         if n:
             self._sizes.append(n)
 
-    def outlook(self, k: int) -> tuple[int, int] | None:
-        """The situation is the match-length bucket (acceptance depends on it)."""
-        sit, chain = self._chain(k)
-        return (sit, len(chain)) if chain else None
+    def offer(self, k: int, est: Estimates) -> Offer | None:
+        """Its own tree (`plan`), the deepest k; under auto as a chain (`chain_only`), a chain
+        whose situation is the match-length bucket. Lookups are free."""
+        if self.chain_only:
+            sit, chain = self._chain(k)
+            return est.chain(self.name, sit, len(chain), 0.0) if chain else None
+        sit, tree, _ = self.plan(k)
+        if not tree.tokens:
+            return None
+        return Offer(self.name, k, 1.0 + sum(tree.probs), est.costs.rows(len(tree.tokens) + 1), sit, tree=tree)
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         self._doc.extend(tokens)
@@ -454,6 +459,3 @@ class SuffixDrafter(TreeMember):
                 self._memory[key].update(self._depth, feedback.num_accepted)
         self._doc.extend([*(self._proposal[j] for j in feedback.path), feedback.next_token])
         self._proposal = []
-
-    def cost_ms(self) -> float:
-        return 0.0  # dictionary lookups
