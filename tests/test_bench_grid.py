@@ -12,7 +12,8 @@ from specdec.bench import report
 from specdec.bench.grid import CLOCK_ROWS, NOISE, GridSettings, model_speedups, run_grid, summarise
 from specdec.bench.grid import DEFAULT_METHODS as METHODS
 from specdec.costs import Costs
-from specdec.drafters.suffix import STORES
+from specdec.drafters.suffix import STORE
+from specdec.memory import pools_of
 
 PROMPTS = [
     {"id": "c1", "category": "chat", "turns": [{"role": "user", "content": "hello there, how are you?"}]},
@@ -370,7 +371,7 @@ def test_each_method_remembers_only_its_own_earlier_outputs(tiny, prompt_file, m
     def spy(t, req, *a, **kw):  # (the timed runs; the warm-up runs go through `generate`)
         drafter = req.drafter
         if drafter is not None and drafter.name in ("auto", "suffix"):
-            store = STORES.get(t.model, {}).get(req.drafter_pool)
+            store = pools_of(t.model).of(req.drafter_pool).get(STORE)
             seen.append((drafter.name, req.drafter_pool, store.tokens if store is not None else 0))
         return real(t, req, *a, **kw)
 

@@ -17,6 +17,7 @@ from specdec.drafters import DraftModelDrafter
 from specdec.drafters import draft_model as draft_module
 from specdec.drafters.base import DraftSession, Feedback
 from specdec.drafters.confidence import Calibration, Depth, keep_drafting
+from specdec.memory import pools_of
 from specdec.sampling import make_generator
 
 # a pass over up to 5 rows costs what one does, then 6 ms a row (a memory-bound pass)
@@ -98,13 +99,13 @@ def test_the_draft_stops_short_of_k_only_where_confidence_says_so(tiny, monkeypa
     no_timing(monkeypatch)
     monkeypatch.setattr(draft_module.DraftModelDrafter, "cost_ms", lambda self: 2.0)
     target = tiny("qwen2")
-    draft_module.CONFIDENCE.pop(target.model, None)
+    pools_of(target.model).pools.clear()
     out = specdec.generate(target, PROMPTS[0], assistant_model=target, k=6, max_new_tokens=120, ignore_eos=True)
     per = out.metrics.proposed_per_position
     # it starts at the prior (a tiny random model is never sure: one token), then goes deeper
     assert out.metrics.acceptance_rate == 1.0 and len(per) >= 4 and per[0] > per[-1]
     for confidence, depth in ((1, 1), (0, 5)):  # (a draft that never saw its tokens accepted stops at once)
-        draft_module.CONFIDENCE.pop(target.model, None)
+        pools_of(target.model).pools.clear()
         drafter = DraftModelDrafter(target.model, confidence=confidence)
         drafter.begin(DraftSession(PROMPT_IDS, 64, SamplingParams(), make_generator(0, "cpu"), target.model))
         drafter.sync()

@@ -56,7 +56,8 @@ from specdec.drafters import (
     PromptLookupDrafter,
     SuffixDrafter,
 )
-from specdec.drafters.suffix import STORES
+from specdec.drafters.suffix import STORE
+from specdec.memory import pools_of
 
 DEFAULT_MODE = EXACT_MODES[-1]  # what `specdec.load` takes on this machine (q4k where it builds)
 T1 = SamplingParams(temperature=1.0)
@@ -188,11 +189,12 @@ def _suffix_law_setup(monkeypatch, target):
     from specdec import costs
 
     monkeypatch.setattr(costs, "reproducible", lambda s: False)
-    STORES.pop(target, None)
+    pools_of(target).pools.clear()
 
 
 def _suffix_law_check(state, target):
-    assert max(len(s.docs) for s in STORES.get(target, {}).values()) > 100  # earlier outputs were drafted from
+    stores = [m.get(STORE) for m in pools_of(target).pools.values()]
+    assert max(len(s.docs) for s in stores if s is not None) > 100  # earlier outputs were drafted from
 
 
 _HEADS: dict[tuple[int, str], Any] = {}

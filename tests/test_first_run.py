@@ -98,3 +98,29 @@ def test_a_wider_stored_table_serves_a_narrower_request(tiny, monkeypatch, tmp_p
     costs.PASS_TABLES.pop(model, None)
     costs.pass_costs(model, 40)  # control: a wider range than stored is timed
     assert calls == [20, 40]
+
+
+def test_a_repeat_drafts_from_no_earlier_repeat(tiny, monkeypatch):
+    """Each repeat of a comparison begins its drafter on a memory of its own: no earlier
+    repeat's output in suffix decoding's store, no acceptance learned; the pools are dropped
+    after. (Two generate calls in one process share the process's pool: the spy sees that.)"""
+    from specdec.drafters.suffix import STORE, SuffixDrafter
+    from specdec.memory import pools_of
+
+    target = tiny("llama")
+    seen: list[tuple[str, int, int]] = []  # (pool, earlier outputs in its store, acceptance entries)
+    begin = SuffixDrafter.begin
+
+    def spy(self, session):
+        store = session.memory.get(STORE)
+        seen.append((session.pool, len(store.docs) if store else 0, len(session.memory.acceptance)))
+        return begin(self, session)
+
+    monkeypatch.setattr(SuffixDrafter, "begin", spy)
+    specdec.compare(target, PROMPT, drafter="suffix", max_new_tokens=12, repeats=3, ignore_eos=True)
+    assert len({pool for pool, _, _ in seen}) == 3 and all(n == 0 and a == 0 for _, n, a in seen)
+    assert not [p for p in pools_of(target.model).pools if p.startswith("compare-")]
+    seen.clear()
+    for _ in range(2):
+        specdec.generate(target, PROMPT, drafter="suffix", max_new_tokens=12, ignore_eos=True)
+    assert [n for _, n, _ in seen] == [0, 1]

@@ -22,10 +22,10 @@ import uvicorn
 from conftest import EXACT_MODES
 
 import specdec
-from specdec.adaptive import batch_drafting_pays
 from specdec.cli import main
-from specdec.costs import Costs
-from specdec.drafters.suffix import STORES
+from specdec.costs import Costs, batch_drafting_pays
+from specdec.drafters.suffix import STORE
+from specdec.memory import pools_of
 from specdec.server import ServeSettings, create_app
 
 KEY = "test-key"
@@ -513,7 +513,9 @@ def test_one_clients_outputs_never_draft_for_another(models, shared):
             out = client.completions.create(model="smollm2-135m", prompt=PROMPTS[2], max_tokens=24, temperature=0)
             texts.append(out.choices[0].text)
             cached.append(out.usage.prompt_tokens_details.cached_tokens)
-            pools.append({name: len(store.docs) for name, store in STORES.get(target.model, {}).items()})
+            pools.append(
+                {name: len(m.get(STORE).docs) for name, m in pools_of(target.model).pools.items() if m.get(STORE)}
+            )
     finally:
         running.close()
     assert texts[0] == texts[1]  # (drafts never change an output, nor do reused rows)

@@ -13,7 +13,8 @@ import specdec
 from specdec.config import SamplingParams
 from specdec.costs import Pricing
 from specdec.drafters import DraftSession, SuffixDrafter
-from specdec.drafters.suffix import STORES, SuffixStore, _candidates, _Doc, build_tree, situation
+from specdec.drafters.suffix import STORE, SuffixStore, _candidates, _Doc, build_tree, situation
+from specdec.memory import Memory, pools_of
 
 FLAT = [1.0] * 64  # alpha: every depth certain (the tree's order is then its shares')
 
@@ -34,6 +35,7 @@ def started(
             torch.Generator().manual_seed(0),
             target or _Target(),
             pool=pool,
+            memory=pools_of(target).of(pool) if target is not None else Memory(),
         )
     )
     return d
@@ -119,7 +121,8 @@ def test_earlier_outputs_draft_only_within_their_pool():
     a.accepted(fb([], 4))
     a.accepted(fb([], 5))
     a.end()  # its output joins pool a's store
-    assert set(STORES[target]) == {"a"} and list(STORES[target]["a"].docs[0].tokens) == [2, 3, 4, 5]
+    assert set(pools_of(target).pools) == {"a"}
+    assert list(pools_of(target).of("a").get(STORE).docs[0].tokens) == [2, 3, 4, 5]
     assert started([9, 3, 4], target, pool="a").propose(4).tokens.tolist() == [5]
     assert started([9, 3, 4], target, pool="b").propose(4).tokens.numel() == 0  # another client's: never
     assert started([9, 3, 4], target, pool="a", max_tokens=0).propose(4).tokens.numel() == 0  # its own text only

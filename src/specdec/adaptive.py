@@ -1,42 +1,20 @@
 """Each step's drafter and k: every member offers its best proposal, one chooser takes the best.
 
-An *offer* (`Offer`) is what one drafter would do on this step: its proposal (a chain of k
-tokens, or a tree of depth k), the tokens it expects the step to commit (the target's own
-included) and the milliseconds it expects the step to cost (its drafting, the target's pass
-over the rows it brings, and a share of catching up first). Its *rate* is tokens per
-millisecond. A plain step offers one token for a one-row pass.
+An `Offer` is what one member would do now — a chain of k tokens or a tree, the tokens it
+expects the step to commit (the target's own included), the ms it expects the step to cost
+(drafting, the target's pass over its rows, a share of catching up) — and its rate is tokens
+per ms. `Chooser.choose` is the whole rule: the best rate, unless the incumbent (the member that
+drafted last) is within HYSTERESIS of it; a plain step where that does not beat plain decoding
+by MARGIN; after a run of plain steps, a probe. `Estimates` prices the offers of one sequence
+(the position model, a self-sizing member's record, draft costs, the pass table, the pool's
+memory). The engine's `adaptive_k` is the same chooser over one drafter (`Schedule`); `--drafter
+auto` runs it over several. The twelve things a reader needs to explain a pick are listed in
+docs/design.md; every step's offers, pick and result are logged, and `replay` judges a change
+to the rule on logs.
 
-`Chooser.choose` is the whole rule:
-1. the offer with the best rate — unless the member that drafted the last step (the
-   incumbent) offers within `HYSTERESIS` of it: then the incumbent's (each switch costs a
-   catch-up, and two estimates a few percent apart are the same estimate);
-2. a plain step where that offer does not beat plain decoding by `margin`;
-3. after `wait` plain steps in a row, a probe: the offer of the member that drafted least
-   recently, as offered, so its estimates can recover (not one whose catch-up would cost more
-   than PROBE_SHARE of what the rest of the request takes anyway); each probe doubles the wait,
-   up to MAX_PROBE_WAIT, and a step drafted on its merits resets it.
-
-Offers are priced by one `Estimates` per sequence, from what that sequence (and, for greedy
-requests, earlier ones: `Acceptance.as_prior`) has shown:
-* the position model (a chain member's offers): alpha_j, the discounted chance that a proposal
-  reaching position j has its token j accepted, per member and *situation* (prompt lookup's is
-  the length of its n-gram match); a chain of k is expected to commit 1 + alpha_1 + ... +
-  alpha_k tokens, and each member offers its best k;
-* the record (a member that sizes its own proposals: a draft model stopping where its
-  confidence says, a tree drafter): what its steps committed and cost, EMAs per step;
-* each member's draft cost per token (measured, from its own stored estimate);
-* the target's pass time per row count (`costs.Costs`, scaled online by the engine's passes).
-
-The engine runs the same chooser over one drafter (`Schedule`: `GenerationConfig.adaptive_k`,
-on by default); `--drafter auto` over several (`drafters.auto`). Every step's offers, pick and
-what it committed are kept (`Chooser.log`), so a change to the rule can be judged by replaying
-logs (`replay`).
-
-Exactness: the choice depends only on steps already verified, never on the step's own draws,
-and each step is verified by the same exact rule whatever its k; greedy output and the sampled
-distribution are those of plain decoding (tested, with switching, and with a wrong rule as a
-negative control). A seeded sampled request (`reproducible`) decides from stored numbers
-only: the pass table unscaled, each member's stored draft cost.
+Exact: a choice depends only on steps already verified, and every step is verified by the same
+exact rule whatever its k (tested with random switching and a wrong rule as negative control).
+A seeded sampled request (`reproducible`) decides from stored numbers only.
 """
 
 from __future__ import annotations
@@ -46,8 +24,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .costs import Costs, expected_tokens
-from .runtime import per_model
+from .costs import Costs
 
 PRIOR_WEIGHT = 1.0  # pseudo-proposals behind the prior alpha_j = PRIOR_ALPHA ** j
 PRIOR_ALPHA = 0.6
@@ -152,10 +129,13 @@ class StepRecord:
 
 class Estimates:
     """What one sequence's offers are priced by (see the module doc). `memory`: earlier greedy
-    requests' acceptance per (member, situation), read as priors and added to (None: a fresh
-    start, as a sampled request has); `remembered`: the members whose acceptance it keeps (those
-    whose proposals depend on the target and the text alone, not on a draft model or head
-    another request may not share)."""
+    requests' acceptance per (member, situation) (`memory.Memory.acceptance`), read as priors
+    and added to — without it every request pays a few failed drafts to learn again that a
+    one-token n-gram match is accepted ~20% of the time; None: a fresh start, as a sampled
+    request has (a seeded request must give the same answer every time, and its draft lengths
+    decide which random numbers its verification draws). `remembered`: the members whose
+    acceptance it keeps (those whose proposals depend on the target and the text alone, not on
+    a draft model or head another request may not share)."""
 
     def __init__(
         self,
@@ -306,18 +286,6 @@ class Estimates:
         if member in self.remembered:
             key = (member, offer.situation)
             self.memory.setdefault(key, Acceptance(self.k_max, MEMORY_GAMMA)).update(proposed, accepted)
-
-
-ACCEPTANCE = per_model(memory=True)  # per target: (member, situation) -> acceptance over greedy requests
-
-
-def acceptance_memory(target: Any, greedy: bool) -> dict[tuple[str, Hashable], Acceptance] | None:
-    """What the greedy requests decoded so far in this process with `target` measured, per
-    member and situation: the prior of the next request's estimates (a one-token n-gram match
-    is accepted ~20% of the time: without it every request pays a few failed drafts to learn
-    that again). None for sampled requests: a seeded request must give the same answer every
-    time, and its draft lengths decide which random numbers its verification draws."""
-    return ACCEPTANCE.of(target, dict) if greedy else None
 
 
 class Chooser:
@@ -476,20 +444,3 @@ def alpha_report(est: Estimates) -> dict[str, list[float]]:
         f"{m}[{s}]" if s != "" else m: [round(a, 3) for a, p in zip(acc.alpha(), acc.proposed, strict=True) if p > 0]
         for (m, s), acc in sorted(est.acceptance.items(), key=lambda t: str(t[0]))
     }
-
-
-def batch_drafting_pays(costs: Costs, batch: int, k: float, alpha: float, draft_ms_per_token: float = 0.0) -> bool:
-    """Several sequences decoding in one target pass (a server's continuous batch): does
-    drafting `k` tokens each, accepted at rate `alpha` each, commit more tokens per ms than a
-    plain step for all of them? A plain step commits `batch` tokens in a pass over `batch`
-    rows; a drafting step batch * E(alpha, k) in a pass over batch * (1 + k) rows plus the
-    drafting. One row costs about as much as a few (the pass is memory-bound), so drafting
-    pays for a small batch; a large batch already fills the pass with rows, and each drafted
-    row then costs its full compute. With one sequence its own chooser decides (True here)."""
-    if batch <= 1 or k <= 0:
-        return True
-    alpha = min(max(alpha, 0.0), 1.0)
-    expected = expected_tokens(alpha, int(round(k)))
-    plain = batch / costs.rows(batch)
-    drafting = batch * expected / (costs.rows(int(round(batch * (1 + k)))) + batch * k * draft_ms_per_token)
-    return drafting > plain

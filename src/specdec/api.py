@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from .drafters.base import Drafter, draft_model_method, make_drafter, resolve_k,
 from .drafters.base import prepare as prepare_drafter
 from .drafters.prediction import PREDICTION_READERS
 from .engine import Delta, Engine, GenerationResult
+from .memory import pools_of
 from .model.load import load_transformer
 from .model.transformer import Transformer
 from .tokenizer import Messages, Tokenizer, check_same_tokenizer
@@ -441,6 +443,9 @@ def compare(target: LoadedModel, prompt: Prompt, *, repeats: int = 1, **kwargs: 
     )
 
 
+_COMPARISONS = itertools.count()  # (each comparison's repeat: a pool of its own)
+
+
 def compare_requests(
     target: LoadedModel,
     make: Callable[[], Request],
@@ -453,8 +458,10 @@ def compare_requests(
     times in alternating order: plain then speculative, speculative then plain, ... (ABBA), so
     that a machine speeding up or slowing down during the runs favours neither side. What
     either side would time once per machine (the pass table, the draft's step) is timed
-    before its clock starts (`run_request` calls `prepare`). The first speculative run's
-    deltas go to `on_delta`."""
+    before its clock starts (`run_request` calls `prepare`). Each repeat's speculative run
+    drafts from a memory of its own (`memory.Memory`: a pool made for it and dropped after), so
+    no repeat's speed comes from an earlier repeat's text or acceptance. The first speculative
+    run's deltas go to `on_delta`."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1 (got {repeats})")
     first = make()
@@ -464,9 +471,11 @@ def compare_requests(
     seed = first.sampling.seed if first.sampling.seed is not None else int(torch.randint(2**62, (1,)))
     _warm_up(target, assistant_model)
     pairs: list[tuple[GenerationResult, GenerationResult]] = []
+    pools = pools_of(target.model)
     for i in range(repeats):
         spec = first if i == 0 else make()
         spec.sampling = dataclasses.replace(spec.sampling, seed=seed)
+        spec.drafter_pool = f"compare-{next(_COMPARISONS)}"
         plain_req = Request(spec.prompt_ids, spec.config, spec.sampling, None, None, logprobs=spec.logprobs)
         watch = on_delta if i == 0 else None
         if i % 2 == 0:
@@ -475,6 +484,7 @@ def compare_requests(
         else:
             fast = run_request(target, spec, watch)
             plain = run_request(target, plain_req)
+        pools.drop(spec.drafter_pool)
         pairs.append((fast, plain))
     return Comparison(pairs[0][0], pairs[0][1], greedy=first.sampling.greedy, pairs=pairs)
 

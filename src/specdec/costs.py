@@ -327,3 +327,20 @@ def observe_pass(target: Transformer, rows: int, ms: float) -> None:
     costs = PASS_TABLES.get(target)
     if costs is not None:
         costs.observe(rows, ms)
+
+
+def batch_drafting_pays(costs: Costs, batch: int, k: float, alpha: float, draft_ms_per_token: float = 0.0) -> bool:
+    """Several sequences decoding in one target pass (a server's continuous batch): does
+    drafting `k` tokens each, accepted at rate `alpha` each, commit more tokens per ms than a
+    plain step for all of them? A plain step commits `batch` tokens in a pass over `batch`
+    rows; a drafting step batch * E(alpha, k) in a pass over batch * (1 + k) rows plus the
+    drafting. One row costs about as much as a few (the pass is memory-bound), so drafting
+    pays for a small batch; a large batch already fills the pass with rows, and each drafted
+    row then costs its full compute. With one sequence its own chooser decides (True here)."""
+    if batch <= 1 or k <= 0:
+        return True
+    alpha = min(max(alpha, 0.0), 1.0)
+    expected = expected_tokens(alpha, int(round(k)))
+    plain = batch / costs.rows(batch)
+    drafting = batch * expected / (costs.rows(int(round(batch * (1 + k)))) + batch * k * draft_ms_per_token)
+    return drafting > plain

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from .adaptive import Estimates, Schedule, acceptance_memory
+from .adaptive import Estimates, Schedule
 from .config import GenerationConfig, SamplingParams
 from .costs import Costs, Pricing, observe_pass
 from .drafters.base import Draft, Drafter, DraftSession, Feedback, Switchable, remembered
+from .memory import Pools, pools_of
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
 from .model.prefix import PrefixStore
@@ -242,8 +243,12 @@ class Engine:
         rules: Rules | None = None,
         prefix_tokens: int = 0,
         pass_tables: Callable[[Transformer, int], Costs] | None = None,
+        pools: Pools | None = None,
     ) -> None:
         self.target = target
+        # what earlier requests taught, per pool, handed to each sequence's drafter
+        # (`memory.Memory`): the given pools, else the target's for the life of the process
+        self.pools = pools if pools is not None else pools_of(target)
         self.tokenizer = tokenizer
         # the sampling rules it verifies with: `verify.EXACT` (certify's control hands it broken ones)
         self.rules = rules if rules is not None else EXACT
@@ -302,7 +307,9 @@ class Engine:
                 Estimates(
                     pricing.passes(max(cfg.k + 1 + drafter.scratch_rows, 2)),
                     cfg.k,
-                    acceptance_memory(self.target, sampling.greedy),
+                    self.pools.of(drafter_pool if drafter_pool is not None else pool).acceptance
+                    if sampling.greedy
+                    else None,
                     remembered([drafter.name]),
                     pricing.reproducible,
                 ),
@@ -538,6 +545,7 @@ class Engine:
                         fixed_k=not s.cfg.adaptive_k,
                         prediction=s.prediction,
                         pool=s.drafter_pool,
+                        memory=self.pools.of(s.drafter_pool),
                         pricing=s.pricing,
                     )
                 )

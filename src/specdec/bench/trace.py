@@ -169,8 +169,9 @@ async def _replay(
 def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
     from ..api import load, load_draft
     from ..drafters.base import uses_draft_model
-    from ..drafters.suffix import STORES
+    from ..drafters.suffix import STORE
     from ..engine import PREFIXES
+    from ..memory import pools_of
     from ..runtime import forget
     from ..server import ServeSettings, create_app
     from .grid import machine
@@ -210,11 +211,11 @@ def run(s: TraceSettings, progress: Any = None) -> dict[str, Any]:
         px = PREFIXES.get(target.model)
         if px is not None:
             prefixes[method] = {"tokens": px.tokens, "reused_tokens": px.reused, "hits": px.hits}
-        stores = STORES.get(target.model, {})
+        stores = [st for m in pools_of(target.model).pools.values() if (st := m.get(STORE)) is not None]
         if stores:
             memory[method] = {
-                "tokens": sum(st.tokens for st in stores.values()),
-                "bytes": sum(st.bytes() for st in stores.values()),
+                "tokens": sum(st.tokens for st in stores),
+                "bytes": sum(st.bytes() for st in stores),
             }
         runs[method] = _summary(wall, stats, plain_texts)
     base = runs[PLAIN]["tokens_per_second"]

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import PLAIN, Chooser, Estimates, Offer, acceptance_memory, alpha_report
+from ..adaptive import PLAIN, Chooser, Estimates, Offer, alpha_report
 from ..costs import PRICED_K
 from ..metrics import timer
 from ..model.transformer import Transformer
@@ -194,7 +194,7 @@ class AutoDrafter(Drafter):
         self.est = Estimates(
             session.pricing.passes(k_max + 1),
             k_max,
-            acceptance_memory(self.target, session.sampling.greedy),
+            session.memory.acceptance if session.sampling.greedy else None,
             remembered(self.methods),
             session.pricing.reproducible,
         )

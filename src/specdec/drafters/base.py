@@ -33,6 +33,7 @@ import torch
 
 from ..config import DEFAULT_K, SamplingParams
 from ..costs import Pricing
+from ..memory import Memory
 
 if TYPE_CHECKING:
     from ..adaptive import Estimates, Offer
@@ -121,14 +122,15 @@ class DraftSession:
     # True: propose a chain of exactly the k asked for (a tree drafter drafts its most likely
     # chain): whoever begins it so sized k itself (auto, which switches between chain drafters)
     chain_only: bool = False
-    # whose sequence this is: drafters that learn from earlier requests (suffix decoding's store
-    # of outputs) keep what they learn per pool and draft from their pool's alone. A server
-    # gives one per API key (one client's outputs never draft for another); "" in a process of
-    # one user
+    # whose sequence this is: a server gives one pool per API key (one client's outputs never
+    # draft for another); "" in a process of one user
     pool: str = ""
     # what its choices are priced by (`costs.Pricing`: the pass table, reproducible or not);
     # None: this machine's measured tables, reproducible as its sampling says
     pricing: Pricing | None = None
+    # what earlier requests of its pool taught (`memory.Memory`: acceptance, suffix decoding's
+    # store, a draft's calibration), handed in by the engine; by default a fresh one
+    memory: Memory = field(default_factory=Memory)
 
     def __post_init__(self) -> None:
         if self.pricing is None:
@@ -459,6 +461,7 @@ def method_default_k(method: str | None) -> int:
 
 
 def remembered(methods: list[str]) -> frozenset[str]:
-    """The drafters among `methods` whose acceptance `adaptive.acceptance_memory` keeps across requests:
-    the model-free ones (what they propose depends on the target's text alone)."""
+    """The drafters among `methods` whose acceptance a pool's memory keeps across requests
+    (`memory.Memory`): the model-free ones (what they propose depends on the target's text
+    alone)."""
     return frozenset(m for m in methods if m in DRAFTERS and DRAFTERS[m].needs == "")

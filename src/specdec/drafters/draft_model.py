@@ -11,7 +11,6 @@ from .. import costs
 from ..adaptive import Estimates, Offer
 from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
-from ..runtime import per_model
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, Switchable, one_batch, register
 from .confidence import CONFIDENCE_OPTION, TREE_OPTION, Calibration, Depth, keep_drafting
@@ -19,16 +18,9 @@ from .draft_tree import MAX_NODES, TreeGrowth
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
 from .window import DEFAULT_WINDOW, SINK, WINDOW_OPTION
 
-# The draft model keeps the last prompt it prefilled (`state.prefilled`: with its window, that
-# cache and the tokens the window left out), so a batch of sequences with one prompt, as
-# `specdec certify` or a server's n > 1 sends, prefills the draft model once.
-
-
-# per draft model: its last prefill (tokens, window, cache, skip), copied by the next request
-# with the same prompt instead of computed again
-PREFILLED = per_model(memory=False)
-# per target: how each draft's confidence predicted acceptance over recent greedy requests
-CONFIDENCE = per_model(memory=True)
+# The draft model keeps the last prompt it prefilled in its pool's memory (`memory.Memory`:
+# with its window, that cache and the tokens the window left out), so a batch of sequences with
+# one prompt, as `specdec certify` or a server's n > 1 sends, prefills the draft model once.
 
 
 def draft_step(
@@ -383,12 +375,17 @@ class DraftModelDrafter(Switchable):
             behind -= self._window_of(behind)
         return self._costs().rows(behind) if behind > 0 else 0.0
 
+    def _prefilled(self) -> dict[str, tuple]:
+        """This draft model's last prompt prefill in the pool's memory."""
+        assert self.session is not None
+        return self.session.memory.part(("draft-prefill", id(self.model)), dict)
+
     def _shared(self) -> tuple | None:
         """The draft model's last prefill (`state.prefilled`), where it is this sequence's: what
         `sync` copies instead of computing."""
         if self.cache is None or self.cache.length != 0:
             return None
-        shared = PREFILLED.get(self.model)
+        shared = self._prefilled().get("last")
         pending = self._tokens[self._fed() : -1]
         if (
             shared is not None
@@ -433,7 +430,7 @@ class DraftModelDrafter(Switchable):
                 # first is this sequence's alone, and must not displace the prompt's)
                 snapshot = self.model.new_cache(self.cache.length)
                 snapshot.copy_prefix(self.cache, self.cache.length)
-                PREFILLED[self.model] = (tuple(pending), self.window, snapshot, self.skip)
+                self._prefilled()["last"] = (tuple(pending), self.window, snapshot, self.skip)
 
     def accepted(self, feedback: Feedback) -> None:
         assert self.cache is not None
@@ -461,11 +458,9 @@ class DraftModelDrafter(Switchable):
 
 
 def _calibration(session: DraftSession, key: Hashable) -> Calibration:
-    """The calibration a sequence drafts by: for greedy requests, the one the target's earlier
-    greedy requests with this draft built (kept on the target, like `adaptive.acceptance_memory`,
-    and dropped with it by `runtime.forget`); a fresh one for sampled requests (a seeded
-    request's depths must not depend on what ran before it)."""
-    target = session.target
-    if target is None or not session.sampling.greedy:
+    """The calibration a sequence drafts by: for greedy requests, the one its pool's earlier
+    greedy requests with this draft built (`memory.Memory`); a fresh one for sampled requests
+    (a seeded request's depths must not depend on what ran before it)."""
+    if not session.sampling.greedy:
         return Calibration()
-    return CONFIDENCE.of(target, dict).setdefault(key, Calibration())
+    return session.memory.part(("draft-confidence", key), Calibration)

@@ -25,7 +25,7 @@ Exact: the drafts are point masses, verified as a tree by `verify.tree_greedy_ve
 the target's argmax path) or `verify.tree_point_mass_sample` (sampling: the target's law), and
 what is proposed depends only on committed tokens.
 
-The shared store (`SuffixStore`) lives on the target's state, one per pool: a server keeps one
+The shared store (`SuffixStore`) is part of the pool's memory (`memory.Memory`): a server keeps one
 pool per API key (a response's speed must not reveal what another client generated), a
 process one pool for all its sequences (the sequences of one `generate_batch` share it). A
 seeded sampled request does not read it (its answer must not depend on what ran before), but
@@ -45,9 +45,8 @@ from typing import Any
 
 import torch
 
-from ..adaptive import MEMORY_GAMMA, Acceptance, Estimates, Offer, acceptance_memory
-from ..model.transformer import Transformer
-from ..runtime import per_model
+from ..adaptive import MEMORY_GAMMA, Acceptance, Estimates, Offer
+from ..memory import Memory
 from .base import Draft, DraftSession, Feedback, Option, ScoredTree, TreeMember, register
 
 DEFAULT_STORE_TOKENS = 1 << 18  # tokens the shared store keeps per pool by default (~25 MB)
@@ -157,16 +156,13 @@ class SuffixStore:
         return total
 
 
-STORES = per_model(memory=True)  # per target: earlier requests' outputs by pool (a server's API key; "" in a process)
+STORE = "suffix-store"  # its part of the pool's memory (`memory.Memory.part`)
 
 
-def shared_store(target: Transformer, pool: str, max_tokens: int) -> SuffixStore:
-    """The target's shared store for `pool` (made on first use; its bound follows the latest
+def shared_store(memory: Memory, max_tokens: int) -> SuffixStore:
+    """The pool's store of earlier outputs (made on first use; its bound follows the latest
     request's `max_tokens`)."""
-    stores: dict[str, SuffixStore] = STORES.of(target, dict)
-    store = stores.get(pool)
-    if store is None:
-        store = stores[pool] = SuffixStore(max_tokens)
+    store = memory.part(STORE, lambda: SuffixStore(max_tokens))
     store.max_tokens = max_tokens
     return store
 
@@ -302,19 +298,18 @@ class SuffixDrafter(TreeMember):
 
     def begin(self, session: DraftSession) -> None:
         if session.target is None:
-            raise ValueError("the suffix drafter needs the target model in its session")
-        target = session.target
+            raise ValueError("the suffix drafter needs the target model in its session (its pass table)")
         self.chain_only = session.chain_only
         self._device = session.generator.device
         self._doc = _Doc()
         self._doc.extend(session.context)
         self._prompt_len = len(session.context) - 1
-        self._store = shared_store(target, session.pool, self.max_tokens) if self.max_tokens else None
+        self._store = shared_store(session.memory, self.max_tokens) if self.max_tokens else None
         # (a seeded sampled request's drafts, hence its random numbers, must not depend on what
         # ran before it)
         self._shared = None if session.pricing.reproducible else self._store
         self._costs = session.pricing.passes(self._rows()) if self.total is None else None
-        self._memory = acceptance_memory(target, session.sampling.greedy)
+        self._memory = session.memory.acceptance if session.sampling.greedy else None
         self._acceptance, self._proposal, self._sizes, self._cached = {}, [], [], (-1, [])
         self._planned = ((-1, -1), (0, ScoredTree([], [], []), -1.0))
 

@@ -17,7 +17,7 @@ happens on that one thread (drafters are built there too): OpenMP keeps a thread
 thread, and on a machine with as many cores as one pool has threads, a second pool throttles the
 spinning of both, which cost a third of the decoding speed here. `serve` therefore runs the engine
 on the main thread, the one that loaded the models, and uvicorn beside it. Each step it asks the
-cost model whether drafting still pays at this batch size (`adaptive.batch_drafting_pays`: a large
+cost model whether drafting still pays at this batch size (`costs.batch_drafting_pays`: a large
 batch fills the target pass with rows already) and runs a plain step for all when it does not —
 exactly as lossless as any other step.
 

@@ -12,9 +12,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..adaptive import batch_drafting_pays
 from ..api import LoadedModel, build_drafter
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams
+from ..costs import batch_drafting_pays
 from ..drafters.base import Drafter, uses_draft_model
 from ..engine import Engine
 from .metrics import ServerMetrics
