@@ -27,7 +27,8 @@ from specdec.api import load_draft, request, run_request
 from specdec.bench.grid import PREFIX_TOKENS, _prime, prompt_ids
 from specdec.bench.suite import load_prompts, select
 from specdec.costs import pass_costs
-from specdec.drafters.suffix import STORES
+from specdec.drafters.suffix import STORE
+from specdec.memory import pools_of
 
 HERE = Path(__file__).parent
 VARIANTS: dict[str, dict] = {
@@ -81,7 +82,7 @@ def main() -> int:
             outs = {}
             for v in a.variants if rep % 2 == 0 else list(reversed(a.variants)):
                 # (suffix decoding, under auto, must not draft from this prompt's own earlier answer)
-                STORES.pop(target.model, None)
+                pools_of(target.model).of("").forget(STORE)
                 outs[v] = run_request(
                     target,
                     request(target, ids, assistant_model=draft, **common, **VARIANTS[v]),

@@ -25,6 +25,7 @@ from specdec.adaptive import (
     Schedule,
     StepRecord,
     replay,
+    unsent,
 )
 from specdec.config import SamplingParams
 from specdec.costs import PASS_TABLES, Costs
@@ -367,3 +368,23 @@ def test_pass_costs_follow_the_measured_passes(tiny, monkeypatch):
     monkeypatch.setitem(PASS_TABLES, target.model, table)  # (what the engine's passes update)
     out = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=20, ignore_eos=True)
     assert table.scale < 0.5 and out.metrics.drafter_info["adaptive_k"]["pass_scale"] == round(table.scale, 3)
+
+
+def test_an_unsent_proposal_is_scored_as_its_verification_would_have_been():
+    """`unsent`: a chain or tree that did not go, against the tokens the step committed — the
+    longest path it follows; where that path runs to the end of what was committed, only that
+    far is known (counted as proposed that far)."""
+    assert unsent([5, 6, 7], None, [5, 6, 9, 1]) == (3, 2)  # rejected at the third
+    assert unsent([5, 6], None, [5, 6, 9]) == (2, 2)  # all kept, then the target's own token
+    assert unsent([5, 6, 7, 8], None, [5, 6]) == (2, 2)  # the rest is unknown
+    assert unsent([4, 6], None, [5, 6]) == (2, 0)
+    # a tree: 5 -> (6 -> 7, 8), 9; the committed path 5 8 3 follows 5 then 8
+    tokens, parents = [5, 9, 6, 8, 7], [-1, -1, 0, 0, 2]
+    assert unsent(tokens, parents, [5, 8, 3]) == (3, 2)
+    assert unsent(tokens, parents, [5, 6]) == (2, 2)
+    est = Estimates(PASS, 4)
+    offer = est.chain("pl", 3, 3, 0.0)
+    before = est.alpha("pl", 3)[0]
+    for _ in range(10):
+        est.observe(offer, *unsent([5, 6, 7], None, [1, 2]))  # never followed
+    assert est.alpha("pl", 3)[0] < before / 2

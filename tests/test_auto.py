@@ -153,7 +153,8 @@ def test_greedy_identity_with_eagle3_among_the_switching_drafters(tiny, monkeypa
         assert out.token_ids == plain.token_ids, prompt
         assert out.metrics.drafter_info["auto"]["methods"] == [EAGLE3, LOOKUP, SUFFIX]
         accepted += out.metrics.accepted
-    assert {m for m, _ in picks} == {"plain", LOOKUP, SUFFIX, EAGLE3} and {k for m, k in picks if m == EAGLE3} >= {1, 4}
+    # (suffix decoding offers a tree only where its plan pays: on a random head it may not)
+    assert {m for m, _ in picks} >= {"plain", LOOKUP, EAGLE3} and {k for m, k in picks if m == EAGLE3} >= {1, 4}
     assert accepted > 0
 
 
@@ -246,7 +247,7 @@ def _merging(monkeypatch, method: str, k: int) -> list[int]:
 
     monkeypatch.setattr(Chooser, "choose", choose)
     monkeypatch.setattr(
-        AutoDrafter, "_tree_nodes", lambda self, chain, chances, depth, shared=None: (len(chances), 1.0, 1.0)
+        AutoDrafter, "_tree_nodes", lambda self, chain, tree, depth, shared=None: (len(tree.tokens), 1.0, 1.0)
     )
     monkeypatch.setattr(AutoDrafter, "_with_suffix", with_suffix)
     return sizes
@@ -285,22 +286,19 @@ def test_sampling_law_with_merged_trees(small_vocab, exact_joint, sample_joint, 
     assert (p <= ALPHA) if broken else (p > ALPHA)
 
 
-def test_a_tree_beside_a_chain_is_priced_where_the_chain_misses(tiny):
+def test_a_tree_beside_a_chain_is_priced_where_the_chain_misses():
     """The merged offer: a tree node adds its chance where the chain is predicted to miss at its
     depth and costs a row; a node the chain proposes already adds nothing; beside a chain sure to
     be accepted, no tree node pays."""
-    from specdec.adaptive import Estimates, Offer
+    from specdec.adaptive import Offer
+    from specdec.drafters.merge import tree_beside
 
-    auto = AutoDrafter(tiny("llama").model)
-    auto.est = Estimates(PASS, 4)
-    chain = Offer(LOOKUP, 2, 1.0 + 0.6 + 0.36, PASS.rows(3), "")  # the prior: alpha 0.6, 0.36
-    n, tokens, ms = auto._tree_nodes(chain, [0.9, 0.8], [1, 2])
+    chain = Offer(LOOKUP, 2, 1.0 + 0.6 + 0.36, PASS.rows(3))  # alpha 0.6, 0.36
+    n, tokens, ms = tree_beside(chain, [0.9, 0.8], [1, 2], [0.6, 0.36], PASS.rows)
     assert n == 2 and tokens == pytest.approx(chain.tokens + 0.9 * 0.4 + 0.8 * (1 - 0.36))
     assert ms == pytest.approx(PASS.rows(5))
-    assert auto._tree_nodes(chain, [0.9, 0.8], [1, 2], shared=[True, True])[0] == 0
-    for _ in range(40):
-        auto.est.learn(Offer(LOOKUP, 2, 1.0, 1.0), 2, 2, 0.0)
-    assert auto._tree_nodes(chain, [0.3], [1])[0] == 0
+    assert tree_beside(chain, [0.9, 0.8], [1, 2], [0.6, 0.36], PASS.rows, shared=[True, True])[0] == 0
+    assert tree_beside(chain, [0.3], [1], [1.0, 1.0], PASS.rows)[0] == 0
 
 
 def test_a_tree_node_the_copying_chain_proposes_already_costs_no_row():

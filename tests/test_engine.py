@@ -10,7 +10,7 @@ from helpers import ALPHA, PROMPT_IDS, PROMPTS, chi2_pvalue
 import specdec
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.drafters import Draft, Drafter, DraftModelDrafter, DraftSession, Feedback
-from specdec.memory import Memory
+from specdec.drafters.draft_model import PREFILLED
 from specdec.model import ContextOverflowError, load_transformer
 from specdec.stops import StopChecker
 
@@ -463,20 +463,17 @@ def test_a_draft_that_caught_up_keeps_the_prompts_prefill_for_the_next_sequence(
     model = tiny("llama", "close").model
     context = list(PROMPT_IDS) * 4
 
-    memory = Memory()  # (one pool's: what the engine hands each of its sequences)
-
     def begun() -> DraftModelDrafter:
         d = DraftModelDrafter(model)
-        d.begin(DraftSession(list(context), 64, SamplingParams(), make_generator(0, "cpu"), memory=memory))
+        d.begin(DraftSession(list(context), 64, SamplingParams(), make_generator(0, "cpu")))
         return d
 
-    first = begun()
-    first.sync()
-    prompt = first._prefilled().get("last")
+    begun().sync()
+    prompt = PREFILLED.get(model)
     assert prompt is not None and len(prompt[0]) == len(context) - 1
     late = begun()
     late.catch_up([5, 6, 7])
     late.sync()
-    assert late._prefilled().get("last") is prompt
+    assert PREFILLED.get(model) is prompt
     again = begun()
     assert again._catch_up_ms() == 0.0  # (it copies the prompt's prefill)

@@ -57,6 +57,9 @@ class Offer:
     catch_up_ms: float = 0.0  # what catching up first costs (all of it; `ms` carries a share)
     draft_ms: float = 0.0  # its draft cost per token as priced (what a reproducible step counts)
     most: int = 0  # the longest chain it could have offered (`k` is the best of them)
+    # a model-free chain's tokens, known before drafting: what a step that did not send it would
+    # have kept of it is learned from too (`unsent`)
+    chain: tuple[int, ...] = ()
 
     @property
     def rate(self) -> float:
@@ -282,10 +285,35 @@ class Estimates:
             record.update(*step)
             if member in self.kept:
                 self.kept[member].update(*step)
-        self._acc(member, offer.situation).update(proposed, accepted)
-        if member in self.remembered:
-            key = (member, offer.situation)
+        self.observe(offer, proposed, accepted)
+
+    def observe(self, offer: Offer, proposed: int, accepted: int) -> None:
+        """The position model of `offer`'s member and situation hears of a proposal's outcome
+        (a verified one, or an unsent chain's, `unsent`)."""
+        if proposed <= 0:
+            return
+        self._acc(offer.member, offer.situation).update(proposed, accepted)
+        if offer.member in self.remembered:
+            key = (offer.member, offer.situation)
             self.memory.setdefault(key, Acceptance(self.k_max, MEMORY_GAMMA)).update(proposed, accepted)
+
+
+def unsent(tokens: list[int], parents: list[int] | None, committed: list[int]) -> tuple[int, int]:
+    """(proposed, accepted) as a verification would have reported them for a deterministic
+    proposal that was not sent (`tokens`, a chain, or a tree by `parents`), given the tokens the
+    step committed: the longest path of it they follow. Exact to learn from: a greedy target
+    commits the same tokens whatever was drafted, and a sampled one draws each from its own
+    distribution, the chance a point-mass draft of it is accepted. Where the path runs to the
+    end of what was committed, what follows is unknown: counted as proposed that far."""
+    node, depth, matched = -1, {-1: 0}, 0
+    for j, (t, p) in enumerate(
+        zip(tokens, parents if parents is not None else range(-1, len(tokens) - 1), strict=True)
+    ):
+        depth[j] = depth[p] + 1
+        if p == node and matched < len(committed) and t == committed[matched]:
+            node, matched = j, matched + 1
+    deepest = max(depth.values())
+    return (matched, matched) if matched == len(committed) and matched < deepest else (deepest, matched)
 
 
 class Chooser:

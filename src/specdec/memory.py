@@ -8,7 +8,7 @@ earlier repeat's text). One `Memory` per pool holds:
 * `acceptance`: the chooser's acceptance by (member, situation) over greedy requests, the prior
   of the next request's estimates (`adaptive.Estimates`);
 * each drafter's own `part`: suffix decoding's store of earlier outputs, a draft model's
-  confidence calibration and step record, its last prompt prefill.
+  confidence calibration and step record.
 
 The engine (or a server) owns the pools and hands a sequence's Memory to its drafter; a drafter
 never looks memory up by itself, and a test builds one. By default an engine uses its target's
@@ -39,6 +39,10 @@ class Memory:
         if key not in self._parts:
             self._parts[key] = make()
         return self._parts[key]
+
+    def forget(self, key: Hashable) -> None:
+        """Drop a drafter's part (a benchmark's run must not draft from an earlier run's text)."""
+        self._parts.pop(key, None)
 
     def get(self, key: Hashable) -> Any:
         """A drafter's part under `key`, or None where it has none yet (a report reads it)."""

@@ -25,15 +25,13 @@ per-member table in `info["auto"]["members"]` (`specdec generate --explain` prin
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from ..adaptive import PLAIN, Chooser, Estimates, Offer, alpha_report
-from ..costs import PRICED_K
+from ..adaptive import PLAIN, Chooser, Estimates, Offer, alpha_report, unsent
 from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
@@ -53,12 +51,16 @@ from .base import (
     remembered,
 )
 from .confidence import CONFIDENCE_OPTION
-from .merge import Merged, along, depths, merge, on_chain, part
+from .merge import Merged, along, chain_part, depths, merged_draft, on_chain, split, tree_beside
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION
 from .window import DEFAULT_WINDOW, WINDOW_OPTION
 
 PREDICTION = "prediction"
 PREDICTION_PRICED_K = 31  # the deepest chain a prediction may propose in one step (a pass of 32 rows)
+# the deepest chain the other members may propose (each offers its best k within it): past
+# PRICED_K, where the position model extrapolates, a sure copy or a sure draft still pays on the
+# measured pass table (quick suite, A/B against 8 in one process: median 1.72x against 1.63x)
+CHAIN_K = 16
 
 
 def switchable() -> list[str]:
@@ -80,7 +82,7 @@ def _describe(info: dict[str, Any], brief: bool) -> list[str]:
     "auto",
     describe=_describe,
     needs="any",
-    default_k=16,  # the deepest a step may go: chains stop at PRICED_K, suffix trees here
+    default_k=16,  # the deepest a step may go (chains to CHAIN_K, suffix trees, a prediction's to its own)
     help="each step, the member (prompt lookup, suffix; the draft model with --draft; an EAGLE-3 head if asked for) "
     "whose offer gives the most tokens per second, or a plain step",
     options=(
@@ -154,6 +156,7 @@ class AutoDrafter(Drafter):
         self.est: Estimates | None = None  # this sequence's (set by `begin`)
         self.chooser = Chooser(margin)
         self._pick: Offer | None = None  # this step's offer
+        self._offers: list[Offer] = []  # ...and all it was chosen from
         self._tree: tuple[Hashable, ScoredTree] | None = None  # suffix decoding's tree this step
         self._alone: dict[str, Offer] = {}  # this step's chain offers before a tree joined them
         self._budget = 0  # this step's k from the engine: the deepest a proposal may go
@@ -188,8 +191,8 @@ class AutoDrafter(Drafter):
                 )
             )
         # a prediction followed for a while is accepted nearly whole: its chains may go as deep as
-        # the step allows (the others' stay within PRICED_K, where their acceptance ends)
-        k_max = PREDICTION_PRICED_K if PREDICTION in self.subs and session.prediction else PRICED_K
+        # the step allows (the others' stay within CHAIN_K)
+        k_max = PREDICTION_PRICED_K if PREDICTION in self.subs and session.prediction else CHAIN_K
         assert session.pricing is not None
         self.est = Estimates(
             session.pricing.passes(k_max + 1),
@@ -210,12 +213,7 @@ class AutoDrafter(Drafter):
         last: dict[str, Feedback] = {}
         pick = self._pick
         if final is not None and final.kept is not None and pick is not None and pick.member != PLAIN:
-            if self._merged is not None:
-                n = along(final.path, self._merged.chain)
-                sub_final = part(final, list(range(n)), self._merged.chain[:n], final.next_token)
-                last[pick.member] = replace(sub_final, kept=min(n, final.kept))
-            else:
-                last[pick.member] = final
+            last[pick.member] = chain_part(final, self._merged) if self._merged is not None else final
         for name, sub in self.subs.items():
             sub.end(last.get(name))
         self._report()
@@ -239,14 +237,14 @@ class AutoDrafter(Drafter):
         for name, sub in self.subs.items():
             if name == self.tree_name:
                 continue
-            offer = sub.offer(k if name == PREDICTION else min(k, PRICED_K), est) if k > 0 else None
+            offer = sub.offer(k if name == PREDICTION else min(k, CHAIN_K), est) if k > 0 else None
             if offer is not None and tree_member is not None and self._merges(name):
                 offer = self._merged_offer(offer, tree_member, k)
             if offer is not None:
                 offers.append(offer)
         if tree_member is not None and k > 0 and (own := tree_member.offer(k, est)) is not None:
             offers.append(own)
-        self._pick = self.chooser.choose(offers, est.plain(), remaining)
+        self._pick, self._offers = self.chooser.choose(offers, est.plain(), remaining), offers
         self._proposal, self._depth, self._merged, self._draft_ms = [], 0, None, 0.0
 
     def _merged_offer(self, chain: Offer, tree_member: TreeMember, k: int) -> Offer:
@@ -255,31 +253,17 @@ class AutoDrafter(Drafter):
         if self._tree is None:
             self._tree = tree_member.tree(k)
         tree = self._tree[1]
-        n, tokens, ms = self._tree_nodes(chain, tree.probs, depths(tree.parents))
+        n, tokens, ms = self._tree_nodes(chain, tree, depths(tree.parents))
         self._alone[chain.member] = chain
         return replace(chain, tokens=tokens, ms=ms, merged=n) if n else chain
 
     def _tree_nodes(
-        self, chain: Offer, chances: list[float], depth: list[int], shared: list[bool] | None = None
+        self, chain: Offer, tree: ScoredTree, depth: list[int], shared: list[bool] | None = None
     ) -> tuple[int, float, float]:
-        """(nodes, expected tokens, ms) of the best prefix of a tree's best-first order beside
-        `chain`: each node adds its chance where the chain is predicted to miss at its depth
-        and costs a row; a node the chain proposes already (`shared`: the same tokens from the
-        root) adds neither."""
+        """`merge.tree_beside` by this sequence's estimates."""
         assert self.est is not None
         reach = self.est.alpha(chain.member, chain.situation)[: chain.k]
-        rows = base = 1 + chain.k
-        best = (0, chain.tokens, chain.ms)
-        tokens = chain.tokens
-        for j, (p, d) in enumerate(zip(chances, depth, strict=True), start=1):
-            if shared is not None and shared[j - 1]:
-                continue
-            rows += 1
-            tokens += p * (1.0 - (reach[d - 1] if d <= len(reach) else 0.0))
-            ms = chain.ms - self.est.costs.rows(base) + self.est.costs.rows(rows)
-            if tokens / ms > best[1] / best[2]:
-                best = (j, tokens, ms)
-        return best
+        return tree_beside(chain, tree.probs, depth, reach, self.est.costs.rows, shared)
 
     @classmethod
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
@@ -308,7 +292,7 @@ class AutoDrafter(Drafter):
             for i, draft in zip(idx, drafts, strict=True):
                 d = group[i]
                 if draft.extra is not None or (draft.parents is not None and not d._own_tree()):
-                    raise RuntimeError(f"auto switches between chain drafters; {d._k()} proposed a tree")
+                    raise RuntimeError(f"auto switches between chain drafters; {d._pick.member} proposed a tree")  # type: ignore[union-attr]
                 d._draft_ms = 1e3 * t[0] / len(idx)
                 d._proposal, d._depth = draft.tokens.tolist(), draft.depth()
                 out[i] = d._with_suffix(draft) if d._merges(d._pick.member) else draft  # type: ignore[union-attr]
@@ -352,21 +336,13 @@ class AutoDrafter(Drafter):
         depth = depths(tree.parents)
         shared = on_chain(chain.tokens.tolist(), tree.tokens, tree.parents, depth) if chain.probs is None else None
         alone = replace(self._alone.get(self._pick.member, self._pick), k=len(chain.tokens))
-        n = self._tree_nodes(alone, tree.probs, depth, shared)[0] if tree.tokens else 0
+        n = self._tree_nodes(alone, tree, depth, shared)[0] if tree.tokens else 0
         suffix.take(sit, tree, n)
         if n == 0:
             return chain
-        self._merged = merged = merge(chain.tokens.tolist(), chain.probs is not None, tree.tokens[:n], tree.parents[:n])
-        self._proposal = merged.tokens
-        self._merged_sizes.append(len(merged.tokens))
-        draft = Draft(
-            torch.tensor(merged.tokens, dtype=torch.long, device=chain.tokens.device), None, parents=merged.parents
-        )
-        self._depth = draft.depth()
-        if chain.probs is not None:  # drawn chain nodes beside fixed ones: the mixed rule
-            q = chain.probs.new_zeros(len(merged.tokens), chain.probs.shape[-1])
-            q[merged.chain] = chain.probs
-            draft.probs, draft.attempts = q, merged.attempts
+        self._merged, draft = merged_draft(chain, tree, n)
+        self._proposal, self._depth = self._merged.tokens, draft.depth()
+        self._merged_sizes.append(len(self._merged.tokens))
         return draft
 
     def accepted(self, feedback: Feedback) -> None:
@@ -375,17 +351,13 @@ class AutoDrafter(Drafter):
         committed = [self._proposal[j] for j in feedback.path] + [feedback.next_token]
         told = {pick.member}
         if self._merged is not None:  # each source hears of the part of the path that was its own
-            m, tree_name = self._merged, self.tree_name
-            assert tree_name is not None
-            n = along(feedback.path, m.chain)
-            self.subs[pick.member].accepted(part(feedback, list(range(n)), m.chain[:n], committed[n]))
-            self.subs[pick.member].catch_up(committed[n + 1 :], None)
-            own = {j: o for o, j in enumerate(m.tree)}
-            path_s = [own[j] for j in itertools.takewhile(lambda j: j in own, feedback.path)]
-            self.subs[tree_name].accepted(part(feedback, path_s, [m.tree[o] for o in path_s], committed[len(path_s)]))
-            self.subs[tree_name].catch_up(committed[len(path_s) + 1 :], None)
-            told.add(tree_name)
-            self.est.learn(pick, len(m.chain), n, self._draft_ms)
+            assert self.tree_name is not None
+            parts = split(feedback, self._merged, committed)
+            for name, (own, rest) in zip((pick.member, self.tree_name), parts, strict=True):
+                self.subs[name].accepted(own)
+                self.subs[name].catch_up(rest, None)
+            told.add(self.tree_name)
+            self.est.learn(pick, len(self._merged.chain), along(feedback.path, self._merged.chain), self._draft_ms)
         elif pick.member != PLAIN:
             self.subs[pick.member].accepted(feedback)
             if self._merges(pick.member) and self.tree_name is not None:  # (none of the tree went)
@@ -393,6 +365,9 @@ class AutoDrafter(Drafter):
                 told.add(self.tree_name)
             if pick.member != self.tree_name:  # (which learns from its trees itself)
                 self.est.learn(pick, self._depth, feedback.num_accepted, self._draft_ms)
+        for offer in self._offers:  # a model-free chain that did not go: what it would have kept
+            if offer.chain and offer.member != pick.member:
+                self.est.observe(offer, *unsent(list(offer.chain), None, committed))
         self.chooser.committed(len(committed), self._draft_ms, feedback.pass_ms)
         self._length += len(committed)
         for name, sub in self.subs.items():

@@ -11,6 +11,7 @@ from .. import costs
 from ..adaptive import Estimates, Offer
 from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
+from ..runtime import per_model
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, Switchable, one_batch, register
 from .confidence import CONFIDENCE_OPTION, TREE_OPTION, Calibration, Depth, keep_drafting
@@ -18,9 +19,14 @@ from .draft_tree import MAX_NODES, TreeGrowth
 from .vocab import DEFAULT_VOCAB, VOCAB_OPTION, DraftVocab, SequenceVocab, draft_vocab
 from .window import DEFAULT_WINDOW, SINK, WINDOW_OPTION
 
-# The draft model keeps the last prompt it prefilled in its pool's memory (`memory.Memory`:
-# with its window, that cache and the tokens the window left out), so a batch of sequences with
-# one prompt, as `specdec certify` or a server's n > 1 sends, prefills the draft model once.
+# The draft model keeps the last prompt it prefilled (`PREFILLED`: with its window, that cache
+# and the tokens the window left out), so a batch of sequences with one prompt, as `specdec
+# certify` or a server's n > 1 sends, prefills the draft model once. Rows, not learning: a copied
+# row is what its prefill computes, like the target's cached prefixes (`engine.PREFIXES`), so it
+# is kept per draft model, not in a pool's memory; a benchmark's untimed priming leaves it there.
+
+
+PREFILLED = per_model(memory=False)
 
 
 def draft_step(
@@ -375,17 +381,12 @@ class DraftModelDrafter(Switchable):
             behind -= self._window_of(behind)
         return self._costs().rows(behind) if behind > 0 else 0.0
 
-    def _prefilled(self) -> dict[str, tuple]:
-        """This draft model's last prompt prefill in the pool's memory."""
-        assert self.session is not None
-        return self.session.memory.part(("draft-prefill", id(self.model)), dict)
-
     def _shared(self) -> tuple | None:
         """The draft model's last prefill (`state.prefilled`), where it is this sequence's: what
         `sync` copies instead of computing."""
         if self.cache is None or self.cache.length != 0:
             return None
-        shared = self._prefilled().get("last")
+        shared = PREFILLED.get(self.model)
         pending = self._tokens[self._fed() : -1]
         if (
             shared is not None
@@ -430,7 +431,7 @@ class DraftModelDrafter(Switchable):
                 # first is this sequence's alone, and must not displace the prompt's)
                 snapshot = self.model.new_cache(self.cache.length)
                 snapshot.copy_prefix(self.cache, self.cache.length)
-                self._prefilled()["last"] = (tuple(pending), self.window, snapshot, self.skip)
+                PREFILLED[self.model] = (tuple(pending), self.window, snapshot, self.skip)
 
     def accepted(self, feedback: Feedback) -> None:
         assert self.cache is not None

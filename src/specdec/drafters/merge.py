@@ -1,11 +1,75 @@
-"""Trees merged for one pass: a chain and a deterministic tree as one trie (auto's merge of a
-chosen chain with suffix decoding's tree), and the feedback each source gets back."""
+"""A chain and a deterministic tree in one pass (auto's merge of a member's chain with suffix
+decoding's tree): how much of the tree pays beside the chain (`tree_beside`), the trie they make
+(`merge`, `merged_draft`) and the feedback each source gets back (`split`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from .base import Feedback
+import torch
+
+from ..adaptive import Offer
+from .base import Draft, Feedback, ScoredTree
+
+
+def tree_beside(
+    chain: Offer,
+    chances: list[float],
+    depth: list[int],
+    reach: list[float],
+    rows_ms: Callable[[int], float],
+    shared: list[bool] | None = None,
+) -> tuple[int, float, float]:
+    """(nodes, expected tokens, ms) of the best prefix of a tree's best-first order (`chances`,
+    `depth` per node) beside `chain`: each node adds its chance where the chain is predicted to
+    miss at its depth (`reach`: the chain's alpha_1..k) and costs a row (`rows_ms`: the pass
+    time per row count); a node the chain proposes already (`shared`: the same tokens from the
+    root) adds neither."""
+    rows = base = 1 + chain.k
+    best = (0, chain.tokens, chain.ms)
+    tokens = chain.tokens
+    for j, (p, d) in enumerate(zip(chances, depth, strict=True), start=1):
+        if shared is not None and shared[j - 1]:
+            continue
+        rows += 1
+        tokens += p * (1.0 - (reach[d - 1] if d <= len(reach) else 0.0))
+        ms = chain.ms - rows_ms(base) + rows_ms(rows)
+        if tokens / ms > best[1] / best[2]:
+            best = (j, tokens, ms)
+    return best
+
+
+def merged_draft(chain: Draft, tree: ScoredTree, n: int) -> tuple[Merged, Draft]:
+    """The chain and the tree's first n nodes as one draft: a tree of point masses, with the
+    chain's q on its nodes where the chain was drawn (the mixed rule, `verify.tree_mixed_sample`)."""
+    merged = merge(chain.tokens.tolist(), chain.probs is not None, tree.tokens[:n], tree.parents[:n])
+    draft = Draft(torch.tensor(merged.tokens, dtype=torch.long, device=chain.tokens.device), None, merged.parents)
+    if chain.probs is not None:
+        q = chain.probs.new_zeros(len(merged.tokens), chain.probs.shape[-1])
+        q[merged.chain] = chain.probs
+        draft.probs, draft.attempts = q, merged.attempts
+    return merged, draft
+
+
+def split(feedback: Feedback, m: Merged, committed: list[int]) -> tuple[tuple[Feedback, list[int]], ...]:
+    """What a merged pass tells each source: (its own feedback, the committed tokens after it
+    that it must catch up on), the chain's first, then the tree's."""
+    n = along(feedback.path, m.chain)
+    own = {j: o for o, j in enumerate(m.tree)}
+    path_t = [own[j] for j in itertools.takewhile(lambda j: j in own, feedback.path)]
+    t = len(path_t)
+    return (
+        (part(feedback, list(range(n)), m.chain[:n], committed[n]), committed[n + 1 :]),
+        (part(feedback, path_t, [m.tree[o] for o in path_t], committed[t]), committed[t + 1 :]),
+    )
+
+
+def chain_part(final: Feedback, m: Merged) -> Feedback:
+    """The finishing pass as the chain's source hears it (`end`)."""
+    n = along(final.path, m.chain)
+    return replace(part(final, list(range(n)), m.chain[:n], final.next_token), kept=min(n, final.kept or 0))
 
 
 @dataclass

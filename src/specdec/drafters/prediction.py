@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -120,8 +121,9 @@ class PredictionDrafter(Switchable):
         """A chain; its situation is the matched run, capped at SETTLED, whose prior is by that
         run: a pointer that followed the output for SETTLED tokens is the client's own text
         going on; one found by a one-token match is a guess. Reading a list is free."""
-        n, run = len(self._next(k)), min(self._run, SETTLED)
-        return est.chain(self.name, run, n, 0.0, prior={0: 0.1, 1: 0.3, 2: 0.5, 3: 0.7}.get(run, 0.9)) if n else None
+        tokens, run = self._next(k), min(self._run, SETTLED)
+        offer = est.chain(self.name, run, len(tokens), 0.0, prior={0: 0.1, 1: 0.3, 2: 0.5, 3: 0.7}.get(run, 0.9))
+        return replace(offer, chain=tuple(tokens[: offer.k])) if offer is not None else None
 
     def propose(self, k: int) -> Draft:
         self._proposal = self._next(k)

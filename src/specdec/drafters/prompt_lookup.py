@@ -14,6 +14,7 @@ O(max_ngram) whatever the prompt length (no rescans).
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
@@ -103,7 +104,8 @@ class PromptLookupDrafter(Switchable):
         if best is None:
             return None
         n, tokens = best
-        return est.chain(self.name, n, len(tokens), 0.0, prior={1: 0.2, 2: 0.5}.get(n, 0.8))
+        offer = est.chain(self.name, n, len(tokens), 0.0, prior={1: 0.2, 2: 0.5}.get(n, 0.8))
+        return replace(offer, chain=tuple(tokens[: offer.k])) if offer is not None else None
 
     def propose(self, k: int) -> Draft:
         best = self._best(k)

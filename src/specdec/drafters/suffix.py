@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import MEMORY_GAMMA, Acceptance, Estimates, Offer
+from ..adaptive import MEMORY_GAMMA, Acceptance, Estimates, Offer, unsent
 from ..memory import Memory
 from .base import Draft, DraftSession, Feedback, Option, ScoredTree, TreeMember, register
 
@@ -409,6 +409,12 @@ class SuffixDrafter(TreeMember):
         return Offer(self.name, k, 1.0 + sum(tree.probs), est.costs.rows(len(tree.tokens) + 1), sit, tree=tree)
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
+        """Tokens committed without this drafter's tree; where it had planned one for this
+        step (it offered it, and another member or a plain step took the step), what the tree
+        would have kept of them is learned as if it had been verified (`unsent`)."""
+        key, (sit, tree, _) = self._planned
+        if key[0] == len(self._doc.tokens) and tree.tokens and tokens:
+            self._learn(sit, *unsent(tree.tokens, tree.parents, tokens))
         self._doc.extend(tokens)
         self._proposal = []
 
@@ -446,11 +452,14 @@ class SuffixDrafter(TreeMember):
 
     def accepted(self, feedback: Feedback) -> None:
         if self._proposal:
-            self._acc(self._situation).update(self._depth, feedback.num_accepted)
-            if self._memory is not None:
-                key = (self.name, self._situation)
-                if key not in self._memory:
-                    self._memory[key] = Acceptance(self.max_nodes, MEMORY_GAMMA)
-                self._memory[key].update(self._depth, feedback.num_accepted)
+            self._learn(self._situation, self._depth, feedback.num_accepted)
         self._doc.extend([*(self._proposal[j] for j in feedback.path), feedback.next_token])
         self._proposal = []
+
+    def _learn(self, sit: int, proposed: int, accepted: int) -> None:
+        self._acc(sit).update(proposed, accepted)
+        if self._memory is not None:
+            key = (self.name, sit)
+            if key not in self._memory:
+                self._memory[key] = Acceptance(self.max_nodes, MEMORY_GAMMA)
+            self._memory[key].update(proposed, accepted)
