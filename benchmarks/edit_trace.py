@@ -46,6 +46,18 @@ def edits(f: str, body: str) -> list[tuple[str, str]]:
     ]
 
 
+def request_line(conversation: str, ask: str, block: str, max_tokens: int) -> dict:
+    """One edit request of the trace: the instruction and the file, the file as the prediction."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{ask}\n\n{block}"}]
+    return {
+        "conversation": conversation,
+        "turn": 0,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "prediction": block,
+    }
+
+
 def plant_bug(code: str, body: str) -> str:
     for old, new in BUGS:
         if old in body:
@@ -81,16 +93,7 @@ def main() -> None:
         for kind, ask in edits(first["entry_point"], first["canonical_solution"]):
             shown = plant_bug(code, first["canonical_solution"]) if kind == "bugfix" else code
             block = f"```python\n{shown}```"
-            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{ask}\n\n{block}"}]
-            lines.append(
-                {
-                    "conversation": f"edit-{a}-{b}-{kind}",
-                    "turn": 0,
-                    "messages": messages,
-                    "max_tokens": 160 + len(shown) // 2,
-                    "prediction": block,
-                }
-            )
+            lines.append(request_line(f"edit-{a}-{b}-{kind}", ask, block, 160 + len(shown) // 2))
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     with ns.out.open("w") as fh:
         for line in lines:

@@ -14,10 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-SYSTEM = (
-    "You are a code editor. Apply the requested change to the file and reply with the whole updated file in "
-    "one ```python block, and nothing else."
-)
+from edit_trace import request_line  # (run from benchmarks/: the bundled edit trace's request format)
+
 CONFIG = '''import json
 import os
 from dataclasses import dataclass, field
@@ -141,16 +139,7 @@ def main() -> None:
     for name, (code, asks) in EDITS.items():
         block = f"```python\n{code}```"
         for kind, ask in asks:
-            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{ask}\n\n{block}"}]
-            lines.append(
-                {
-                    "conversation": f"{name}-{kind}",
-                    "turn": 0,
-                    "messages": messages,
-                    "max_tokens": 160 + len(code) // 2,
-                    "prediction": block,
-                }
-            )
+            lines.append(request_line(f"{name}-{kind}", ask, block, 160 + len(code) // 2))
     ns.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
     print(f"wrote {ns.out}: {len(lines)} edit requests", file=sys.stderr)
 
