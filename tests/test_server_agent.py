@@ -136,6 +136,8 @@ def test_a_prediction_is_exact_and_counted(client):
             == (body or {"speculative": {"method": "auto"}})["speculative"]["method"]
         )
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    # (streamed, the prediction drafts alone: under auto, suffix decoding may now take the steps
+    # from the same answer in its store, which the earlier requests left there)
     streamed = client.chat.completions.create(
         model=MODEL,
         messages=EDIT,
@@ -144,6 +146,7 @@ def test_a_prediction_is_exact_and_counted(client):
         stream=True,
         prediction={"type": "content", "content": [{"type": "text", "text": CODE}]},
         stream_options={"include_usage": True},
+        extra_body={"speculative": {"method": "prediction"}},
     )
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
