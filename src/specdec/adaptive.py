@@ -294,8 +294,19 @@ class Estimates:
             return
         self._acc(offer.member, offer.situation).update(proposed, accepted)
         if offer.member in self.remembered:
-            key = (offer.member, offer.situation)
-            self.memory.setdefault(key, Acceptance(self.k_max, MEMORY_GAMMA)).update(proposed, accepted)
+            remember(self.memory, (offer.member, offer.situation), self.k_max, proposed, accepted)
+
+
+def remember(
+    memory: dict[tuple[str, Hashable], Acceptance], key: tuple[str, Hashable], k_max: int, proposed: int, accepted: int
+) -> None:
+    """A proposal's outcome into the pool's memory of acceptance (discounted over ~100)."""
+    memory.setdefault(key, Acceptance(k_max, MEMORY_GAMMA)).update(proposed, accepted)
+
+
+def steps_text(steps: dict[str, dict[str, int]]) -> str:
+    """A report's steps per member and k (`Chooser.report`) as one line."""
+    return "; ".join(f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items()) for name, ks in steps.items())
 
 
 def unsent(tokens: list[int], parents: list[int] | None, committed: list[int]) -> tuple[int, int]:

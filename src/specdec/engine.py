@@ -298,6 +298,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**63 - 1)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else frozenset()
         scratch = drafter.scratch_rows if drafter is not None else 0
+        drafter_pool = pool if drafter_pool is None else drafter_pool
         controller: Schedule | None = None
         pricing = Pricing.of(self.target, sampling, self.pass_tables)
         if cfg.adaptive_k and drafter is not None and not drafter.own_schedule:
@@ -307,9 +308,7 @@ class Engine:
                 Estimates(
                     pricing.passes(max(cfg.k + 1 + drafter.scratch_rows, 2)),
                     cfg.k,
-                    self.pools.of(drafter_pool if drafter_pool is not None else pool).acceptance
-                    if sampling.greedy
-                    else None,
+                    self.pools.of(drafter_pool).acceptance if sampling.greedy else None,
                     remembered([drafter.name]),
                     pricing.reproducible,
                 ),
@@ -335,7 +334,7 @@ class Engine:
             controller=controller,
             pricing=pricing,
             pool=pool,
-            drafter_pool=pool if drafter_pool is None else drafter_pool,
+            drafter_pool=drafter_pool,
             prediction=list(prediction) if prediction else None,
             top_logprobs=logprobs,
         )

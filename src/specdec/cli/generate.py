@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import registry
+from ..adaptive import steps_text
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments, from_namespace
 from ..drafters import DRAFTERS
 from ..drafters.base import describe as describe_run
@@ -274,10 +275,7 @@ def _print_result(
     info = m.drafter_info
     line += "".join(f"; {text}" for text in describe(info))
     if info.get("adaptive_k"):
-        steps = info["adaptive_k"]["steps"]
-        line += "; adaptive k: " + "; ".join(
-            f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items()) for name, ks in steps.items()
-        )
+        line += "; adaptive k: " + steps_text(info["adaptive_k"]["steps"])
     if not m.exact:
         line += "; NOT EXACT (typical acceptance)"
     print(line + "]", file=sys.stderr)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import PLAIN, Chooser, Estimates, Offer, alpha_report, unsent
+from ..adaptive import PLAIN, Chooser, Estimates, Offer, alpha_report, steps_text, unsent
 from ..metrics import timer
 from ..model.transformer import Transformer
 from ..sampling import make_generator
@@ -71,11 +71,7 @@ def switchable() -> list[str]:
 def _describe(info: dict[str, Any], brief: bool) -> list[str]:
     if not info.get("auto") or brief:
         return []
-    steps = info["auto"]["steps"]
-    return [
-        "auto steps: "
-        + "; ".join(f"{name} " + ", ".join(f"{k} {n}" for k, n in ks.items()) for name, ks in steps.items())
-    ]
+    return ["auto steps: " + steps_text(info["auto"]["steps"])]
 
 
 @register(

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import MEMORY_GAMMA, Acceptance, Estimates, Offer, unsent
+from ..adaptive import Acceptance, Estimates, Offer, remember, unsent
 from ..memory import Memory
 from .base import Draft, DraftSession, Feedback, Option, ScoredTree, TreeMember, register
 
@@ -459,7 +459,4 @@ class SuffixDrafter(TreeMember):
     def _learn(self, sit: int, proposed: int, accepted: int) -> None:
         self._acc(sit).update(proposed, accepted)
         if self._memory is not None:
-            key = (self.name, sit)
-            if key not in self._memory:
-                self._memory[key] = Acceptance(self.max_nodes, MEMORY_GAMMA)
-            self._memory[key].update(proposed, accepted)
+            remember(self._memory, (self.name, sit), self.max_nodes, proposed, accepted)
