@@ -59,7 +59,7 @@ PREDICTION = "prediction"
 PREDICTION_PRICED_K = 31  # the deepest chain a prediction may propose in one step (a pass of 32 rows)
 # the deepest chain the other members may propose (each offers its best k within it): past
 # PRICED_K, where the position model extrapolates, a sure copy or a sure draft still pays on the
-# measured pass table (quick suite, A/B against 8 in one process: median 1.72x against 1.63x)
+# measured pass table (docs/results.md, 2026-12-06 fifth entry)
 CHAIN_K = 16
 
 

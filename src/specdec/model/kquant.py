@@ -552,7 +552,7 @@ def gather_outputs(tiles: np.ndarray, kind: int, rows: np.ndarray) -> np.ndarray
     dtype = TILE_DTYPES[kind]
     tl = np.ascontiguousarray(tiles).view(np.uint8).view(dtype).reshape(tiles.shape[0], -1)
     # only the tiles that hold `rows` are moved: a few of an LM head's thousands (moving the
-    # whole head's fields took ~0.2 s, paid each time a sequence's vocabulary grew)
+    # whole head's fields was paid each time a sequence's vocabulary grew: docs/results.md)
     rows = np.asarray(rows)
     need = np.unique(rows // TILE)
     tl = tl[need]
