@@ -14,22 +14,11 @@ from conftest import EXACT_MODES
 from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing
 
 import specdec
-from specdec.adaptive import (
-    MAX_PROBE_WAIT,
-    MEMORY_PRIOR_WEIGHT,
-    PLAIN,
-    Acceptance,
-    Chooser,
-    Estimates,
-    Offer,
-    Schedule,
-    StepRecord,
-    replay,
-    unsent,
-)
+from specdec.adaptive import MAX_PROBE_WAIT, Chooser, Schedule, replay
 from specdec.config import SamplingParams
 from specdec.costs import PASS_TABLES, Costs
 from specdec.drafters import DraftModelDrafter
+from specdec.offers import MEMORY_PRIOR_WEIGHT, PLAIN, Acceptance, Estimates, Offer, StepRecord, unsent
 
 
 def _learn(est: Estimates, offer: Offer, steps: int, proposed: int, accepted: int, draft_ms: float, rows=None):

@@ -200,7 +200,7 @@ def test_a_seeded_sampled_requests_choices_take_no_timing():
     request draws the same random numbers every time."""
     import dataclasses
 
-    from specdec.adaptive import Estimates
+    from specdec.offers import Estimates
 
     costs = dataclasses.replace(PASS)
     est = Estimates(costs, 4, reproducible=True)
@@ -290,8 +290,8 @@ def test_a_tree_beside_a_chain_is_priced_where_the_chain_misses():
     """The merged offer: a tree node adds its chance where the chain is predicted to miss at its
     depth and costs a row; a node the chain proposes already adds nothing; beside a chain sure to
     be accepted, no tree node pays."""
-    from specdec.adaptive import Offer
     from specdec.drafters.merge import tree_beside
+    from specdec.offers import Offer
 
     chain = Offer(LOOKUP, 2, 1.0 + 0.6 + 0.36, PASS.rows(3))  # alpha 0.6, 0.36
     n, tokens, ms = tree_beside(chain, [0.9, 0.8], [1, 2], [0.6, 0.36], PASS.rows)

@@ -10,9 +10,9 @@ from conftest import EXACT_MODES
 from helpers import PASS, PROMPTS, fb
 
 import specdec
-from specdec.adaptive import Estimates
 from specdec.config import SamplingParams
 from specdec.drafters import AutoDrafter, DraftSession, PredictionDrafter, PromptLookupDrafter
+from specdec.offers import Estimates
 
 
 def started(output_so_far: list[int], prediction: list[int], **kw) -> PredictionDrafter:

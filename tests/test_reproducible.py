@@ -15,7 +15,7 @@ from helpers import PROMPTS, random_head, random_heads
 
 import specdec
 from specdec import costs
-from specdec.adaptive import Estimates, Schedule
+from specdec.adaptive import Schedule
 from specdec.costs import PASS_TABLES, Costs
 from specdec.drafters import (
     AutoDrafter,
@@ -25,6 +25,7 @@ from specdec.drafters import (
     LookaheadDrafter,
     MedusaDrafter,
 )
+from specdec.offers import Estimates
 
 SEED, TOKENS = 1234, 40
 

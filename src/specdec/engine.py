@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .adaptive import Estimates, Schedule
+from .adaptive import Schedule
 from .config import GenerationConfig, SamplingParams
 from .costs import Costs, Pricing, observe_pass
 from .drafters.base import Draft, Drafter, DraftSession, Feedback, Switchable, remembered
@@ -41,6 +41,7 @@ from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
 from .model.prefix import PrefixStore
 from .model.transformer import ForwardOutput, Segment, Transformer
+from .offers import Estimates
 from .runtime import per_model
 from .sampling import make_generator, pick, probs
 from .stops import StopChecker

@@ -6,7 +6,7 @@ must not reveal what another client generated), a process one for all its sequen
 earlier repeat's text). One `Memory` per pool holds:
 
 * `acceptance`: the chooser's acceptance by (member, situation) over greedy requests, the prior
-  of the next request's estimates (`adaptive.Estimates`);
+  of the next request's estimates (`offers.Estimates`);
 * each drafter's own `part`: suffix decoding's store of earlier outputs, a draft model's
   confidence calibration and step record.
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .runtime import per_model
 
 if TYPE_CHECKING:
-    from .adaptive import Acceptance
+    from .offers import Acceptance
 
 T = TypeVar("T")
 

@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
-from ..adaptive import PLAIN, Chooser, Estimates, Offer, alpha_report, steps_text, unsent
+from ..adaptive import Chooser, alpha_report, steps_text
 from ..metrics import timer
 from ..model.transformer import Transformer
+from ..offers import PLAIN, Estimates, Offer, unsent
 from ..sampling import make_generator
 from .base import (
     DRAFTERS,
@@ -157,7 +158,6 @@ class AutoDrafter(Drafter):
         self._alone: dict[str, Offer] = {}  # this step's chain offers before a tree joined them
         self._budget = 0  # this step's k from the engine: the deepest a proposal may go
         self._proposal: list[int] = []  # this step's draft nodes
-        self._depth = 0
         self._merged: Merged | None = None  # this step's merged tree, when it is one
         self._merged_sizes: list[int] = []
         self._draft_ms = self._sync_ms = 0.0
@@ -241,7 +241,7 @@ class AutoDrafter(Drafter):
         if tree_member is not None and k > 0 and (own := tree_member.offer(k, est)) is not None:
             offers.append(own)
         self._pick, self._offers = self.chooser.choose(offers, est.plain(), remaining), offers
-        self._proposal, self._depth, self._merged, self._draft_ms = [], 0, None, 0.0
+        self._proposal, self._merged, self._draft_ms = [], None, 0.0
 
     def _merged_offer(self, chain: Offer, tree_member: TreeMember, k: int) -> Offer:
         """`chain` with the best part of the tree member's tree beside it (itself where no part
@@ -290,7 +290,7 @@ class AutoDrafter(Drafter):
                 if draft.extra is not None or (draft.parents is not None and not d._own_tree()):
                     raise RuntimeError(f"auto switches between chain drafters; {d._pick.member} proposed a tree")  # type: ignore[union-attr]
                 d._draft_ms = 1e3 * t[0] / len(idx)
-                d._proposal, d._depth = draft.tokens.tolist(), draft.depth()
+                d._proposal = draft.tokens.tolist()
                 out[i] = d._with_suffix(draft) if d._merges(d._pick.member) else draft  # type: ignore[union-attr]
         for d in group:
             d.forwards = sum(sub.forwards for sub in d.subs.values())
@@ -337,7 +337,7 @@ class AutoDrafter(Drafter):
         if n == 0:
             return chain
         self._merged, draft = merged_draft(chain, tree, n)
-        self._proposal, self._depth = self._merged.tokens, draft.depth()
+        self._proposal = self._merged.tokens
         self._merged_sizes.append(len(self._merged.tokens))
         return draft
 
@@ -360,7 +360,7 @@ class AutoDrafter(Drafter):
                 self.subs[self.tree_name].catch_up(committed, feedback)
                 told.add(self.tree_name)
             if pick.member != self.tree_name:  # (which learns from its trees itself)
-                self.est.learn(pick, self._depth, feedback.num_accepted, self._draft_ms)
+                self.est.learn(pick, len(self._proposal), feedback.num_accepted, self._draft_ms)
         for offer in self._offers:  # a model-free chain that did not go: what it would have kept
             if offer.chain and offer.member != pick.member:
                 self.est.observe(offer, *unsent(list(offer.chain), None, committed))

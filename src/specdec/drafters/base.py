@@ -36,7 +36,7 @@ from ..costs import Pricing
 from ..memory import Memory
 
 if TYPE_CHECKING:
-    from ..adaptive import Estimates, Offer
+    from ..offers import Estimates, Offer
 
 
 @dataclass

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..adaptive import StepRecord
+from ..offers import StepRecord
 from .base import Option
 
 BINS = 10
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior a(c) = c in each bin
-PRIOR_MEAN = 0.6  # the prior of `Calibration.mean` (adaptive.PRIOR_ALPHA)
+PRIOR_MEAN = 0.6  # the prior of `Calibration.mean` (offers.PRIOR_ALPHA)
 MEMORY = 4000.0  # verified positions a calibration weighs at most (older ones fade by halving)
 
 CONFIDENCE_OPTION = Option(
@@ -50,7 +50,7 @@ class Calibration:
         self.proposed = [0.0] * BINS
         self.accepted = [0.0] * BINS
         # what the steps of the draft that keeps this calibration committed and cost (kept with
-        # it across greedy requests: `adaptive.StepRecord`)
+        # it across greedy requests: `offers.StepRecord`)
         self.steps = StepRecord()
 
     @staticmethod

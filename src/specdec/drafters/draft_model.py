@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from .. import costs
-from ..adaptive import Estimates, Offer
 from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
+from ..offers import Estimates, Offer
 from ..runtime import per_model
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, Switchable, one_batch, register

@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..adaptive import Estimates, Offer
 from ..model.transformer import Transformer
 from ..networks.eagle3 import Eagle3Head
+from ..offers import Estimates, Offer
 from ..sampling import probs as sampling_probs
 from . import heads
 from .base import Draft, DraftSession, Feedback, Option, Switchable, register

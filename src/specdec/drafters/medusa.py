@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..adaptive import Estimates, Offer
 from ..model.transformer import Transformer
 from ..networks.medusa import MedusaHeads, greedy_tree
+from ..offers import Estimates, Offer
 from ..sampling import probs as sampling_probs
 from . import heads
 from .base import Draft, DraftSession, Feedback, Option, Switchable, register

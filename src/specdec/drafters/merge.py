@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..adaptive import Offer
+from ..offers import Offer
 from .base import Draft, Feedback, ScoredTree
 
 

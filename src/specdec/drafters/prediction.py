@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import Estimates, Offer
+from ..offers import Estimates, Offer
 from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 
 # the matched run at which the pointer counts as following the output (its place is then the

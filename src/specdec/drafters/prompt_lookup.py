@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from ..adaptive import Estimates, Offer
+from ..offers import Estimates, Offer
 from .base import Draft, DraftSession, Feedback, Option, Switchable, register
 
 

@@ -13,7 +13,7 @@ Each step:
    (SuffixDecoding's path probability). A node's chance of acceptance is its share times the
    measured chance that a proposal after a match of this length reaches its depth (tracked
    per match-length bucket like prompt lookup's situations, with the memory of earlier greedy
-   requests as prior: `adaptive.Acceptance`). Nodes are taken best first by that chance,
+   requests as prior: `offers.Acceptance`). Nodes are taken best first by that chance,
    none with a share below `min_prob`, at most factor x t of them (SuffixDecoding's cap: a
    long match earns a long speculation) and at most `max_nodes`.
 3. *Size.* Among the prefixes of that order, the one with the most expected tokens per
@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from ..adaptive import Acceptance, Estimates, Offer, remember, unsent
 from ..memory import Memory
+from ..offers import Acceptance, Estimates, Offer, remember, unsent
 from .base import Draft, DraftSession, Feedback, Option, ScoredTree, TreeMember, register
 
 DEFAULT_STORE_TOKENS = 1 << 18  # tokens the shared store keeps per pool by default (~25 MB)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..adaptive import PRIOR_ALPHA
 from ..engine import GenerationResult
+from ..offers import PRIOR_ALPHA
 
 
 class ServerMetrics:
