@@ -74,7 +74,7 @@ class _IdTokenizer:
     def decode(self, ids) -> str:
         return " ".join(map(str, ids))
 
-    class hf:  # noqa: N801 - the one attribute check_same_tokenizer reads
+    class hf:  # noqa: N801 - the one attribute tokenizers_equal reads
         @staticmethod
         def get_vocab() -> dict[str, int]:
             return {str(i): i for i in range(V_SMALL)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import specdec
-from specdec.tokenizer import check_same_tokenizer
+from specdec.tokenizer import tokenizers_equal
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -23,7 +23,7 @@ def pair():
 
 def test_qwen_pair_shares_a_tokenizer(pair):
     target, draft = pair
-    check_same_tokenizer(target.tokenizer, draft.tokenizer)
+    assert tokenizers_equal(target.tokenizer, draft.tokenizer)
     assert target.tokenizer.vocab_size == draft.tokenizer.vocab_size
 
 

@@ -25,6 +25,7 @@ import torch
 
 from . import store
 from .config import GenerationConfig, SamplingParams
+from .drafters import cross
 from .drafters.base import Drafter, draft_model_method, make_drafter, resolve_k, uses_draft_model
 from .drafters.base import prepare as prepare_drafter
 from .drafters.prediction import PREDICTION_READERS
@@ -32,7 +33,7 @@ from .engine import Delta, Engine, GenerationResult
 from .memory import pools_of
 from .model.load import load_transformer
 from .model.transformer import Transformer
-from .tokenizer import Messages, Tokenizer, check_same_tokenizer
+from .tokenizer import Messages, Tokenizer, tokenizers_equal
 from .verify import Rules
 
 Prompt = str | Messages | list[int]
@@ -135,10 +136,11 @@ def build_drafter(
         return drafter
     if drafter is not None and not isinstance(drafter, str):
         raise TypeError(f"drafter must be a name or a specdec.Drafter, got {type(drafter).__name__}")
+    crossing = None
     if assistant_model is not None:
         if drafter is not None and not uses_draft_model(drafter):
             raise ValueError(f"pass either assistant_model or drafter={drafter!r}, not both (auto uses both)")
-        check_same_tokenizer(target.tokenizer, assistant_model.tokenizer, names=(target.name, assistant_model.name))
+        crossing = draft_bridge(target, assistant_model)
         drafter = drafter or draft_model_method()
     if drafter is None:
         given = sorted(k for k, v in options.items() if v is not None)
@@ -150,8 +152,22 @@ def build_drafter(
             )
         return None
     return make_drafter(
-        drafter, target=target.model, draft=assistant_model.model if assistant_model else None, **options
+        drafter,
+        target=target.model,
+        draft=assistant_model.model if assistant_model else None,
+        bridge=crossing,
+        **options,
     )
+
+
+def draft_bridge(target: LoadedModel, draft: LoadedModel) -> cross.Bridge | None:
+    """None where the draft shares the target's tokenizer; else the pair's `cross.Bridge`
+    (built once, checked: one clear line where the pair cannot draft across)."""
+    if tokenizers_equal(target.tokenizer, draft.tokenizer):
+        return None
+    b = cross.bridge(target.tokenizer, draft.tokenizer, target.model.args.vocab_size, draft.model.args.vocab_size)
+    cross.check_bridge(b, (target.name, draft.name))
+    return b
 
 
 @dataclass

@@ -24,10 +24,6 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
-class TokenizerMismatchError(ValueError):
-    pass
-
-
 class Tokenizer:
     def __init__(self, hf: Any, eos_ids: frozenset[int]) -> None:
         self.hf = hf
@@ -36,6 +32,7 @@ class Tokenizer:
         # 152k tokens is worth doing once, not per request)
         self.same: weakref.WeakSet[Tokenizer] = weakref.WeakSet()
         self._bytes: dict[int, bytes] = {}  # token id -> its bytes (`token_bytes`)
+        self.bridges: dict[Any, Any] = {}  # draft tokenizers of other vocabularies -> their `drafters.cross.Bridge`
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -118,17 +115,12 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, *, names: tuple[str, str] = ("target", "draft")) -> None:
-    """Speculative decoding compares token ids, so both models must share one vocabulary."""
+def tokenizers_equal(target: Tokenizer, draft: Tokenizer) -> bool:
+    """Whether the two share one vocabulary (token ids mean the same text); else a draft of
+    `draft`'s tokenizer drafts for `target` across tokenizers (`drafters.cross`)."""
     if target is draft or draft in target.same:
-        return
-    tv, dv = target.hf.get_vocab(), draft.hf.get_vocab()
-    if tv == dv:
+        return True
+    if target.hf.get_vocab() == draft.hf.get_vocab():
         target.same.add(draft)
-        return
-    diff = [t for t in tv.keys() ^ dv.keys()][:3] or [t for t in tv if tv[t] != dv.get(t)][:3]
-    raise TokenizerMismatchError(
-        f"the {names[0]} and {names[1]} tokenizers differ ({len(tv)} vs {len(dv)} tokens; e.g. {diff!r}). "
-        "A draft model must use the same tokenizer as the target (for example qwen2.5-coder-0.5b "
-        "with qwen2.5-coder-1.5b); otherwise use a drafter that needs no second model."
-    )
+        return True
+    return False

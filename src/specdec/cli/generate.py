@@ -38,7 +38,9 @@ def parser(sub: argparse._SubParsersAction) -> None:
         "generate", help="generate text, speculatively when a draft or drafter is given", formatter_class=Help
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name, HF directory or .gguf path")
-    p.add_argument("--draft", help="draft model (same tokenizer as the target); omit for plain decoding")
+    p.add_argument(
+        "--draft", help="draft model (its tokenizer the target's, or another: drafts across); omit for plain decoding"
+    )
     add_draft_bits(p)
     add_auto_draft(p)
     p.add_argument(

@@ -14,6 +14,7 @@ from .base import (
     register,
     uses_draft_model,
 )
+from .cross import CrossDraftModelDrafter
 from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter
 from .early_exit import EarlyExitDrafter
@@ -27,6 +28,7 @@ __all__ = [
     "AutoDrafter",
     "DRAFTERS",
     "Draft",
+    "CrossDraftModelDrafter",
     "DraftModelDrafter",
     "DraftSession",
     "Drafter",

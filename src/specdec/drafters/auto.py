@@ -111,7 +111,8 @@ def _describe(info: dict[str, Any], brief: bool) -> list[str]:
 class AutoDrafter(Drafter):
     """Switches between members step by step (see the module doc). `methods`: comma-separated
     names (default: every switchable drafter whose model is given); `margin`: an offer must
-    beat plain decoding's tokens per ms by this factor."""
+    beat plain decoding's tokens per ms by this factor; `bridge`: a draft of another tokenizer
+    (`drafters.cross`)."""
 
     own_schedule = True  # its chooser takes plain steps itself
 
@@ -126,6 +127,7 @@ class AutoDrafter(Drafter):
         window: int = DEFAULT_WINDOW,
         merge: bool | int = True,
         confidence: int = 1,
+        bridge: Any = None,
     ) -> None:
         super().__init__()
         names = _members(draft, methods, head)
@@ -136,6 +138,7 @@ class AutoDrafter(Drafter):
                 n,
                 target=target,
                 draft=draft if DRAFTERS[n].needs == "draft" else None,
+                bridge=bridge if DRAFTERS[n].needs == "draft" else None,
                 **{
                     o.name: mine[o.name]
                     for o in DRAFTERS[n].options

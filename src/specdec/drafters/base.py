@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
@@ -336,6 +336,9 @@ class DrafterSpec:
     # draft); None: config.DEFAULT_K
     # its own phrases for the line a front end prints after a run, from its `info` (see `describe`)
     describe: Callable[[dict[str, Any], bool], list[str]] | None = None
+    # the class it is built as with a draft of another tokenizer, `cls(draft, bridge, **options)`
+    # (`register_across`); None: it needs the target's tokenizer
+    across: type[Drafter] | None = None
 
     @property
     def switchable(self) -> bool:
@@ -401,9 +404,21 @@ def register(
     return deco
 
 
-def make_drafter(name: str, *, target: Any = None, draft: Any = None, **options: Any) -> Drafter:
+def register_across(name: str) -> Callable[[type], type]:
+    """The registered drafter `name` is built as this class where the draft's tokenizer is not
+    the target's (`make_drafter(bridge=...)`)."""
+
+    def deco(cls: type) -> type:
+        DRAFTERS[name] = replace(DRAFTERS[name], across=cls)
+        return cls
+
+    return deco
+
+
+def make_drafter(name: str, *, target: Any = None, draft: Any = None, bridge: Any = None, **options: Any) -> Drafter:
     """Build a registered drafter. `target`/`draft`: the target's and the draft's Transformer
-    (a drafter takes the one it needs); `options`: the drafter's declared options (None = its
+    (a drafter takes the one it needs); `bridge`: where the draft's tokenizer is not the
+    target's, the pair's `cross.Bridge`; `options`: the drafter's declared options (None = its
     default)."""
     spec = DRAFTERS.get(name)
     if spec is None:
@@ -419,10 +434,14 @@ def make_drafter(name: str, *, target: Any = None, draft: Any = None, **options:
     if spec.needs == "any":
         if target is None:
             raise ValueError(f"the {name} drafter needs the target model")
-        return spec.cls(target, draft, **kwargs)
+        return spec.cls(target, draft, **kwargs, **({"bridge": bridge} if bridge is not None else {}))
     if spec.needs == "draft":
         if draft is None:
             raise ValueError(f"the {name} drafter needs a draft model (--draft NAME, or assistant_model=)")
+        if bridge is not None:
+            if spec.across is None:
+                raise ValueError(f"the {name} drafter needs a draft model of the target's tokenizer")
+            return spec.across(draft, bridge, **kwargs)
         return spec.cls(draft, **kwargs)
     if draft is not None:
         raise ValueError(f"the {name} drafter uses no draft model; drop the draft (--draft) or use draft-model")

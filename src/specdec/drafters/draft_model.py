@@ -1,4 +1,5 @@
-"""A smaller model of the same tokenizer drafts k tokens autoregressively (Leviathan et al.)."""
+"""A smaller model drafts k tokens autoregressively (Leviathan et al.); one of another tokenizer
+drafts across tokenizers (`drafters.cross`)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def step_cost_ms(model: Transformer, vocab: DraftVocab | None, context: int = 12
     "draft-model",
     needs="draft",
     default_k=8,
-    help="a smaller model of the same tokenizer drafts up to k tokens, as deep as its confidence pays (--draft MODEL)",
+    help="a smaller model drafts up to k tokens, as deep as its confidence pays (--draft MODEL; another tokenizer: "
+    "greedy by its text, sampled over the tokens both vocabularies share)",
     options=(VOCAB_OPTION, WINDOW_OPTION, CONFIDENCE_OPTION, TREE_OPTION),
 )
 class DraftModelDrafter(Switchable):
@@ -134,20 +136,23 @@ class DraftModelDrafter(Switchable):
         self.session: DraftSession | None = None  # set by `begin`
         self.cache: KVCache | None = None
         self._tokens: list[int] = []  # committed sequence
+        self._prompt = 0  # its first tokens that are the prompt
         self._proposal: list[int] = []
 
     def begin(self, session: DraftSession) -> None:
-        if session.capacity > self.model.args.max_seq_len:
-            raise ValueError(
-                f"the draft model's context ({self.model.args.max_seq_len}) is shorter than the "
-                f"generation needs ({session.capacity}); lower max_new_tokens or pick another draft"
-            )
         self.session = session
         self.chain_only = session.chain_only
-        # (a tree's fed nodes sit past the committed rows until the pass decides)
-        self.cache = self.model.new_cache(session.capacity + (MAX_NODES if self._grows_tree() else 0))
         self.skip = 0
-        self._tokens = list(session.context)
+        self._tokens = self._read(session)
+        self._prompt = len(self._tokens)
+        capacity = self._capacity(session)
+        if capacity > self.model.args.max_seq_len:
+            raise ValueError(
+                f"the draft model's context ({self.model.args.max_seq_len}) is shorter than the "
+                f"generation needs ({capacity}); lower max_new_tokens or pick another draft"
+            )
+        # (a tree's fed nodes sit past the committed rows until the pass decides)
+        self.cache = self.model.new_cache(capacity + (MAX_NODES if self._grows_tree() else 0))
         if self.vocab is not None:
             self.seq_vocab = SequenceVocab(self.vocab)
             self.seq_vocab.add(self._tokens)
@@ -156,6 +161,14 @@ class DraftModelDrafter(Switchable):
         key = (id(self.model), id(self.vocab), self._grows_tree())
         self.calibration = _calibration(session, key) if self.confidence or self.tree else Calibration()
         # (the prefill waits for `sync`: a request that never drafts never pays it)
+
+    def _read(self, session: DraftSession) -> list[int]:
+        """The prompt in the draft's tokens (the target's, which it shares)."""
+        return list(session.context)
+
+    def _capacity(self, session: DraftSession) -> int:
+        """The draft's tokens the sequence may reach (the target's, which it shares)."""
+        return session.capacity
 
     def end(self, final: Feedback | None = None) -> None:
         self.cache = None  # free the draft's KV cache
@@ -231,7 +244,9 @@ class DraftModelDrafter(Switchable):
                     conf = float(torch.softmax(row.float(), -1)[best]) if d.confidence else 1.0  # type: ignore[union-attr]
                 else:
                     logits = out.logits[:, -1] if cut is None else cut.expand(own[None])  # type: ignore[index]  # [1, V]
-                    q = probs(logits, sampling)  # [1, V]
+                    q = d._restrict(probs(logits, sampling))  # [1, V]
+                    if q is None:
+                        continue  # (nothing it may propose here: the proposal ends)
                     tok = int(sample(q, d.session.generator))  # type: ignore[union-attr]
                     qs[i].append(q[0])
                     conf = float(q[0, tok])
@@ -247,8 +262,16 @@ class DraftModelDrafter(Switchable):
             q_all = None  # greedy: the drafts are argmaxes, q is not needed
             if not d.session.sampling.greedy:  # type: ignore[union-attr]
                 q_all = torch.stack(qs[i]) if qs[i] else torch.zeros(0, model.args.vocab_size, device=model.device)
-            drafts.append(Draft(toks, q_all))
+            drafts.append(d._draft(toks, q_all))
         return drafts
+
+    def _restrict(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The distribution [1, V] a sampled draft token is drawn from (None: none may be drawn)."""
+        return q
+
+    def _draft(self, tokens: torch.Tensor, q: torch.Tensor | None) -> Draft:
+        """The proposal of drafted `tokens` [K] (drawn from `q` [K, V]) as the target verifies it."""
+        return Draft(tokens, q)
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         if self._proposal:
@@ -426,7 +449,7 @@ class DraftModelDrafter(Switchable):
                 self.skip = skip
             else:
                 self.model.forward_batch([self._segment(pending)], head=False)
-            if fresh and len(pending) + 1 == len(self.session.context):  # type: ignore[union-attr]
+            if fresh and len(pending) + 1 == self._prompt:
                 # (a prompt's prefill only: one that caught up on tokens another drafter committed
                 # first is this sequence's alone, and must not displace the prompt's)
                 snapshot = self.model.new_cache(self.cache.length)
