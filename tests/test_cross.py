@@ -243,3 +243,13 @@ def test_real_pairs_across_tokenizers_are_greedy_identical(draft_name, qwen, pla
             assert out.token_ids == plain.token_ids, (draft_name, drafter, prompt)
             if fixed:
                 assert out.metrics.accepted > 0, (draft_name, prompt)
+
+
+def test_info_pair_reports_how_a_draft_drafts(cross_pair, specdec_cli):
+    target, mirror, merged = cross_pair
+    run = specdec_cli("info", "--pair", str(target.path), str(merged.path), "--json")
+    rep = json.loads(run.stdout)
+    assert run.returncode == 0 and rep["tokenizer"] == "across" and rep["drafts"] is True
+    assert rep["shared_tokens"] == 256 and rep["of_text"] > 0.5
+    same = specdec_cli("info", "--pair", str(target.path), str(target.path))
+    assert same.returncode == 0 and "the same tokenizer" in same.stdout

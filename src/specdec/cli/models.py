@@ -250,12 +250,38 @@ def info_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false", help="skip the copy-bandwidth measurement")
+    p.add_argument(
+        "--pair",
+        nargs=2,
+        metavar=("TARGET", "DRAFT"),
+        help="instead: whether DRAFT drafts for TARGET, and across tokenizers how much of each vocabulary they share",
+    )
     p.set_defaults(func=_cmd_info)
 
 
 def _cmd_info(ns: argparse.Namespace) -> int:
     from .. import info
 
+    if ns.pair:
+        from ..drafters.cross import pair_report
+
+        rep = pair_report(*ns.pair)
+        print(json.dumps(rep) if ns.json else _pair_text(rep))
+        return 0 if rep.get("drafts", True) else 1
     data = info.collect(bandwidth=ns.bandwidth)
     print(json.dumps(data) if ns.json else info.text(data))
     return 0
+
+
+def _pair_text(rep: dict) -> str:
+    head = f"{rep['draft']} for {rep['target']}: "
+    if rep["tokenizer"] == "same":
+        return head + "the same tokenizer (token ids are shared)"
+    lines = [
+        head + "another tokenizer, drafting across it" + ("" if rep["drafts"] else ": refused"),
+        f"  shared vocabulary: {rep['shared_tokens']} tokens spelled the same, {rep['of_draft']:.1%} of the draft's, "
+        f"{rep['of_target']:.1%} of the target's; {rep['of_text']:.1%} of the draft's tokens for a sample text",
+    ]
+    if not rep["drafts"]:
+        lines.append("  " + rep["why"])
+    return "\n".join(lines)

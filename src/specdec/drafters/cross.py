@@ -23,14 +23,17 @@ grown across tokenizers (a chain).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import store
 from ..model.transformer import Transformer
 from ..offers import Estimates, Offer
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, tokenizers_equal
 from .base import Draft, Drafter, DraftSession, Feedback, register_across
 from .draft_model import DraftModelDrafter
 from .vocab import DEFAULT_VOCAB, DraftVocab
@@ -156,6 +159,36 @@ def check_bridge(b: Bridge, names: tuple[str, str]) -> None:
             f"the {names[1]} tokenizer does not spell text back as it was given (it normalises it), so it "
             f"cannot draft for {names[0]} across tokenizers; pick a draft with a byte-level or byte-fallback tokenizer"
         )
+
+
+def pair_report(target: str, draft: str) -> dict[str, Any]:
+    """`specdec info --pair`: whether `draft` drafts for `target` and how (the same tokenizer, or
+    across it: the shared vocabulary's coverage), from their tokenizers alone."""
+    paths = [store.resolve(n) for n in (target, draft)]
+    toks = [Tokenizer.from_dir(p) for p in paths]
+    out: dict[str, Any] = {"target": target, "draft": draft}
+    if tokenizers_equal(*toks):
+        return {**out, "tokenizer": "same"}
+    sizes = [_vocab_size(p, t) for p, t in zip(paths, toks, strict=True)]
+    b = Bridge(toks[0], toks[1], *sizes)
+    out.update(tokenizer="across", **b.coverage())
+    try:
+        check_bridge(b, (target, draft))
+        out["drafts"] = True
+    except ValueError as e:
+        out.update(drafts=False, why=str(e))
+    return out
+
+
+def _vocab_size(path: Path, tok: Tokenizer) -> int:
+    """The model's vocabulary (its head's rows: a tokenizer may have fewer tokens)."""
+    config = path / "config.json" if path.is_dir() else None
+    if config is not None and config.exists():
+        cfg = json.loads(config.read_text())
+        size = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+        if size:
+            return int(size)
+    return tok.vocab_size
 
 
 class DraftText:
