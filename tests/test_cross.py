@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 import specdec
 from specdec.config import SamplingParams
 from specdec.drafters import cross
+from specdec.drafters.base import describe
 from specdec.drafters.cross import Bridge, CrossDraftModelDrafter, DraftText
 from specdec.testing import make_tiny_model
 from specdec.tokenizer import Tokenizer
@@ -191,7 +192,8 @@ def test_sampling_law_across_tokenizers(kind, letters_pair, exact_joint, sample_
 
 
 # -- bad input ----------------------------------------------------------------------------------
-def test_a_pair_that_shares_too_little_is_refused_with_one_line(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def poor_draft(tmp_path_factory):
     """A draft whose tokens for ordinary text are mostly merges the byte-level target lacks."""
     from tokenizers import trainers
 
@@ -203,10 +205,14 @@ def test_a_pair_that_shares_too_little_is_refused_with_one_line(tiny, tmp_path):
         trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
     )
     hf = PreTrainedTokenizerFast(tokenizer_object=tok)
-    other = make_tiny_model(tmp_path / "other", "llama", seed=5, vocab_size=len(hf), tokenizer=False)
+    other = make_tiny_model(tmp_path_factory.mktemp("poor"), "llama", seed=5, vocab_size=len(hf), tokenizer=False)
     hf.save_pretrained(other)
+    return specdec.load(other)
+
+
+def test_a_pair_that_shares_too_little_is_refused_with_one_line(tiny, poor_draft):
     with pytest.raises(ValueError, match=r"spell only \d+% of the draft's tokens for a text the same"):
-        specdec.generate(tiny("llama"), "hello", assistant_model=specdec.load(other))
+        specdec.generate(tiny("llama"), "hello", assistant_model=poor_draft)
 
 
 def test_a_tree_is_not_grown_across_tokenizers(cross_pair):
@@ -253,3 +259,11 @@ def test_info_pair_reports_how_a_draft_drafts(cross_pair, specdec_cli):
     assert rep["shared_tokens"] == 256 and rep["of_text"] > 0.5
     same = specdec_cli("info", "--pair", str(target.path), str(target.path))
     assert same.returncode == 0 and "the same tokenizer" in same.stdout
+
+
+def test_auto_leaves_out_a_draft_that_cannot_draft_across_and_says_so(tiny, poor_draft):
+    out = specdec.generate(tiny("llama"), "hello", assistant_model=poor_draft, drafter="auto", max_new_tokens=8)
+    left = out.metrics.drafter_info["auto"]["left_out"]
+    assert list(left) == ["draft-model"] and "spell only" in left["draft-model"]
+    assert "draft-model" not in out.metrics.drafter_info["auto"]["methods"]
+    assert any("auto left out draft-model" in line for line in describe("auto", out.metrics.drafter_info, brief=True))

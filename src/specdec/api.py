@@ -26,7 +26,7 @@ import torch
 from . import store
 from .config import GenerationConfig, SamplingParams
 from .drafters import cross
-from .drafters.base import Drafter, draft_model_method, make_drafter, resolve_k, uses_draft_model
+from .drafters.base import Drafter, draft_model_method, make_drafter, needs_draft_model, resolve_k, uses_draft_model
 from .drafters.base import prepare as prepare_drafter
 from .drafters.prediction import PREDICTION_READERS
 from .engine import Delta, Engine, GenerationResult
@@ -136,12 +136,18 @@ def build_drafter(
         return drafter
     if drafter is not None and not isinstance(drafter, str):
         raise TypeError(f"drafter must be a name or a specdec.Drafter, got {type(drafter).__name__}")
-    crossing = None
+    crossing, left_out = None, None
     if assistant_model is not None:
         if drafter is not None and not uses_draft_model(drafter):
             raise ValueError(f"pass either assistant_model or drafter={drafter!r}, not both (auto uses both)")
-        crossing = draft_bridge(target, assistant_model)
         drafter = drafter or draft_model_method()
+        try:
+            crossing = draft_bridge(target, assistant_model)
+        except ValueError as e:
+            if needs_draft_model(drafter) or "draft-model" in (options.get("methods") or ""):
+                raise
+            # (auto by default: it goes on without the draft, and says so after the run)
+            left_out, assistant_model = {draft_model_method(): str(e)}, None
     if drafter is None:
         given = sorted(k for k, v in options.items() if v is not None)
         if given:
@@ -156,6 +162,7 @@ def build_drafter(
         target=target.model,
         draft=assistant_model.model if assistant_model else None,
         bridge=crossing,
+        left_out=left_out,
         **options,
     )
 

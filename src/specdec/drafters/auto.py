@@ -70,9 +70,11 @@ def switchable() -> list[str]:
 
 
 def _describe(info: dict[str, Any], brief: bool) -> list[str]:
-    if not info.get("auto") or brief:
+    auto = info.get("auto")
+    if not auto:
         return []
-    return ["auto steps: " + steps_text(info["auto"]["steps"])]
+    out = [f"auto left out {name}: {why}" for name, why in auto.get("left_out", {}).items()]
+    return out if brief else [*out, "auto steps: " + steps_text(auto["steps"])]
 
 
 @register(
@@ -112,7 +114,7 @@ class AutoDrafter(Drafter):
     """Switches between members step by step (see the module doc). `methods`: comma-separated
     names (default: every switchable drafter whose model is given); `margin`: an offer must
     beat plain decoding's tokens per ms by this factor; `bridge`: a draft of another tokenizer
-    (`drafters.cross`)."""
+    (`drafters.cross`); `left_out`: members the caller could not build, with why (reported)."""
 
     own_schedule = True  # its chooser takes plain steps itself
 
@@ -128,11 +130,13 @@ class AutoDrafter(Drafter):
         merge: bool | int = True,
         confidence: int = 1,
         bridge: Any = None,
+        left_out: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         names = _members(draft, methods, head)
         mine = {"head": head, "vocab": vocab, "window": window, "confidence": confidence}  # options members declare
         self.target, self.margin = target, margin
+        self.left_out = dict(left_out or {})  # members it could not build, and why (said after a run)
         self.subs: dict[str, Switchable] = {
             n: _member(
                 n,
@@ -389,6 +393,8 @@ class AutoDrafter(Drafter):
                 "steps": len(sizes),
                 "tree_tokens_mean": round(sum(sizes) / len(sizes), 2) if sizes else None,
             }
+        if self.left_out:
+            report["left_out"] = self.left_out
         info["auto"] = report
         self.info = info
 

@@ -415,10 +415,19 @@ def register_across(name: str) -> Callable[[type], type]:
     return deco
 
 
-def make_drafter(name: str, *, target: Any = None, draft: Any = None, bridge: Any = None, **options: Any) -> Drafter:
+def make_drafter(
+    name: str,
+    *,
+    target: Any = None,
+    draft: Any = None,
+    bridge: Any = None,
+    left_out: dict[str, str] | None = None,
+    **options: Any,
+) -> Drafter:
     """Build a registered drafter. `target`/`draft`: the target's and the draft's Transformer
     (a drafter takes the one it needs); `bridge`: where the draft's tokenizer is not the
-    target's, the pair's `cross.Bridge`; `options`: the drafter's declared options (None = its
+    target's, the pair's `cross.Bridge`; `left_out`: for a drafter over members (auto), those
+    that could not be built, with why; `options`: the drafter's declared options (None = its
     default)."""
     spec = DRAFTERS.get(name)
     if spec is None:
@@ -434,7 +443,8 @@ def make_drafter(name: str, *, target: Any = None, draft: Any = None, bridge: An
     if spec.needs == "any":
         if target is None:
             raise ValueError(f"the {name} drafter needs the target model")
-        return spec.cls(target, draft, **kwargs, **({"bridge": bridge} if bridge is not None else {}))
+        given = {"bridge": bridge, "left_out": left_out}
+        return spec.cls(target, draft, **kwargs, **{k: v for k, v in given.items() if v is not None})
     if spec.needs == "draft":
         if draft is None:
             raise ValueError(f"the {name} drafter needs a draft model (--draft NAME, or assistant_model=)")
