@@ -70,6 +70,7 @@ class _IdTokenizer:
 
     def __init__(self) -> None:
         self.same: weakref.WeakSet = weakref.WeakSet()  # (as `Tokenizer`: drafts' tokenizers found equal)
+        self.differ: weakref.WeakSet = weakref.WeakSet()  # (...and found different)
 
     def decode(self, ids) -> str:
         return " ".join(map(str, ids))

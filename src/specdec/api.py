@@ -172,8 +172,10 @@ def draft_bridge(target: LoadedModel, draft: LoadedModel) -> cross.Bridge | None
     (built once, checked: one clear line where the pair cannot draft across)."""
     if tokenizers_equal(target.tokenizer, draft.tokenizer):
         return None
-    b = cross.bridge(target.tokenizer, draft.tokenizer, target.model.args.vocab_size, draft.model.args.vocab_size)
-    cross.check_bridge(b, (target.name, draft.name))
+    vocabs = (target.model.args.vocab_size, draft.model.args.vocab_size)
+    b = cross.bridge(target.tokenizer, draft.tokenizer, *vocabs, names=(target.name, draft.name))
+    if b.refused is not None:
+        raise ValueError(b.refused)
     return b
 
 

@@ -31,6 +31,7 @@ class Tokenizer:
         # draft tokenizers already found equal to this one (comparing two vocabularies of
         # 152k tokens is worth doing once, not per request)
         self.same: weakref.WeakSet[Tokenizer] = weakref.WeakSet()
+        self.differ: weakref.WeakSet[Tokenizer] = weakref.WeakSet()  # ...and found different
         self._bytes: dict[int, bytes] = {}  # token id -> its bytes (`token_bytes`)
         self.bridges: dict[Any, Any] = {}  # draft tokenizers of other vocabularies -> their `drafters.cross.Bridge`
 
@@ -120,7 +121,8 @@ def tokenizers_equal(target: Tokenizer, draft: Tokenizer) -> bool:
     `draft`'s tokenizer drafts for `target` across tokenizers (`drafters.cross`)."""
     if target is draft or draft in target.same:
         return True
-    if target.hf.get_vocab() == draft.hf.get_vocab():
-        target.same.add(draft)
-        return True
-    return False
+    if draft in target.differ:
+        return False
+    equal = target.hf.get_vocab() == draft.hf.get_vocab()
+    (target.same if equal else target.differ).add(draft)
+    return equal

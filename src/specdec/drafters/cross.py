@@ -74,6 +74,7 @@ class Bridge:
         self.draft_bytes = _single_bytes(d_spelled)
         self.draft_start = [int(i) for i in draft.hf("")["input_ids"]]  # (the draft's BOS, if it writes one)
         self.target_start = len(target.hf("")["input_ids"])  # (the target's: not text to carry over)
+        self.refused: str | None = None  # why the pair cannot draft across (`bridge`), None: it can
 
     def coverage(self) -> dict[str, Any]:
         """How much of each vocabulary the other spells the same, and of the draft's tokens for
@@ -136,12 +137,23 @@ def encode(tok: Tokenizer, single: dict[int, int], data: bytes) -> tuple[list[in
     return ids, ends
 
 
-def bridge(target: Tokenizer, draft: Tokenizer, target_vocab: int, draft_vocab: int) -> Bridge:
-    """The pair's `Bridge`, built on first use and kept on the target's tokenizer."""
+def bridge(
+    target: Tokenizer,
+    draft: Tokenizer,
+    target_vocab: int,
+    draft_vocab: int,
+    names: tuple[str, str] = ("target", "draft"),
+) -> Bridge:
+    """The pair's `Bridge`, built and checked (`check_bridge`: its `refused`, None where it
+    drafts) on first use, and kept on the target's tokenizer."""
     key = (id(draft), target_vocab, draft_vocab)
     found = target.bridges.get(key)
     if found is None or found.draft is not draft:
         found = target.bridges[key] = Bridge(target, draft, target_vocab, draft_vocab)
+        try:
+            check_bridge(found, names)
+        except ValueError as e:
+            found.refused = str(e)
     return found
 
 
