@@ -144,7 +144,7 @@ def build_drafter(
         try:
             crossing = draft_bridge(target, assistant_model)
         except ValueError as e:
-            if needs_draft_model(drafter) or "draft-model" in (options.get("methods") or ""):
+            if needs_draft_model(drafter) or draft_model_method() in (options.get("methods") or ""):
                 raise
             # (auto by default: it goes on without the draft, and says so after the run)
             left_out, assistant_model = {draft_model_method(): str(e)}, None
