@@ -31,11 +31,13 @@ from typing import Any
 import torch
 
 from .. import store
+from ..model.config import ModelArgs
 from ..model.transformer import Transformer
 from ..offers import Estimates, Offer
 from ..tokenizer import Tokenizer, tokenizers_equal
 from .base import Draft, Drafter, DraftSession, Feedback, register_across
 from .draft_model import DraftModelDrafter
+from .merge import along
 from .vocab import DEFAULT_VOCAB, DraftVocab
 from .window import DEFAULT_WINDOW
 
@@ -181,14 +183,10 @@ def pair_report(target: str, draft: str) -> dict[str, Any]:
     out: dict[str, Any] = {"target": target, "draft": draft}
     if tokenizers_equal(*toks):
         return {**out, "tokenizer": "same"}
-    sizes = [_vocab_size(p, t) for p, t in zip(paths, toks, strict=True)]
-    b = Bridge(toks[0], toks[1], *sizes)
-    out.update(tokenizer="across", **b.coverage())
-    try:
-        check_bridge(b, (target, draft))
-        out["drafts"] = True
-    except ValueError as e:
-        out.update(drafts=False, why=str(e))
+    b = bridge(*toks, *(_vocab_size(p, t) for p, t in zip(paths, toks, strict=True)), names=(target, draft))
+    out.update(tokenizer="across", **b.coverage(), drafts=b.refused is None)
+    if b.refused is not None:
+        out["why"] = b.refused
     return out
 
 
@@ -196,10 +194,7 @@ def _vocab_size(path: Path, tok: Tokenizer) -> int:
     """The model's vocabulary (its head's rows: a tokenizer may have fewer tokens)."""
     config = path / "config.json" if path.is_dir() else None
     if config is not None and config.exists():
-        cfg = json.loads(config.read_text())
-        size = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
-        if size:
-            return int(size)
+        return ModelArgs.from_hf(json.loads(config.read_text())).vocab_size
     return tok.vocab_size
 
 
@@ -232,15 +227,6 @@ class DraftText:
         at = self.ends[start - 1] if start > 0 else 0
         new, ends = encode(self.bridge.draft, self.bridge.draft_bytes, bytes(self.data[at:]))
         self.tokens[start:], self.ends[start:] = new, [at + e for e in ends]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @register_across("draft-model")
@@ -357,5 +343,5 @@ class CrossDraftModelDrafter(DraftModelDrafter):
             self.seq_vocab.add(self.text.tokens[max(0, len(self._tokens) - TAIL) :])
         self._tokens = list(self.text.tokens)
         # (the last token stays unfed: the next proposal's first forward reads its logits)
-        keep = min(common_prefix(held, self._tokens), len(self._tokens) - 1) - self.skip
+        keep = min(along(held, self._tokens), len(self._tokens) - 1) - self.skip
         self.cache.truncate(max(0, min(self.cache.length, keep)))

@@ -129,7 +129,8 @@ def on_chain(chain: list[int], tokens: list[int], parents: list[int], depths: li
 
 
 def along(path: list[int], nodes: list[int]) -> int:
-    """How many of the accepted path's first nodes are `nodes`' first (a chain's accepted part)."""
+    """How many first items of the two agree: of an accepted path, a chain's accepted part; of
+    two token lists, the prefix they share (`cross`: the draft's cache rows that still stand)."""
     n = 0
     while n < min(len(path), len(nodes)) and path[n] == nodes[n]:
         n += 1
