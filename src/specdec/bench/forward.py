@@ -95,15 +95,20 @@ def time_mode(model: Transformer, *, context: int, ks: tuple[int, ...], repeats:
 
 
 def time_draft(
-    target: Transformer, draft: Transformer, vocabs: list[int], *, context: int, repeats: int
+    target: Transformer, draft: Transformer, vocabs: list[int], *, context: int, repeats: int, bridge: Any = None
 ) -> dict[str, Any]:
     """One drafted token as the draft-model drafter computes it (`draft_model.draft_step`: its
-    one-row pass, and its LM head over each vocabulary of `vocabs`, 0 = the whole one) beside
-    the target's one-token pass, interleaved in one loop so both see the machine's same moments."""
+    one-row pass, and its LM head over each vocabulary of `vocabs`, 0 = the whole one; a draft
+    of another tokenizer, `bridge`, over the tokens the pair shares, `vocab.shared_vocab`)
+    beside the target's one-token pass, interleaved in one loop so both see the machine's same
+    moments."""
     from ..drafters.draft_model import greedy_token
-    from ..drafters.vocab import DEFAULT_VOCAB, draft_vocab
+    from ..drafters.vocab import DEFAULT_VOCAB, draft_vocab, shared_vocab
 
-    heads = {n: draft_vocab(draft, n) for n in vocabs}
+    if bridge is None:
+        heads = {n: draft_vocab(draft, n) for n in vocabs}
+    else:
+        heads = {n: shared_vocab(draft, n, bridge.shared_draft, ("shared", bridge)) for n in vocabs}
     tcache, dcache = target.new_cache(context + 1), draft.new_cache(context + 1)
     prompt = tokens(context, min(target.args.vocab_size, draft.args.vocab_size), 0)
     target(prompt, tcache, last_only=True, head=False)
@@ -197,8 +202,9 @@ def run(
         progress(f"timing one drafted token of {Path(draft).name} beside the target's one-token pass ...")
         target = load_transformer(path, dtype="auto", device=device)
         dmodel = load_transformer(draft, dtype="auto", device=device, bits=draft_bits)
-        out["draft"] = {"name": draft, "bits": draft_bits} | time_draft(
-            target, dmodel, vocabs, context=context, repeats=max(repeats, 9)
+        across = _bridge(path, draft, target, dmodel)
+        out["draft"] = {"name": draft, "bits": draft_bits, "tokenizer": "across" if across else "same"} | time_draft(
+            target, dmodel, vocabs, context=context, repeats=max(repeats, 9), bridge=across
         )
         del target, dmodel
         gc.collect()
@@ -208,6 +214,17 @@ def run(
             + ("no .gguf file" if gguf is None or not gguf.exists() else "no q4k mode")
         }
     return out
+
+
+def _bridge(path: str, draft: str, target: Transformer, dmodel: Transformer) -> Any:
+    """The pair's `cross.Bridge` where the draft speaks another tokenizer (None: the same one)."""
+    from ..drafters import cross
+    from ..tokenizer import Tokenizer, tokenizers_equal
+
+    toks = Tokenizer.from_dir(path), Tokenizer.from_dir(draft)
+    if tokenizers_equal(*toks):
+        return None
+    return cross.bridge(*toks, target.args.vocab_size, dmodel.args.vocab_size)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -251,7 +268,12 @@ def table(result: dict[str, Any]) -> str:
         bits = f", {d['bits']}-bit packing" if d.get("bits") else ""
         lines = [
             f"draft {d['name']} ({d['mode']}{bits}): one drafted token as drafting computes it, beside the target's "
-            f"one-token pass ({d['target_ms']:.1f} ms)",
+            f"one-token pass ({d['target_ms']:.1f} ms)"
+            + (
+                "; another tokenizer: its head over the tokens both spell the same"
+                if d.get("tokenizer") == "across"
+                else ""
+            ),
             f"{'vocabulary':>12s}{'tokens':>9s}{'coverage':>10s}{'ms':>8s}{'x target':>10s}",
         ]
         for n, r in d["vocab"].items():

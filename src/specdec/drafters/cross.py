@@ -38,7 +38,7 @@ from ..tokenizer import Tokenizer, tokenizers_equal
 from .base import Draft, Drafter, DraftSession, Feedback, register_across
 from .draft_model import DraftModelDrafter
 from .merge import along
-from .vocab import DEFAULT_VOCAB, DraftVocab
+from .vocab import DEFAULT_VOCAB, DraftVocab, shared_vocab
 from .window import DEFAULT_WINDOW
 
 TAIL = 2  # the draft's last tokens read again with each step's new text
@@ -247,6 +247,8 @@ class CrossDraftModelDrafter(DraftModelDrafter):
             raise ValueError(
                 "--draft-tree grows trees in the target's tokens: a draft of another tokenizer drafts chains"
             )
+        if isinstance(vocab, int):  # (the tokens both vocabularies spell the same, see `shared_vocab`)
+            vocab = shared_vocab(model, vocab, bridge.shared_draft, ("shared", bridge)) or 0
         super().__init__(model, vocab, window, confidence, tree)
         self.bridge = bridge
         self.text: DraftText | None = None  # set by `begin`

@@ -19,10 +19,11 @@ the specdec cache (``vocab/``); `lookup` finds either by the tokenizer's key.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -291,6 +292,28 @@ def head_rows(model: Transformer, ids: torch.Tensor):  # noqa: ANN201 - a Linear
 
 
 VOCABS = per_model(memory=False)  # per draft model: its vocabularies by size (None: the whole one)
+
+
+def shared_vocab(model: Transformer, n: int, shared: torch.Tensor, key: Hashable) -> DraftVocab | None:
+    """A draft of another tokenizer scores only the tokens both vocabularies spell the same
+    (`shared` [S], the draft's ids; `key` names the pair), those of its N most frequent where a
+    frequency list is known: a sampled draft may draw nothing else, and a greedy one drafts text
+    the target can take. None where N is 0 (the whole vocabulary, as asked)."""
+    if n < 0:
+        raise ValueError(f"a draft vocabulary of {n} tokens; give N > 0, or 0 for the whole vocabulary")
+    per: dict[Any, DraftVocab | None] = VOCABS.of(model, dict)
+    if (key, n) not in per:
+        ids = shared
+        full = draft_vocab(model, n) if n else None
+        if full is not None:
+            ids = ids[full.member[ids]]
+        per[key, n] = None
+        if n and 0 < ids.numel() < model.args.vocab_size:
+            try:
+                per[key, n] = DraftVocab(model, ids, None if full is None else full.freq)
+            except ValueError:  # a head that cannot be cut: the whole one
+                per[key, n] = None
+    return per[key, n]
 
 
 def draft_vocab(model: Transformer, n: int) -> DraftVocab | None:
