@@ -16,6 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import specdec
+from specdec.api import encode_prompt
 from specdec.config import SamplingParams
 from specdec.drafters import cross
 from specdec.drafters.base import describe
@@ -149,6 +150,38 @@ def test_greedy_identity_across_tokenizers(cross_pair, drafter):
             assert m.proposed > 10 and m.accepted == m.proposed, (prompt, m.accepted, m.proposed)
 
 
+TARGET_CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DRAFT_CHAT = "{% for m in messages %}[{{ m.role }}]: {{ m.content }}\n{% endfor %}[assistant]: "
+
+
+def test_a_chat_is_read_by_the_draft_in_its_own_template(cross_pair, monkeypatch):
+    """The draft renders the conversation the target's template rendered with its own template
+    (the target's markup is not its text); the rest of the text follows as the target commits
+    it. A prompt that was no conversation (raw text) is read as the target's text. Greedy stays
+    identical either way."""
+    target, _, merged = cross_pair
+    monkeypatch.setattr(target.tokenizer.hf, "chat_template", TARGET_CHAT, raising=False)
+    monkeypatch.setattr(merged.tokenizer.hf, "chat_template", DRAFT_CHAT, raising=False)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "caf\u00e9 hello"}]
+    for prompt, chat in ((messages, None), ("caf\u00e9 hello", False)):
+        plain = specdec.generate(target, prompt, max_new_tokens=24, chat=chat, ignore_eos=True)
+        d = specdec.build_drafter(target, merged, "draft-model")
+        out = specdec.generate(target, prompt, drafter=d, max_new_tokens=24, chat=chat, ignore_eos=True)
+        assert out.token_ids == plain.token_ids and out.metrics.proposed > 0
+        text, b = d.text, d.bridge  # the draft's text: its own prompt, then the target's text
+        own = merged.tokenizer.encode_chat(messages) if chat is None else b.draft_start
+        assert text.tokens[: text.floor] == own
+        ids = encode_prompt(target.tokenizer, prompt, chat)
+        rest = ids[len(ids) if chat is None else b.target_start :] + plain.token_ids
+        head, expected = b.spell(merged.tokenizer, own), b.spell(target.tokenizer, rest)
+        assert bytes(text.data[: len(head)]) == head
+        followed = bytes(text.data[len(head) :])  # (all but the last step's tokens, at least)
+        assert expected.startswith(followed) and len(followed) > len(expected) // 2
+
+
 def test_sampled_decoding_across_tokenizers_is_reproducible(cross_pair):
     target, _, merged = cross_pair
     runs = [
@@ -221,6 +254,15 @@ def poor_draft(tmp_path_factory):
 def test_a_pair_that_shares_too_little_is_refused_with_one_line(tiny, poor_draft):
     with pytest.raises(ValueError, match=r"spell only \d+% of the draft's tokens for a text the same"):
         specdec.generate(tiny("llama"), "hello", assistant_model=poor_draft)
+
+
+def test_a_draft_whose_tokenizer_cannot_be_read_gets_one_line(tiny_dir, tmp_path, specdec_cli):
+    bare = make_tiny_model(tmp_path / "bare", "llama", seed=5, tokenizer=False)
+    run = specdec_cli(
+        "generate", "--target", str(tiny_dir("llama")), "--prompt", "hi", "--draft", str(bare), "--max-new-tokens", "2"
+    )
+    assert run.returncode == 2 and "cannot be read (no tokenizer.json)" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
 
 
 def test_a_tree_is_not_grown_across_tokenizers(cross_pair):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", 
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 Messages = list[dict[str, str]]
+RENDERED = 64  # conversations a tokenizer remembers rendering (`Tokenizer.conversation`)
 
 
 @functools.cache
@@ -34,6 +36,9 @@ class Tokenizer:
         self.differ: weakref.WeakSet[Tokenizer] = weakref.WeakSet()  # ...and found different
         self._bytes: dict[int, bytes] = {}  # token id -> its bytes (`token_bytes`)
         self.bridges: dict[Any, Any] = {}  # draft tokenizers of other vocabularies -> their `drafters.cross.Bridge`
+        # the conversations its chat template rendered lately, by their ids: a draft of another
+        # tokenizer renders the same conversation with its own template (`conversation`)
+        self.rendered: OrderedDict[tuple[int, ...], tuple[Messages, list[dict[str, Any]] | None]] = OrderedDict()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -52,6 +57,12 @@ class Tokenizer:
                 hf = PreTrainedTokenizerFast.from_pretrained(str(path))
             else:
                 hf = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError, TypeError) as e:
+            found = "no tokenizer.json" if not (path / "tokenizer.json").exists() else str(e).strip().splitlines()[0]
+            raise ValueError(
+                f"the tokenizer in {path} cannot be read ({found}); a model directory needs its "
+                "tokenizer's files (tokenizer.json, tokenizer_config.json) from the model's release"
+            ) from None
         finally:
             hf_logging.set_verbosity(verbosity)
         eos: set[int] = set()
@@ -110,7 +121,22 @@ class Tokenizer:
         out = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
-        return [int(i) for i in out]
+        ids = [int(i) for i in out]
+        self.rendered[tuple(ids)] = (messages, tools)
+        self.rendered.move_to_end(tuple(ids))
+        while len(self.rendered) > RENDERED:
+            self.rendered.popitem(last=False)
+        return ids
+
+    def conversation(self, ids: list[int]) -> tuple[Messages, list[dict[str, Any]] | None, int] | None:
+        """The conversation (messages, tools) whose rendering `ids` begin with (the longest: an
+        earlier turn of the same chat begins it too), and its length in tokens (what follows is
+        the turn as it goes on: a forced start, generated tokens); None where `ids` begin with
+        nothing this tokenizer's template rendered lately."""
+        best = max(
+            (r for r in self.rendered if len(r) <= len(ids) and tuple(ids[: len(r)]) == r), key=len, default=None
+        )
+        return None if best is None else (*self.rendered[best], len(best))
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -17,17 +17,23 @@ of a UTF-8 sequence) waits until it is whole; meanwhile the draft proposes nothi
   keeps the target's distribution exactly for any q' (tested against the law, and a rule that
   forgets the renormalisation fails).
 
-The draft's confidence stops it as for a draft of the target's tokenizer; a token tree is not
-grown across tokenizers (a chain).
+The draft's head scores only the shared tokens (`vocab.shared_vocab`; those of its N most frequent
+where a frequency list for its tokenizer is known): a sampled draft may draw nothing else, so its q'
+is unchanged, and a greedy draft's text is spelled in tokens both sides know. A chat is read in the
+draft's own chat template: the conversation the target's template rendered (`draft_prompt`), so a
+draft does not read another family's markup as text. The draft's confidence stops it as for a draft
+of the target's tokenizer; a token tree is not grown across tokenizers (a chain).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import torch
 
 from .. import store
@@ -190,6 +196,22 @@ def pair_report(target: str, draft: str) -> dict[str, Any]:
     return out
 
 
+def draft_prompt(b: Bridge, context: Sequence[int]) -> tuple[list[int], int] | None:
+    """A chat's prompt in the draft's own chat template: the conversation the target's template
+    rendered for `context` (`Tokenizer.conversation`), rendered by the draft's, and how many
+    target tokens that stands for. None where the prompt was not a conversation, carries tools
+    (their schema and calls are the target's own format), the draft has no template, or its
+    template refuses the conversation: the draft then reads the target's text as it is."""
+    found = b.target.conversation(list(context))
+    if found is None or found[1] or not b.draft.has_chat_template:
+        return None
+    messages, _, n = found
+    try:
+        return b.draft.encode_chat(messages), n
+    except (ValueError, TypeError, jinja2.TemplateError):  # (e.g. a template that wants roles to alternate)
+        return None
+
+
 def _vocab_size(path: Path, tok: Tokenizer) -> int:
     """The model's vocabulary (its head's rows: a tokenizer may have fewer tokens)."""
     config = path / "config.json" if path.is_dir() else None
@@ -202,12 +224,17 @@ class DraftText:
     """One sequence's committed text as the draft reads it: its bytes, and the draft's tokens for
     all of them but a character still incomplete at the end (`pending`)."""
 
-    def __init__(self, b: Bridge, context: Sequence[int]) -> None:
+    def __init__(self, b: Bridge, context: Sequence[int], prompt: tuple[list[int], int] | None = None) -> None:
+        """`prompt`: the draft's own tokens for the first tokens of `context` and how many of
+        them they stand for (a conversation its chat template rendered, `draft_prompt`); else
+        the draft reads the target's text from its own start."""
         self.bridge = b
-        self.data = bytearray(b.spell(b.target, list(context)[b.target_start :]))
-        self.tokens: list[int] = list(b.draft_start)
-        self.ends: list[int] = [0] * len(self.tokens)  # the byte each token ends at
-        self._read(len(self.tokens))
+        own, n = prompt if prompt is not None else (list(b.draft_start), b.target_start)
+        self.tokens: list[int] = list(own)
+        self.ends: list[int] = list(itertools.accumulate(len(b.draft.token_bytes(t)) for t in own))
+        self.data = bytearray(b.spell(b.draft, own) + b.spell(b.target, list(context)[n:]))
+        self.floor = len(own)  # tokens never read again (the draft's start, or its rendered prompt)
+        self._read(self.floor)
 
     @property
     def covered(self) -> int:
@@ -221,7 +248,7 @@ class DraftText:
     def extend(self, target_ids: Sequence[int]) -> None:
         """The target committed `target_ids`: their text joins, the last TAIL tokens read again."""
         self.data += self.bridge.spell(self.bridge.target, target_ids)
-        self._read(max(len(self.bridge.draft_start), len(self.tokens) - TAIL))
+        self._read(max(self.floor, len(self.tokens) - TAIL))
 
     def _read(self, start: int) -> None:
         at = self.ends[start - 1] if start > 0 else 0
@@ -257,7 +284,7 @@ class CrossDraftModelDrafter(DraftModelDrafter):
         self._mask = bridge.mask.to(model.device)
 
     def _read(self, session: DraftSession) -> list[int]:
-        self.text = DraftText(self.bridge, session.context)
+        self.text = DraftText(self.bridge, session.context, draft_prompt(self.bridge, session.context[:-1]))
         self._target_proposal = []
         return list(self.text.tokens)
 
