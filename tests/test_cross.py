@@ -169,7 +169,9 @@ def test_a_chat_is_read_by_the_draft_in_its_own_template(cross_pair, monkeypatch
     for prompt, chat in ((messages, None), ("caf\u00e9 hello", False)):
         plain = specdec.generate(target, prompt, max_new_tokens=24, chat=chat, ignore_eos=True)
         d = specdec.build_drafter(target, merged, "draft-model")
-        out = specdec.generate(target, prompt, drafter=d, max_new_tokens=24, chat=chat, ignore_eos=True)
+        out = specdec.generate(
+            target, prompt, drafter=d, max_new_tokens=24, chat=chat, ignore_eos=True, adaptive_k=False, k=4
+        )
         assert out.token_ids == plain.token_ids and out.metrics.proposed > 0
         text, b = d.text, d.bridge  # the draft's text: its own prompt, then the target's text
         own = merged.tokenizer.encode_chat(messages) if chat is None else b.draft_start

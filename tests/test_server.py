@@ -18,8 +18,8 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from conftest import EXACT_MODES
+from helpers import Running
 
 import specdec
 from specdec.cli import main
@@ -35,38 +35,6 @@ PROMPTS = [
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
     "What is the capital of France? Answer in one sentence.",
 ]
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, saying when it has started (an event to wait on, not a flag to poll)."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets=sockets)
-        self.ready.set()
-
-
-class Running:
-    """A uvicorn server for an app, in a thread, on a free port."""
-
-    def __init__(self, app, graceful_s: float | None = None) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_s)
-        self.server = _Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        if not self.server.ready.wait(120):
-            raise RuntimeError("the server did not start")
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
 
 
 @pytest.fixture(scope="module")

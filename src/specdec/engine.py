@@ -105,6 +105,23 @@ class GenerationResult:
         return out
 
 
+@dataclass(frozen=True)
+class Step:
+    """What one verification pass did for a sequence: its pass number (the sequence's own, from
+    1 after the prefill), the draft tokens it verified (in a row: a tree's depth), how many of
+    them it accepted, and who drafted them (`Drafter.proposer`: a method, auto's member; None
+    where nothing was proposed). The delta's tokens are the accepted drafts, then the target's
+    own token (unless a stop ended the text inside the drafts)."""
+
+    index: int
+    proposed: int
+    accepted: int
+    by: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pass": self.index, "proposed": self.proposed, "accepted": self.accepted, "by": self.by}
+
+
 @dataclass
 class Delta:
     """What one step committed for one sequence."""
@@ -115,6 +132,7 @@ class Delta:
     finish_reason: str | None = None  # set on the sequence's last delta
     prefilled: int | None = None  # while the prompt is read in chunks: its tokens read so far (no tokens yet)
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, where the request asked
+    step: Step | None = None  # the pass that committed them (None: the prefill's first token)
 
     @property
     def finished(self) -> bool:
@@ -557,6 +575,7 @@ class Engine:
         """Verify the sequence's rows, keep the accepted path in its cache, tell the drafter."""
         assert s.cache is not None
         K = draft.tokens.shape[0]
+        by = s.drafter.proposer() if s.drafter is not None and draft.depth() else None  # (before it is told)
         logits = out.logits[0]  # [K+1+R, V]
         path, nxt = _verify(logits[: K + 1], draft, s.sampling, s.gen, self.rules)
         start = s.cache.length - logits.shape[0]  # slot of the last committed token
@@ -596,11 +615,11 @@ class Engine:
             )
         elif s.drafter is not None:
             s.final = Feedback(path, nxt, logits[: K + 1], kept=min(len(path), len(committed)))
-        return self._delta(s, committed)
+        return self._delta(s, committed, Step(m.target_forwards, draft.depth(), len(path), by))
 
-    def _delta(self, s: _Sequence, tokens: list[int]) -> Delta:
+    def _delta(self, s: _Sequence, tokens: list[int], step: Step | None = None) -> Delta:
         lps = s.logprobs[len(s.logprobs) - len(tokens) :] if s.top_logprobs is not None else None
-        return Delta(s.id, tokens, s.stopper.take_text(), s.stopper.finish_reason, logprobs=lps)
+        return Delta(s.id, tokens, s.stopper.take_text(), s.stopper.finish_reason, logprobs=lps, step=step)
 
     def _finish(self, s: _Sequence) -> None:
         m = s.metrics

@@ -303,6 +303,9 @@ class AutoDrafter(Drafter):
             d.forwards = sum(sub.forwards for sub in d.subs.values())
         return out
 
+    def proposer(self) -> str:
+        return self._pick.member if self._pick is not None else PLAIN
+
     def _member(self) -> Switchable | None:
         """The member this step's pick proposes with (None: a plain step)."""
         return self.subs[self._pick.member] if self._pick is not None and self._pick.member != PLAIN else None

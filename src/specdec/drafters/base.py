@@ -204,6 +204,11 @@ class Drafter:
         """Drafters with the same key (not None) draft together through `propose_batch`."""
         return None
 
+    def proposer(self) -> str:
+        """Who drafted the last proposal (the engine's `Step.by`): this drafter; a chooser
+        names the member it picked."""
+        return self.name or type(self).__name__
+
     @classmethod
     def propose_batch(cls, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Draft]:
         """Proposals for several sequences at once (drafters of one `batch_key`)."""

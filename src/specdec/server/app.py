@@ -22,12 +22,13 @@ from pydantic import BaseModel
 
 from ..api import LoadedModel, build_drafter, encode_prompt, prepare
 from ..config import GenerationConfig, SamplingParams
-from ..drafters.base import needs_draft_model, resolve_k, uses_draft_model
+from ..drafters.base import DRAFTERS, needs_draft_model, resolve_k, uses_draft_model
 from ..drafters.prediction import PREDICTION_READERS
 from ..engine import ContextOverflowError, Delta, GenerationResult, TokenLogprob, plan_length
 from ..tokenizer import Tokenizer
 from .gate import Gate
 from .metrics import ServerMetrics
+from .page import add_routes
 from .schemas import FINISH, NONE, APIError, ChatRequest, CompletionRequest, _Common
 from .tools import ToolCallParser, forced_start, parse_all, template_renders_tools
 from .worker import Job, ServeSettings, Worker
@@ -45,6 +46,16 @@ class Service:
         self.worker = Worker(target, draft, settings, self.metrics)
         self.context = target.model.args.max_seq_len
         self._k: dict[str, int] = {}  # method -> its k where neither the request nor --k gives one
+
+    def methods(self) -> list[str]:
+        """What a client may ask for here without more weights: plain decoding, the methods
+        that need nothing, and those of the draft model where the server has one."""
+        usable = [
+            name
+            for name, spec in DRAFTERS.items()
+            if spec.head is None and name != "prediction" and (spec.needs != "draft" or self.draft is not None)
+        ]
+        return [NONE, *sorted(usable)]
 
     def check_model(self, name: str) -> None:
         if name != self.settings.model_name:
@@ -155,8 +166,9 @@ class Service:
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            steps = bool(body.stream_options and body.stream_options.include_steps)
             return StreamingResponse(
-                self.stream(job, rid, created, kind, include_usage),
+                self.stream(job, rid, created, kind, include_usage, steps),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -231,7 +243,9 @@ class Service:
                     self.metrics.itl.observe((now - job.last_token_at) / n)
             job.last_token_at = now
 
-    async def stream(self, job: Job, rid: str, created: int, kind: str, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(
+        self, job: Job, rid: str, created: int, kind: str, include_usage: bool, steps: bool = False
+    ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -283,15 +297,16 @@ class Service:
                 "logprobs": completion_logprobs(tok, lps, offset) if lps is not None else None,
             }
 
-        def said(events: list[tuple[str, Any]], lps: list[TokenLogprob] | None) -> list[str]:
+        def said(events: list[tuple[str, Any]], lps: list[TokenLogprob] | None, trace: dict[str, Any]) -> list[str]:
             """Chunks for what the tool-call parser lets through: text, and each call as OpenAI
-            streams one (its id and name, then its arguments); the step's logprobs on the first."""
+            streams one (its id and name, then its arguments); the step's logprobs and trace on
+            the first."""
             nonlocal calls
             out = []
             for ev, value in events or [("content", "")]:
                 if ev == "content":
-                    if value or lps is not None:
-                        out.append(chunk([choice(value, None, lps=lps)]))
+                    if value or lps is not None or trace:
+                        out.append(chunk([choice(value, None, lps=lps)], **trace))
                 else:
                     head = {
                         "index": calls,
@@ -299,12 +314,12 @@ class Service:
                         "type": "function",
                         "function": {"name": value.name, "arguments": ""},
                     }
-                    out.append(chunk([choice(None, None, lps=lps, call=head)]))
+                    out.append(chunk([choice(None, None, lps=lps, call=head)], **trace))
                     out.append(
                         chunk([choice(None, None, call={"index": calls, "function": {"arguments": value.arguments}})])
                     )
                     calls += 1
-                lps = None
+                lps, trace = None, {}
             return out
 
         finished = False
@@ -320,7 +335,7 @@ class Service:
                     self.metrics.e2e.observe(time.perf_counter() - job.arrived)
                     finish = FINISH[value.finish_reason]
                     if parser is not None:
-                        for c in said(parser.finish(), None):
+                        for c in said(parser.finish(), None, {}):
                             yield c
                         finish = "tool_calls" if calls and finish == "stop" else finish
                     yield chunk([choice(None if kind == "chat" else "", finish)])
@@ -329,17 +344,30 @@ class Service:
                     break
                 self.observe_delta(job, value)
                 lps = list(value.logprobs) if job.logprobs is not None and value.logprobs else None
+                trace = {"speculative": step_trace(tok, value)} if steps and value.token_ids else {}
                 if parser is not None:
-                    for c in said(parser.feed(value.text), lps):
+                    for c in said(parser.feed(value.text), lps, trace):
                         yield c
-                elif value.text or lps:
-                    yield chunk([choice(value.text, None, lps=lps)])
+                elif value.text or lps or trace:
+                    yield chunk([choice(value.text, None, lps=lps)], **trace)
                     offset += len(value.text)
             finished = True
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client disconnected mid-stream: its sequence ends at the next step
                 self.worker.cancel(job)
+
+
+def step_trace(tok: Tokenizer, d: Delta) -> dict[str, Any]:
+    """A streamed chunk's `speculative` field (`stream_options.include_steps`): the pass that
+    committed its tokens (`engine.Step`; pass 0: the prefill's first token), its tokens, and how
+    many of the chunk's first characters are accepted drafts — the rest is the target's own
+    token (the split is by the text the step released: approximate where a stop string held
+    some back)."""
+    step = d.step.to_dict() if d.step is not None else {"pass": 0, "proposed": 0, "accepted": 0, "by": None}
+    drafted = min(step["accepted"], len(d.token_ids))
+    own = len(tok.decode(d.token_ids[drafted:])) if drafted < len(d.token_ids) else 0
+    return step | {"tokens": len(d.token_ids), "drafted_chars": max(0, len(d.text) - own) if drafted else 0}
 
 
 def usage(job: Job, result: GenerationResult) -> dict[str, Any]:
@@ -477,7 +505,8 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 
 async def health(request: Request) -> dict[str, Any]:
-    worker = _service(request).worker
+    svc = _service(request)
+    worker = svc.worker
     if not worker.alive():
         raise APIError(503, "the engine thread is not running", type="server_error")
     return {
@@ -485,6 +514,11 @@ async def health(request: Request) -> dict[str, Any]:
         "model": worker.settings.model_name,
         "batch": len(worker.jobs),
         "queue": len(worker.waiting),
+        # (for the page: whether to ask for a key, and the methods it may offer)
+        "keys": bool(worker.settings.api_keys),
+        "method": worker.settings.method or NONE,
+        "methods": svc.methods(),
+        "draft": svc.draft.name if svc.draft is not None else None,
     }
 
 
@@ -540,6 +574,7 @@ def create_app(
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
+    add_routes(app)
     app.add_middleware(Gate, limit=settings.max_body_bytes, api_keys=settings.api_keys, metrics=service.metrics)  # type: ignore[arg-type]
     return app
 

@@ -68,6 +68,10 @@ class Speculative(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # (ours) each chunk carries the pass that committed its text as `speculative`: the pass
+    # number, the draft tokens it verified and accepted, who drafted them, and how many of the
+    # chunk's first characters are accepted drafts (`app.step_trace`); OpenAI clients ignore it
+    include_steps: bool = False
 
 
 class Prediction(BaseModel):
