@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -101,9 +102,14 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     assert [p.name for p in paths] == [
         "results.json",
         "report.md",
+        "report.html",
         "speedup_by_category.png",
         "acceptance_by_position.png",
     ]
+    # report.html: the same tables as tables, the plots inside it, nothing to fetch from elsewhere
+    page = paths[2].read_text()
+    assert page.count("<table>") == sum(line.startswith("|---") for line in paths[1].read_text().splitlines()) > 0
+    assert page.count('src="data:image/png;base64,') == 2 and not re.search(r'(src|href)="(https?:)?//', page)
     data = json.loads(paths[0].read_text())
     assert data["settings"]["k"] == 3 and data["machine"]["torch"] and len(data["records"]) == len(result.records)
     # the pass table timed between the blocks, over every row count it prices
@@ -124,7 +130,7 @@ def test_grid_on_tiny_models_is_well_formed(tiny, prompt_file, tmp_path):
     auto = {(r["temperature"], r["category"]): r for r in data["auto_choices"]}
     assert set(auto) == {(t, c) for t in (0.0, 1.0) for c in ("chat", "edit", "all")}
     assert auto[(0.0, "all")]["steps"] > 0 and sum(auto[(0.0, "all")]["share"].values()) == pytest.approx(1.0)
-    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths[2:])
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths[3:])
     text = report.table(result)
     assert "prompt-lookup" in text and "edit" in text
 
@@ -171,6 +177,7 @@ def test_cli_bench_quick_as_written(tiny_dir, prompt_file, tmp_path):
     assert {p.name for p in out.iterdir()} == {
         "results.json",
         "report.md",
+        "report.html",
         "speedup_by_category.png",
         "acceptance_by_position.png",
     }

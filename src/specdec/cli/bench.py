@@ -21,7 +21,8 @@ def parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="benchmarks (speed measured side by side in one run)",
         description="Without a subcommand: every method over the prompt suite, side by side with "
-        "plain decoding; writes DIR/results.json, DIR/report.md and PNG plots.",
+        "plain decoding; writes DIR/results.json, DIR/report.md, DIR/report.html (the report with its plots "
+        "inside) and PNG plots.",
         formatter_class=Help,
     )
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
