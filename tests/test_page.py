@@ -140,7 +140,14 @@ def _ttft(server) -> tuple[float, float]:
     return _metric(server, name + "_sum"), _metric(server, name + "_count")
 
 
-def test_the_page_in_a_real_browser(server, tmp_path):
+@pytest.fixture
+def open_server(smollm2_exact):
+    running = Running(create_app(smollm2_exact, None, ServeSettings("smollm2-135m")))
+    yield running
+    running.close()
+
+
+def test_the_page_in_a_real_browser(server, open_server, tmp_path):
     """Load the page, a wrong key's clear message, a greedy answer streamed with its accepted
     drafts coloured (as many as the usage block counts), the comparison with plain, Stop with
     Esc, and the narrow layout; every request the browser made went to this server; screenshots
@@ -235,6 +242,11 @@ def test_the_page_in_a_real_browser(server, tmp_path):
         browser.get(server.url + "/stats")
         wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#methods tbody tr")) > 0)
         assert "auto" in browser.find_element(By.ID, "methods").text
+
+        # a server without keys: no key asked for
+        browser.get(open_server.url + "/")
+        wait.until(lambda b: b.find_element(By.ID, "method").get_attribute("value") == "none")
+        assert not browser.find_element(By.ID, "key-box").is_displayed()
     finally:
         browser.quit()
     assert time.perf_counter() - t0 < 60
