@@ -202,6 +202,8 @@ def test_the_page_in_a_real_browser(server, open_server, tmp_path):
         assert sum(int(s.get_attribute("data-accepted")) for s in drafted) == usage > 0
         assert {s.get_attribute("data-by") for s in drafted} <= {"draft-model", "suffix", "prompt-lookup", "lookahead"}
         assert all("by-" in s.get_attribute("class") and s.get_attribute("title").startswith("pass ") for s in drafted)
+        drafted[0].click()  # (a tap shows a piece's pass, as a hover does)
+        assert browser.find_element(By.ID, "step").text == drafted[0].get_attribute("title")
         answer = browser.find_element(By.CSS_SELECTOR, "#log .msg.assistant").text
         plain = _chat(server, False, speculative={"method": "none"}).json()["choices"][0]["message"]["content"]
         assert answer == plain

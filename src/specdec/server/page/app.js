@@ -229,6 +229,13 @@ async function send(ev) {
 
 function stop() { if (state.busy) state.busy.abort(); }
 
+// a piece's pass, for a tap as for a hover (a touch screen shows no titles)
+function explain(e) {
+  const piece = e.target.closest("#log .msg.assistant span[title]");
+  if (piece && piece.title) $("step").textContent = piece.title;
+}
+$("log").addEventListener("click", explain);
+$("log").addEventListener("mouseover", explain);
 $("form").addEventListener("submit", send);
 $("stop").addEventListener("click", stop);
 $("clear").addEventListener("click", () => { stop(); state.messages = []; $("log").replaceChildren(); showError(""); });
