@@ -36,9 +36,11 @@ class Tokenizer:
         self.differ: weakref.WeakSet[Tokenizer] = weakref.WeakSet()  # ...and found different
         self._bytes: dict[int, bytes] = {}  # token id -> its bytes (`token_bytes`)
         self.bridges: dict[Any, Any] = {}  # draft tokenizers of other vocabularies -> their `drafters.cross.Bridge`
-        # the conversations its chat template rendered lately, by their ids: a draft of another
-        # tokenizer renders the same conversation with its own template (`conversation`)
-        self.rendered: OrderedDict[tuple[int, ...], tuple[Messages, list[dict[str, Any]] | None]] = OrderedDict()
+        # the conversations its chat template rendered lately, by (length, hash) of their ids: a
+        # draft of another tokenizer renders the same conversation with its own template
+        # (`conversation`). A hash, not the ids: 64 long agent prompts held as tuples of ints
+        # would keep tens of MB alive; a collision (2^-64) would only mislead a draft, never the output
+        self.rendered: OrderedDict[tuple[int, int], tuple[Messages, list[dict[str, Any]] | None]] = OrderedDict()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -122,8 +124,9 @@ class Tokenizer:
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         ids = [int(i) for i in out]
-        self.rendered[tuple(ids)] = (messages, tools)
-        self.rendered.move_to_end(tuple(ids))
+        key = (len(ids), hash(tuple(ids)))
+        self.rendered[key] = (messages, tools)
+        self.rendered.move_to_end(key)
         while len(self.rendered) > RENDERED:
             self.rendered.popitem(last=False)
         return ids
@@ -133,10 +136,12 @@ class Tokenizer:
         earlier turn of the same chat begins it too), and its length in tokens (what follows is
         the turn as it goes on: a forced start, generated tokens); None where `ids` begin with
         nothing this tokenizer's template rendered lately."""
-        best = max(
-            (r for r in self.rendered if len(r) <= len(ids) and tuple(ids[: len(r)]) == r), key=len, default=None
-        )
-        return None if best is None else (*self.rendered[best], len(best))
+        lengths = sorted({n for n, _ in self.rendered if n <= len(ids)}, reverse=True)
+        for n in lengths:  # (the longest first; each prefix hashed once)
+            found = self.rendered.get((n, hash(tuple(ids[:n]))))
+            if found is not None:
+                return (*found, n)
+        return None
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
