@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import socket
 import threading
 from dataclasses import dataclass, replace
@@ -303,3 +304,12 @@ class Running:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+
+
+def assert_bench_page(path: Path, *shown: str) -> None:
+    """A benchmark's page (`bench serve`/`batch`/`trace`): its table (holding `shown`) and its plot
+    in one file, nothing to fetch from elsewhere."""
+    page = path.read_text()
+    table = re.search(r"<pre><code>(.*?)</code></pre>", page, re.S)
+    assert table and all(s in table.group(1) for s in ("tok/s", *shown)), page[:2000]
+    assert page.count('src="data:image/png;base64,') == 1 and not re.search(r'(src|href)="(https?:)?//', page)

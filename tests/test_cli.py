@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import assert_bench_page
 
 
 @pytest.mark.real
@@ -344,6 +345,7 @@ def test_bench_batch_as_written(tmp_path, specdec_cli):
     assert out["draft"] == "smollm2-135m" and len(out["prompts"]) == 8
     assert json.loads((tmp_path / "batch.json").read_text())["summary"] == out["summary"]
     assert (tmp_path / "batch.png").read_bytes()[:4] == b"\x89PNG"
+    assert_bench_page(tmp_path / "batch.html", "prompt-lookup", "identical")
 
 
 def test_json_output_still_reports_the_early_exit_choice_on_stderr(tiny_dir, capsys):

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from conftest import EXACT_MODES
-from helpers import Running
+from helpers import Running, assert_bench_page
 
 import specdec
 from specdec.cli import main
@@ -451,6 +451,7 @@ def test_bench_serve_load_test(server, tmp_path, capsys):
     for lv in result["levels"]:
         assert lv["failed"] == 0 and lv["completion_tokens"] > 0 and lv["ttft_s"]["p50"] > 0
     assert (out / "serve.png").stat().st_size > 0
+    assert_bench_page(out / "serve.html", "TTFT p50")
 
 
 @pytest.mark.parametrize("url", ["http://example.com:8000", "ftp://127.0.0.1", "http://10.1.2.3:8000"])
@@ -538,6 +539,7 @@ def test_bench_serve_replays_an_agent_trace(tmp_path, capsys):
         assert all(m["hits"] >= 1 and m["reused_tokens"] >= 16 for m in result["prefix_cache"].values())
         assert "prompt tokens reused" in printed
     assert (out / "trace.png").stat().st_size > 0
+    assert_bench_page(out / "trace.html", "suffix memory after suffix")
 
 
 @pytest.mark.real

@@ -23,7 +23,7 @@ from ..api import LoadedModel, build_drafter, load, load_draft
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams
 from ..drafters.base import needs_draft_model
 from ..engine import Engine
-from . import save_figure
+from . import save_figure, write_page
 from .grid import machine, prompt_ids
 from .suite import load_prompts
 
@@ -214,7 +214,8 @@ def table(result: BatchResult) -> str:
 
 
 def write(result: BatchResult, out_dir: Path) -> list[Path]:
-    """results.json and batch.png (aggregate tokens/s and speedup by batch size)."""
+    """batch.json, batch.png (aggregate tokens/s and speedup by batch size) and batch.html (the
+    table and the plot as one page)."""
     import json
 
     import matplotlib
@@ -246,5 +247,6 @@ def write(result: BatchResult, out_dir: Path) -> list[Path]:
         ax.legend()
     fig.suptitle(f"{result.settings.target} ({result.mode}), {result.machine.get('cpu', '')}", fontsize=9)
     png = save_figure(fig, out_dir / "batch.png")
-    print(f"wrote {path}\nwrote {png}", file=sys.stderr)
-    return [path, png]
+    page = write_page(out_dir, "batch.html", f"specdec bench batch: {result.settings.target}", table(result), png)
+    print(f"wrote {path}\nwrote {png}\nwrote {page}", file=sys.stderr)
+    return [path, png, page]

@@ -3,15 +3,12 @@ same with its plots inside) and PNG plots."""
 
 from __future__ import annotations
 
-import base64
 import json
-import re
-from html import escape
 from pathlib import Path
 from typing import Any
 
 from ..drafters.base import needs_draft_model
-from . import save_figure
+from . import html, save_figure
 from .grid import NOISE, GridResult
 
 
@@ -326,31 +323,3 @@ def write(results: GridResult | list[GridResult], out_dir: Path) -> list[Path]:
     (out_dir / "report.md").write_text(text)
     (out_dir / "report.html").write_text(html(text, out_dir))
     return [out_dir / "results.json", out_dir / "report.md", out_dir / "report.html", *(out_dir / n for n in pngs)]
-
-
-STYLE = """body{font:15px/1.5 system-ui,sans-serif;color:#1b1b1f;max-width:72rem;margin:1rem auto;padding:0 1rem}
-table{border-collapse:collapse;margin:.75rem 0;font-size:.9rem}th,td{border-bottom:1px solid #d9d9e0;
-padding:.2rem .6rem;text-align:right}th:first-child,td:first-child{text-align:left}img{max-width:100%}
-code{background:#f4f4f7;padding:0 .2rem;border-radius:.2rem}"""
-
-
-def html(text: str, out_dir: Path) -> str:
-    """report.md as one self-contained page: its tables as tables, its plots inside it (data URIs),
-    nothing fetched from elsewhere: a file to open or to send."""
-    from markdown_it import MarkdownIt
-
-    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(text)
-
-    def inline(m: re.Match[str]) -> str:
-        png = out_dir / m.group(1)
-        return (
-            f'src="data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}"' if png.exists() else m.group(0)
-        )
-
-    body = re.sub(r'src="([^"/]+\.png)"', inline, body)
-    title = text.splitlines()[0].lstrip("# ") if text else "specdec benchmark"
-    return (
-        f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
-        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
-        f"<body>\n{body}</body></html>\n"
-    )

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from . import save_figure
+from . import save_figure, write_page
 from .suite import load_prompts
 
 MAX_REQUESTS = 1000
@@ -268,7 +268,8 @@ def table(result: dict[str, Any]) -> str:
 
 
 def write(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    """serve.json and serve.png (throughput and latency percentiles by concurrency)."""
+    """serve.json, serve.png (throughput and latency percentiles by concurrency) and serve.html
+    (the table and the plot as one page)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,5 +300,6 @@ def write(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax2.legend(fontsize=8)
     fig.suptitle(f"{result['model']} ({result['settings']['url']})", fontsize=9)
     png = save_figure(fig, out_dir / "serve.png")
-    print(f"wrote {path}\nwrote {png}", file=sys.stderr)
-    return [path, png]
+    page = write_page(out_dir, "serve.html", f"specdec bench serve: {result['model']}", table(result), png)
+    print(f"wrote {path}\nwrote {png}\nwrote {page}", file=sys.stderr)
+    return [path, png, page]

@@ -316,13 +316,14 @@ def table(result: dict[str, Any]) -> str:
 
 
 def write(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    """trace.json and trace.png (tokens/s per method against plain)."""
+    """trace.json, trace.png (tokens/s per method against plain) and trace.html (the table and the
+    plot as one page)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from . import save_figure
+    from . import save_figure, write_page
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "trace.json"
@@ -333,5 +334,6 @@ def write(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set(ylabel="tokens/s against plain", title=f"agent trace through specdec serve ({result['model']})")
     png = save_figure(fig, out_dir / "trace.png")
-    print(f"wrote {path}\nwrote {png}", file=sys.stderr)
-    return [path, png]
+    page = write_page(out_dir, "trace.html", f"specdec bench trace: {result['model']}", table(result), png)
+    print(f"wrote {path}\nwrote {png}\nwrote {page}", file=sys.stderr)
+    return [path, png, page]

@@ -149,7 +149,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
         help="aggregate tokens/s with several sequences in flight, per method",
         description="B different prompts decoded together (greedy), plain decoding and each "
         "method side by side at every batch size; prints a table, writes "
-        "DIR/batch.json and DIR/batch.png with --out.",
+        "DIR/batch.json, DIR/batch.png and DIR/batch.html (both as one page) with --out.",
         formatter_class=Help,
     )
     from ..bench.batch import METHODS as BATCH_METHODS
@@ -171,7 +171,7 @@ def parser(sub: argparse._SubParsersAction) -> None:
     bat.add_argument("--repeats", type=int, default=1, help="repeats (medians reported)")
     bat.add_argument("--prompts", type=Path, help="JSONL prompt file instead of the bundled suite")
     bat.add_argument("--dtype", default=AUTO, choices=[AUTO, *MODES], help="precision/kernel mode")
-    bat.add_argument("--out", type=Path, help="write DIR/batch.json and DIR/batch.png")
+    bat.add_argument("--out", type=Path, help="write DIR/batch.json, DIR/batch.png and DIR/batch.html")
     bat.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bat.set_defaults(func=_cmd_bench_batch)
     proj = bsub.add_parser(
@@ -208,7 +208,8 @@ def parser(sub: argparse._SubParsersAction) -> None:
         help="load-test a running `specdec serve` on this machine",
         description="Streaming chat requests at each concurrency level (prompts of the bundled "
         "suite); throughput, time to first token and latency percentiles as a table, "
-        "DIR/serve.json and DIR/serve.png. Localhost only; bounded in count and time.",
+        "DIR/serve.json, DIR/serve.png and DIR/serve.html (both as one page). Localhost only; "
+        "bounded in count and time.",
         formatter_class=Help,
     )
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="the server (a loopback address)")
