@@ -147,7 +147,7 @@ def open_server(smollm2_exact):
     running.close()
 
 
-def test_the_page_in_a_real_browser(server, open_server, tmp_path):
+def test_the_page_in_a_real_browser(server, open_server, smollm2_exact, tmp_path):
     """Load the page, a wrong key's clear message, a greedy answer streamed with its accepted
     drafts coloured (as many as the usage block counts), the comparison with plain, Stop with
     Esc, and the narrow layout; every request the browser made went to this server; screenshots
@@ -185,6 +185,16 @@ def test_the_page_in_a_real_browser(server, open_server, tmp_path):
         key = browser.find_element(By.ID, "key")
         key.clear()
         key.send_keys(KEY)
+        # (what a request carries: the picked model, k, the sampling settings; blank k: the server's)
+        for field, value in (("k", "3"), ("top-p", "0.9"), ("top-k", "40"), ("seed", "7")):
+            browser.find_element(By.ID, field).clear()
+            browser.find_element(By.ID, field).send_keys(value)
+        sent = browser.execute_script("return body(null, true, number('k'))")
+        assert sent["model"] == "smollm2-135m" and sent["speculative"] == {"method": "auto", "k": 3}
+        assert (sent["top_p"], sent["top_k"], sent["seed"], sent["temperature"]) == (0.9, 40, 7, 0)
+        assert browser.execute_script("return body('none', false, 3)")["speculative"] == {"method": "none"}
+        for field in ("k", "top-p", "top-k", "seed"):
+            browser.find_element(By.ID, field).clear()
         browser.find_element(By.ID, "max-tokens").clear()
         browser.find_element(By.ID, "max-tokens").send_keys("24")
         before = _ttft(server)
@@ -207,6 +217,10 @@ def test_the_page_in_a_real_browser(server, open_server, tmp_path):
         answer = browser.find_element(By.CSS_SELECTOR, "#log .msg.assistant").text
         plain = _chat(server, False, speculative={"method": "none"}).json()["choices"][0]["message"]["content"]
         assert answer == plain
+        # the picker lists what /v1/models lists, once the key lets the page ask
+        models = Select(browser.find_element(By.ID, "model-pick")).options
+        assert [o.get_attribute("value") for o in models] == ["smollm2-135m"]
+        assert models[0].get_attribute("title") == f"context {smollm2_exact.model.args.max_seq_len} tokens"
         for fig in ("f-rate", "f-alpha", "f-tau"):
             assert browser.find_element(By.ID, fig).text != "–", fig
 
@@ -232,12 +246,20 @@ def test_the_page_in_a_real_browser(server, open_server, tmp_path):
         Select(browser.find_element(By.ID, "method")).select_by_value("draft-model")
         browser.find_element(By.ID, "max-tokens").clear()
         browser.find_element(By.ID, "max-tokens").send_keys("400")
+        browser.find_element(By.ID, "k").send_keys("3")
         ask("Write a long story about a lighthouse keeper.")
         wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#log .msg.assistant")) == 2)
         wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#log .msg.assistant")[-1].text) > 20)
         browser.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
         wait.until(idle)
-        assert browser.find_elements(By.CSS_SELECTOR, "#log .msg.assistant")[-1].text.endswith("[stopped]")
+        stopped = browser.find_elements(By.CSS_SELECTOR, "#log .msg.assistant")[-1]
+        assert stopped.text.endswith("[stopped]")
+        proposed = [
+            int(m)
+            for s in stopped.find_elements(By.CSS_SELECTOR, "span[title^='pass ']")
+            for m in re.findall(r"(\d+) proposed", s.get_attribute("title"))
+        ]
+        assert proposed and max(proposed) <= 3  # (k 3, as the page asked)
 
         urls = _requests(browser)
         assert urls and all(u.startswith(server.url) or u.startswith("data:") for u in urls), urls
@@ -249,6 +271,7 @@ def test_the_page_in_a_real_browser(server, open_server, tmp_path):
         browser.get(open_server.url + "/")
         wait.until(lambda b: b.find_element(By.ID, "method").get_attribute("value") == "none")
         assert not browser.find_element(By.ID, "key-box").is_displayed()
+        assert Select(browser.find_element(By.ID, "model-pick")).first_selected_option.text == "smollm2-135m"
     finally:
         browser.quit()
     assert time.perf_counter() - t0 < 60

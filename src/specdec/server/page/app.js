@@ -43,7 +43,8 @@ async function init() {
   legend();
   const r = await fetch("/health");
   const h = (state.health = await r.json());
-  $("model").textContent = h.model + (h.draft ? " · draft " + h.draft : "");
+  $("model").textContent = h.draft ? "draft " + h.draft : "";
+  pickable([{ id: h.model }]);
   const sel = $("method");
   for (const m of h.methods) {
     const o = document.createElement("option");
@@ -54,19 +55,50 @@ async function init() {
   }
   $("key-box").hidden = !h.keys;
   $("key").value = state.key;
+  if (!h.keys || state.key) await models();
   $("prompt").focus();
 }
 
-function body(method, stream) {
+// The model picker: what /v1/models lists (with a key where the server asks for one; until then
+// the model /health names).
+function pickable(list) {
+  const sel = $("model-pick");
+  const was = sel.value;
+  sel.replaceChildren();
+  for (const m of list) {
+    const o = document.createElement("option");
+    o.value = o.textContent = m.id;
+    if (m.max_model_len) o.title = "context " + m.max_model_len + " tokens";
+    sel.append(o);
+  }
+  if (list.some((m) => m.id === was)) sel.value = was;
+}
+
+async function models() {
+  const r = await fetch("/v1/models", { headers: headers() });
+  if (r.ok) pickable((await r.json()).data);
+}
+
+function number(id) {
+  const v = $(id).value.trim();
+  return v === "" ? null : Number(v);
+}
+
+function body(method, stream, k) {
   const b = {
-    model: state.health.model,
+    model: $("model-pick").value,
     messages: state.messages,
     stream,
-    max_tokens: Number($("max-tokens").value) || 256,
-    temperature: Number($("temperature").value),
+    max_tokens: number("max-tokens") || 256,
+    temperature: number("temperature") || 0,
+    top_p: number("top-p") || 1,
+    top_k: number("top-k") || 0,
   };
+  if (number("seed") !== null) b.seed = number("seed");
   if (stream) b.stream_options = { include_usage: true, include_steps: true };
-  if (method) b.speculative = { method };
+  const m = method || state.health.method;  // (the method this request runs; k only where it drafts)
+  if (k && m !== "none") b.speculative = { method: m, k };
+  else if (method) b.speculative = { method };
   return b;
 }
 
@@ -84,7 +116,7 @@ async function refused(r) {
 // One streamed answer: the server-sent events read as they come; returns what the run showed.
 async function streamed(method, out, signal) {
   const t0 = performance.now();
-  const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body(method, true)), signal });
+  const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body(method, true, number("k"))), signal });
   if (!r.ok) throw new Error(await refused(r));
   const run = { text: "", ttft: null, usage: null, accepted: 0, proposed: 0, passes: 0, tokens: 0, stepTokens: 0, t0, end: null };
   const reader = r.body.getReader();
@@ -176,8 +208,12 @@ async function send(ev) {
   if (ev) ev.preventDefault();
   const text = $("prompt").value.trim();
   if (!text || state.busy) return;
-  state.key = $("key").value.trim();
-  if (state.key) sessionStorage.setItem("specdec-key", state.key);
+  const key = $("key").value.trim();
+  if (key !== state.key) {
+    state.key = key;
+    sessionStorage.setItem("specdec-key", key);
+    models().catch(() => {});
+  }
   showError("");
   $("f-compare").textContent = "";
   $("f-compare").className = "";
@@ -215,6 +251,10 @@ async function send(ev) {
     if (e.name === "AbortError") {
       a.append(document.createTextNode(" [stopped]"));
       if (run === null) state.messages.pop();
+      else if (state.messages[state.messages.length - 1].role !== "assistant") {
+        state.messages.push({ role: "assistant", content: run.text });  // (stopped while plain ran)
+        $("f-compare").textContent = "comparison stopped";
+      }
     } else {
       showError(String(e.message || e));
       state.messages.pop();
