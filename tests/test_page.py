@@ -186,6 +186,7 @@ def test_the_page_in_a_real_browser(server, open_server, smollm2_exact, tmp_path
         key.clear()
         key.send_keys(KEY)
         # (what a request carries: the picked model, k, the sampling settings; blank k: the server's)
+        browser.find_element(By.CSS_SELECTOR, "#more summary").click()  # (k and the rest of sampling)
         for field, value in (("k", "3"), ("top-p", "0.9"), ("top-k", "40"), ("seed", "7")):
             browser.find_element(By.ID, field).clear()
             browser.find_element(By.ID, field).send_keys(value)
