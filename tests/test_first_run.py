@@ -4,6 +4,10 @@ never inside a measured run; a comparison's repeats alternate plain and speculat
 
 from __future__ import annotations
 
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 import specdec
@@ -98,6 +102,25 @@ def test_a_wider_stored_table_serves_a_narrower_request(tiny, monkeypatch, tmp_p
     costs.PASS_TABLES.pop(model, None)
     costs.pass_costs(model, 40)  # control: a wider range than stored is timed
     assert calls == [20, 40]
+
+
+def test_a_measurement_needed_at_once_is_taken_once_and_no_kept_one_is_lost(monkeypatch, tmp_path):
+    """Processes that need the same measurement at once (here threads: each lock is an open file
+    of its own): one measures, the others wait and read what it kept; stores of other keys at
+    the same time are all kept (each rewrites the whole table)."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    taken: list[int] = []
+
+    def measure() -> dict[str, float]:
+        taken.append(1)
+        time.sleep(0.3)
+        return {"1": 5.0}
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: costs.measured("t.json", "m", lambda e: e is not None, measure), range(4)))
+        list(pool.map(lambda i: costs.store_measurement("t.json", f"k{i}", i), range(24)))
+    assert len(taken) == 1 and got == [{"1": 5.0}] * 4
+    assert set(json.loads((tmp_path / "t.json").read_text())) == {"m", *(f"k{i}" for i in range(24))}
 
 
 def test_a_repeat_drafts_from_no_earlier_repeat(tiny, monkeypatch):

@@ -219,20 +219,46 @@ def stored(name: str, key: str) -> Any:
 
 
 def store_measurement(name: str, key: str, value: Any) -> None:
-    """Keep a measurement in the specdec cache's `name` table (written atomically)."""
+    """Keep a measurement in the specdec cache's `name` table (written atomically; one writer at
+    a time, so that two processes storing different keys at once both keep theirs)."""
     import json
+
+    from filelock import FileLock
 
     from . import store
 
     path = store.cache_root() / name
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        table = {}
-    if not isinstance(table, dict):
-        table = {}
-    table[key] = value
-    store.write_json(path, table)
+    with FileLock(store.lock_path(f"table-{name}")):
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            table = {}
+        if not isinstance(table, dict):
+            table = {}
+        table[key] = value
+        store.write_json(path, table)
+
+
+def measured(name: str, key: str | None, usable: Callable[[Any], bool], measure: Callable[[], Any]) -> Any:
+    """The measurement kept under `key` in the cache's `name` table, or `measure()` now where none
+    is `usable` (then kept; `key` None: a model without a directory, measured and not kept). One
+    process measures a key at a time: another that needs it meanwhile waits and reads what the
+    first kept, instead of timing the same passes beside it, each slowed by the other."""
+    if key is None:
+        return measure()
+    entry = stored(name, key)
+    if usable(entry):
+        return entry
+    from filelock import FileLock
+
+    from . import store
+
+    with FileLock(store.lock_path("measure-" + hashlib.sha256(f"{name}|{key}".encode()).hexdigest()[:24])):
+        entry = stored(name, key)  # (kept by the process this one waited for)
+        if not usable(entry):
+            entry = measure()
+            store_measurement(name, key, entry)
+    return entry
 
 
 # v3: per row count the median of its time relative to the same round's one-row pass, times
@@ -251,18 +277,16 @@ def pass_costs(target: Transformer, max_rows: int) -> Costs:
     known = PASS_TABLES.get(target)
     if known is not None and max(known.target_ms) >= max_rows:
         return known
-    key = machine_key(target)
-    entry = stored(PASS_COSTS_FILE, key) if key is not None else None
     # every row count a chain of up to PRICED_K drafts can bring (the pass time is not linear in
     # the rows: the q4k kernel's cost jumps between some counts), then sparser
     rows = sorted(r for r in {*range(1, PRICED_K + 2), 12, 16, 24, 32, max_rows} if r <= max_rows)
-    if _covers(entry, rows):  # (a wider table serves a narrower request: it is interpolated past PRICED_K + 1)
-        costs = Costs({int(r): float(ms) for r, ms in entry.items()})
-    else:
-        # (rounded as stored: this process decides on the same numbers as later ones that read them)
-        costs = Costs({r: round(ms, 3) for r, ms in _time_rows(target, rows, context=128, repeats=7).items()})
-        if key is not None:  # (a model without a directory is kept in this process only)
-            store_measurement(PASS_COSTS_FILE, key, {str(r): ms for r, ms in costs.target_ms.items()})
+
+    def timed() -> dict[str, float]:  # (rounded as stored: this process decides on the numbers later ones read)
+        return {str(r): round(ms, 3) for r, ms in _time_rows(target, rows, context=128, repeats=7).items()}
+
+    # (a wider table serves a narrower request: it is interpolated past PRICED_K + 1)
+    entry = measured(PASS_COSTS_FILE, machine_key(target), lambda e: _covers(e, rows), timed)
+    costs = Costs({int(r): float(ms) for r, ms in entry.items()})
     PASS_TABLES[target] = costs
     return costs
 
@@ -292,9 +316,8 @@ def draft_step_ms(model: Transformer, key: str, step: Callable[[], None], reset:
     if key in known:
         return known[key]
     mk = machine_key(model)
-    full = f"{mk}|{key}" if mk is not None else None
-    ms = stored(DRAFT_STEP_FILE, full) if full is not None else None
-    if not isinstance(ms, (int, float)):
+
+    def timed() -> float:
         times = []
         for i in range(8):
             reset()
@@ -302,9 +325,11 @@ def draft_step_ms(model: Transformer, key: str, step: Callable[[], None], reset:
             step()
             if i:
                 times.append((time.perf_counter() - t0) * 1e3)
-        ms = round(statistics.median(times), 3)  # (as stored: see pass_costs)
-        if full is not None:
-            store_measurement(DRAFT_STEP_FILE, full, ms)
+        return round(statistics.median(times), 3)  # (as stored: see pass_costs)
+
+    ms = measured(
+        DRAFT_STEP_FILE, f"{mk}|{key}" if mk is not None else None, lambda e: isinstance(e, (int, float)), timed
+    )
     known[key] = float(ms)
     return known[key]
 
