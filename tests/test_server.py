@@ -657,3 +657,16 @@ def test_the_bundled_agent_trace_resends_a_growing_conversation():
                 "content": reqs[2]["messages"][-2]["content"],
             }
     assert calls >= 4  # (the model called its tool where asked in most sessions; the others wrote code again)
+
+
+def test_the_methods_offered_include_the_servers_own_default(tiny):
+    """`/health`'s methods (what the page offers): no head-needing method a request could not
+    load, unless the server was started with it: its default is always offered (a request
+    gets it by naming no method)."""
+    from specdec.server.app import Service
+
+    plain = Service(tiny("llama"), None, ServeSettings("t")).methods()
+    assert plain[0] == "none" and "eagle3" not in plain and "draft-model" not in plain and "suffix" in plain
+    headed = Service(tiny("llama"), None, ServeSettings("t", "eagle3", {"head": "h"})).methods()
+    assert headed[0] == "none" and headed[1:] == sorted(headed[1:]) and "eagle3" in headed
+    assert "medusa" not in headed

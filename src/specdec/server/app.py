@@ -49,13 +49,16 @@ class Service:
 
     def methods(self) -> list[str]:
         """What a client may ask for here without more weights: plain decoding, the methods
-        that need nothing, and those of the draft model where the server has one."""
-        usable = [
+        that need nothing, those of the draft model where the server has one, and the server's
+        own default (a head it was started with: a request gets it by naming no method)."""
+        usable = {
             name
             for name, spec in DRAFTERS.items()
             if spec.head is None and name != "prediction" and (spec.needs != "draft" or self.draft is not None)
-        ]
-        return [NONE, *sorted(usable)]
+        }
+        if self.settings.method:
+            usable.add(self.settings.method)
+        return [NONE, *sorted(usable - {NONE})]
 
     def check_model(self, name: str) -> None:
         if name != self.settings.model_name:
