@@ -670,3 +670,24 @@ def test_the_methods_offered_include_the_servers_own_default(tiny):
     headed = Service(tiny("llama"), None, ServeSettings("t", "eagle3", {"head": "h"})).methods()
     assert headed[0] == "none" and headed[1:] == sorted(headed[1:]) and "eagle3" in headed
     assert "medusa" not in headed
+
+
+def test_a_request_naming_the_servers_own_method_with_k_only_gets_the_servers_options(tiny):
+    """(the page sends `{"method": <the default>, "k": K}` when k is set): the server's options
+    for its own method stand; a request naming options of its own, or another method, gets its own."""
+    from specdec.server.app import Service
+    from specdec.server.schemas import ChatRequest
+
+    svc = Service(tiny("llama"), None, ServeSettings("t", "prompt-lookup", {"max_ngram": 5}))
+    svc.worker.start()
+    try:
+
+        def job(spec: dict | None):
+            body = ChatRequest(model="t", messages=[{"role": "user", "content": "hi"}], speculative=spec)
+            return asyncio.run(svc.make_job(body, [5, 6, 7], 4)).drafter
+
+        assert job(None).max_ngram == 5 and job({"method": "prompt-lookup", "k": 3}).max_ngram == 5
+        assert job({"method": "prompt-lookup", "k": 3, "max_ngram": 2}).max_ngram == 2
+        assert job({"method": "suffix"}).name == "suffix"
+    finally:
+        svc.worker.stop()

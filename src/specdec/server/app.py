@@ -91,6 +91,8 @@ class Service:
         settings, spec = self.settings, body.speculative
         method = spec.method if spec is not None else (settings.method or NONE)
         options = dict(spec.model_extra or {}) if spec is not None else dict(settings.options)
+        if spec is not None and not options and method == settings.method:
+            options = dict(settings.options)  # (the server's own method, named with k only: as configured)
         prediction = None
         if body.prediction is not None:
             text = body.prediction.text()
