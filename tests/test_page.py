@@ -255,6 +255,9 @@ def test_the_page_in_a_real_browser(server, open_server, smollm2_exact, tmp_path
         wait.until(idle)
         stopped = browser.find_elements(By.CSS_SELECTOR, "#log .msg.assistant")[-1]
         assert stopped.text.endswith("[stopped]")
+        # (what was written before the stop stays in the conversation the next turn sends)
+        last = browser.execute_script("return state.messages[state.messages.length - 1]")
+        assert last["role"] == "assistant" and last["content"].strip() == stopped.text.removesuffix("[stopped]").strip()
         proposed = [
             int(m)
             for s in stopped.find_elements(By.CSS_SELECTOR, "span[title^='pass ']")

@@ -113,12 +113,12 @@ async function refused(r) {
   return msg;
 }
 
-// One streamed answer: the server-sent events read as they come; returns what the run showed.
-async function streamed(method, out, signal) {
-  const t0 = performance.now();
+// One streamed answer: the server-sent events read as they come, into `run` (what a Stop leaves
+// is kept there too).
+async function streamed(method, out, signal, run) {
+  const t0 = (run.t0 = performance.now());
   const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body(method, true, number("k"))), signal });
   if (!r.ok) throw new Error(await refused(r));
-  const run = { text: "", ttft: null, usage: null, accepted: 0, proposed: 0, passes: 0, tokens: 0, stepTokens: 0, t0, end: null };
   const reader = r.body.getReader();
   const dec = new TextDecoder();
   let buf = "";
@@ -229,9 +229,11 @@ async function send(ev) {
   $("send").disabled = true;
   $("stop").disabled = false;
   const method = $("method").value === state.health.method ? null : $("method").value;
-  let run = null;
+  const run = { text: "", ttft: null, usage: null, accepted: 0, proposed: 0, passes: 0, tokens: 0, stepTokens: 0, t0: 0, end: null };
+  let answered = false;
   try {
-    run = await streamed(method, a, ctl.signal);
+    await streamed(method, a, ctl.signal, run);
+    answered = true;
     state.messages.push({ role: "assistant", content: run.text });
     if ($("compare").checked && !ctl.signal.aborted) {
       $("f-compare").textContent = "running plain for comparison…";
@@ -249,15 +251,21 @@ async function send(ev) {
     }
   } catch (e) {
     if (e.name === "AbortError") {
-      a.append(document.createTextNode(" [stopped]"));
-      if (run === null) state.messages.pop();
-      else if (state.messages[state.messages.length - 1].role !== "assistant") {
+      if (!answered) {
+        a.append(document.createTextNode(" [stopped]"));
+        // (what was written stays in the conversation, as the page shows it; nothing: the turn goes)
+        if (run.text) state.messages.push({ role: "assistant", content: run.text });
+        else state.messages.pop();
+      } else if (state.messages[state.messages.length - 1].role !== "assistant") {
         state.messages.push({ role: "assistant", content: run.text });  // (stopped while plain ran)
         $("f-compare").textContent = "comparison stopped";
       }
     } else {
       showError(String(e.message || e));
-      state.messages.pop();
+      if (!answered) state.messages.pop();
+      else if (state.messages[state.messages.length - 1].role !== "assistant") {
+        state.messages.push({ role: "assistant", content: run.text });  // (the comparison failed, not the answer)
+      }
     }
   } finally {
     state.busy = null;
