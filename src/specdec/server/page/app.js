@@ -84,10 +84,10 @@ function number(id) {
   return v === "" ? null : Number(v);
 }
 
-function body(method, stream, k) {
+function body(method, stream, k, messages = state.messages) {
   const b = {
     model: $("model-pick").value,
-    messages: state.messages,
+    messages,
     stream,
     max_tokens: number("max-tokens") || 256,
     temperature: number("temperature") || 0,
@@ -196,9 +196,11 @@ function figures(run) {
   if (run.usage && run.usage.speculative) acc.dataset.usage = String(run.usage.speculative.accepted_tokens);
 }
 
+// The same conversation without its last answer, decoded plainly (the comparison).
 async function plainRun(signal) {
   const t0 = performance.now();
-  const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body("none", false)), signal });
+  const asked = body("none", false, null, state.messages.slice(0, -1));
+  const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(asked), signal });
   if (!r.ok) throw new Error(await refused(r));
   const j = await r.json();
   return { text: j.choices[0].message.content, secs: (performance.now() - t0) / 1000 };
@@ -237,9 +239,7 @@ async function send(ev) {
     state.messages.push({ role: "assistant", content: run.text });
     if ($("compare").checked && !ctl.signal.aborted) {
       $("f-compare").textContent = "running plain for comparison…";
-      state.messages.pop();
       const plain = await plainRun(ctl.signal);
-      state.messages.push({ role: "assistant", content: run.text });
       const secs = (run.end - run.t0) / 1000;
       const same = plain.text === run.text;
       const greedy = Number($("temperature").value) === 0;
@@ -250,23 +250,16 @@ async function send(ev) {
       $("f-compare").dataset.identical = String(same);
     }
   } catch (e) {
-    if (e.name === "AbortError") {
-      if (!answered) {
-        a.append(document.createTextNode(" [stopped]"));
-        // (what was written stays in the conversation, as the page shows it; nothing: the turn goes)
-        if (run.text) state.messages.push({ role: "assistant", content: run.text });
-        else state.messages.pop();
-      } else if (state.messages[state.messages.length - 1].role !== "assistant") {
-        state.messages.push({ role: "assistant", content: run.text });  // (stopped while plain ran)
-        $("f-compare").textContent = "comparison stopped";
-      }
-    } else {
-      showError(String(e.message || e));
-      if (!answered) state.messages.pop();
-      else if (state.messages[state.messages.length - 1].role !== "assistant") {
-        state.messages.push({ role: "assistant", content: run.text });  // (the comparison failed, not the answer)
-      }
+    const stopped = e.name === "AbortError";
+    if (!answered) {
+      // (a stopped answer's text stays in the conversation, as the page shows it; none: the turn goes)
+      if (stopped) a.append(document.createTextNode(" [stopped]"));
+      if (stopped && run.text) state.messages.push({ role: "assistant", content: run.text });
+      else state.messages.pop();
+    } else if (stopped) {
+      $("f-compare").textContent = "comparison stopped";  // (the answer stands)
     }
+    if (!stopped) showError(String(e.message || e));
   } finally {
     state.busy = null;
     $("send").disabled = false;
