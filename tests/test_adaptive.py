@@ -7,6 +7,7 @@ control."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -15,9 +16,10 @@ from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing
 
 import specdec
 from specdec.adaptive import MAX_PROBE_WAIT, Chooser, Schedule, replay
-from specdec.config import SamplingParams
+from specdec.config import GenerationConfig, SamplingParams
 from specdec.costs import PASS_TABLES, Costs
-from specdec.drafters import DraftModelDrafter
+from specdec.drafters import AutoDrafter, DraftModelDrafter
+from specdec.engine import Engine
 from specdec.offers import MEMORY_PRIOR_WEIGHT, PLAIN, Acceptance, Estimates, Offer, StepRecord, unsent
 
 
@@ -195,7 +197,11 @@ def test_in_a_batch_a_chains_k_is_priced_at_what_its_rows_add_to_the_pass():
 # -- members that size their own proposals (a draft model by confidence, a tree drafter) ------
 def test_a_self_sized_member_is_offered_at_the_deepest_k_and_priced_by_what_its_steps_did():
     est = Estimates(PASS, 8)
-    assert est.measured("x", 8, 6.0).k == 8 and est.measured("x", 5, 6.0).k == 5
+    # unmeasured, its first probe goes as deep as the position model says pays, not to the budget
+    first = est.measured("x", 8, 6.0, prior=0.85)
+    assert first.k == est.chain("x", "", 8, 6.0, prior=0.85).k and 1 < first.k < 8
+    est.learn(first, 3, 3, 18.0, rows=4)
+    assert est.measured("x", 8, 6.0).k == 8 and est.measured("x", 5, 6.0).k == 5  # measured: the deepest
     for _ in range(10):  # it stopped at 3 drafts, all kept: 4 tokens for 3 * 6 + pass(4) ms
         est.learn(est.measured("x", 8, 6.0), 3, 3, 18.0, rows=4)
     tokens, ms = est.records["x"].step
@@ -309,7 +315,8 @@ def test_a_member_that_prices_nothing_itself_is_offered_by_its_steps():
         sched.update(4 if k else 0, 4 if k and good else 0, 1.0 if k else 0.0, rows=5 if good else 7)
         return k
 
-    assert step(False) == 4  # no evidence yet: the position model's guess drafts
+    # no evidence yet: the position model's guess drafts, as deep as it says pays (a bounded probe)
+    assert step(False) == Estimates(PASS, 4).chain("t", "", 4, 0.0).k > 0
     bad = [step(False) for _ in range(40)]
     assert bad.count(0) > 30 and bad.count(4) >= 2  # off, with probes
     good = [step(True) for _ in range(200)]
@@ -377,3 +384,97 @@ def test_an_unsent_proposal_is_scored_as_its_verification_would_have_been():
     for _ in range(10):
         est.observe(offer, *unsent([5, 6, 7], None, [1, 2]))  # never followed
     assert est.alpha("pl", 3)[0] < before / 2
+
+
+# -- exploring what a request has not measured -------------------------------------------------
+# a 2-core CPU where the 0.5B draft's step costs a third of the 1.5B target's one-row pass
+ZEN = Costs({1: 45.0, 2: 46.0, 3: 47.0, 4: 48.0, 5: 50.0, 6: 52.0, 7: 54.0, 8: 56.0, 9: 58.0, 16: 72.0, 17: 74.0})
+
+
+def test_an_unmeasured_draft_is_tried_first_where_the_request_repays_its_catch_up():
+    """No request has measured the draft: it is offered at what it plausibly reaches
+    (EXPLORE_ALPHA), its catch-up spread over the budget, at a bounded depth. After a 57-token
+    prompt with 63 tokens to go it is the first step's pick; after a long prompt with 16 tokens to
+    go (its catch-up 498 ms) it loses to plain decoding, which is right there."""
+    from specdec.offers import EXPLORE_ALPHA
+
+    coding = Estimates(ZEN, 16)
+    coding.step(63)
+    first = coding.measured("draft-model", 16, 15.0, 127.0, prior=EXPLORE_ALPHA)
+    assert _pick(coding, Chooser(), [first], 63)[0] == "draft-model"
+    assert first.k < 16 and first.rate > 1.3 * coding.plain().rate  # a probe as deep as it pays
+    extraction = Estimates(ZEN, 16)
+    extraction.step(16)
+    offer = extraction.measured("draft-model", 16, 15.0, 498.0, prior=EXPLORE_ALPHA)
+    assert _pick(extraction, Chooser(), [offer], 16) == (PLAIN, 0)
+    # once measured, its offer is its measurement: a draft rejected outright goes off
+    for _ in range(8):
+        coding.learn(coding.measured("draft-model", 16, 15.0, prior=EXPLORE_ALPHA), 3, 0, 45.0, rows=4)
+    assert _pick(coding, Chooser(), [coding.measured("draft-model", 16, 15.0, prior=EXPLORE_ALPHA)], 40) == (PLAIN, 0)
+
+
+def test_what_earlier_requests_measured_on_this_machine_is_a_new_requests_prior(tiny):
+    """`Pricing.keep` adds a greedy request's counts to the history of its target, member scope
+    and situation; `Pricing.past` gives them to the next request as the prior of a member it has
+    not measured: a draft that was rejected is no longer explored, one that was accepted is.
+    The history is bounded per position; a reproducible request neither reads nor adds to it."""
+    from specdec.costs import HISTORY_CAP, Pricing
+    from specdec.offers import EXPLORE_ALPHA
+
+    target = tiny("llama").model
+    pricing = Pricing(target, history={})
+    for acc in ([0.0, 0.0], [1.0, 0.0]):  # two requests: the draft's first token kept once in ten
+        pricing.keep("d|draft-model", {"": [[10.0, 5.0], [acc[0], acc[1]]]})
+    past = pricing.past("d|draft-model")
+    assert past[""][0][0] == pytest.approx(0.7 * 10 + 10) and past[""][1][0] == pytest.approx(1.0)
+    est = Estimates(ZEN, 16, history={("draft-model", s): c for s, c in past.items()})
+    assert est.alpha("draft-model", "", EXPLORE_ALPHA)[0] < 0.25
+    assert _pick(est, Chooser(), [est.measured("draft-model", 16, 15.0, 0.0, prior=EXPLORE_ALPHA)], 63) == (PLAIN, 0)
+    fresh = Estimates(ZEN, 16)  # the same draft on a machine without history is explored
+    assert fresh.alpha("draft-model", "", EXPLORE_ALPHA)[0] == pytest.approx(EXPLORE_ALPHA)
+    for _ in range(100):
+        pricing.keep("d|draft-model", {"": [[10.0], [9.0]]})
+    assert pricing.past("d|draft-model")[""][0][0] <= HISTORY_CAP
+    repro = Pricing(target, reproducible=True, history=pricing.history)
+    assert repro.past("d|draft-model") == {}
+    repro.keep("other", {"": [[1.0], [1.0]]})
+    assert len(pricing.history) == 1
+
+
+def test_auto_keeps_its_members_measurements_and_prices_a_batch_on_its_pass(tiny):
+    """A greedy auto request leaves its members' counts in the history (the draft's under its
+    own identity); a sampled one does not. In a batch every offer is priced on the batch's pass:
+    the plain offer of a sequence there commits the others' tokens too."""
+    target, draft = tiny("llama", dtype=EXACT_MODES[-1]), tiny("llama", "close", dtype=EXACT_MODES[-1])
+    history: dict = {}
+    tables = lambda t, rows: PASS  # noqa: E731
+    eng = Engine(target.model, target.tokenizer, pass_tables=tables, history=history)
+    cfg = GenerationConfig(max_new_tokens=24, k=8, ignore_eos=True)
+    ids = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
+    sids = [eng.add(i, cfg, SamplingParams(), AutoDrafter(target.model, draft.model)) for i in ids]
+    while eng.has_work():
+        eng.step()
+    logs = [eng.result(s).metrics.drafter_info["auto"]["log"] for s in sids]
+    assert all(any(step["plain"][2] > 1.0 for step in log) for log in logs)  # (tokens of the whole pass)
+    assert any("draft-model" in key for key in history) and any("prompt-lookup" in key for key in history)
+    before = {k: str(v) for k, v in history.items()}
+    eng.add(ids[0], cfg, SamplingParams(temperature=1.0, seed=3), AutoDrafter(target.model, draft.model))
+    while eng.has_work():
+        eng.step()
+    assert {k: str(v) for k, v in history.items()} == before
+
+
+def test_the_history_in_the_cache_is_kept_between_processes_and_bounded(tiny, tmp_path, monkeypatch):
+    """The cache's acceptance table: what one Pricing keeps another reads (a later process), and
+    it holds at most HISTORY_KEYS entries, the least recently changed dropped first."""
+    from specdec import costs
+    from specdec.costs import ACCEPTANCE_FILE, Pricing
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    target = tiny("llama").model
+    Pricing(target).keep("s|prompt-lookup", {"1": [[4.0], [1.0]]})
+    assert Pricing(target).past("s|prompt-lookup") == {"1": [[4.0], [1.0]]}
+    for i in range(costs.HISTORY_KEYS + 5):
+        costs.update_measurement(ACCEPTANCE_FILE, f"k{i}", lambda old: 1, limit=costs.HISTORY_KEYS)
+    table = json.loads((tmp_path / ACCEPTANCE_FILE).read_text())
+    assert len(table) == costs.HISTORY_KEYS and "k0" not in table and f"k{costs.HISTORY_KEYS + 4}" in table

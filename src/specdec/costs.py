@@ -76,6 +76,62 @@ def reproducible(sampling: Any) -> bool:
     return not sampling.greedy and sampling.seed is not None
 
 
+# What each member's proposals were accepted at, per target, member scope (the draft model it
+# drafts with; "" for a model-free member) and situation, over earlier greedy requests on this
+# machine: the prior of a member a request has not measured yet (`Pricing.past`). v1: per
+# situation [proposed, accepted] per draft position, discounted by HISTORY_DECAY per request.
+ACCEPTANCE_FILE = "acceptance-v1.json"
+HISTORY_DECAY = 0.7  # a stored count's weight when a request's counts join it (the last ~3 requests)
+HISTORY_CAP = 64.0  # the most proposals a position's stored count holds (a prior, never a certainty)
+HISTORY_KEYS = 256  # the most (target, scope) entries the table keeps, the least recently used dropped
+
+
+def _history_key(target: Any, scope: str) -> str | None:
+    """The acceptance table's key of `scope` on `target`: its directory and mode (what its
+    logits depend on), not the CPU (acceptance is the models', not the machine's)."""
+    src = getattr(target, "source_dir", None)
+    return None if src is None else f"{src}|{target.mode}|{scope}"
+
+
+def _counts(entry: Any) -> dict[str, list[list[float]]]:
+    """A stored history entry's situations that are well formed: [proposed, accepted] each."""
+    if not isinstance(entry, dict):
+        return {}
+    out = {}
+    for sit, c in entry.items():
+        if (
+            isinstance(c, list)
+            and len(c) == 2
+            and all(isinstance(x, list) and all(isinstance(v, (int, float)) and v >= 0 for v in x) for x in c)
+            and len(c[0]) == len(c[1])
+        ):
+            out[sit] = [list(map(float, c[0])), list(map(float, c[1]))]
+    return out
+
+
+def merge_counts(old: Any, new: dict[str, list[list[float]]]) -> dict[str, list[list[float]]]:
+    """`old` (a history entry) discounted by HISTORY_DECAY with a request's `new` counts added,
+    each position capped at HISTORY_CAP proposals."""
+    out = _counts(old)
+    for sit, (p_new, a_new) in new.items():
+        p_old, a_old = out.get(sit, [[], []])
+        n = max(len(p_old), len(p_new))
+        p = [
+            HISTORY_DECAY * (p_old[j] if j < len(p_old) else 0.0) + (p_new[j] if j < len(p_new) else 0.0)
+            for j in range(n)
+        ]
+        a = [
+            HISTORY_DECAY * (a_old[j] if j < len(a_old) else 0.0) + (a_new[j] if j < len(a_new) else 0.0)
+            for j in range(n)
+        ]
+        scale = [min(1.0, HISTORY_CAP / pj) if pj > 0 else 1.0 for pj in p]
+        out[sit] = [
+            [round(x * f, 4) for x, f in zip(p, scale, strict=True)],
+            [round(x * f, 4) for x, f in zip(a, scale, strict=True)],
+        ]
+    return out
+
+
 @dataclass(frozen=True)
 class Pricing:
     """What one sequence's choices (k, tree sizes, which drafter) are priced by: the target's
@@ -88,10 +144,19 @@ class Pricing:
     target: Any  # the target Transformer
     reproducible: bool = False
     tables: Callable[[Any, int], Costs] | None = None  # (target, rows) -> table; None: `pass_costs`
+    # what stands for the cache's acceptance table (`ACCEPTANCE_FILE`), {key: entry}: a test's
+    # own; None: the cache's file
+    history: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, target: Any, sampling: Any, tables: Callable[[Any, int], Costs] | None = None) -> Pricing:
-        return cls(target, reproducible(sampling), tables)
+    def of(
+        cls,
+        target: Any,
+        sampling: Any,
+        tables: Callable[[Any, int], Costs] | None = None,
+        history: dict[str, Any] | None = None,
+    ) -> Pricing:
+        return cls(target, reproducible(sampling), tables, history)
 
     def live(self, rows: int) -> Costs:
         """This machine's table (at least `rows` rows), shared by the target's sequences and
@@ -103,6 +168,26 @@ class Pricing:
         copy at the stored scale that no clock moves."""
         table = self.live(rows)
         return table.unscaled() if self.reproducible else table
+
+    def past(self, scope: str) -> dict[str, list[list[float]]]:
+        """What `scope`'s proposals were accepted at on this target in earlier greedy requests,
+        by situation ({situation: [proposed, accepted]}, `ACCEPTANCE_FILE`); nothing for a
+        reproducible sequence (its choices come from fixed numbers) or a model without a
+        directory."""
+        key = _history_key(self.target, scope)
+        if key is None or self.reproducible:
+            return {}
+        return _counts(self.history.get(key) if self.history is not None else stored(ACCEPTANCE_FILE, key))
+
+    def keep(self, scope: str, counts: dict[str, list[list[float]]]) -> None:
+        """A greedy request's counts of `scope` join the history (`past`)."""
+        key = _history_key(self.target, scope)
+        if key is None or self.reproducible or not counts:
+            return
+        if self.history is not None:
+            self.history[key] = merge_counts(self.history.get(key), counts)
+        else:
+            update_measurement(ACCEPTANCE_FILE, key, lambda old: merge_counts(old, counts), limit=HISTORY_KEYS)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -221,6 +306,14 @@ def stored(name: str, key: str) -> Any:
 def store_measurement(name: str, key: str, value: Any) -> None:
     """Keep a measurement in the specdec cache's `name` table (written atomically; one writer at
     a time, so that two processes storing different keys at once both keep theirs)."""
+    update_measurement(name, key, lambda _old: value)
+
+
+def update_measurement(name: str, key: str, change: Callable[[Any], Any], limit: int | None = None) -> None:
+    """Replace the entry under `key` in the cache's `name` table by `change(entry)` (entry None
+    where absent), read and written under the table's lock: two processes adding to one entry
+    at once both count. `limit`: the most entries the table keeps, the least recently changed
+    dropped first."""
     import json
 
     from filelock import FileLock
@@ -235,7 +328,9 @@ def store_measurement(name: str, key: str, value: Any) -> None:
             table = {}
         if not isinstance(table, dict):
             table = {}
-        table[key] = value
+        table[key] = change(table.pop(key, None))  # (last: the most recently changed)
+        while limit is not None and len(table) > limit:
+            del table[next(iter(table))]
         store.write_json(path, table)
 
 

@@ -215,8 +215,11 @@ class _Sequence:
         """This step's k: the budget's, or the controller's choice within it. `others`: (rows,
         expected tokens) the rest of the batch brings to the pass."""
         k = self.k()
+        remaining = self.stopper.limit - len(self.stopper.tokens)
         if k > 0 and self.controller is not None:
-            k = self.controller.choose(k, remaining=self.stopper.limit - len(self.stopper.tokens), others=others)
+            k = self.controller.choose(k, remaining=remaining, others=others)
+        elif k > 0 and self.drafter is not None:
+            k = self.drafter.plan(k, remaining, others)
         return k
 
 
@@ -263,6 +266,7 @@ class Engine:
         prefix_tokens: int = 0,
         pass_tables: Callable[[Transformer, int], Costs] | None = None,
         pools: Pools | None = None,
+        history: dict[str, Any] | None = None,
     ) -> None:
         self.target = target
         # what earlier requests taught, per pool, handed to each sequence's drafter
@@ -274,6 +278,9 @@ class Engine:
         # what its sequences' choices are priced by (`costs.Pricing`): this machine's measured
         # pass tables, or the ones given (tests)
         self.pass_tables = pass_tables
+        # what its sequences' members measured before on this machine (`costs.Pricing.past`):
+        # the given dict standing for the cache's table (tests), else the cache's
+        self.history = history
         # finished sequences' rows, up to `prefix_tokens`, copied by later prompts that begin the
         # same way (`model.prefix`): only where a copied row is bitwise what a prefill computes
         self.prefixes = prefix_store(target, prefix_tokens) if prefix_tokens > 0 and target.rows_bitwise else None
@@ -319,7 +326,7 @@ class Engine:
         scratch = drafter.scratch_rows if drafter is not None else 0
         drafter_pool = pool if drafter_pool is None else drafter_pool
         controller: Schedule | None = None
-        pricing = Pricing.of(self.target, sampling, self.pass_tables)
+        pricing = Pricing.of(self.target, sampling, self.pass_tables, self.history)
         if cfg.adaptive_k and drafter is not None and not drafter.own_schedule:
             controller = Schedule(
                 drafter.name,

@@ -22,6 +22,11 @@ from .costs import Costs
 
 PRIOR_WEIGHT = 1.0  # pseudo-proposals behind the prior alpha_j = PRIOR_ALPHA ** j
 PRIOR_ALPHA = 0.6
+# alpha_1 of a model (a draft, a head) that neither this request nor earlier ones on this machine
+# have measured: what it plausibly reaches (a same-family draft's is 0.8-0.95), not a pessimistic
+# guess. Explored at that price, it is tried in a request's first steps where it would pay at
+# it; one pseudo-proposal behind it, its first verified steps replace it.
+EXPLORE_ALPHA = 0.85
 MEMORY_PRIOR_WEIGHT = 4.0  # the most pseudo-proposals earlier requests' estimate weighs (`Acceptance.as_prior`)
 MEMORY_GAMMA = 0.99  # discount per new observation in the memory kept across requests (~100 proposals)
 GAMMA = 0.9  # discount per new observation within a request (a change of topic is followed)
@@ -136,11 +141,16 @@ class Estimates:
         memory: dict[tuple[str, Hashable], Acceptance] | None = None,
         remembered: Iterable[str] = (),
         reproducible: bool = False,
+        history: dict[tuple[str, str], list[list[float]]] | None = None,
     ) -> None:
         self.costs = costs.unscaled() if reproducible else costs
         self.k_max, self.reproducible = k_max, reproducible
         self.memory = memory if memory is not None else {}
         self.remembered = frozenset(remembered)
+        # what earlier requests on this machine measured, per (member, str(situation)):
+        # [proposed, accepted] per position (`costs.Pricing.past`), the prior where this pool's
+        # memory has none
+        self.history = history or {}
         self.acceptance: dict[tuple[str, Hashable], Acceptance] = {}
         self.draft_ms: dict[str, float] = {}  # measured ms per drafted token (EMA)
         self.records: dict[str, StepRecord] = {}  # members that size their own proposals: this request's
@@ -165,9 +175,25 @@ class Estimates:
         key = (member, situation)
         if key not in self.acceptance:
             known = self.memory.get(key) if member in self.remembered else None
+            if known is None and (member, str(situation)) in self.history:
+                known = Acceptance(self.k_max, GAMMA, [prior] if prior is not None else None)
+                known.proposed, known.accepted = (
+                    [*c[: self.k_max], *[0.0] * (self.k_max - len(c))] for c in self.history[member, str(situation)]
+                )
             first, weight = known.as_prior() if known is not None else ([prior] if prior is not None else None, None)
             self.acceptance[key] = Acceptance(self.k_max, GAMMA, first, weight)
         return self.acceptance[key]
+
+    def counts(self, members: Iterable[str]) -> dict[str, dict[str, list[list[float]]]]:
+        """This request's verified counts of `members`, {member: {str(situation): [proposed,
+        accepted]}}, the positions it reached: what it adds to the history (`costs.Pricing.keep`)."""
+        out: dict[str, dict[str, list[list[float]]]] = {}
+        wanted = set(members)
+        for (member, situation), acc in self.acceptance.items():
+            n = max((j + 1 for j, p in enumerate(acc.proposed) if p > 0), default=0)
+            if member in wanted and n:
+                out.setdefault(member, {})[str(situation)] = [acc.proposed[:n], acc.accepted[:n]]
+        return out
 
     def draft_cost(self, member: str, stored: float | None) -> float:
         """ms per drafted token of `member` now: measured in this request, else its stored
@@ -223,8 +249,10 @@ class Estimates:
     ) -> Offer | None:
         """The offer of a member that sizes its own proposals, handed the deepest k: what its
         steps committed and cost (its record, starting from `kept`, earlier requests' record;
-        for a reproducible request only this request's). Before it has one — and in a batch,
-        where the pass is shared — the position model's guess for k."""
+        for a reproducible request only this request's). Before it has one, the position
+        model's guess, at the guess's own k: a first probe goes no deeper than the position
+        model says pays (its price is bounded); in a batch, where the pass is shared, the
+        position model's guess for the deepest k."""
         if k <= 0:
             return None
         if member not in self.records:
@@ -234,8 +262,10 @@ class Estimates:
                 self.records[member].step = kept.step
         step = self.records[member].step
         guess = self.chain(member, "", k, draft_ms, catch_up_ms, prior)
-        if step is None or self.others[0] > 0 or guess is None:
-            return replace(guess, k=k) if guess is not None else None
+        if guess is None or step is None:
+            return guess
+        if self.others[0] > 0:
+            return replace(guess, k=k)
         tokens, ms = step
         return replace(guess, k=k, tokens=tokens, ms=ms + self._setup(catch_up_ms, tokens))
 

@@ -169,6 +169,10 @@ class AutoDrafter(Drafter):
         self._merged_sizes: list[int] = []
         self._draft_ms = self._sync_ms = 0.0
         self._length = self._capacity = 0  # committed tokens; the most the sequence can reach
+        self._load: tuple[float, float] = (0, 0.0)  # what the rest of the batch brings to this step's pass
+        self._eager: list[str] = []  # members whose catch-up is paid before the first step's offers
+        self._scopes: dict[str, str] = {}  # members whose measurements the machine's history keeps
+        self._pricing: Any = None  # this sequence's (`costs.Pricing`, set by `begin`)
 
     @property
     def methods(self) -> list[str]:
@@ -197,14 +201,44 @@ class AutoDrafter(Drafter):
         # the step allows (the others' stay within CHAIN_K)
         k_max = PREDICTION_PRICED_K if PREDICTION in self.subs and session.prediction else CHAIN_K
         assert session.pricing is not None
+        self._pricing, greedy = session.pricing, session.sampling.greedy
+        # (a sampled request starts afresh, as with the pool's memory)
+        self._scopes = {n: sc for n, sub in self.subs.items() if greedy and (sc := sub.scope()) is not None}
         self.est = Estimates(
             session.pricing.passes(k_max + 1),
             k_max,
-            session.memory.acceptance if session.sampling.greedy else None,
+            session.memory.acceptance if greedy else None,
             remembered(self.methods),
             session.pricing.reproducible,
+            {(n, sit): c for n, sc in self._scopes.items() for sit, c in session.pricing.past(f"{sc}|{n}").items()},
         )
         self.chooser = Chooser(self.margin)
+        self._load: tuple[float, float] = (0, 0.0)
+        self._eager = self._pays_back()
+
+    def _pays_back(self) -> list[str]:
+        """The members with a catch-up (a draft model reading the prompt) whose offer now, the
+        catch-up spread over the whole budget, beats plain decoding: the request is long enough
+        to repay it, so it is paid once before the first step's offers (`_choose`) and sunk —
+        each offer after it is priced on its merits. A short answer after a long prompt keeps
+        it in the offer, where it loses to plain decoding."""
+        assert self.est is not None
+        remaining = self._capacity - self._length
+        self.est.step(remaining)
+        plain = self.est.plain()
+        k = min(CHAIN_K, max(remaining - 1, 0))
+        out = []
+        for name, sub in self.subs.items():
+            offer = sub.offer(k, self.est) if k > 0 and name != self.tree_name else None
+            if offer is not None and offer.catch_up_ms > 0 and offer.rate > self.margin * plain.rate:
+                out.append(name)
+        return out
+
+    def plan(self, k: int, remaining: int | None = None, load: tuple[float, float] = (0, 0.0)) -> int:
+        """The step's k (the engine's budget: auto's chooser sizes it itself), and the rows and
+        tokens the rest of the batch brings to the same pass: every offer is priced on that pass."""
+        self._load = load
+        return k
 
     def prepare(self) -> None:
         """What a first proposal would pay once per process or machine, paid before any clock."""
@@ -220,6 +254,9 @@ class AutoDrafter(Drafter):
         for name, sub in self.subs.items():
             sub.end(last.get(name))
         self._report()
+        if self.est is not None:  # what this request measured joins the machine's history
+            for name, counts in self.est.counts(self._scopes).items():
+                self._pricing.keep(f"{self._scopes[name]}|{name}", counts)
 
     def batch_key(self) -> Hashable:
         return ("auto",)
@@ -233,7 +270,12 @@ class AutoDrafter(Drafter):
         if est is None:
             raise RuntimeError("AutoDrafter.propose() called before begin()")
         remaining = self._capacity - self._length
-        est.step(remaining)
+        for name in self._eager:  # (what `_pays_back` found the request repays: paid once, now)
+            with timer(self.target.device) as t:
+                self.subs[name].sync()
+            self._sync_ms += 1e3 * t[0]
+        self._eager = []
+        est.step(remaining, self._load)
         self._budget, self._tree, self._alone = k, None, {}
         tree_member = self._tree_member()
         offers: list[Offer] = []

@@ -189,6 +189,13 @@ class Drafter:
     def propose(self, k: int) -> Draft:
         raise NotImplementedError
 
+    def plan(self, k: int, remaining: int | None = None, load: tuple[float, float] = (0, 0.0)) -> int:
+        """This step's k, at most the budget's `k` (0: a plain step), before any proposal of
+        the step; `remaining`: tokens left to generate; `load`: (rows, expected tokens) the rest
+        of the batch brings to the same target pass. A drafter that prices its own steps (auto)
+        prices them on that pass. Default: k."""
+        return k
+
     def accepted(self, feedback: Feedback) -> None:
         """The verification pass kept `feedback.path` of the last proposal, then `next_token`;
         the sequence goes on (the pass that finishes it comes to `end`)."""
@@ -238,6 +245,15 @@ class Switchable(Drafter):
         committed them, whose `layers` carry the target's features of their rows (the
         drafter's `feature_layers`, as with `accepted`)."""
         raise NotImplementedError
+
+    def scope(self) -> str | None:
+        """What its acceptance on a target depends on besides the target, the key under which
+        earlier requests' measurements are kept on this machine and read as its prior
+        (`costs.Pricing.past`): "" for a model-free drafter (the target's text alone), a draft
+        model's identity for one that drafts with it; None: not kept (a head, whose training
+        run the key would have to name)."""
+        spec = DRAFTERS.get(self.name)
+        return "" if spec is not None and spec.needs == "" else None
 
     def sync(self) -> None:
         """Do the work `begin` and `catch_up` deferred (a draft model feeds the tokens it

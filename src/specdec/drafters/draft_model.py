@@ -11,7 +11,7 @@ import torch
 from .. import costs
 from ..model.cache import KVCache
 from ..model.transformer import ForwardOutput, Segment, Transformer
-from ..offers import Estimates, Offer
+from ..offers import EXPLORE_ALPHA, Estimates, Offer
 from ..runtime import per_model
 from ..sampling import probs, sample
 from .base import Draft, Drafter, DraftSession, Feedback, Switchable, one_batch, register
@@ -179,8 +179,18 @@ class DraftModelDrafter(Switchable):
         same scope: this target, this draft, its vocabulary, chain or tree); else a chain by
         the position model. Either way with the cost of catching up first."""
         if self.confidence or self.tree:
-            return est.measured(self.name, k, self.cost_ms(), self._catch_up_ms(), self.calibration.steps)
-        return est.chain(self.name, "", k, self.cost_ms(), self._catch_up_ms())
+            return est.measured(
+                self.name, k, self.cost_ms(), self._catch_up_ms(), self.calibration.steps, prior=EXPLORE_ALPHA
+            )
+        return est.chain(self.name, "", k, self.cost_ms(), self._catch_up_ms(), prior=EXPLORE_ALPHA)
+
+    def scope(self) -> str | None:
+        """This draft, its mode and its vocabulary (what its tokens depend on), chain or tree."""
+        src = getattr(self.model, "source_dir", None)
+        if src is None:
+            return None
+        vocab = self.vocab.size if self.vocab is not None else 0
+        return f"draft={src}|{self.model.mode}|vocab={vocab}|tree={int(self.tree)}"
 
     def batch_key(self) -> Hashable:
         return ("draft-model", id(self.model), id(self.vocab), self._grows_tree())

@@ -398,12 +398,12 @@ class SuffixDrafter(TreeMember):
             self._sizes.append(n)
 
     def offer(self, k: int, est: Estimates) -> Offer | None:
-        """Its own tree (`plan`), the deepest k; under auto as a chain (`chain_only`), a chain
+        """Its own tree (`sized_tree`), the deepest k; under auto as a chain (`chain_only`), a chain
         whose situation is the match-length bucket. Lookups are free."""
         if self.chain_only:
             sit, chain = self._chain(k)
             return est.chain(self.name, sit, len(chain), 0.0) if chain else None
-        sit, tree, _ = self.plan(k)
+        sit, tree, _ = self.sized_tree(k)
         if not tree.tokens:
             return None
         return Offer(self.name, k, 1.0 + sum(tree.probs), est.costs.rows(len(tree.tokens) + 1), sit, tree=tree)
@@ -423,7 +423,7 @@ class SuffixDrafter(TreeMember):
             self._situation, chain = self._chain(k)
             self._proposal, self._depth = chain, len(chain)
             return Draft(torch.tensor(chain, dtype=torch.long, device=self._device))
-        sit, chosen, _ = self.plan(k)
+        sit, chosen, _ = self.sized_tree(k)
         self._planned = ((-1, -1), self._planned[1])  # (a plan serves one proposal)
         self._situation = sit
         draft = Draft(torch.tensor(chosen.tokens, dtype=torch.long, device=self._device), None, parents=chosen.parents)
@@ -432,7 +432,7 @@ class SuffixDrafter(TreeMember):
             self._sizes.append(len(chosen.tokens))
         return draft
 
-    def plan(self, k: int) -> tuple[int, ScoredTree, float]:
+    def sized_tree(self, k: int) -> tuple[int, ScoredTree, float]:
         """(match-length bucket, the tree it would send now — empty: a plain step —, its
         expected tokens per ms): the best over the few longest match lengths, each tree sized by
         the cost model (kept for the proposal that follows, `propose`)."""
