@@ -11,6 +11,8 @@ file in the same format replaces it (`specdec bench --prompts FILE`).
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,3 +96,69 @@ def select(prompts: list[Prompt], categories: list[str] | None = None, per_categ
         counts[p.category] = counts.get(p.category, 0) + 1
         out.append(p)
     return out
+
+
+# Words that nearly every English request of a few words holds (a prompt without one is taken for
+# another language, or for code or data alone)
+_ENGLISH = frozenset(
+    "the a an and or to of in on for is are was be it this that what how why can you your i me my "
+    "with from as do does write make give explain please".split()
+)
+
+
+def english(text: str) -> bool:
+    """A rough test that `text` is an English request: nearly all its letters ASCII, and at least
+    one of the commonest English words among its words."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters or sum(c.isascii() for c in letters) < 0.97 * len(letters):
+        return False
+    return any(w.strip(".,:;!?()\"'").lower() in _ENGLISH for w in text.split())
+
+
+def sharegpt_sample(
+    n: int,
+    seed: int,
+    tokens: Callable[[str], int],
+    conversations: Iterable[list[dict[str, str]]],
+    max_tokens: int = 1500,
+) -> list[Prompt]:
+    """`n` first user turns drawn uniformly (seeded by `seed`) from `conversations` (the
+    installed ShareGPT data: `data.conversations("sharegpt")`): English (`english`), at most
+    `max_tokens` tokens as the target reads them (`tokens`: a turn's token count), no text twice.
+    Each prompt is its own category (`sg-` and its place in the data), so a report gives each
+    prompt's speedup and the median over them. Nothing of the bundled suite is among them (it
+    was written for specdec)."""
+    if n < 1:
+        raise ValueError(f"a sample needs at least one prompt (got {n})")
+    rng = random.Random(seed)
+    drawn: list[tuple[float, int, str]] = []  # (random key, place, text): the n + spare smallest keys
+    seen: set[str] = set()
+    spare = n + 64  # (some drawn turns are longer than max_tokens once tokenized)
+    for place, messages in enumerate(conversations):
+        key = rng.random()  # (one draw per record, kept or not: the sample depends on the seed alone)
+        first = next((m["content"].strip() for m in messages if m["role"] == "user"), "")
+        if not first or first in seen or len(first) > 8 * max_tokens or not english(first):
+            continue
+        seen.add(first)
+        if len(drawn) < spare or key < drawn[-1][0]:
+            drawn.append((key, place, first))
+            drawn.sort()
+            del drawn[spare:]
+    out = [
+        Prompt(f"sg-{place}", f"sg-{place}", ({"role": "user", "content": text},))
+        for _, place, text in drawn
+        if tokens(text) <= max_tokens
+    ][:n]
+    if len(out) < n:
+        raise ValueError(f"the ShareGPT data holds only {len(out)} English first turns of <= {max_tokens} tokens")
+    return out
+
+
+def write_prompts(prompts: list[Prompt], path: Path) -> Path:
+    """`prompts` as a prompt file (`load_prompts` reads it back)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(json.dumps({"id": p.id, "category": p.category, "turns": list(p.turns)}) + "\n" for p in prompts),
+        encoding="utf-8",
+    )
+    return path

@@ -32,6 +32,14 @@ def parser(sub: argparse._SubParsersAction) -> None:
         help="one prompt per category, 40 new tokens, 3 repeats in alternating order (minutes, not hours)",
     )
     p.add_argument("--prompts", type=Path, help="JSONL prompt file (id, category, turns) instead of the bundled suite")
+    p.add_argument(
+        "--sharegpt",
+        type=int,
+        metavar="N",
+        help="instead of the suite, N first turns drawn from ShareGPT (`specdec data install sharegpt`): English, "
+        "at most 1,500 tokens, each its own category; needs --sample-seed; the sample is written to OUT/prompts.jsonl",
+    )
+    p.add_argument("--sample-seed", type=int, help="with --sharegpt: the seed of the draw (a new one per measurement)")
     p.add_argument("--categories", nargs="+", help="only these categories")
     p.add_argument("--per-category", type=int, help="at most this many prompts per category")
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model")
@@ -271,6 +279,8 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     from ..bench.grid import QUICK, GridSettings, run_grid
 
     quick = QUICK if ns.quick else {}
+    if ns.sharegpt is not None:
+        ns.prompts = _sharegpt_prompts(ns)
     if ns.methods is None:
         from ..bench.grid import shipped
 
@@ -319,6 +329,30 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
                 print(f"tuned {key}: k = {entry['k']} (predicted {entry['predicted_speedup']:.2f}x)", file=sys.stderr)
         print(f"wrote {tuning.tuned_path()}", file=sys.stderr)
     return 0
+
+
+def _sharegpt_prompts(ns: argparse.Namespace) -> Path:
+    """`--sharegpt N --sample-seed S`: the drawn sample as OUT/prompts.jsonl."""
+    from .. import data
+    from ..bench.suite import sharegpt_sample, write_prompts
+    from ..tokenizer import Tokenizer
+
+    if ns.sample_seed is None:
+        raise ValueError("--sharegpt draws a sample by a seed: add --sample-seed S (a new S for every measurement)")
+    if ns.prompts is not None or ns.pairs:
+        raise ValueError("--sharegpt replaces --prompts and takes one --target; drop --prompts / --pairs")
+    if not data.is_installed("sharegpt"):
+        raise ValueError("the ShareGPT data is not installed; run `specdec data install sharegpt` first")
+    tok = Tokenizer.from_dir(store.resolve(ns.target))
+
+    def tokens(text: str) -> int:
+        turn = [{"role": "user", "content": text}]
+        return len(tok.encode_chat(turn) if tok.has_chat_template else tok.encode(text))
+
+    prompts = sharegpt_sample(ns.sharegpt, ns.sample_seed, tokens, data.conversations("sharegpt"))
+    path = write_prompts(prompts, ns.out / "prompts.jsonl")
+    print(f"ShareGPT sample: {len(prompts)} first turns, seed {ns.sample_seed}, written to {path}", file=sys.stderr)
+    return path
 
 
 def _pair(text: str, methods: list[str]) -> tuple[str, str | None]:
