@@ -213,7 +213,7 @@ class AutoDrafter(Drafter):
             {(n, sit): c for n, sc in self._scopes.items() for sit, c in session.pricing.past(f"{sc}|{n}").items()},
         )
         self.chooser = Chooser(self.margin)
-        self._load: tuple[float, float] = (0, 0.0)
+        self._load = (0, 0.0)
         self._eager = self._pays_back()
 
     def _pays_back(self) -> list[str]:
