@@ -11,11 +11,13 @@ One `step` is: propose (every sequence's drafter; drafters of one draft model to
 one target pass over every live sequence's rows (a new sequence's prompt, or its last
 committed token and its draft) -> verify each sequence with its own generator -> commit or
 roll back. Plain decoding is the same loop for a sequence without a drafter (k = 0).
-Sequences join and leave between steps; each has its own KV cache, freed when it ends. With
-`adaptive_k` (the default), each step's k is chosen by `specdec.adaptive.Schedule`, the chooser
-of `--drafter auto` over one drafter: its offer against a plain step (0 = a plain step where
-drafting is not predicted to beat plain decoding). Drafters with `own_schedule` — auto, early
-exit's calibration — decide for themselves.
+Sequences join and leave between steps; each has its own KV cache, freed when it ends. Each
+step's k is the drafter's plan (`Drafter.plan`, told the rest of the batch's load): with
+`adaptive_k` (the default) the drafter's schedule, the chooser of `--drafter auto` over that one
+drafter (`specdec.adaptive.Schedule`, made by `Drafter.start`): its offer against a plain step
+(0 = a plain step where drafting is not predicted to beat plain decoding). Drafters with
+`own_schedule` — auto, early exit's calibration — decide for themselves. The engine holds no
+controller of its own.
 
 Lossless: sampled output follows the target's distribution, and greedy output equals plain
 decoding token for token — bitwise in the batch-invariant modes (q4k, int8), where a
@@ -32,16 +34,14 @@ from typing import Any
 
 import torch
 
-from .adaptive import Schedule
 from .config import GenerationConfig, SamplingParams
 from .costs import Costs, Pricing, observe_pass
-from .drafters.base import Draft, Drafter, DraftSession, Feedback, Switchable, remembered
+from .drafters.base import Draft, Drafter, DraftSession, Feedback, Switchable
 from .memory import Pools, pools_of
 from .metrics import Metrics, timer
 from .model.cache import ContextOverflowError, KVCache
 from .model.prefix import PrefixStore
 from .model.transformer import ForwardOutput, Segment, Transformer
-from .offers import Estimates
 from .runtime import per_model
 from .sampling import make_generator, pick, probs
 from .stops import StopChecker
@@ -191,7 +191,6 @@ class _Sequence:
     last: int | None = None  # last committed token, not yet in the cache (None: not prefilled)
     prefilled: int = 0  # prompt tokens in the cache (the prompt is read PREFILL_CHUNK rows per step)
     forwards_before: int = 0  # the drafter's forward count at begin
-    controller: Schedule | None = None  # adaptive_k: chooses each step's k (0: plain)
     k_now: int = 0  # this step's k (planned once per step)
     # draft rows it sends per pass when drafting is on (an average of recent steps; None: none
     # yet): what a batch of it costs, whatever k allowed (a tree drafter sizes its own)
@@ -212,14 +211,12 @@ class _Sequence:
         return max(0, min(self.cfg.k, self.stopper.limit - len(self.stopper.tokens) - 1))
 
     def plan_k(self, others: tuple[float, float] = (0, 0.0)) -> int:
-        """This step's k: the budget's, or the controller's choice within it. `others`: (rows,
-        expected tokens) the rest of the batch brings to the pass."""
+        """This step's k: the drafter's plan within the budget's (`Drafter.plan`: its schedule's
+        choice, 0 a plain step). `others`: (rows, expected tokens) the rest of the batch brings
+        to the pass."""
         k = self.k()
-        remaining = self.stopper.limit - len(self.stopper.tokens)
-        if k > 0 and self.controller is not None:
-            k = self.controller.choose(k, remaining=remaining, others=others)
-        elif k > 0 and self.drafter is not None:
-            k = self.drafter.plan(k, remaining, others)
+        if k > 0 and self.drafter is not None:
+            k = self.drafter.plan(k, self.stopper.limit - len(self.stopper.tokens), others)
         return k
 
 
@@ -325,20 +322,7 @@ class Engine:
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else frozenset()
         scratch = drafter.scratch_rows if drafter is not None else 0
         drafter_pool = pool if drafter_pool is None else drafter_pool
-        controller: Schedule | None = None
         pricing = Pricing.of(self.target, sampling, self.pass_tables, self.history)
-        if cfg.adaptive_k and drafter is not None and not drafter.own_schedule:
-            controller = Schedule(
-                drafter.name,
-                drafter.offer if isinstance(drafter, Switchable) else None,
-                Estimates(
-                    pricing.passes(max(cfg.k + 1 + drafter.scratch_rows, 2)),
-                    cfg.k,
-                    self.pools.of(drafter_pool).acceptance if sampling.greedy else None,
-                    remembered([drafter.name]),
-                    pricing.reproducible,
-                ),
-            )
         sid = self._next_id
         self._next_id += 1
         self._live[sid] = _Sequence(
@@ -357,7 +341,6 @@ class Engine:
                 exact=sampling.exact or drafter is None,
             ),
             time.perf_counter(),
-            controller=controller,
             pricing=pricing,
             pool=pool,
             drafter_pool=drafter_pool,
@@ -558,7 +541,7 @@ class Engine:
             with timer(self.target.device) as t:
                 s.forwards_before = s.drafter.forwards
                 layers = {i: out.layers[i][0] for i in s.drafter.feature_layers}
-                s.drafter.begin(
+                s.drafter.start(
                     DraftSession(
                         s.prompt + [s.last],
                         len(s.prompt) + s.stopper.limit,
@@ -568,6 +551,7 @@ class Engine:
                         s.cache,
                         layers,
                         fixed_k=not s.cfg.adaptive_k,
+                        k=s.cfg.k,
                         prediction=s.prediction,
                         pool=s.drafter_pool,
                         memory=self.pools.of(s.drafter_pool),
@@ -596,8 +580,8 @@ class Engine:
         m.scored_rows += logits.shape[0]
         if s.drafter is not None:
             m.record_step(draft.depth(), len(path))  # a drafter may offer fewer than k
-        if s.controller is not None:
-            s.controller.update(draft.depth(), len(path), s.draft_ms, logits.shape[0], pass_ms)
+        if s.drafter is not None:
+            s.drafter.verified(draft.depth(), len(path), s.draft_ms, logits.shape[0], pass_ms)
         committed = []
         tokens = draft.tokens.tolist()
         for token in [tokens[j] for j in path] + [nxt]:
@@ -631,11 +615,9 @@ class Engine:
     def _finish(self, s: _Sequence) -> None:
         m = s.metrics
         if s.drafter is not None:
-            s.drafter.end(s.final)  # (a drafter may complete its report there)
+            s.drafter.finish(s.final)  # (a drafter may complete its report there)
             m.draft_forwards = s.drafter.forwards - s.forwards_before
             m.drafter_info = dict(s.drafter.info)
-            if s.controller is not None:
-                m.drafter_info["adaptive_k"] = s.controller.report()
         m.wall_time = time.perf_counter() - s.started
         m.new_tokens = len(s.stopper.tokens)
         if self.prefixes is not None and s.cache is not None:

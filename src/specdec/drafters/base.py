@@ -31,12 +31,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 
+from ..adaptive import Schedule
 from ..config import DEFAULT_K, SamplingParams
 from ..costs import Pricing
 from ..memory import Memory
+from ..offers import Estimates
 
 if TYPE_CHECKING:
-    from ..offers import Estimates, Offer
+    from ..offers import Offer
 
 
 @dataclass
@@ -116,6 +118,9 @@ class DraftSession:
     # every proposal is exactly the k asked for (`--no-adaptive-k`): a drafter that would stop
     # short of it by its own judgement (a draft model's confidence) does not
     fixed_k: bool = False
+    # the deepest a step may draft (the request's k); without `fixed_k`, each step's k within it
+    # is chosen step by step (`Drafter.start`); 0: not told (a drafter begun by hand)
+    k: int = 0
     # the output the client expects (OpenAI's predicted outputs), tokenized; drafters that
     # draft from it read it (`drafters.prediction`), the others ignore it
     prediction: list[int] | None = None
@@ -176,8 +181,10 @@ class Drafter:
     wants_hidden: bool = False  # Feedback.hidden: the target's final-normed hidden states
     feature_layers: tuple[int, ...] = ()  # Feedback.layers: the residual after these target layers
     # the drafter decides itself when drafting pays (auto, a chooser over its members; early
-    # exit, by its calibration): the engine's schedule (`adaptive_k`) leaves it alone
+    # exit, by its calibration): the schedule (`adaptive_k`) leaves it alone
     own_schedule: bool = False
+    # the chooser over this drafter alone that sizes each step's k (`start`; None: k as asked)
+    _schedule: Schedule | None = None
 
     def __init__(self) -> None:
         self.forwards = 0  # model forward calls made so far (0 for model-free drafters)
@@ -186,6 +193,42 @@ class Drafter:
     def begin(self, session: DraftSession) -> None:
         raise NotImplementedError
 
+    # -- what the engine calls around the verbs: the step's k, chosen where the session leaves
+    # it to be (auto over one member: `adaptive.Schedule`, its offer against a plain step) -----
+    def start(self, session: DraftSession) -> None:
+        """`begin`, with the schedule that sizes each step's k where the session does not fix k
+        and the drafter does not decide itself (`own_schedule`): the chooser over this drafter
+        alone, its offer (a `Switchable`'s own, else what its steps did) against a plain step."""
+        self._schedule = None
+        if not session.fixed_k and not self.own_schedule and session.k > 0:
+            pricing = session.pricing
+            assert pricing is not None
+            self._schedule = Schedule(
+                self.name,
+                self.offer if isinstance(self, Switchable) else None,
+                Estimates(
+                    pricing.passes(max(session.k + 1 + self.scratch_rows, 2)),
+                    session.k,
+                    session.memory.acceptance if session.sampling.greedy else None,
+                    remembered([self.name]),
+                    pricing.reproducible,
+                ),
+            )
+        self.begin(session)
+
+    def verified(self, proposed: int, accepted: int, draft_ms: float, rows: int, pass_ms: float | None = None) -> None:
+        """The step's pass: `proposed` tokens deep (a tree: its depth), `accepted` kept, its
+        drafting ms, the rows of this sequence in the pass and the pass's ms (the schedule learns
+        from it; before `accepted` or `end` hear of it)."""
+        if self._schedule is not None:
+            self._schedule.update(proposed, accepted, draft_ms, rows, pass_ms)
+
+    def finish(self, final: Feedback | None = None) -> None:
+        """`end`, then the schedule's report beside the drafter's own (`info["adaptive_k"]`)."""
+        self.end(final)
+        if self._schedule is not None:
+            self.info = {**self.info, "adaptive_k": self._schedule.report()}
+
     def propose(self, k: int) -> Draft:
         raise NotImplementedError
 
@@ -193,7 +236,9 @@ class Drafter:
         """This step's k, at most the budget's `k` (0: a plain step), before any proposal of
         the step; `remaining`: tokens left to generate; `load`: (rows, expected tokens) the rest
         of the batch brings to the same target pass. A drafter that prices its own steps (auto)
-        prices them on that pass. Default: k."""
+        prices them on that pass; the schedule (`start`) chooses within k, else k."""
+        if self._schedule is not None:
+            return self._schedule.choose(k, remaining, load)
         return k
 
     def accepted(self, feedback: Feedback) -> None:
