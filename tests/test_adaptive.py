@@ -204,8 +204,9 @@ def test_a_self_sized_member_is_offered_at_the_deepest_k_and_priced_by_what_its_
     assert est.measured("x", 8, 6.0).k == 8 and est.measured("x", 5, 6.0).k == 5  # measured: the deepest
     for _ in range(10):  # it stopped at 3 drafts, all kept: 4 tokens for 3 * 6 + pass(4) ms
         est.learn(est.measured("x", 8, 6.0), 3, 3, 18.0, rows=4)
-    tokens, ms = est.records["x"].step
-    assert tokens == pytest.approx(4.0, rel=0.12) and ms == pytest.approx(18.0 + PASS.rows(4), rel=0.12)
+    tokens, drafted, rows = est.records["x"].step
+    assert [tokens, drafted, rows] == pytest.approx([4.0, 3.0, 4.0], rel=0.12)
+    assert est.measured("x", 8, 6.0).ms == pytest.approx(18.0 + PASS.rows(4), rel=0.12)
     assert est.draft_cost("x", 6.0) == pytest.approx(6.0)  # per token it drafted, not per k asked
     assert _pick(est, Chooser(), [est.measured("x", 8, 6.0)]) == ("x", 8)
     for _ in range(30):  # now it drafts 4 in vain every step: 1 token for 24 + pass(5) ms
@@ -225,16 +226,25 @@ def test_one_unlucky_first_draft_does_not_rank_a_self_sized_member_below_plain()
 
 def test_earlier_requests_record_is_where_a_request_starts():
     """`StepRecord`: a request prices a self-sized member by what its steps did in earlier
-    requests until its own steps say otherwise; each verified step also moves that record."""
+    requests until its own steps say otherwise; each verified step also moves that record. The
+    record keeps what a step did (tokens, drafts, rows), priced by the machine now: a record
+    kept while the machine was loaded does not keep the member out once it is not."""
     flat = Costs({r: 30.0 for r in range(1, 10)})
     record = StepRecord()
-    record.step = (2.5, 40.0)  # earlier requests: 2.5 tokens per 40 ms step, plain is 1 per 30 ms
+    record.step = (2.5, 2.0, 3.0)  # earlier requests: 2.5 tokens per step of 2 drafts and 3 rows
     est = Estimates(flat, 8)
-    assert est.measured("x", 8, 6.0, kept=record).tokens == 2.5
+    first = est.measured("x", 8, 6.0, kept=record)
+    assert first.tokens == 2.5 and first.ms == 2 * 6.0 + 30.0  # priced now: 2 drafts at 6 ms, one pass
     for _ in range(6):  # six drafts rejected outright: 1 token for 6 + 30 ms each
         est.learn(est.measured("x", 8, 6.0, kept=record), 1, 0, 6.0, rows=2)
     assert _pick(est, Chooser(), [est.measured("x", 8, 6.0, kept=record)]) == ("x", 8)
-    assert record.step[0] < 2.5 and record.step[1] < 40.0  # the record heard of them
+    assert record.step[0] < 2.5 and record.step[1] < 2.0  # the record heard of them
+    # a draft timed at 10x its cost while the machine was loaded: the next request prices it by
+    # its cost now (the record holds no ms), and it still beats plain decoding
+    loaded = Estimates(flat, 8)
+    loaded.learn(loaded.measured("x", 8, 6.0, kept=record), 2, 1, 120.0, rows=3)
+    calm = Estimates(flat, 8)
+    assert _pick(calm, Chooser(), [calm.measured("x", 8, 6.0, kept=record)]) == ("x", 8)
     # a seeded sampled request (`reproducible`) never reads it: no clock may enter its choices
     repro = Estimates(flat, 8, reproducible=True)
     assert repro.measured("x", 8, 6.0, kept=record).tokens != 2.5

@@ -107,21 +107,23 @@ class Acceptance:
 
 
 class StepRecord:
-    """What a member's steps committed and cost: EMAs of tokens and ms per step, with `weight`
-    per new step. Kept across greedy requests by a member that keeps what it learns (a draft
-    model, with its confidence calibration); a request's record starts from it — started from
-    the position model's guess instead, a few unlucky one-token steps early in a request ranked
-    a draft model that beat plain decoding over whole requests below plain for the rest of the
-    request. Exact as the rest: it holds verified steps only."""
+    """What a member's steps committed and spent: EMAs of tokens, drafted tokens and pass rows per
+    step, with `weight` per new step. Kept across greedy requests by a member that keeps what it
+    learns (a draft model, with its confidence calibration); a request's record starts from it —
+    started from the position model's guess instead, a few unlucky one-token steps early in a
+    request ranked a draft model that beat plain decoding over whole requests below plain for the
+    rest of the request. It keeps what a step does, not what it cost at the time: priced by the
+    machine now (`Estimates.measured`), a record from a moment of load does not keep the member
+    out of later requests. Exact as the rest: it holds verified steps only."""
 
     def __init__(self, weight: float = MEMORY_STEP_WEIGHT) -> None:
         self.weight = weight
-        self.step: tuple[float, float] | None = None  # (tokens, ms) per step
+        self.step: tuple[float, float, float] | None = None  # (tokens, drafted, rows) per step
 
-    def update(self, tokens: float, ms: float) -> None:
-        old = self.step or (tokens, ms)
-        w = self.weight
-        self.step = ((1 - w) * old[0] + w * tokens, (1 - w) * old[1] + w * ms)
+    def update(self, tokens: float, drafted: float, rows: float) -> None:
+        new = (tokens, drafted, rows)
+        w, old = self.weight, self.step or new
+        self.step = tuple((1 - w) * a + w * b for a, b in zip(old, new, strict=True))  # type: ignore[assignment]
 
 
 class Estimates:
@@ -266,7 +268,8 @@ class Estimates:
             return guess
         if self.others[0] > 0:
             return replace(guess, k=k)
-        tokens, ms = step
+        tokens, drafted, rows = step
+        ms = self.draft_cost(member, draft_ms) * drafted + self.costs.rows(max(1, round(rows)))
         return replace(guess, k=k, tokens=tokens, ms=ms + self._setup(catch_up_ms, tokens))
 
     def learn(
@@ -296,11 +299,11 @@ class Estimates:
             spent = min(draft_ms, OUTLIER * old * per) if old > 0 else draft_ms
             self.draft_ms[member] = 0.7 * old + 0.3 * spent / per
         if sized:
-            step = (accepted + 1.0, spent + self.costs.rows(rows if rows is not None else 1 + proposed))
+            step = (accepted + 1.0, float(proposed), float(rows if rows is not None else 1 + proposed))
             record = self.records[member]
             if record.step is None:  # (one unlucky first step must not rank it below plain for the request)
                 guess = self.chain(member, offer.situation, proposed, offer.draft_ms)
-                record.step = (guess.tokens, guess.ms) if guess is not None else step
+                record.step = (guess.tokens, float(guess.k), 1.0 + guess.k) if guess is not None else step
             record.update(*step)
             if member in self.kept:
                 self.kept[member].update(*step)
