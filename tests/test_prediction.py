@@ -165,3 +165,41 @@ def test_the_counts_include_the_step_that_finishes(tiny, drafter):
             assert 0 < counts["accepted_tokens"] <= m.accepted
         if pred == plain.token_ids:  # taken whole: every token but the prompt pass's and each step's own
             assert counts["rejected_tokens"] == 0 and counts["accepted_tokens"] + m.steps + 1 == len(plain.token_ids)
+
+
+# -- the one request path: the rules every front end (CLI, API, server) builds a request by ----
+def test_one_function_decides_the_drafter_k_and_config_for_every_front_end():
+    from specdec.plans import PLAIN, PlanError, choose_drafter, plan_request
+
+    def plan(**kw):
+        return plan_request(target="t", mode="f32", **kw)
+
+    # a prediction: the named reader; else the front end's default if it reads predictions; else
+    # auto with a draft at hand, the prediction drafter without one
+    assert plan(draft="d", named="prediction", predicted=True).drafter == "prediction"
+    assert plan(draft="d", default="draft-model", predicted=True).drafter == "auto"
+    assert plan(draft=None, default="draft-model", predicted=True).drafter == "prediction"
+    assert plan(draft=None, default="auto", predicted=True).drafter == "auto"
+    assert plan(draft=None, default=PLAIN, predicted=True).drafter == "prediction"
+    with pytest.raises(PlanError, match="does not draft from a prediction") as err:
+        plan(draft="d", named="draft-model", predicted=True)
+    assert err.value.param == "prediction"
+    # no prediction: the named, else the default, else the draft model's drafter where one is at hand
+    assert plan(draft="d").drafter == "draft-model" and plan(draft="d").uses_draft
+    assert plan(draft=None).drafter is None and plan(draft="d", default=PLAIN).drafter is None
+    assert plan(draft="d", named="prompt-lookup").drafter == "prompt-lookup"
+    assert not plan(draft="d", named="prompt-lookup").uses_draft
+    with pytest.raises(PlanError, match="needs a draft model") as err:
+        choose_drafter("draft-model", None, False, False)
+    assert err.value.param == "speculative"
+    # k: the request's ("given"), else the tuned or the drafter's own; plain decoding has no k source
+    assert (
+        plan(draft=None, named="prompt-lookup", k=3).config.k,
+        plan(draft=None, named="prompt-lookup", k=3).k_source,
+    ) == (3, "given")
+    assert plan(draft=None, named="suffix").k_source in ("tuned", "default")
+    assert plan(draft=None).k_source is None
+    # the config's rules: a stop string is one stop; a bad field is one line naming it
+    assert plan(draft=None, config={"stop": "END", "max_new_tokens": 5}).config.stop == ("END",)
+    with pytest.raises(PlanError, match="max_new_tokens"):
+        plan(draft=None, config={"max_new_tokens": 0})

@@ -26,19 +26,19 @@ import torch
 from . import store
 from .config import GenerationConfig, SamplingParams
 from .drafters import cross
-from .drafters.base import Drafter, draft_model_method, make_drafter, needs_draft_model, resolve_k, uses_draft_model
+from .drafters.base import Drafter, draft_model_method, make_drafter, needs_draft_model, uses_draft_model
 from .drafters.base import prepare as prepare_drafter
-from .drafters.prediction import PREDICTION_READERS
 from .engine import Delta, Engine, GenerationResult
 from .memory import pools_of
 from .model.load import load_transformer
 from .model.transformer import Transformer
+from .plans import CONFIG_FIELDS as _CONFIG_FIELDS
+from .plans import SAMPLING_FIELDS as _SAMPLING_FIELDS
+from .plans import plan_request
 from .tokenizer import Messages, Tokenizer, tokenizers_equal
 from .verify import Rules
 
 Prompt = str | Messages | list[int]
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)} - {"k"}
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 @dataclass
@@ -218,36 +218,24 @@ def request(
     unknown = set(kwargs) - _CONFIG_FIELDS - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown generation option {sorted(unknown)[0]!r}")
-    if config is not None and (set(kwargs) & _CONFIG_FIELDS or k is not None):
+    if config is not None and set(kwargs) & _CONFIG_FIELDS:
         raise ValueError("pass config= or its fields as keywords, not both")
     if sampling is not None and set(kwargs) & _SAMPLING_FIELDS:
         raise ValueError("pass sampling= or its fields as keywords, not both")
-    predicted = None
-    if prediction is not None:
-        predicted = encode_prediction(target.tokenizer, prediction)
-        drafter = prediction_drafter(drafter, assistant_model is not None)
-    spec = build_drafter(target, assistant_model, drafter, **(drafter_options or {}))
-    if "stop" in kwargs:
-        kwargs["stop"] = tuple(kwargs["stop"])
-    if sampling is None:
-        sampling = SamplingParams(**{key: v for key, v in kwargs.items() if key in _SAMPLING_FIELDS})
-    k_source = None
-    if config is None:
-        if spec is not None:
-            method = spec.name or type(spec).__name__
-            k, k_source = resolve_k(
-                k,
-                target=target.name,
-                method=method,
-                mode=target.model.mode,
-                draft=assistant_model.name if assistant_model is not None else None,
-            )
-        config = GenerationConfig(
-            **{key: v for key, v in kwargs.items() if key in _CONFIG_FIELDS}, **({"k": k} if k is not None else {})
-        )
-    elif spec is not None:
-        k_source = "given"
-    return Request(encode_prompt(target.tokenizer, prompt, chat), config, sampling, spec, k_source, predicted, logprobs)
+    predicted = encode_prediction(target.tokenizer, prediction) if prediction is not None else None
+    plan = plan_request(
+        target=target.name,
+        mode=target.model.mode,
+        draft=assistant_model.name if assistant_model is not None else None,
+        named=drafter,
+        k=k,
+        predicted=predicted is not None,
+        config=config if config is not None else {key: v for key, v in kwargs.items() if key in _CONFIG_FIELDS},
+        sampling=sampling if sampling is not None else {key: v for key, v in kwargs.items() if key in _SAMPLING_FIELDS},
+    )
+    spec = build_drafter(target, assistant_model, plan.drafter, **(drafter_options or {}))
+    prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
+    return Request(prompt_ids, plan.config, plan.sampling, spec, plan.k_source, predicted, logprobs)
 
 
 def encode_prediction(tokenizer: Tokenizer, prediction: str | list[int]) -> list[int]:
@@ -258,21 +246,6 @@ def encode_prediction(tokenizer: Tokenizer, prediction: str | list[int]) -> list
     if not isinstance(prediction, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in prediction):
         raise ValueError("a prediction is text or a list of token ids")
     return list(prediction)
-
-
-def prediction_drafter(drafter: Drafter | str | None, assistant: bool) -> Drafter | str:
-    """The drafter of a request with a prediction: the one named if it reads predictions; by
-    default the prediction drafter, or auto where an assistant model is given (the prediction,
-    the draft model and copying, each step the best)."""
-    if drafter is None:
-        return "auto" if assistant else "prediction"
-    name = drafter if isinstance(drafter, str) else drafter.name
-    if name not in PREDICTION_READERS:
-        raise ValueError(
-            f"the {name or type(drafter).__name__} drafter does not draft from a prediction; "
-            f"use {' or '.join(repr(n) for n in PREDICTION_READERS)}, or drop the prediction"
-        )
-    return drafter
 
 
 def _submit(engine: Engine, req: Request) -> int:

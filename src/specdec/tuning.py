@@ -23,9 +23,17 @@ def key(target: str, method: str, draft: str | None, mode: str) -> str:
     return f"{target}|{method}|{draft if method == 'draft-model' else '-'}|{mode}"
 
 
+_READ: dict[tuple[str, int], dict[str, Any]] = {}  # (path, mtime) -> its table: a server's every request asks
+
+
 def _read() -> dict[str, Any]:
+    path = tuned_path()
     try:
-        return json.loads(tuned_path().read_text())
+        at = (str(path), path.stat().st_mtime_ns)
+        if at not in _READ:
+            _READ.clear()
+            _READ[at] = json.loads(path.read_text())
+        return dict(_READ[at])
     except (OSError, json.JSONDecodeError):
         return {}
 

@@ -19,6 +19,7 @@ from ..drafters import DRAFTERS
 from ..drafters.base import describe as describe_run
 from ..engine import Delta
 from ..model.kernels import AUTO, MODES
+from ..plans import CONFIG_FIELDS, choose_drafter
 from .common import (
     Help,
     add_auto_draft,
@@ -107,8 +108,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from ..api import Request, compare_requests, load, request, run_request
 
     prediction = read_text(ns.prediction_file, "prediction") if ns.prediction_file is not None else None
-    if prediction is not None and ns.drafter is None:
-        ns.drafter = "auto" if ns.draft else "prediction"
+    if prediction is not None:  # (the drafter for a prediction: the one rule of every front end)
+        ns.drafter = choose_drafter(ns.drafter, None, bool(ns.draft), predicted=True)
     if ns.logprobs is not None and not ns.json:
         raise ValueError("--logprobs is printed in the JSON object; add --json")
     method = method_of(ns)
@@ -129,7 +130,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     prompt = read_prompt(ns)
     target = load(ns.target, dtype=ns.dtype, device=ns.device)
     draft = load_draft_model(ns)
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "k"}
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in CONFIG_FIELDS}
 
     def build() -> Request:  # (a comparison's every speculative run gets a drafter of its own)
         return request(
@@ -139,7 +140,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
             drafter=method,
             drafter_options=options,
             sampling=sampling,
-            k=k_given if method is not None else cfg.k,
+            k=k_given,
             chat=ns.chat,
             prediction=prediction,
             logprobs=ns.logprobs,

@@ -21,10 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from ..api import LoadedModel, build_drafter, encode_prompt, prepare
-from ..config import GenerationConfig, SamplingParams
-from ..drafters.base import DRAFTERS, needs_draft_model, resolve_k, uses_draft_model
-from ..drafters.prediction import PREDICTION_READERS
+from ..drafters.base import DRAFTERS
 from ..engine import ContextOverflowError, Delta, GenerationResult, TokenLogprob, plan_length
+from ..plans import PlanError, name_of, plan_request
 from ..tokenizer import Tokenizer
 from .gate import Gate
 from .metrics import ServerMetrics
@@ -45,7 +44,6 @@ class Service:
         self.metrics = ServerMetrics()
         self.worker = Worker(target, draft, settings, self.metrics)
         self.context = target.model.args.max_seq_len
-        self._k: dict[str, int] = {}  # method -> its k where neither the request nor --k gives one
 
     def methods(self) -> list[str]:
         """What a client may ask for here without more weights: plain decoding, the methods
@@ -89,48 +87,37 @@ class Service:
         """The request's settings checked (the engine's own length rule, in the API's words) and
         its drafter built on the engine thread, drafting from `pool`'s memory."""
         settings, spec = self.settings, body.speculative
-        method = spec.method if spec is not None else (settings.method or NONE)
+        named = spec.method if spec is not None else None
         options = dict(spec.model_extra or {}) if spec is not None else dict(settings.options)
-        if spec is not None and not options and method == settings.method:
+        if spec is not None and not options and named == settings.method:
             options = dict(settings.options)  # (the server's own method, named with k only: as configured)
         prediction = None
         if body.prediction is not None:
             text = body.prediction.text()
             prediction = self.target.tokenizer.encode_text(text) if text else None
-            if spec is not None and method not in PREDICTION_READERS:
-                raise APIError(
-                    400,
-                    f"speculative.method {method!r} does not draft from a prediction; use "
-                    f"{' or '.join(repr(m) for m in PREDICTION_READERS)}, or drop one of the two",
-                    param="prediction",
-                )
-            if spec is None and method not in PREDICTION_READERS:
-                # (a client's prediction is honoured whatever the server's default: drafted from alone)
-                method, options = "prediction", {}
-        if needs_draft_model(method) and self.draft is None:
-            raise APIError(400, "this server has no draft model (start it with --draft NAME)", param="speculative")
-        k = spec.k if spec is not None and spec.k is not None else settings.k
-        if k is None:  # (resolved once per method: the tuning file is not read again per request)
-            if method not in self._k:
-                self._k[method] = resolve_k(
-                    None,
-                    target=self.target.name,
-                    method=None if method == NONE else method,
-                    draft=self.draft.name if self.draft is not None else None,
-                    mode=self.target.model.mode,
-                )[0]
-            k = self._k[method]
         n = (
             max_tokens
             if max_tokens is not None
             else max(1, min(settings.default_max_tokens, self.context - len(prompt_ids)))
         )
-        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
-            cfg = GenerationConfig(max_new_tokens=n, k=k, stop=stops, ignore_eos=body.ignore_eos)
-            sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+            plan = plan_request(
+                target=self.target.name,
+                mode=self.target.model.mode,
+                draft=self.draft.name if self.draft is not None else None,
+                named=named,
+                default=settings.method or NONE,
+                k=spec.k if spec is not None and spec.k is not None else settings.k,
+                predicted=prediction is not None,
+                config={"max_new_tokens": n, "stop": body.stop or (), "ignore_eos": body.ignore_eos},
+                sampling={"temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p, "seed": body.seed},
+            )
+        except PlanError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+        cfg, sampling = plan.config, plan.sampling
+        method = name_of(plan.drafter) or NONE
+        if method != (named or settings.method or NONE):
+            options = {}  # (a prediction's drafter, not the one the options were given for)
         try:
             plan_length(len(prompt_ids), cfg, self.context, length_name="max_tokens", fix="lower max_tokens")
         except ContextOverflowError as exc:
@@ -139,7 +126,7 @@ class Service:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
         drafter = None
         if method != NONE:
-            helper = self.draft if uses_draft_model(method) else None
+            helper = self.draft if plan.uses_draft else None
 
             def built() -> Any:  # (on the engine thread: a head is loaded from disk the first time it is asked
                 # for, and what the drafter times once per machine is timed before its request's clock starts)
