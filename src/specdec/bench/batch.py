@@ -21,10 +21,10 @@ from typing import Any
 from .. import registry
 from ..api import LoadedModel, build_drafter, load, load_draft
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams
-from ..drafters.base import needs_draft_model
+from ..drafters.base import uses_draft_model
 from ..engine import Engine
 from . import save_figure, write_page
-from .grid import machine, prompt_ids
+from .grid import machine, pool_of, prompt_ids
 from .suite import load_prompts
 
 PLAIN = "plain"
@@ -129,7 +129,7 @@ def run_batch(settings: BatchSettings, progress: Callable[[str], None] | None = 
     target = load(settings.target, dtype=settings.dtype)
     draft_name = settings.draft or default_draft(settings.target)
     draft = None
-    if any(map(needs_draft_model, settings.methods)):
+    if any(map(uses_draft_model, settings.methods)):
         draft = target if draft_name == settings.target else load_draft(draft_name, dtype=settings.dtype)
     suite = [p for p in load_prompts(settings.prompts_file) if len(prompt_ids(target, p)) <= settings.max_prompt_tokens]
     if not suite:
@@ -155,7 +155,9 @@ def run_batch(settings: BatchSettings, progress: Callable[[str], None] | None = 
             plain_out: list[list[int]] = []
             for m in settings.methods:
                 say(f"batch {b}, {m}" + (f", repeat {rep + 1}" if settings.repeats > 1 else ""))
-                run, outs = _timed(target, ids[:b], cfg, greedy, m, draft)
+                # (each run's drafters start from memory of their own: a repeat must not copy what the
+                # last one wrote, suffix decoding would)
+                run, outs = _timed(target, ids[:b], cfg, greedy, m, draft, pool_of(f"batch-{b}-{m}", rep))
                 if m == PLAIN:
                     plain_out = outs
                 elif plain_out:
@@ -171,6 +173,7 @@ def _timed(
     sampling: SamplingParams,
     method: str,
     draft: LoadedModel | None,
+    pool: str = "",
 ) -> tuple[BatchRun, list[list[int]]]:
     engine = Engine(target.model, target.tokenizer)
     t0 = time.perf_counter()
@@ -179,7 +182,8 @@ def _timed(
             p,
             cfg,
             sampling,
-            None if method == PLAIN else build_drafter(target, draft if needs_draft_model(method) else None, method),
+            None if method == PLAIN else build_drafter(target, draft if uses_draft_model(method) else None, method),
+            drafter_pool=pool,
         )
         for p in ids
     ]
