@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from ..config import MAX_K
 from ..drafters import DRAFTERS
 from ..engine import MAX_TOP_LOGPROBS
+from ..plans import PLAIN as NONE  # the `speculative.method` that asks for plain decoding
 
-NONE = "none"  # the `speculative.method` that asks for plain decoding
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
 
