@@ -15,7 +15,7 @@ from conftest import EXACT_MODES
 from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing
 
 import specdec
-from specdec.adaptive import MAX_PROBE_WAIT, Chooser, Schedule, replay
+from specdec.adaptive import MAX_PROBE_WAIT, PROBE_SHARE, Chooser, Schedule, replay
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.costs import PASS_TABLES, Costs
 from specdec.drafters import AutoDrafter, DraftModelDrafter
@@ -145,6 +145,20 @@ def test_no_probe_where_catching_up_costs_too_much():
     assert "d" in {ch.choose(near, est.plain(), 40).member for _ in range(40)}
 
 
+def test_a_probe_in_a_batch_is_priced_at_the_tokens_the_whole_batch_waits_for():
+    """A catch-up stalls the pass every sequence of the batch waits for: a probe may spend
+    PROBE_SHARE of the sequence's remaining tokens, priced at the batch's plain rate. A 100 ms
+    catch-up with 40 tokens to go: alone (one token per 30 ms, 3.3 tokens) it is probed; beside
+    seven sequences (8 tokens per 72 ms, 11 tokens) never."""
+    probe = [Offer("d", 1, 1.0, 60.0, catch_up_ms=100.0)]
+    alone, ch = Estimates(PASS, 4), Chooser()
+    assert "d" in {ch.choose(probe, alone.plain(), 40).member for _ in range(20)}
+    batch, ch = Estimates(PASS, 4), Chooser()
+    batch.step(40, (7, 7.0))
+    assert batch.plain().rate * 100.0 > PROBE_SHARE * 40
+    assert {ch.choose(probe, batch.plain(), 40).member for _ in range(20)} == {PLAIN}
+
+
 def test_acceptance_is_kept_per_situation():
     est = Estimates(PASS, 4)
     _learn(est, est.chain("pl", 1, 2, 0.1), 30, 2, 0, draft_ms=0.1)  # one-token matches: never accepted
@@ -212,6 +226,20 @@ def test_a_self_sized_member_is_offered_at_the_deepest_k_and_priced_by_what_its_
     for _ in range(30):  # now it drafts 4 in vain every step: 1 token for 24 + pass(5) ms
         est.learn(est.measured("x", 8, 6.0), 4, 0, 24.0, rows=5)
     assert _pick(est, Chooser(), [est.measured("x", 8, 6.0)]) == (PLAIN, 0)
+
+
+def test_in_a_batch_a_self_sized_members_record_is_priced_on_the_batchs_pass():
+    """What its steps did (4 tokens for 3 drafts over 4 rows) beside the rest of a batch (6 rows
+    committing 6 tokens): 10 tokens for 3 drafts and one pass over 10 rows."""
+    est = Estimates(PASS, 8)
+    first = est.measured("x", 8, 6.0, prior=0.85)
+    for _ in range(40):
+        est.learn(first, 3, 3, 18.0, rows=4)
+    tokens, drafted, rows = est.records["x"].step
+    est.step(None, (6, 6.0))
+    offer = est.measured("x", 8, 6.0)
+    assert offer.k == 8 and offer.tokens == pytest.approx(6.0 + tokens)
+    assert offer.ms == pytest.approx(6.0 * drafted + PASS.rows(round(6 + rows)))
 
 
 def test_one_unlucky_first_draft_does_not_rank_a_self_sized_member_below_plain():

@@ -7,13 +7,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from conftest import EXACT_MODES
 from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing, random_head, small_head, switching
 
 import specdec
 from specdec.adaptive import Chooser
 from specdec.config import GenerationConfig, SamplingParams
-from specdec.drafters import AutoDrafter
+from specdec.costs import Costs, Pricing
+from specdec.drafters import AutoDrafter, DraftSession
 from specdec.engine import Engine
 
 LOOKUP, DRAFT, EAGLE3, SUFFIX = "prompt-lookup", "draft-model", "eagle3", "suffix"
@@ -308,3 +310,33 @@ def test_a_tree_node_the_copying_chain_proposes_already_costs_no_row():
     assert on_chain([5, 6, 7], tokens, parents, depths(parents)) == [True, True, True, False, False, False, False]
     assert on_chain([], tokens, parents, depths(parents)) == [False] * 7
     assert on_chain([5, 9], tokens, parents, depths(parents)) == [True, False, False, False, False, False, False]
+
+
+def test_the_draft_reads_the_prompt_first_only_where_the_batchs_pass_repays_it(tiny):
+    """`_pays_back`, on the first step's load: alone, a draft accepted as a same-family draft
+    plausibly is pays for its prefill over a long answer, which it reads at once; beside three
+    sequences whose pass turns compute-bound from the fifth row, its rows do not pay, and it
+    reads nothing (decided as if alone, every sequence of a batch of four paid its prefill)."""
+    dtype = EXACT_MODES[-1]
+    target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
+    steep = Costs({1: 30.0, 2: 31.0, 4: 33.0, 8: 80.0, 16: 160.0, 32: 320.0, 64: 640.0})
+
+    def first_step(load: tuple[float, float]) -> AutoDrafter:
+        d = AutoDrafter(target.model, draft.model, methods=DRAFT)
+        session = DraftSession(
+            list(range(3, 40)),
+            300,
+            SamplingParams(),
+            torch.Generator().manual_seed(0),
+            target.model,
+            pricing=Pricing(target.model, tables=lambda t, rows: steep, history={}),
+        )
+        d.begin(session)
+        d.plan(4, None, load)
+        d.propose_batch([d], [4])
+        return d
+
+    alone = first_step((0, 0.0))
+    assert alone._sync_ms > 0 and alone.subs[DRAFT].forwards > 0
+    beside = first_step((3, 3.0))
+    assert beside._sync_ms == 0 and beside.subs[DRAFT].forwards == 0

@@ -341,6 +341,8 @@ def test_bench_batch_as_written(tmp_path, specdec_cli):
     for (_batch, m), r in rows.items():
         assert r["tokens_per_second"] > 0
         assert r["speedup"] == 1.0 if m == "plain" else r["speedup"] > 0
+        lo, hi = r["speedup_band"]
+        assert lo <= r["speedup"] <= hi
         assert r["identical"] is (None if m == "plain" else True)  # every sequence equals plain decoding
     assert out["draft"] == "smollm2-135m" and len(out["prompts"]) == 8
     assert json.loads((tmp_path / "batch.json").read_text())["summary"] == out["summary"]

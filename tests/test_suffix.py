@@ -15,6 +15,7 @@ from specdec.costs import Pricing
 from specdec.drafters import DraftSession, SuffixDrafter
 from specdec.drafters.suffix import STORE, SuffixStore, _candidates, _Doc, build_tree, situation
 from specdec.memory import Memory, pools_of
+from specdec.offers import Estimates
 
 FLAT = [1.0] * 64  # alpha: every depth certain (the tree's order is then its shares')
 
@@ -172,3 +173,17 @@ def test_greedy_identity_smollm2(smollm2_exact):
             assert out.token_ids == plain.token_ids, prompt
             accepted += out.metrics.accepted
     assert accepted > 0
+
+
+def test_its_tree_is_offered_on_the_batchs_pass():
+    """Beside the rest of a batch (6 rows committing 6 tokens) its tree's offer is the whole
+    pass's: those tokens and rows with its own (priced alone, a tree looked cheap beside plain
+    steps that carried the batch)."""
+    d = started([4, 1, 2, 3, 5, 6, 9, 1, 2])
+    est = Estimates(PASS, 8)
+    alone = d.offer(4, est)
+    est.step(None, (6, 6.0))
+    beside = d.offer(4, est)
+    assert alone is not None and beside is not None and alone.tree.tokens
+    assert beside.tokens == pytest.approx(6.0 + alone.tokens)
+    assert beside.ms == pytest.approx(PASS.rows(6 + len(alone.tree.tokens) + 1))

@@ -25,7 +25,9 @@ MARGIN = 1.03  # how much better than plain decoding an offer must be (a vain dr
 HYSTERESIS = 1.10  # how much better than the incumbent's another offer must be to take the step
 PROBE_AFTER = 4  # plain steps in a row before the first probe
 MAX_PROBE_WAIT = 64
-PROBE_SHARE = 0.10  # a probe may spend at most this share of the rest of the request catching up
+# a probe's catch-up may cost at most this share of the tokens the sequence still has to make,
+# priced at the tokens the pass (a batch's: every sequence waits for it) makes per ms meanwhile
+PROBE_SHARE = 0.10
 
 
 def steps_text(steps: dict[str, dict[str, int]]) -> str:
@@ -60,7 +62,7 @@ class Chooser:
             self.wait, self.plain_run = self.first_wait, 0
         else:
             self.plain_run += 1
-            affordable = [o for o in offers if o.catch_up_ms <= PROBE_SHARE * plain.ms * max(remaining or 0, 1)]
+            affordable = [o for o in offers if o.catch_up_ms * plain.rate <= PROBE_SHARE * max(remaining or 0, 1)]
             if affordable and self.plain_run > self.wait:
                 pick, why = min(affordable, key=lambda o: self.drafted.get(o.member, -1)), "probe"
                 self.wait, self.plain_run = min(MAX_PROBE_WAIT, 2 * self.wait), 0

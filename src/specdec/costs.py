@@ -33,8 +33,11 @@ class Costs:
     # pass time, followed online by `observe`; it scales every row count alike
     scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        self._xs = sorted(self.target_ms)  # (the table's row counts: read on every offer of every step)
+
     def _table(self, rows: float) -> float:
-        xs = sorted(self.target_ms)
+        xs = self._xs
         rows = min(max(rows, xs[0]), xs[-1])
         for lo, hi in itertools.pairwise(xs):
             if lo <= rows <= hi:
@@ -59,7 +62,7 @@ class Costs:
     def rows(self, rows: int) -> float:
         """Pass time for any number of rows: interpolated, and past the largest measured count
         extended along the last measured slope (passes over many rows are compute-bound)."""
-        xs = sorted(self.target_ms)
+        xs = self._xs
         if rows <= xs[-1] or len(xs) < 2:
             return self.target(rows)
         lo, hi = xs[-2], xs[-1]

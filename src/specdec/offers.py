@@ -253,8 +253,7 @@ class Estimates:
         steps committed and cost (its record, starting from `kept`, earlier requests' record;
         for a reproducible request only this request's). Before it has one, the position
         model's guess, at the guess's own k: a first probe goes no deeper than the position
-        model says pays (its price is bounded); in a batch, where the pass is shared, the
-        position model's guess for the deepest k."""
+        model says pays (its price is bounded). In a batch, priced on the batch's pass."""
         if k <= 0:
             return None
         if member not in self.records:
@@ -266,11 +265,10 @@ class Estimates:
         guess = self.chain(member, "", k, draft_ms, catch_up_ms, prior)
         if guess is None or step is None:
             return guess
-        if self.others[0] > 0:
-            return replace(guess, k=k)
         tokens, drafted, rows = step
-        ms = self.draft_cost(member, draft_ms) * drafted + self.costs.rows(max(1, round(rows)))
-        return replace(guess, k=k, tokens=tokens, ms=ms + self._setup(catch_up_ms, tokens))
+        others_rows, others_tokens = self.others  # (a batch's pass: the record's rows beside the rest)
+        ms = self.draft_cost(member, draft_ms) * drafted + self.costs.rows(max(1, round(others_rows + rows)))
+        return replace(guess, k=k, tokens=others_tokens + tokens, ms=ms + self._setup(catch_up_ms, tokens))
 
     def learn(
         self,

@@ -2,8 +2,8 @@
 
 For each batch size B, B different prompts of the suite (one per category in turn) are
 decoded together by the engine (one target pass per step for all of them), greedy, once per
-method: plain decoding first, then each speculative method right after it on the same
-prompts, so each speedup is a ratio measured side by side. Aggregate tokens/s is every
+method, plain decoding among them, on the same prompts (the order reversed every other
+repeat), so each speedup is a ratio measured side by side. Aggregate tokens/s is every
 sequence's new tokens over the wall time of the whole batch (prefills included). Every
 method's output is checked against plain decoding, sequence by sequence.
 """
@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ class BatchResult:
 
     def summary(self) -> list[dict[str, Any]]:
         """Per batch size and method: median aggregate tokens/s over repeats, speedup over
-        plain decoding at that batch size (median of the per-repeat ratios)."""
+        plain decoding at that batch size (median of the per-repeat ratios, and their band)."""
         rows = []
         for b in self.settings.batches:
             plain = [r for r in self.runs if r.batch == b and r.method == PLAIN]
@@ -99,6 +99,7 @@ class BatchResult:
                         "method": m,
                         "tokens_per_second": statistics.median(r.tokens_per_second for r in rs),
                         "speedup": statistics.median(ratios) if ratios else None,
+                        "speedup_band": [min(ratios), max(ratios)] if ratios else None,
                         "acceptance_rate": statistics.median(alphas) if alphas else None,
                         "steps": statistics.median(r.steps for r in rs),
                         "identical": all(same) if same else None,
@@ -149,20 +150,24 @@ def run_batch(settings: BatchSettings, progress: Callable[[str], None] | None = 
     )
     cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, k=settings.k, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, seed=0)
-    _timed(target, [ids[0][:8]], cfg, greedy, PLAIN, draft)  # warm-up: first-call costs
+    # warm-up: first-call costs, each method's own (a drafter's first build reads the draft's
+    # vocabulary and tokenizer once per process), in memory no timed run shares
+    for m in (PLAIN, *settings.methods):
+        _timed(target, [ids[0][:8]], replace(cfg, max_new_tokens=8), greedy, m, draft, pool_of("warm-up", 0))
     for rep in range(settings.repeats):
         for b in settings.batches:
-            plain_out: list[list[int]] = []
-            for m in settings.methods:
+            outs: dict[str, list[list[int]]] = {}
+            # (every other repeat in the reverse order, A B B A: a machine that drifts within a
+            # repeat favours no method)
+            for m in settings.methods if rep % 2 == 0 else settings.methods[::-1]:
                 say(f"batch {b}, {m}" + (f", repeat {rep + 1}" if settings.repeats > 1 else ""))
                 # (each run's drafters start from memory of their own: a repeat must not copy what the
                 # last one wrote, suffix decoding would)
-                run, outs = _timed(target, ids[:b], cfg, greedy, m, draft, pool_of(f"batch-{b}-{m}", rep))
-                if m == PLAIN:
-                    plain_out = outs
-                elif plain_out:
-                    run.identical = outs == plain_out
+                run, outs[m] = _timed(target, ids[:b], cfg, greedy, m, draft, pool_of(f"batch-{b}-{m}", rep))
                 result.runs.append(run)
+            for run in result.runs[-len(outs) :]:
+                if run.method != PLAIN and PLAIN in outs:
+                    run.identical = outs[run.method] == outs[PLAIN]
     return result
 
 
@@ -200,7 +205,8 @@ def _timed(
 
 
 def table(result: BatchResult) -> str:
-    head = f"{'batch':>5s} {'method':14s} {'tok/s':>8s} {'speedup':>8s} {'alpha':>6s} {'steps':>6s} identical"
+    cols = f"{'tok/s':>8s} {'speedup':>8s} {'band':>11s} {'alpha':>6s} {'steps':>6s}"
+    head = f"{'batch':>5s} {'method':14s} {cols} identical"
     lines = [
         f"{result.settings.target} ({result.mode})" + (f", draft {result.draft}" if result.draft else ""),
         head,
@@ -208,10 +214,11 @@ def table(result: BatchResult) -> str:
     ]
     for r in result.summary():
         sp = "–" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        band = "–" if r["speedup_band"] is None else "{:.2f}-{:.2f}".format(*r["speedup_band"])
         al = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         same = "–" if r["identical"] is None else ("yes" if r["identical"] else "NO")
         lines.append(
-            f"{r['batch']:5d} {r['method']:14s} {r['tokens_per_second']:8.1f} {sp:>8s} {al:>6s} "
+            f"{r['batch']:5d} {r['method']:14s} {r['tokens_per_second']:8.1f} {sp:>8s} {band:>11s} {al:>6s} "
             f"{r['steps']:6.0f} {same}"
         )
     return "\n".join(lines)

@@ -170,7 +170,7 @@ class AutoDrafter(Drafter):
         self._draft_ms = self._sync_ms = 0.0
         self._length = self._capacity = 0  # committed tokens; the most the sequence can reach
         self._load: tuple[float, float] = (0, 0.0)  # what the rest of the batch brings to this step's pass
-        self._eager: list[str] = []  # members whose catch-up is paid before the first step's offers
+        self._first = True  # the first step: members whose request repays their catch-up pay it first
         self._scopes: dict[str, str] = {}  # members whose measurements the machine's history keeps
         self._pricing: Any = None  # this sequence's (`costs.Pricing`, set by `begin`)
 
@@ -213,20 +213,18 @@ class AutoDrafter(Drafter):
             {(n, sit): c for n, sc in self._scopes.items() for sit, c in session.pricing.past(f"{sc}|{n}").items()},
         )
         self.chooser = Chooser(self.margin)
-        self._load = (0, 0.0)
-        self._eager = self._pays_back()
+        self._load, self._first = (0, 0.0), True
 
-    def _pays_back(self) -> list[str]:
-        """The members with a catch-up (a draft model reading the prompt) whose offer now, the
-        catch-up spread over the whole budget, beats plain decoding: the request is long enough
-        to repay it, so it is paid once before the first step's offers (`_choose`) and sunk —
-        each offer after it is priced on its merits. A short answer after a long prompt keeps
-        it in the offer, where it loses to plain decoding."""
+    def _pays_back(self, k: int) -> list[str]:
+        """The members with a catch-up (a draft model reading the prompt) whose first step's
+        offer, the catch-up spread over the whole budget and priced on the batch's pass, beats
+        plain decoding: the request is long enough to repay it, so it is paid once before the
+        first step's offers (`_choose`) and sunk — each offer after it is priced on its merits.
+        A short answer after a long prompt keeps it in the offer, where it loses to plain
+        decoding; so does a batch whose pass leaves no room for drafting (decided at `begin`,
+        where a sequence is alone, each sequence of a batch of four paid its prefill)."""
         assert self.est is not None
-        remaining = self._capacity - self._length
-        self.est.step(remaining)
-        plain = self.est.plain()
-        k = min(CHAIN_K, max(remaining - 1, 0))
+        plain, k = self.est.plain(), min(CHAIN_K, k)
         out = []
         for name, sub in self.subs.items():
             offer = sub.offer(k, self.est) if k > 0 and name != self.tree_name else None
@@ -270,12 +268,12 @@ class AutoDrafter(Drafter):
         if est is None:
             raise RuntimeError("AutoDrafter.propose() called before begin()")
         remaining = self._capacity - self._length
-        for name in self._eager:  # (what `_pays_back` found the request repays: paid once, now)
+        est.step(remaining, self._load)
+        for name in self._pays_back(k) if self._first else ():  # (paid once, now)
             with timer(self.target.device) as t:
                 self.subs[name].sync()
             self._sync_ms += 1e3 * t[0]
-        self._eager = []
-        est.step(remaining, self._load)
+        self._first = False
         self._budget, self._tree, self._alone = k, None, {}
         tree_member = self._tree_member()
         offers: list[Offer] = []

@@ -406,7 +406,15 @@ class SuffixDrafter(TreeMember):
         sit, tree, _ = self.sized_tree(k)
         if not tree.tokens:
             return None
-        return Offer(self.name, k, 1.0 + sum(tree.probs), est.costs.rows(len(tree.tokens) + 1), sit, tree=tree)
+        rows, tokens = est.others  # (priced on the batch's pass, as every offer)
+        return Offer(
+            self.name,
+            k,
+            tokens + 1.0 + sum(tree.probs),
+            est.costs.rows(int(rows) + len(tree.tokens) + 1),
+            sit,
+            tree=tree,
+        )
 
     def catch_up(self, tokens: list[int], feedback: Feedback | None = None) -> None:
         """Tokens committed without this drafter's tree; where it had planned one for this
