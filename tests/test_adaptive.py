@@ -330,7 +330,7 @@ def test_the_real_schedule_is_exact_and_reports(tiny):
     for name, kw in (("draft-model", {"assistant_model": draft}), ("lookahead", {"drafter": "lookahead"})):
         out = specdec.generate(target, PROMPTS[0], k=4, adaptive_k=True, max_new_tokens=30, ignore_eos=True, **kw)
         assert out.token_ids == plain.token_ids
-        rep = out.metrics.drafter_info["adaptive_k"]
+        rep = out.metrics.drafter_info["schedule"]
         # one logged choice per step with budget for a draft (the last step, one token left, has none)
         assert out.metrics.target_forwards - 1 <= len(rep["log"]) <= out.metrics.target_forwards
         assert sum(m["steps"] for m in rep["members"].values()) == len(rep["log"])
@@ -401,7 +401,7 @@ def test_pass_costs_follow_the_measured_passes(tiny, monkeypatch):
     monkeypatch.setattr(costs, "pass_costs", lambda t, max_rows: table)
     monkeypatch.setitem(PASS_TABLES, target.model, table)  # (what the engine's passes update)
     out = specdec.generate(target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=20, ignore_eos=True)
-    assert table.scale < 0.5 and out.metrics.drafter_info["adaptive_k"]["pass_scale"] == round(table.scale, 3)
+    assert table.scale < 0.5 and out.metrics.drafter_info["schedule"]["pass_scale"] == round(table.scale, 3)
 
 
 def test_an_unsent_proposal_is_scored_as_its_verification_would_have_been():
@@ -492,7 +492,7 @@ def test_auto_keeps_its_members_measurements_and_prices_a_batch_on_its_pass(tiny
     sids = [eng.add(i, cfg, SamplingParams(), AutoDrafter(target.model, draft.model)) for i in ids]
     while eng.has_work():
         eng.step()
-    logs = [eng.result(s).metrics.drafter_info["auto"]["log"] for s in sids]
+    logs = [eng.result(s).metrics.drafter_info["schedule"]["log"] for s in sids]
     assert all(any(step["plain"][2] > 1.0 for step in log) for log in logs)  # (tokens of the whole pass)
     assert any("draft-model" in key for key in history) and any("prompt-lookup" in key for key in history)
     before = {k: str(v) for k, v in history.items()}

@@ -35,7 +35,7 @@ def test_every_logged_pick_follows_the_rule(tiny):
     out = specdec.generate(
         target, PROMPTS[1], drafter="auto", assistant_model=draft, k=8, max_new_tokens=40, ignore_eos=True
     )
-    rep = out.metrics.drafter_info["auto"]
+    rep = out.metrics.drafter_info["schedule"]
     log = rep["log"]
     assert log and sum(m["steps"] for m in rep["members"].values()) == len(log)
     for s in log:
@@ -79,7 +79,7 @@ def test_the_real_chooser_is_exact_and_reports(tiny):
         adaptive_k=False,
     )
     assert out.token_ids == plain.token_ids
-    rep = out.metrics.drafter_info["auto"]
+    rep = out.metrics.drafter_info["schedule"]
     assert rep["methods"] == [DRAFT, LOOKUP, SUFFIX]
     steps = sum(n for ks in rep["steps"].values() for n in ks.values())
     # one choice per step with budget for a draft (the last step, one token left, has none)
@@ -95,7 +95,7 @@ def test_auto_without_a_draft_model_uses_the_model_free_drafters(tiny):
     out = specdec.generate(
         target, PROMPTS[0], drafter="auto", k=4, max_new_tokens=12, ignore_eos=True, adaptive_k=False
     )
-    assert out.metrics.drafter_info["auto"]["methods"] == [LOOKUP, SUFFIX]
+    assert out.metrics.drafter_info["schedule"]["methods"] == [LOOKUP, SUFFIX]
 
 
 @pytest.mark.parametrize(
@@ -153,7 +153,7 @@ def test_greedy_identity_with_eagle3_among_the_switching_drafters(tiny, monkeypa
         plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
         out = specdec.generate(target, prompt, drafter="auto", head=head, k=4, max_new_tokens=24, ignore_eos=True)
         assert out.token_ids == plain.token_ids, prompt
-        assert out.metrics.drafter_info["auto"]["methods"] == [EAGLE3, LOOKUP, SUFFIX]
+        assert out.metrics.drafter_info["schedule"]["methods"] == [EAGLE3, LOOKUP, SUFFIX]
         accepted += out.metrics.accepted
     # (suffix decoding offers a tree only where its plan pays: on a random head it may not)
     assert {m for m, _ in picks} >= {"plain", LOOKUP, EAGLE3} and {k for m, k in picks if m == EAGLE3} >= {1, 4}
@@ -266,7 +266,7 @@ def test_greedy_identity_with_merged_trees(tiny, monkeypatch, dtype, method):
             target, prompt, drafter="auto", assistant_model=draft, k=4, max_new_tokens=24, ignore_eos=True
         )
         assert out.token_ids == plain.token_ids, prompt
-        assert out.metrics.drafter_info["auto"]["merged"]["steps"] > 0
+        assert out.metrics.drafter_info["schedule"]["merged"]["steps"] > 0
     assert sizes and max(sizes) > 3  # (trees beyond the chain were sent)
 
 

@@ -337,7 +337,7 @@ def test_info_pair_reports_how_a_draft_drafts(cross_pair, specdec_cli):
 
 def test_auto_leaves_out_a_draft_that_cannot_draft_across_and_says_so(tiny, poor_draft):
     out = specdec.generate(tiny("llama"), "hello", assistant_model=poor_draft, drafter="auto", max_new_tokens=8)
-    left = out.metrics.drafter_info["auto"]["left_out"]
+    left = out.metrics.drafter_info["schedule"]["left_out"]
     assert list(left) == ["draft-model"] and "spell only" in left["draft-model"]
-    assert "draft-model" not in out.metrics.drafter_info["auto"]["methods"]
+    assert "draft-model" not in out.metrics.drafter_info["schedule"]["methods"]
     assert any("auto left out draft-model" in line for line in describe("auto", out.metrics.drafter_info, brief=True))

@@ -129,7 +129,7 @@ def test_auto_with_a_prediction_takes_deep_chains(tiny):
         target, prompt, drafter="auto", prediction=plain.token_ids, k=24, max_new_tokens=60, ignore_eos=True
     )
     assert out.token_ids == plain.token_ids
-    steps = out.metrics.drafter_info["auto"]["steps"]["prediction"]
+    steps = out.metrics.drafter_info["schedule"]["steps"]["prediction"]
     assert max(int(k.removeprefix("k=")) for k in steps) > 8  # past the chains of copying drafters
 
 

@@ -6,7 +6,8 @@ the incumbent (the member that drafted last) is within HYSTERESIS of it; a plain
 does not beat plain decoding by MARGIN; after a run of plain steps, a probe. The engine's
 `adaptive_k` is the same chooser over one drafter (`Schedule`); `--drafter auto` runs it over
 several. The twelve things a reader needs to explain a pick are listed in docs/design.md; every
-step's offers, pick and result are logged, and `replay` judges a change to the rule on logs.
+step's offers, pick and result are logged (`info[REPORT]`), and `replay` judges a change to the
+rule on logs.
 
 Exact: a choice depends only on steps already verified, and every step is verified by the same
 exact rule whatever its k (tested with random switching and a wrong rule as negative control).
@@ -21,6 +22,10 @@ from typing import Any
 
 from .offers import PLAIN, Estimates, Offer
 
+# the one key of a drafter's info (`Drafter.info`) that holds its chooser's report (`Chooser.report`:
+# steps, the per-member table, the step log), whoever chose: auto over its members, or the
+# schedule over one drafter (`adaptive_k`)
+REPORT = "schedule"
 MARGIN = 1.03  # how much better than plain decoding an offer must be (a vain draft costs more than a plain step)
 HYSTERESIS = 1.10  # how much better than the incumbent's another offer must be to take the step
 PROBE_AFTER = 4  # plain steps in a row before the first probe

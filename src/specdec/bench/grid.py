@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import registry
+from ..adaptive import REPORT
 from ..api import LoadedModel, build_drafter, encode_prompt, generate, load, load_draft, request, run_request
 from ..config import DEFAULT_K
 from ..costs import PRICED_K, Costs, PassClock, pass_costs
@@ -276,14 +277,14 @@ class GridResult:
         """How often `auto` chose each drafter (and k) or a plain step, per temperature and
         category (plus "all"): shares of its steps, summed over the runs."""
         rows = []
-        auto = [r for r in self.records if r["method"] == "auto" and "auto" in (r.get("drafter_info") or {})]
+        auto = [r for r in self.records if r["method"] == "auto" and REPORT in (r.get("drafter_info") or {})]
         for temp in sorted({r["temperature"] for r in auto}):
             cats = sorted({r["category"] for r in auto if r["temperature"] == temp})
             for cat in [*cats, "all"]:
                 steps: dict[str, dict[str, int]] = {}
                 for r in auto:
                     if r["temperature"] == temp and cat in (r["category"], "all"):
-                        for m, ks in r["drafter_info"]["auto"]["steps"].items():
+                        for m, ks in r["drafter_info"][REPORT]["steps"].items():
                             for k, n in ks.items():
                                 steps.setdefault(m, {}).setdefault(k, 0)
                                 steps[m][k] += n

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import registry
-from ..adaptive import steps_text
+from ..adaptive import REPORT, steps_text
 from ..config import DEFAULT_K, GenerationConfig, SamplingParams, add_arguments, from_namespace
 from ..drafters import DRAFTERS
 from ..drafters.base import describe as describe_run
@@ -205,7 +205,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 def explain(info: dict[str, Any]) -> str:
     """The per-member table of a run's chooser (`adaptive.members`), as text."""
-    rep = info.get("auto") or info.get("adaptive_k")
+    rep = info.get(REPORT)
     if not rep:
         return "specdec: --explain: no chooser ran (plain decoding, --no-adaptive-k, or a self-scheduling drafter)"
     lines = [f"{'member':<16}{'steps':>7}{'tokens/pass':>13}{'ms/step':>10}{'time':>7}"]
@@ -277,8 +277,8 @@ def _print_result(
             line += f", identical to plain: {extra.identical}"
     info = m.drafter_info
     line += "".join(f"; {text}" for text in describe(info))
-    if info.get("adaptive_k"):
-        line += "; adaptive k: " + steps_text(info["adaptive_k"]["steps"])
+    if info.get(REPORT):
+        line += "; steps: " + steps_text(info[REPORT]["steps"])
     if not m.exact:
         line += "; NOT EXACT (typical acceptance)"
     print(line + "]", file=sys.stderr)

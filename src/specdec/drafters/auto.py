@@ -19,8 +19,9 @@ Exactness: every step is verified by the same exact rule whatever member and k p
 merged tree whose chain the draft model drew at T > 0: `verify.tree_mixed_sample`), and the
 choice depends only on steps already verified, so greedy output equals plain decoding and the
 sampled distribution is the target's (tested with random switching, and with a wrong rule as a
-negative control). Each step's offers, pick and result are in `info["auto"]["log"]`; the
-per-member table in `info["auto"]["members"]` (`specdec generate --explain` prints it).
+negative control). Each step's offers, pick and result are in `info["schedule"]["log"]`
+(`adaptive.REPORT`, the key the schedule of one drafter reports under too); the per-member table
+in `info["schedule"]["members"]` (`specdec generate --explain` prints it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..adaptive import Chooser, alpha_report, steps_text
+from ..adaptive import REPORT, Chooser, alpha_report
 from ..metrics import timer
 from ..model.transformer import Transformer
 from ..offers import PLAIN, Estimates, Offer, unsent
@@ -70,11 +71,8 @@ def switchable() -> list[str]:
 
 
 def _describe(info: dict[str, Any], brief: bool) -> list[str]:
-    auto = info.get("auto")
-    if not auto:
-        return []
-    out = [f"auto left out {name}: {why}" for name, why in auto.get("left_out", {}).items()]
-    return out if brief else [*out, "auto steps: " + steps_text(auto["steps"])]
+    """What auto could not build (its steps are the chooser's report, printed for any chooser)."""
+    return [f"auto left out {name}: {why}" for name, why in info.get(REPORT, {}).get("left_out", {}).items()]
 
 
 @register(
@@ -438,7 +436,7 @@ class AutoDrafter(Drafter):
             }
         if self.left_out:
             report["left_out"] = self.left_out
-        info["auto"] = report
+        info[REPORT] = report
         self.info = info
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 
-from ..adaptive import Schedule
+from ..adaptive import REPORT, Schedule
 from ..config import DEFAULT_K, SamplingParams
 from ..costs import Pricing
 from ..memory import Memory
@@ -224,10 +224,10 @@ class Drafter:
             self._schedule.update(proposed, accepted, draft_ms, rows, pass_ms)
 
     def finish(self, final: Feedback | None = None) -> None:
-        """`end`, then the schedule's report beside the drafter's own (`info["adaptive_k"]`)."""
+        """`end`, then the schedule's report beside the drafter's own (`info[adaptive.REPORT]`)."""
         self.end(final)
         if self._schedule is not None:
-            self.info = {**self.info, "adaptive_k": self._schedule.report()}
+            self.info = {**self.info, REPORT: self._schedule.report()}
 
     def propose(self, k: int) -> Draft:
         raise NotImplementedError
