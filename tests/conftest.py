@@ -9,6 +9,7 @@ import os
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -235,6 +236,7 @@ def _sample_joint(
     adaptive_k: bool = False,
     prediction: list[int] | None = None,
     width: int = IN_FLIGHT,
+    chooser: Callable[[float], Any] | None = None,
 ) -> Counter:
     """Outputs of `runs` speculative generations with seeds 0..runs-1, drawn as `specdec certify`
     draws: `width` sequences in flight through one engine (a new one joins as one ends), each
@@ -250,7 +252,8 @@ def _sample_joint(
     live = 0
     while started < runs or live:
         while started < runs and live < width:
-            eng.add(prompt, cfg, dataclasses.replace(sampling, seed=started), make_drafter(), prediction=prediction)
+            seeded = dataclasses.replace(sampling, seed=started)
+            eng.add(prompt, cfg, seeded, make_drafter(), prediction=prediction, chooser=chooser)
             started, live = started + 1, live + 1
         for delta in eng.step():
             if delta.finished:

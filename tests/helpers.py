@@ -14,6 +14,7 @@ import torch
 import uvicorn
 from scipy.stats import chisquare
 
+from specdec.adaptive import Chooser
 from specdec.costs import Costs
 from specdec.drafters import Draft, DraftModelDrafter, Feedback
 from specdec.networks.eagle3 import Eagle3Head, HeadConfig, config_for_target
@@ -119,26 +120,46 @@ def no_timing(monkeypatch) -> None:
     monkeypatch.setattr(costs, "draft_step_ms", lambda model, key, step, reset: PASS.target(1))
 
 
-def switching(monkeypatch, seed: int) -> list[tuple[str, int]]:
-    """auto's chooser replaced by one that picks a seeded random offer (or a plain step) every
-    step, a chain at a random k within what its member could offer (suffix decoding's own tree, where
-    it offers one, as offered). Returns the picks, as they are made."""
-    from specdec.adaptive import Chooser
+class Forced(Chooser):
+    """A chooser whose pick is `rule(offers, plain)` (a test's), logged as such: handed to a
+    request (`chooser=`), it replaces the rule of `adaptive.Chooser` for auto and the schedule."""
 
-    rng = random.Random(seed)
-    picks: list[tuple[str, int]] = []
+    def __init__(self, rule, margin: float = 1.03) -> None:
+        super().__init__(margin)
+        self.rule = rule
 
     def choose(self, offers, plain, remaining=None):
-        options = [plain] + [
-            o if o.tree is not None else replace(o, k=rng.randint(1, max(o.k, o.most))) for o in offers
-        ]
-        pick = rng.choice(options)
-        picks.append((pick.member, pick.k))
-        self.log.append({"offers": [], "pick": pick.row(), "why": "random"})
+        pick = self.rule(offers, plain)
+        self.log.append({"offers": [], "pick": pick.row(), "why": "forced"})
         return pick
 
-    monkeypatch.setattr(Chooser, "choose", choose)
-    return picks
+
+def always_draft(margin: float) -> Chooser:
+    """`chooser=`: every step drafts, with the deepest k the drafter's offer allows (a draft
+    model sizes its proposals itself); a plain step only where nothing is offered."""
+    return Forced(
+        lambda offers, plain: replace(offers[0], k=max(offers[0].k, offers[0].most)) if offers else plain, margin
+    )
+
+
+class Switching:
+    """`chooser=`: every step a seeded random offer (or a plain step), a chain at a random k
+    within what its member could offer (suffix decoding's own tree, where it offers one, as
+    offered); `picks` holds them, as they are made, over every sequence it chose for."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng, self.picks = random.Random(seed), []
+
+    def pick(self, offers, plain):
+        options = [plain] + [
+            o if o.tree is not None else replace(o, k=self.rng.randint(1, max(o.k, o.most))) for o in offers
+        ]
+        pick = self.rng.choice(options)
+        self.picks.append((pick.member, pick.k))
+        return pick
+
+    def __call__(self, margin: float) -> Chooser:
+        return Forced(self.pick, margin)
 
 
 # -- EAGLE-3 heads ---------------------------------------------------------------------------

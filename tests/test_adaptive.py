@@ -12,7 +12,7 @@ import random
 
 import pytest
 from conftest import EXACT_MODES
-from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing
+from helpers import ALPHA, PASS, PROMPTS, Forced, chi2_pvalue, no_timing
 
 import specdec
 from specdec.adaptive import MAX_PROBE_WAIT, PROBE_SHARE, Chooser, Schedule, replay
@@ -298,30 +298,36 @@ def test_a_recorded_log_replays_to_the_same_picks_and_a_changed_rule_shows_its_d
 
 
 # -- the schedule in the engine: exactness with k switching --------------------------------------
-def _switching(monkeypatch, seed: int, k_max: int) -> list[int]:
-    """The engine's schedule replaced by one that picks a seeded random k in 0..k_max every step."""
-    rng = random.Random(seed)
-    picks: list[int] = []
+class _Switching:
+    """`chooser=`: the schedule's k, a seeded random one in 0..k_max every step (0: a plain
+    step; the drafter's offer at that k where it has one); `picks`: the k of every step."""
 
-    def choose(self, k: int, remaining=None, others=(0, 0.0)) -> int:
-        picks.append(rng.randint(0, min(k, k_max)))
-        return picks[-1]
+    def __init__(self, seed: int, k_max: int) -> None:
+        self.rng, self.k_max, self.picks = random.Random(seed), k_max, []
 
-    monkeypatch.setattr(Schedule, "choose", choose)
-    return picks
+    def pick(self, offers, plain):
+        k = self.rng.randint(0, self.k_max)
+        pick = dataclasses.replace(offers[0], k=k) if offers and k else plain
+        self.picks.append(pick.k)
+        return pick
+
+    def __call__(self, margin: float) -> Chooser:
+        return Forced(self.pick, margin)
 
 
 @pytest.mark.parametrize("dtype", EXACT_MODES)
-def test_greedy_identity_with_k_switching_every_step(tiny, monkeypatch, dtype):
+def test_greedy_identity_with_k_switching_every_step(tiny, dtype):
     target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
-    picks = _switching(monkeypatch, 0, 4)
+    choose = _Switching(0, 4)
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
         for method in ("draft", "prompt-lookup", "lookahead"):
             kw = {"assistant_model": draft} if method == "draft" else {"drafter": method}
-            out = specdec.generate(target, prompt, k=4, adaptive_k=True, max_new_tokens=24, ignore_eos=True, **kw)
+            out = specdec.generate(
+                target, prompt, k=4, adaptive_k=True, max_new_tokens=24, ignore_eos=True, chooser=choose, **kw
+            )
             assert out.token_ids == plain.token_ids, (prompt, method)
-    assert {0, 1, 4} <= set(picks)
+    assert {0, 1, 4} <= set(choose.picks)
 
 
 def test_the_real_schedule_is_exact_and_reports(tiny):
@@ -339,7 +345,7 @@ def test_the_real_schedule_is_exact_and_reports(tiny):
     fixed = specdec.generate(
         target, PROMPTS[0], assistant_model=draft, k=4, max_new_tokens=30, ignore_eos=True, adaptive_k=False
     )
-    assert "adaptive_k" not in fixed.metrics.drafter_info
+    assert "schedule" not in fixed.metrics.drafter_info
 
 
 def test_a_member_that_prices_nothing_itself_is_offered_by_its_steps():
@@ -368,9 +374,11 @@ def test_a_member_that_prices_nothing_itself_is_offered_by_its_steps():
 def test_sampling_law_with_k_switching(small_vocab, exact_joint, sample_joint, monkeypatch, sampling):
     target, draft = small_vocab
     no_timing(monkeypatch)
-    picks = _switching(monkeypatch, 1, 2)
-    counts = sample_joint(target, lambda: DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
-    assert {0, 1, 2} <= set(picks)
+    choose = _Switching(1, 2)
+    counts = sample_joint(
+        target, lambda: DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True, chooser=choose
+    )
+    assert {0, 1, 2} <= set(choose.picks)
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
 
@@ -380,9 +388,10 @@ def test_wrong_rule_fails_with_k_switching(small_vocab, exact_joint, sample_join
     wrong_rule("rejection")
     target, draft = small_vocab
     no_timing(monkeypatch)
-    _switching(monkeypatch, 1, 2)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, lambda: DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True)
+    counts = sample_joint(
+        target, lambda: DraftModelDrafter(draft), sampling, runs=3000, adaptive_k=True, chooser=_Switching(1, 2)
+    )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 

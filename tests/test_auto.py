@@ -9,10 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import EXACT_MODES
-from helpers import ALPHA, PASS, PROMPTS, chi2_pvalue, no_timing, random_head, small_head, switching
+from helpers import ALPHA, PASS, PROMPTS, Forced, Switching, chi2_pvalue, no_timing, random_head, small_head
 
 import specdec
-from specdec.adaptive import Chooser
 from specdec.config import GenerationConfig, SamplingParams
 from specdec.costs import Costs, Pricing
 from specdec.drafters import AutoDrafter, DraftSession
@@ -48,21 +47,22 @@ def test_every_logged_pick_follows_the_rule(tiny):
         assert "committed" in s or s is log[-1]
 
 
-def test_greedy_identity_in_a_batch_of_auto_sequences(tiny, monkeypatch):
+def test_greedy_identity_in_a_batch_of_auto_sequences(tiny):
     """Several sequences with auto drafters in one engine: those that chose the draft model
     draft together; every output is its plain decoding."""
     dtype = EXACT_MODES[-1]
     target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
-    switching(monkeypatch, 3)
+    choose = Switching(3)
     cfg = GenerationConfig(max_new_tokens=20, k=3, ignore_eos=True, adaptive_k=False)
     ids = [target.tokenizer.encode(p) for p in PROMPTS]
     eng = Engine(target.model, target.tokenizer)
-    sids = [eng.add(i, cfg, SamplingParams(), AutoDrafter(target.model, draft.model)) for i in ids]
+    sids = [eng.add(i, cfg, SamplingParams(), AutoDrafter(target.model, draft.model), chooser=choose) for i in ids]
     while eng.has_work():
         eng.step()
     for sid, i in zip(sids, ids, strict=True):
         plain = specdec.generate(target, i, max_new_tokens=20, ignore_eos=True)
         assert eng.result(sid).token_ids == plain.token_ids
+    assert {m for m, _ in choose.picks} >= {"plain", DRAFT}
 
 
 def test_the_real_chooser_is_exact_and_reports(tiny):
@@ -147,15 +147,18 @@ def test_greedy_identity_with_eagle3_among_the_switching_drafters(tiny, monkeypa
     target = tiny("qwen2", dtype=dtype)
     head = random_head(target.model, seed=2, scale=20.0)
     no_timing(monkeypatch)  # (which steps suffix decoding has a tree for must not follow the clock)
-    picks = switching(monkeypatch, 4)
+    choose = Switching(4)
     accepted = 0
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
-        out = specdec.generate(target, prompt, drafter="auto", head=head, k=4, max_new_tokens=24, ignore_eos=True)
+        out = specdec.generate(
+            target, prompt, drafter="auto", head=head, k=4, max_new_tokens=24, ignore_eos=True, chooser=choose
+        )
         assert out.token_ids == plain.token_ids, prompt
         assert out.metrics.drafter_info["schedule"]["methods"] == [EAGLE3, LOOKUP, SUFFIX]
         accepted += out.metrics.accepted
     # (suffix decoding offers a tree only where its plan pays: on a random head it may not)
+    picks = choose.picks
     assert {m for m, _ in picks} >= {"plain", LOOKUP, EAGLE3} and {k for m, k in picks if m == EAGLE3} >= {1, 4}
     assert accepted > 0
 
@@ -181,7 +184,7 @@ def test_sampling_law_with_eagle3_chains_switching(
         wrong_rule(rule)
     target, _ = small_vocab
     no_timing(monkeypatch)
-    picks = switching(monkeypatch, 5)
+    choose = Switching(5)
     sampling = SamplingParams(temperature=0.7)
     head = small_head(target)
     counts = sample_joint(
@@ -190,8 +193,9 @@ def test_sampling_law_with_eagle3_chains_switching(
         sampling,
         runs=3000,
         bounds=(0.05, 0.95),
+        chooser=choose,
     )
-    assert EAGLE3 in {m for m, _ in picks}
+    assert EAGLE3 in {m for m, _ in choose.picks}
     p = chi2_pvalue(counts, exact_joint(target, sampling, 4))
     assert p > ALPHA if rule == "exact" else p <= ALPHA, p
 
@@ -228,46 +232,43 @@ def test_merge_builds_a_trie_with_each_sources_attempts():
     assert fixed.attempts == [(j, False) for j in range(5)]
 
 
-def _merging(monkeypatch, method: str, k: int) -> list[int]:
-    """auto always chooses `method` with k drafts, and every suffix tree joins it whole; returns
-    the sizes of the merged trees sent."""
-    sizes: list[int] = []
+def _merging(monkeypatch, method: str, k: int):
+    """The chooser (`chooser=`) that always picks `method` with k drafts; every suffix tree joins
+    it whole."""
 
-    def choose(self, offers, plain, remaining=None):
+    def rule(offers, plain):
         mine = [o for o in offers if o.member == method]
-        pick = replace(mine[0], k=min(k, mine[0].k)) if mine else plain
-        self.log.append({"offers": [], "pick": pick.row(), "why": "forced"})
-        return pick
+        return replace(mine[0], k=min(k, mine[0].k)) if mine else plain
 
-    real = AutoDrafter._with_suffix
-
-    def with_suffix(self, chain):
-        draft = real(self, chain)
-        if self._merged is not None:
-            sizes.append(len(self._merged.tokens))
-        return draft
-
-    monkeypatch.setattr(Chooser, "choose", choose)
     monkeypatch.setattr(
         AutoDrafter, "_tree_nodes", lambda self, chain, tree, depth, shared=None: (len(tree.tokens), 1.0, 1.0)
     )
-    monkeypatch.setattr(AutoDrafter, "_with_suffix", with_suffix)
-    return sizes
+    return lambda margin: Forced(rule, margin)
 
 
 @pytest.mark.parametrize("dtype", EXACT_MODES)
 @pytest.mark.parametrize("method", [DRAFT, LOOKUP])
 def test_greedy_identity_with_merged_trees(tiny, monkeypatch, dtype, method):
     target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
-    sizes = _merging(monkeypatch, method, 3)
+    chooser = _merging(monkeypatch, method, 3)
+    largest = 0
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
         out = specdec.generate(
-            target, prompt, drafter="auto", assistant_model=draft, k=4, max_new_tokens=24, ignore_eos=True
+            target,
+            prompt,
+            drafter="auto",
+            assistant_model=draft,
+            k=4,
+            max_new_tokens=24,
+            ignore_eos=True,
+            chooser=chooser,
         )
         assert out.token_ids == plain.token_ids, prompt
-        assert out.metrics.drafter_info["schedule"]["merged"]["steps"] > 0
-    assert sizes and max(sizes) > 3  # (trees beyond the chain were sent)
+        merged = out.metrics.drafter_info["schedule"]["merged"]
+        assert merged["steps"] > 0
+        largest = max(largest, merged["tree_tokens_max"])
+    assert largest > 3  # (trees beyond the chain were sent)
 
 
 @pytest.mark.slow
@@ -280,10 +281,21 @@ def test_sampling_law_with_merged_trees(small_vocab, exact_joint, sample_joint, 
         wrong_rule("mixed-tree")
     target, draft = small_vocab
     no_timing(monkeypatch)
-    sizes = _merging(monkeypatch, DRAFT, 2)
+    chooser = _merging(monkeypatch, DRAFT, 2)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, lambda: AutoDrafter(target, draft), sampling, runs=3000, k=3, bounds=(0.05, 0.95))
-    assert len(sizes) > 1000 and max(sizes) > 2  # (most runs merged a tree)
+    made: list[AutoDrafter] = []
+    counts = sample_joint(
+        target,
+        lambda: made.append(AutoDrafter(target, draft)) or made[-1],
+        sampling,
+        runs=3000,
+        k=3,
+        bounds=(0.05, 0.95),
+        chooser=chooser,
+    )
+    merged = [d.info["schedule"]["merged"] for d in made]
+    # (most runs merged a tree, some beyond the chain)
+    assert sum(m["steps"] for m in merged) > 1000 and max(m["tree_tokens_max"] or 0 for m in merged) > 2
     p = chi2_pvalue(counts, exact_joint(target, sampling, 4))
     assert (p <= ALPHA) if broken else (p > ALPHA)
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import EXACT_MODES
-from helpers import ALPHA, PASS, PROMPT_IDS, PROMPTS, chi2_pvalue, no_timing
+from helpers import ALPHA, PASS, PROMPT_IDS, PROMPTS, always_draft, chi2_pvalue, no_timing
 
 import specdec
-from specdec.adaptive import Schedule
 from specdec.config import SamplingParams
 from specdec.costs import Costs
 from specdec.drafters import DraftModelDrafter
@@ -75,19 +74,15 @@ def _rule_by_confidence(monkeypatch, threshold: float | None) -> list[bool]:
     return decisions
 
 
-def _always_draft(monkeypatch) -> None:
-    """The engine's controller drafts every step (with the deepest k: the draft sizes itself)."""
-    monkeypatch.setattr(Schedule, "choose", lambda self, k, remaining=None, others=(0, 0.0): k)
-
-
 @pytest.mark.parametrize("dtype", EXACT_MODES)
 def test_greedy_identity_with_depths_from_confidence(tiny, monkeypatch, dtype):
     target, draft = tiny("llama", dtype=dtype), tiny("llama", "close", dtype=dtype)
     decisions = _rule_by_confidence(monkeypatch, None)
-    _always_draft(monkeypatch)
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=24, ignore_eos=True)
-        out = specdec.generate(target, prompt, assistant_model=draft, k=6, max_new_tokens=24, ignore_eos=True)
+        out = specdec.generate(
+            target, prompt, assistant_model=draft, k=6, max_new_tokens=24, ignore_eos=True, chooser=always_draft
+        )
         assert out.token_ids == plain.token_ids, prompt
     assert True in decisions and False in decisions  # both: deep drafts and early stops
 
@@ -126,9 +121,16 @@ def test_sampling_law_with_depths_from_confidence(small_vocab, exact_joint, samp
     target, draft = small_vocab
     no_timing(monkeypatch)
     decisions = _rule_by_confidence(monkeypatch, 0.3)
-    _always_draft(monkeypatch)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, lambda: DraftModelDrafter(draft, vocab=0), sampling, runs=3000, k=3, adaptive_k=True)
+    counts = sample_joint(
+        target,
+        lambda: DraftModelDrafter(draft, vocab=0),
+        sampling,
+        runs=3000,
+        k=3,
+        adaptive_k=True,
+        chooser=always_draft,
+    )
     assert 0.2 < sum(decisions) / len(decisions) < 0.8  # the depth varied with what the draft drew
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
@@ -140,9 +142,16 @@ def test_wrong_rule_fails_with_depths_from_confidence(small_vocab, exact_joint, 
     target, draft = small_vocab
     no_timing(monkeypatch)
     _rule_by_confidence(monkeypatch, 0.3)
-    _always_draft(monkeypatch)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_joint(target, lambda: DraftModelDrafter(draft, vocab=0), sampling, runs=3000, k=3, adaptive_k=True)
+    counts = sample_joint(
+        target,
+        lambda: DraftModelDrafter(draft, vocab=0),
+        sampling,
+        runs=3000,
+        k=3,
+        adaptive_k=True,
+        chooser=always_draft,
+    )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA
 
 

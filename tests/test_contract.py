@@ -34,12 +34,12 @@ from helpers import (
     LOOKAHEAD_CONFIGS,
     PROMPT_IDS,
     PROMPTS,
+    Switching,
     chi2_pvalue,
     no_timing,
     random_head,
     random_heads,
     small_head,
-    switching,
 )
 
 from specdec.config import SamplingParams
@@ -83,6 +83,9 @@ class Greedy:
     expect: tuple[str, ...] = ("proposed",)  # what must have happened over the runs: proposed, accepted, rejected
     setup: Callable[[pytest.MonkeyPatch], Any] | None = None  # returns a state for `check`
     check: Callable[[Any, str, dict[str, bool]], None] | None = None  # (state, draft kind, what happened)
+    # the seed of the random chooser every run is given (`helpers.Switching`), whose picks are
+    # then `check`'s state; None: the real one
+    switching: int | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Law:
     controls: tuple[tuple[str, SamplingParams, Callable | None, dict], ...] = ()
     setup: Callable[[pytest.MonkeyPatch, Any], Any] | None = None  # (monkeypatch, target) -> state for `check`
     check: Callable[[Any, Any], None] | None = None  # (state, target)
+    switching: int | None = None  # as `Greedy.switching`
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,6 @@ def _auto_runs(target, draft, ids):
 
 def _auto_greedy_setup(monkeypatch):
     no_timing(monkeypatch)  # (the draft's depth is priced: the same costs every run, the same steps)
-    return switching(monkeypatch, 0)
 
 
 def _auto_greedy_check(picks, kind, happened):
@@ -176,7 +179,6 @@ def _auto_greedy_check(picks, kind, happened):
 
 def _auto_law_setup(monkeypatch, target):
     no_timing(monkeypatch)
-    return switching(monkeypatch, 1)
 
 
 def _auto_law_check(picks, target):
@@ -319,6 +321,7 @@ CONTRACT: dict[str, Row] = {
             archs=("llama",),
             max_new_tokens=24,
             setup=_auto_greedy_setup,
+            switching=0,
             check=_auto_greedy_check,
         ),
         Law(
@@ -336,6 +339,7 @@ CONTRACT: dict[str, Row] = {
                 ),
             ),
             setup=_auto_law_setup,
+            switching=1,
             check=_auto_law_check,
         ),
     ),
@@ -387,6 +391,7 @@ def test_greedy_identity(name, arch, mode, draft_kind, tiny, tiny4, plain_output
     target = (tiny4 if g.layers4 else tiny)(arch, dtype=mode)
     draft = tiny(arch, draft_kind, dtype=mode)
     state = g.setup(monkeypatch) if g.setup is not None else None
+    chooser = Switching(g.switching) if g.switching is not None else None
     kw = dict(max_new_tokens=g.max_new_tokens, ignore_eos=True)  # (tiny tokenizers have no chat template)
     plains = plain_outputs(target, list(g.prompts), **kw)
     calls = [
@@ -394,10 +399,12 @@ def test_greedy_identity(name, arch, mode, draft_kind, tiny, tiny4, plain_output
         for prompt, p in zip(g.prompts, plains, strict=True)
         for run in g.runs(target, draft, p.token_ids)
     ]
+    if chooser is not None:
+        calls = [(prompt, dict(run, chooser=chooser)) for prompt, run in calls]
     outs = generate_many(target, calls)
     expected = {prompt: p for prompt, p in zip(g.prompts, plains, strict=True)}
     for (prompt, run), out in zip(calls, outs, strict=True):
-        settings = {k: v for k, v in run.items() if k not in kw}
+        settings = {k: v for k, v in run.items() if k not in kw and k != "chooser"}
         assert out.token_ids == expected[prompt].token_ids, (prompt, settings)
         assert out.text == expected[prompt].text
     proposed = sum(o.metrics.proposed for o in outs)
@@ -406,7 +413,7 @@ def test_greedy_identity(name, arch, mode, draft_kind, tiny, tiny4, plain_output
     for what in g.expect:
         assert happened[what], f"no draft token was {what}: the check did not exercise that path"
     if g.check is not None:
-        g.check(state, draft_kind, happened)
+        g.check(chooser.picks if chooser is not None else state, draft_kind, happened)
 
 
 # -- the sampling law and its negative control ---------------------------------------------------
@@ -435,7 +442,8 @@ def test_sampling_law(name, kind, label, index, small_vocab, exact_joint, sample
         wrong_rule(rule)
         make = maker or law.make
     state = law.setup(monkeypatch, target) if law.setup is not None else None
-    options = {**law.options, **extra}
+    chooser = Switching(law.switching) if law.switching is not None else None
+    options = {**law.options, **extra, **({"chooser": chooser} if chooser is not None else {})}
     runs = 1000 if kind == "control" and name in STRONG_CONTROLS else 3000
     counts = sample_joint(target, make(target, draft), sampling, runs=runs, **options)
     p = chi2_pvalue(counts, exact_joint(target, sampling, 4, options.get("prompt", PROMPT_IDS)))
@@ -443,6 +451,6 @@ def test_sampling_law(name, kind, label, index, small_vocab, exact_joint, sample
     if kind == "law":
         assert p > ALPHA, p
         if law.check is not None:
-            law.check(state, target)
+            law.check(chooser.picks if chooser is not None else state, target)
     else:
         assert p <= ALPHA, f"the broken {label!r} rule was not caught (p = {p:.3g})"

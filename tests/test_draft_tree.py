@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import EXACT_MODES
-from helpers import ALPHA, PROMPT_IDS, PROMPTS, chi2_pvalue, no_timing
+from helpers import ALPHA, PROMPT_IDS, PROMPTS, always_draft, chi2_pvalue, no_timing
 
 import specdec
-from specdec.adaptive import Schedule
 from specdec.config import SamplingParams
 from specdec.costs import Costs
 from specdec.drafters import DraftModelDrafter
@@ -73,7 +72,8 @@ def test_a_mask_wider_than_the_cache_is_refused(tiny):
 
 def _bushy(monkeypatch) -> None:
     """Trees grow whatever the prices say: two children per node, two leaves fed per pass, up to
-    depth k — so the tests meet branching, cousins and rollback on tiny models."""
+    depth k — so the tests meet branching, cousins and rollback on tiny models (each step
+    drafting, with `helpers.always_draft` the request's chooser)."""
     monkeypatch.setattr(TreeGrowth, "_pays", lambda self, gain, extra_rows, before=0.0: extra_rows <= 2)
 
     def to_feed(self):
@@ -81,7 +81,6 @@ def _bushy(monkeypatch) -> None:
         return sorted(leaves, key=lambda j: -self.nodes[j].chance)[:2]
 
     monkeypatch.setattr(TreeGrowth, "to_feed", to_feed)
-    monkeypatch.setattr(Schedule, "choose", lambda self, k, remaining=None, others=(0, 0.0): k)
 
 
 def _fresh_rows(model, tokens: list[int], n: int) -> torch.Tensor:
@@ -112,7 +111,9 @@ def test_greedy_identity_and_rollback_with_trees(tiny, monkeypatch, dtype):
     monkeypatch.setattr(DraftModelDrafter, "accepted", accepted)
     for prompt in PROMPTS:
         plain = specdec.generate(target, prompt, max_new_tokens=20, ignore_eos=True)
-        out = specdec.generate(target, prompt, assistant_model=draft, k=3, tree=1, max_new_tokens=20, ignore_eos=True)
+        out = specdec.generate(
+            target, prompt, assistant_model=draft, k=3, tree=1, max_new_tokens=20, ignore_eos=True, chooser=always_draft
+        )
         assert out.token_ids == plain.token_ids, prompt
         assert out.metrics.scored_rows > out.metrics.target_forwards + out.metrics.proposed  # trees were verified
     assert seen["branched"] > 0 and seen["checked"] > 0
@@ -170,7 +171,13 @@ def test_sampling_law_with_trees(small_vocab, exact_joint, sample_joint, monkeyp
     _bushy(monkeypatch)
     sampling = SamplingParams(temperature=1.0)
     counts = sample_joint(
-        target, lambda: DraftModelDrafter(draft, vocab=0, tree=1), sampling, runs=3000, k=2, adaptive_k=True
+        target,
+        lambda: DraftModelDrafter(draft, vocab=0, tree=1),
+        sampling,
+        runs=3000,
+        k=2,
+        adaptive_k=True,
+        chooser=always_draft,
     )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) > ALPHA
 
@@ -184,6 +191,12 @@ def test_wrong_rule_fails_with_trees(small_vocab, exact_joint, sample_joint, mon
     _bushy(monkeypatch)
     sampling = SamplingParams(temperature=1.0)
     counts = sample_joint(
-        target, lambda: DraftModelDrafter(draft, vocab=0, tree=1), sampling, runs=3000, k=2, adaptive_k=True
+        target,
+        lambda: DraftModelDrafter(draft, vocab=0, tree=1),
+        sampling,
+        runs=3000,
+        k=2,
+        adaptive_k=True,
+        chooser=always_draft,
     )
     assert chi2_pvalue(counts, exact_joint(target, sampling, 4)) <= ALPHA

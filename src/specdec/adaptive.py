@@ -155,9 +155,10 @@ class Schedule:
         name: str,
         offer: Callable[[int, Estimates], Offer | None] | None,
         estimates: Estimates,
+        chooser: Chooser | None = None,
     ) -> None:
         self.name, self.offer_of, self.est = name, offer, estimates
-        self.chooser = Chooser()
+        self.chooser = chooser if chooser is not None else Chooser()
         self.offer: Offer | None = None
 
     def choose(self, k: int, remaining: int | None = None, others: tuple[float, float] = (0, 0.0)) -> int:

@@ -193,6 +193,9 @@ class Request:
     # whose earlier outputs its drafter may draft from (`DraftSession.pool`; None: the pool of
     # the process's cached rows, "")
     drafter_pool: str | None = None
+    # what picks each step's drafter and k (`adaptive.Chooser` or a subclass, made with a margin;
+    # None: the default rule)
+    chooser: Callable[[float], Any] | None = None
 
 
 def request(
@@ -208,13 +211,16 @@ def request(
     chat: bool | None = None,
     prediction: str | list[int] | None = None,
     logprobs: int | None = None,
+    chooser: Callable[[float], Any] | None = None,
     **kwargs: Any,
 ) -> Request:
     """Build a request from either config objects (`config=`, `sampling=`: built once by the
     caller) or the keywords of their fields (max_new_tokens=, temperature=, stop=, ...).
     `prediction`: the output expected (text, or token ids), drafted from by the prediction
     drafter (the default where a prediction is given; with an assistant model, auto).
-    `logprobs`: return each token's logprob with this many alternatives (0..20)."""
+    `logprobs`: return each token's logprob with this many alternatives (0..20). `chooser`: the
+    rule that picks each step's drafter and k (an `adaptive.Chooser` subclass, called with the
+    margin over plain decoding: a policy of one's own to compare; default `adaptive.Chooser`)."""
     unknown = set(kwargs) - _CONFIG_FIELDS - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown generation option {sorted(unknown)[0]!r}")
@@ -235,7 +241,7 @@ def request(
     )
     spec = build_drafter(target, assistant_model, plan.drafter, **(drafter_options or {}))
     prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
-    return Request(prompt_ids, plan.config, plan.sampling, spec, plan.k_source, predicted, logprobs)
+    return Request(prompt_ids, plan.config, plan.sampling, spec, plan.k_source, predicted, logprobs, chooser=chooser)
 
 
 def encode_prediction(tokenizer: Tokenizer, prediction: str | list[int]) -> list[int]:
@@ -257,6 +263,7 @@ def _submit(engine: Engine, req: Request) -> int:
         prediction=req.prediction,
         logprobs=req.logprobs,
         drafter_pool=req.drafter_pool,
+        chooser=req.chooser,
     )
 
 
@@ -293,7 +300,8 @@ def generate(target: LoadedModel, prompt: Prompt, **kwargs: Any) -> GenerationRe
     `GenerationConfig` (``max_new_tokens``, ``stop``, ``ignore_eos``, ``context_overflow``)
     and `SamplingParams` (``temperature``, ``top_k``, ``top_p``, ``seed``), or the objects
     themselves as ``config=`` and ``sampling=``; ``chat`` (use the chat template; default:
-    when the tokenizer has one)."""
+    when the tokenizer has one); ``chooser`` (the rule that picks each step's drafter and k:
+    an `adaptive.Chooser` subclass)."""
     return run_request(target, _request_kw(target, prompt, kwargs))
 
 
@@ -337,7 +345,7 @@ def _request_kw(target: LoadedModel, prompt: Prompt, kwargs: dict[str, Any]) -> 
     kw = dict(kwargs)
     named = {
         n: kw.pop(n)
-        for n in ("assistant_model", "drafter", "config", "sampling", "k", "chat", "prediction", "logprobs")
+        for n in ("assistant_model", "drafter", "config", "sampling", "k", "chat", "prediction", "logprobs", "chooser")
         if n in kw
     }
     fields = {n: kw.pop(n) for n in list(kw) if n in _CONFIG_FIELDS | _SAMPLING_FIELDS}

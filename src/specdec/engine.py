@@ -199,6 +199,7 @@ class _Sequence:
     pricing: Pricing | None = None  # what its choices are priced by (the engine's, per sequence)
     pool: str = ""  # whose earlier sequences' cached rows it may reuse (a server's API key)
     drafter_pool: str = ""  # whose earlier outputs its drafter may draft from (`DraftSession.pool`)
+    chooser: Any = None  # what picks its drafter's steps (`DraftSession.chooser`; None: the default)
     prediction: list[int] | None = None  # the output the client expects (`DraftSession.prediction`)
     top_logprobs: int | None = None  # None: no logprobs; else each token's, with this many alternatives
     final: Feedback | None = None  # the pass that finished it (what its drafter's `end` is told)
@@ -297,6 +298,7 @@ class Engine:
         prediction: list[int] | None = None,
         logprobs: int | None = None,
         drafter_pool: str | None = None,
+        chooser: Callable[[float], Any] | None = None,
     ) -> int:
         """Queue a sequence (prefilled in the next step); returns its id. `pool`: whose earlier
         sequences' cached rows it may start from (with the engine's `prefix_tokens`), and whose
@@ -304,7 +306,8 @@ class Engine:
         benchmark keeps each method's memory apart but shares cached rows).
         `prediction`: the output expected, as token ids (drafted from by a drafter that reads it:
         `prediction`, auto). `logprobs`: return each committed token's logprob with this many
-        alternatives (0..MAX_TOP_LOGPROBS; None: none)."""
+        alternatives (0..MAX_TOP_LOGPROBS; None: none). `chooser`: what picks its drafter's steps
+        (`DraftSession.chooser`; None: `adaptive.Chooser`)."""
         n_new = plan_length(len(prompt_ids), cfg, self.target.args.max_seq_len)
         if logprobs is not None and (
             isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
@@ -344,6 +347,7 @@ class Engine:
             pricing=pricing,
             pool=pool,
             drafter_pool=drafter_pool,
+            chooser=chooser,
             prediction=list(prediction) if prediction else None,
             top_logprobs=logprobs,
         )
@@ -556,6 +560,7 @@ class Engine:
                         pool=s.drafter_pool,
                         memory=self.pools.of(s.drafter_pool),
                         pricing=s.pricing,
+                        **({"chooser": s.chooser} if s.chooser is not None else {}),
                     )
                 )
             s.metrics.prefill_time += t[0]

@@ -210,7 +210,7 @@ class AutoDrafter(Drafter):
             session.pricing.reproducible,
             {(n, sit): c for n, sc in self._scopes.items() for sit, c in session.pricing.past(f"{sc}|{n}").items()},
         )
-        self.chooser = Chooser(self.margin)
+        self.chooser = session.chooser(self.margin)
         self._load, self._first = (0, 0.0), True
 
     def _pays_back(self, k: int) -> list[str]:
@@ -433,6 +433,7 @@ class AutoDrafter(Drafter):
             report["merged"] = {
                 "steps": len(sizes),
                 "tree_tokens_mean": round(sum(sizes) / len(sizes), 2) if sizes else None,
+                "tree_tokens_max": max(sizes, default=None),
             }
         if self.left_out:
             report["left_out"] = self.left_out

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 
-from ..adaptive import REPORT, Schedule
+from ..adaptive import MARGIN, REPORT, Chooser, Schedule
 from ..config import DEFAULT_K, SamplingParams
 from ..costs import Pricing
 from ..memory import Memory
@@ -136,6 +136,10 @@ class DraftSession:
     # what earlier requests of its pool taught (`memory.Memory`: acceptance, suffix decoding's
     # store, a draft's calibration), handed in by the engine; by default a fresh one
     memory: Memory = field(default_factory=Memory)
+    # what picks each step's offer, made with a margin over plain decoding (`adaptive.Chooser`,
+    # or a subclass: a rule of one's own, a test's random switching): auto's over its members,
+    # the schedule's over one drafter
+    chooser: Callable[[float], Chooser] = Chooser
 
     def __post_init__(self) -> None:
         if self.pricing is None:
@@ -213,6 +217,7 @@ class Drafter:
                     remembered([self.name]),
                     pricing.reproducible,
                 ),
+                session.chooser(MARGIN),
             )
         self.begin(session)
 
