@@ -684,7 +684,7 @@ def test_a_request_naming_the_servers_own_method_with_k_only_gets_the_servers_op
 
         def job(spec: dict | None):
             body = ChatRequest(model="t", messages=[{"role": "user", "content": "hi"}], speculative=spec)
-            return asyncio.run(svc.make_job(body, [5, 6, 7], 4)).drafter
+            return asyncio.run(svc.make_job(body, [5, 6, 7], 4)).req.drafter
 
         assert job(None).max_ngram == 5 and job({"method": "prompt-lookup", "k": 3}).max_ngram == 5
         assert job({"method": "prompt-lookup", "k": 3, "max_ngram": 2}).max_ngram == 2

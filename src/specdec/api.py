@@ -254,12 +254,16 @@ def encode_prediction(tokenizer: Tokenizer, prediction: str | list[int]) -> list
     return list(prediction)
 
 
-def _submit(engine: Engine, req: Request) -> int:
+def submit(engine: Engine, req: Request, pool: str = "") -> int:
+    """Queue `req` on `engine` (every front end's one door to it: the CLI's and the Python API's
+    runs, the server's worker); `pool`: whose cached rows (and, unless the request names a
+    drafter pool, whose earlier outputs) it may start from (`Engine.add`)."""
     return engine.add(
         req.prompt_ids,
         req.config,
         req.sampling,
         req.drafter,
+        pool,
         prediction=req.prediction,
         logprobs=req.logprobs,
         drafter_pool=req.drafter_pool,
@@ -281,7 +285,7 @@ def run_request(
     keep this one's, in the model's prefix store of that many tokens (`model.prefix`)."""
     prepare(target, req.drafter)  # (before the request's clock starts)
     engine = Engine(target.model, target.tokenizer, prefix_tokens=prefix_tokens)
-    sid = _submit(engine, req)
+    sid = submit(engine, req)
     while engine.has_work():
         for delta in engine.step():
             if on_delta is not None:
@@ -313,7 +317,7 @@ class Stream:
         prepare(target, req.drafter)
         self._engine = Engine(target.model, target.tokenizer)
         self._req = req
-        self._sid = _submit(self._engine, req)
+        self._sid = submit(self._engine, req)
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[Delta]:
@@ -378,7 +382,7 @@ def run_requests(target: LoadedModel, reqs: Sequence[Request], rules: Rules | No
     for r in reqs:
         prepare(target, r.drafter)
     engine = Engine(target.model, target.tokenizer, rules)
-    sids = [_submit(engine, r) for r in reqs]
+    sids = [submit(engine, r) for r in reqs]
     while engine.has_work():
         engine.step()
     return [_finish(engine.result(sid), r) for sid, r in zip(sids, reqs, strict=True)]

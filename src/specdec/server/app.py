@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from ..api import LoadedModel, build_drafter, encode_prompt, prepare
+from ..api import Request as ApiRequest
 from ..drafters.base import DRAFTERS
 from ..engine import ContextOverflowError, Delta, GenerationResult, TokenLogprob, plan_length
 from ..plans import PlanError, name_of, plan_request
@@ -138,18 +139,8 @@ class Service:
                 drafter = await self.worker.call(built)
             except (ValueError, TypeError) as exc:
                 raise APIError(400, f"speculative: {exc}", param="speculative") from exc
-        return Job(
-            prompt_ids,
-            cfg,
-            sampling,
-            method,
-            drafter,
-            asyncio.get_running_loop(),
-            asyncio.Queue(),
-            pool=pool,
-            prediction=prediction,
-            logprobs=body.top_logprobs_asked(),
-        )
+        req = ApiRequest(prompt_ids, cfg, sampling, drafter, plan.k_source, prediction, body.top_logprobs_asked())
+        return Job(req, method, asyncio.get_running_loop(), asyncio.Queue(), pool=pool)
 
     async def respond(self, request: Request, job: Job, body: _Common, kind: str) -> Response:
         """Run `job` and answer: a stream of server-sent events, or one JSON object."""
@@ -191,14 +182,14 @@ class Service:
                 "index": 0,
                 "message": message,
                 "finish_reason": finish,
-                "logprobs": chat_logprobs(tok, lps) if job.logprobs is not None else None,
+                "logprobs": chat_logprobs(tok, lps) if job.req.logprobs is not None else None,
             }
         else:
             choice = {
                 "index": 0,
                 "text": text,
                 "finish_reason": finish,
-                "logprobs": completion_logprobs(tok, lps, 0) if job.logprobs is not None else None,
+                "logprobs": completion_logprobs(tok, lps, 0) if job.req.logprobs is not None else None,
             }
         return JSONResponse(
             {
@@ -335,7 +326,7 @@ class Service:
                         yield chunk([], usage=usage(job, value))
                     break
                 self.observe_delta(job, value)
-                lps = list(value.logprobs) if job.logprobs is not None and value.logprobs else None
+                lps = list(value.logprobs) if job.req.logprobs is not None and value.logprobs else None
                 trace = {"speculative": step_trace(tok, value)} if steps and value.token_ids else {}
                 if parser is not None:
                     for c in said(parser.feed(value.text), lps, trace):
@@ -379,7 +370,7 @@ def usage(job: Job, result: GenerationResult) -> dict[str, Any]:
     }
     u["speculative"] = {
         "method": job.method,
-        "k": job.config.k if job.method != NONE else None,
+        "k": job.req.config.k if job.method != NONE else None,
         "draft_tokens": m.proposed,
         "accepted_tokens": m.accepted,
         "target_passes": m.steps,

@@ -12,10 +12,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api import LoadedModel, build_drafter
-from ..config import DEFAULT_K, GenerationConfig, SamplingParams
+from ..api import LoadedModel, Request, build_drafter
+from ..api import submit as submit_request
+from ..config import DEFAULT_K
 from ..costs import batch_drafting_pays
-from ..drafters.base import Drafter, uses_draft_model
+from ..drafters.base import uses_draft_model
 from ..engine import Engine
 from .metrics import ServerMetrics
 from .schemas import NONE, APIError
@@ -49,11 +50,8 @@ class ServeSettings:
 class Job:
     """A request between the HTTP handler (event loop) and the worker thread."""
 
-    prompt_ids: list[int]
-    config: GenerationConfig
-    sampling: SamplingParams
+    req: Request  # what the engine runs (`api.submit`): built as every front end builds one
     method: str  # "none" or a drafter name
-    drafter: Drafter | None
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[tuple[str, Any]]  # ("delta", Delta) | ("done", GenerationResult) | ("error", APIError)
     arrived: float = field(default_factory=time.perf_counter)
@@ -61,8 +59,6 @@ class Job:
     seq_id: int | None = None
     cancelled: bool = False
     pool: str = ""  # whose earlier requests it may draw on (`Service.pool`)
-    prediction: list[int] | None = None  # the client's predicted output, tokenized
-    logprobs: int | None = None  # alternatives per token's logprob (None: no logprobs)
     tools: frozenset[str] | None = None  # the functions offered, where the output is parsed for calls
     start: str = ""  # text the assistant's turn was started with (a forced tool call's opening)
     most_calls: int | None = None  # 1 where the request asked for no parallel tool calls
@@ -215,15 +211,7 @@ class Worker:
             if job.cancelled:
                 continue
             try:
-                job.seq_id = self.engine.add(
-                    job.prompt_ids,
-                    job.config,
-                    job.sampling,
-                    job.drafter,
-                    pool=job.pool,
-                    prediction=job.prediction,
-                    logprobs=job.logprobs,
-                )
+                job.seq_id = submit_request(self.engine, job.req, job.pool)
             except (ValueError, TypeError) as exc:  # (checked in the handler already; kept as a safety net)
                 job.post("error", APIError(400, str(exc)))
                 continue
@@ -242,7 +230,7 @@ class Worker:
             rows
             if (rows := self.engine.draft_rows(j.seq_id)) is not None
             # type: ignore[arg-type]
-            else min(j.config.k, DEFAULT_K)
+            else min(j.req.config.k, DEFAULT_K)
             for j in drafting
         ) / len(live)
         return batch_drafting_pays(self.costs, len(live), k, self.metrics.acceptance())
