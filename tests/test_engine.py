@@ -385,8 +385,8 @@ def test_wrong_sampled_tree_rule_fails_end_to_end(small_vocab, exact_joint, samp
 
 
 @pytest.mark.parametrize("dtype", EXACT_MODES)
-def test_a_prompt_read_in_chunks_gives_what_one_pass_gives(tiny, monkeypatch, dtype):
-    """A prompt longer than PREFILL_CHUNK is read over several steps, each reporting its
+def test_a_prompt_read_in_chunks_gives_what_one_pass_gives(tiny, dtype):
+    """A prompt longer than the engine's prefill chunk is read over several steps, each reporting its
     progress (a delta without tokens); every output, greedy and sampled, speculative and plain,
     beside sequences with the same prompt (which share its chunks), is bitwise what one pass
     gives."""
@@ -396,10 +396,10 @@ def test_a_prompt_read_in_chunks_gives_what_one_pass_gives(tiny, monkeypatch, dt
     prompt = list(range(3, 60)) * 2  # 114 tokens
     cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True, k=3, adaptive_k=False)
 
-    def runs() -> list[list[int]]:
+    def runs(chunk: int = eng.PREFILL_CHUNK) -> list[list[int]]:
         out, progress = [], []
         for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=5)):
-            e = eng.Engine(target.model, target.tokenizer)
+            e = eng.Engine(target.model, target.tokenizer, prefill_chunk=chunk)
             ids = [
                 e.add(prompt, cfg, sampling, None),
                 e.add(prompt, cfg, sampling, DraftModelDrafter(draft.model)),
@@ -412,10 +412,11 @@ def test_a_prompt_read_in_chunks_gives_what_one_pass_gives(tiny, monkeypatch, dt
 
     whole, none = runs()
     assert none == [] and whole[0] == whole[1] == whole[2] and whole[3] == whole[5]  # (sampled: the law, not the draws)
-    monkeypatch.setattr(eng, "PREFILL_CHUNK", 25)
-    chunked, progress = runs()
+    chunked, progress = runs(25)
     assert chunked == whole
     assert progress == [25, 50, 75, 100] * 2  # then the first token, at 114
+    with pytest.raises(ValueError, match="prefill_chunk is the most prompt rows"):
+        eng.Engine(target.model, prefill_chunk=0)
 
 
 def test_wrong_chunks_fail_the_same_check(tiny, monkeypatch):
@@ -427,7 +428,6 @@ def test_wrong_chunks_fail_the_same_check(tiny, monkeypatch):
     prompt = list(range(3, 60)) * 2
     cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     whole = eng.run(target.model, prompt, cfg, SamplingParams(), tokenizer=target.tokenizer).token_ids
-    monkeypatch.setattr(eng, "PREFILL_CHUNK", 25)
     real = eng.Engine._segment
 
     def skipping(self, s, draft):
@@ -438,7 +438,8 @@ def test_wrong_chunks_fail_the_same_check(tiny, monkeypatch):
         return seg
 
     monkeypatch.setattr(eng.Engine, "_segment", skipping)
-    assert eng.run(target.model, prompt, cfg, SamplingParams(), tokenizer=target.tokenizer).token_ids != whole
+    skipped = eng.run(target.model, prompt, cfg, SamplingParams(), tokenizer=target.tokenizer, prefill_chunk=25)
+    assert skipped.token_ids != whole
 
 
 def test_copying_part_of_a_prefix_needs_the_part_before_it(tiny):

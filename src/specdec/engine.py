@@ -265,8 +265,14 @@ class Engine:
         pass_tables: Callable[[Transformer, int], Costs] | None = None,
         pools: Pools | None = None,
         history: dict[str, Any] | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(
+                f"prefill_chunk is the most prompt rows a sequence reads per step; give >= 1 (got {prefill_chunk})"
+            )
         self.target = target
+        self.prefill_chunk = prefill_chunk  # the most prompt rows a sequence brings to one step
         # what earlier requests taught, per pool, handed to each sequence's drafter
         # (`memory.Memory`): the given pools, else the target's for the life of the process
         self.pools = pools if pools is not None else pools_of(target)
@@ -413,7 +419,7 @@ class Engine:
 
     def _plan_ks(self, seqs: list[_Sequence], drafting: bool) -> None:
         """This step's k for each sequence, priced at what its rows add to the batch's pass."""
-        load = {s.id: _load(s) for s in seqs}  # (rows, expected tokens) each brings to the pass
+        load = {s.id: _load(s, self.prefill_chunk) for s in seqs}  # (rows, expected tokens) each brings to the pass
         total = (sum(r for r, _ in load.values()), sum(t for _, t in load.values()))
         for s in seqs:
             # a seeded sampled request's k must not depend on what else is in the batch
@@ -501,7 +507,7 @@ class Engine:
         dev = self.target.device
         assert s.cache is not None
         if s.last is None:
-            chunk = s.prompt[s.prefilled : s.prefilled + PREFILL_CHUNK]
+            chunk = s.prompt[s.prefilled : s.prefilled + self.prefill_chunk]
             return Segment(torch.tensor(chunk, dtype=torch.long, device=dev), s.cache, last_only=True)
         last = torch.tensor([s.last], dtype=torch.long, device=dev)
         if draft is None or (draft.tokens.numel() == 0 and draft.extra is None):
@@ -642,13 +648,13 @@ class Engine:
         )
 
 
-def _load(s: _Sequence) -> tuple[float, float]:
+def _load(s: _Sequence, chunk: int) -> tuple[float, float]:
     """(rows, expected tokens) a sequence brings to a pass, as of late: a prompt chunk (no
     token until its last), or its last token and the draft rows it has sent lately, committing
     its measured tokens per pass."""
     if s.last is None:
         rest = len(s.prompt) - s.prefilled
-        return float(min(rest, PREFILL_CHUNK)), 1.0 if rest <= PREFILL_CHUNK else 0.0
+        return float(min(rest, chunk)), 1.0 if rest <= chunk else 0.0
     return 1.0 + (s.draft_rows or 0.0), s.metrics.mean_accepted_tokens or 1.0
 
 
@@ -695,9 +701,10 @@ def run(
     tokenizer: Tokenizer | None = None,
     rules: Rules | None = None,
     prediction: list[int] | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> GenerationResult:
     """One sequence, to the end: plain decoding without a drafter, speculative with one."""
-    engine = Engine(target, tokenizer, rules)
+    engine = Engine(target, tokenizer, rules, prefill_chunk=prefill_chunk)
     sid = engine.add(prompt_ids, cfg, sampling, drafter, prediction=prediction)
     while engine.has_work():
         engine.step()
