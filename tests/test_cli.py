@@ -377,15 +377,23 @@ def test_json_output_still_reports_the_early_exit_choice_on_stderr(tiny_dir, cap
     assert f"early exit after layer {info['layer']} of {info['n_layers']}" in err
 
 
-def test_auto_takes_the_installed_draft_of_its_target(monkeypatch, capsys):
+def test_auto_takes_the_installed_draft_of_its_target(monkeypatch, capsys, tmp_path):
     """`--drafter auto` without --draft drafts with the target's registered draft where it is
-    installed, and says so; --no-auto-draft, an explicit --draft or another drafter leave it."""
+    installed, and says so; --no-auto-draft, an explicit --draft or another drafter leave it.
+    (A cache of its own, where the draft's converted files stand and nothing else does.)"""
     import argparse
+    import shutil
 
     from specdec import registry, store
     from specdec.cli.common import auto_draft
+    from specdec.model.convert import BASE_WEIGHTS
 
-    monkeypatch.setattr(store, "is_installed", lambda name: name == registry.DEFAULT_DRAFT)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    converted = store.converted_dir(store.get_spec(registry.DEFAULT_DRAFT).sha256)
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    (converted / BASE_WEIGHTS).write_bytes(b"")
+    assert store.is_installed(registry.DEFAULT_DRAFT) and not store.is_installed(registry.DEFAULT_TARGET)
 
     def ns(**kw):
         return argparse.Namespace(**{"target": registry.DEFAULT_TARGET, "draft": None, "auto_draft": True, **kw})
@@ -402,7 +410,7 @@ def test_auto_takes_the_installed_draft_of_its_target(monkeypatch, capsys):
         before = kept.draft
         auto_draft(kept, method)
         assert kept.draft == before
-    monkeypatch.setattr(store, "is_installed", lambda name: False)
+    shutil.rmtree(converted)  # the draft not installed: nothing said, no draft
     missing = ns()
     auto_draft(missing, "auto")
     assert missing.draft is None and capsys.readouterr().err == ""

@@ -189,28 +189,26 @@ AVX512_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx51
         ({"avx2", "fma"}, None, None, "missing: f16c"),
     ],
 )
-def test_kernel_dispatch_from_cpu_flags(monkeypatch, flags, amx_problem, build, says):
+def test_kernel_dispatch_from_cpu_flags(flags, amx_problem, build, says):
     """One place picks the kernel build from what the CPU reports (AMX -> AVX-512 VNNI ->
-    AVX2), and says why."""
-    monkeypatch.setattr(native, "_cpu_flags", lambda: set(flags))
-    monkeypatch.setattr(native, "_amx_unusable", lambda: amx_problem)
+    AVX2), and says why (`native.decide`, which `dispatch` asks with this CPU's flags)."""
     if build is None:
         with pytest.raises(native.NativeUnavailableError, match=says):
-            native.dispatch()
+            native.decide(set(flags), "", lambda: amx_problem)
     else:
-        got, why = native.dispatch()
+        got, why = native.decide(set(flags), "", lambda: amx_problem)
         assert got == build and says in why
 
 
 def test_kernel_build_can_be_forced_for_a_before_after_comparison(monkeypatch):
-    monkeypatch.setattr(native, "_cpu_flags", lambda: set(AVX512_FLAGS))
-    monkeypatch.setenv("SPECDEC_KERNELS", "avx2")
-    assert native.dispatch() == (native.AVX2, "forced by SPECDEC_KERNELS=avx2.")
-    monkeypatch.setenv("SPECDEC_KERNELS", "avx512-amx")
+    flags = set(AVX512_FLAGS)
+    assert native.decide(flags, "avx2") == (native.AVX2, "forced by SPECDEC_KERNELS=avx2.")
     with pytest.raises(native.NativeUnavailableError, match="needs amx_int8, amx_tile"):
-        native.dispatch()
-    monkeypatch.setenv("SPECDEC_KERNELS", "sse4")
+        native.decide(flags, "avx512-amx")
     with pytest.raises(native.NativeUnavailableError, match="not a kernel build"):
+        native.decide(flags, "sse4")
+    monkeypatch.setenv("SPECDEC_KERNELS", "sse4")  # (what `dispatch` reads)
+    with pytest.raises(native.NativeUnavailableError, match="SPECDEC_KERNELS='sse4' is not a kernel build"):
         native.dispatch()
 
 

@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -77,14 +78,20 @@ _AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 
 
 def dispatch() -> tuple[str, str]:
-    """The kernel build for this CPU and why: the one place that decides, AMX -> AVX-512 VNNI
-    -> AVX2 from what the CPU reports (AMX only where the OS grants the tile state and the AMX
-    path passes its bitwise self-check against the AVX-512 path). Raises
-    NativeUnavailableError where none can run."""
-    flags = _cpu_flags()
-    forced = os.environ.get("SPECDEC_KERNELS", "").strip()
+    """The kernel build for this CPU and why (`decide`, on what this CPU reports and
+    SPECDEC_KERNELS)."""
+    return decide(_cpu_flags(), os.environ.get("SPECDEC_KERNELS", "").strip(), _amx_unusable)
+
+
+def decide(flags: set[str], forced: str = "", amx_unusable: Callable[[], str | None] | None = None) -> tuple[str, str]:
+    """The kernel build for a CPU with these flags, and why: the one place that decides, AMX ->
+    AVX-512 VNNI -> AVX2 (AMX only where `amx_unusable` finds nothing against it: the OS grants
+    the tile state and the AMX path passes its bitwise self-check against the AVX-512 path);
+    `forced`: a build named (SPECDEC_KERNELS), for a before/after comparison on one machine.
+    Raises NativeUnavailableError where none can run."""
+    amx_unusable = amx_unusable or _amx_unusable
     if forced:  # a before/after comparison on one machine (e.g. AVX-512 on an AMX CPU)
-        return _forced(forced, flags)
+        return _forced(forced, flags, amx_unusable)
     missing = {"avx2", "fma", "f16c"} - flags
     if missing:
         raise NativeUnavailableError(
@@ -95,14 +102,14 @@ def dispatch() -> tuple[str, str]:
         lacking = ", ".join(sorted(_AVX512_NEEDS - flags))
         return AVX2, f"the CPU has AVX2/FMA/F16C but not {lacking}."
     if {"amx_tile", "amx_int8"} <= flags:
-        why_not = _amx_unusable()
+        why_not = amx_unusable()
         if why_not is None:
             return AMX, "the CPU has AMX (amx_tile, amx_int8) and AVX512-VNNI; the AMX path passed its self-check."
         return AVX512, f"the CPU has AVX512-F/BW/VL/VNNI and AMX, but AMX is not used: {why_not}."
     return AVX512, "the CPU has AVX512-F/BW/VL and AVX512-VNNI (no AMX)."
 
 
-def _forced(name: str, flags: set[str]) -> tuple[str, str]:
+def _forced(name: str, flags: set[str], amx_unusable: Callable[[], str | None]) -> tuple[str, str]:
     """The build SPECDEC_KERNELS names, where this CPU can run it."""
     needs = {
         AVX2: {"avx2", "fma", "f16c"},
@@ -114,8 +121,8 @@ def _forced(name: str, flags: set[str]) -> tuple[str, str]:
     lacking = needs[name] - flags
     if lacking:
         raise NativeUnavailableError(f"SPECDEC_KERNELS={name} needs {', '.join(sorted(lacking))}, which this CPU lacks")
-    if name == AMX and _amx_unusable() is not None:
-        raise NativeUnavailableError(f"SPECDEC_KERNELS={name}: {_amx_unusable()}")
+    if name == AMX and (why_not := amx_unusable()) is not None:
+        raise NativeUnavailableError(f"SPECDEC_KERNELS={name}: {why_not}")
     return name, f"forced by SPECDEC_KERNELS={name}."
 
 
