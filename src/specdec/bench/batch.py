@@ -152,7 +152,7 @@ def run_batch(settings: BatchSettings, progress: Callable[[str], None] | None = 
     greedy = SamplingParams(temperature=0.0, seed=0)
     # warm-up: first-call costs, each method's own (a drafter's first build reads the draft's
     # vocabulary and tokenizer once per process), in memory no timed run shares
-    for m in (PLAIN, *settings.methods):
+    for m in dict.fromkeys((PLAIN, *settings.methods)):
         _timed(target, [ids[0][:8]], replace(cfg, max_new_tokens=8), greedy, m, draft, pool_of("warm-up", 0))
     for rep in range(settings.repeats):
         for b in settings.batches:
