@@ -566,7 +566,7 @@ class Engine:
                         pool=s.drafter_pool,
                         memory=self.pools.of(s.drafter_pool),
                         pricing=s.pricing,
-                        **({"chooser": s.chooser} if s.chooser is not None else {}),
+                        chooser=s.chooser,
                     )
                 )
             s.metrics.prefill_time += t[0]

@@ -138,12 +138,14 @@ class DraftSession:
     memory: Memory = field(default_factory=Memory)
     # what picks each step's offer, made with a margin over plain decoding (`adaptive.Chooser`,
     # or a subclass: a rule of one's own, a test's random switching): auto's over its members,
-    # the schedule's over one drafter
-    chooser: Callable[[float], Chooser] = Chooser
+    # the schedule's over one drafter; None: `adaptive.Chooser`
+    chooser: Callable[[float], Chooser] | None = None
 
     def __post_init__(self) -> None:
         if self.pricing is None:
             self.pricing = Pricing.of(self.target, self.sampling)
+        if self.chooser is None:
+            self.chooser = Chooser
 
 
 @dataclass

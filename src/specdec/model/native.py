@@ -80,7 +80,7 @@ _AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 def dispatch() -> tuple[str, str]:
     """The kernel build for this CPU and why (`decide`, on what this CPU reports and
     SPECDEC_KERNELS)."""
-    return decide(_cpu_flags(), os.environ.get("SPECDEC_KERNELS", "").strip(), _amx_unusable)
+    return decide(_cpu_flags(), os.environ.get("SPECDEC_KERNELS", "").strip())
 
 
 def decide(flags: set[str], forced: str = "", amx_unusable: Callable[[], str | None] | None = None) -> tuple[str, str]:
